@@ -1,0 +1,215 @@
+"""Frontend benchmark: streamed chat, 64 output tokens, echo_core with no delay.
+
+For concurrency 1/8/32/128, with a new connection per request and with keep-alive, it reports
+requests/s, TTFT and ITL p50/p99 as the client sees them, and the server process's CPU-ms per
+request (from /proc). The same load runs against a bare ASGI floor server (floor_server.py)
+in the same run, and the frontend's CPU is given as a ratio to that floor.
+
+    python benchmarks/bench_frontend.py --model .cache/tiny-model
+Results: benchmarks/results/frontend.json. Target (notes/PERF.md): Dynamo's Rust frontend
+spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import percentile, run_load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TICKS = os.sysconf("SC_CLK_TCK")
+# About 70 prompt tokens with the template, so echo_core can return 64 of them.
+PROMPT = (
+    "Benchmark the frontend: the quick brown fox jumps over the lazy dog while the "
+    "serving system streams every token back as a separate server-sent event to the client."
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(argv: list[str], port: int) -> subprocess.Popen:
+    env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", "DYN_LOG": "warn"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={}, timeout=1)
+            return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {argv}")
+
+
+def measure(
+    pid: int, port: int, body: dict, *, concurrency: int, requests: int, keep_alive: bool, max_seconds: float
+) -> dict:
+    # Warm-up (connections, caches), not counted.
+    asyncio.run(
+        run_load(
+            "127.0.0.1",
+            port,
+            "/v1/chat/completions",
+            body,
+            concurrency=concurrency,
+            requests=min(requests, 4 * concurrency),
+            keep_alive=keep_alive,
+            max_seconds=10,
+        )
+    )
+    cpu0 = cpu_seconds(pid)
+    results, wall = asyncio.run(
+        run_load(
+            "127.0.0.1",
+            port,
+            "/v1/chat/completions",
+            body,
+            concurrency=concurrency,
+            requests=requests,
+            keep_alive=keep_alive,
+            max_seconds=max_seconds,
+        )
+    )
+    cpu = cpu_seconds(pid) - cpu0
+    ok = [r for r in results if r.ok]
+    gaps = [g for r in ok for g in r.gaps]
+    return {
+        "concurrency": concurrency,
+        "keep_alive": keep_alive,
+        "requests": len(results),
+        "ok": len(ok),
+        "events_per_request": round(sum(r.events for r in ok) / max(len(ok), 1), 1),
+        "rps": round(len(ok) / wall, 1),
+        "ttft_p50_ms": round(percentile([r.ttft for r in ok], 50) * 1000, 2),
+        "ttft_p99_ms": round(percentile([r.ttft for r in ok], 99) * 1000, 2),
+        "itl_p50_ms": round(percentile(gaps, 50) * 1000, 3),
+        "itl_p99_ms": round(percentile(gaps, 99) * 1000, 3),
+        "server_cpu_ms_per_request": round(cpu * 1000 / max(len(ok), 1), 3),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="model folder for echo_core (the tiny model)")
+    parser.add_argument("--concurrency", default="1,8,32,128")
+    parser.add_argument("--requests", type=int, default=1500, help="requests per point (c=1 uses a third)")
+    parser.add_argument("--max-seconds", type=float, default=30.0, help="time cap per point")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontend.json"))
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 64,
+        "stream": True,
+        "nvext": {"ignore_eos": True},
+    }
+
+    servers = {
+        "dyngraph": lambda port: [
+            sys.executable,
+            "-m",
+            "dynamo_graph",
+            "run",
+            "in=http",
+            "out=echo_core",
+            args.model,
+            "--model-name",
+            "bench",
+            "--http-port",
+            str(port),
+        ],
+        "floor_bare_asgi": lambda port: [
+            sys.executable,
+            str(ROOT / "benchmarks" / "floor_server.py"),
+            str(port),
+        ],
+    }
+    rows = []
+    for name, argv in servers.items():
+        port = free_port()
+        proc = start(argv(port), port)
+        try:
+            for keep_alive in (False, True):
+                for c in levels:
+                    n = args.requests // 3 if c == 1 else args.requests
+                    row = {
+                        "server": name,
+                        **measure(
+                            proc.pid,
+                            port,
+                            body,
+                            concurrency=c,
+                            requests=n,
+                            keep_alive=keep_alive,
+                            max_seconds=args.max_seconds,
+                        ),
+                    }
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+    ratios = []
+    for row in rows:
+        if row["server"] != "dyngraph":
+            continue
+        floor = next(
+            r
+            for r in rows
+            if r["server"] == "floor_bare_asgi"
+            and r["concurrency"] == row["concurrency"]
+            and r["keep_alive"] == row["keep_alive"]
+        )
+        ratios.append(
+            {
+                "concurrency": row["concurrency"],
+                "keep_alive": row["keep_alive"],
+                "cpu_ratio_to_floor": round(
+                    row["server_cpu_ms_per_request"] / max(floor["server_cpu_ms_per_request"], 1e-9), 2
+                ),
+            }
+        )
+    result = {
+        "benchmark": "frontend_streaming_chat_echo_core",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "workload": {"output_tokens": 64, "engine": "echo_core", "DYN_TOKEN_ECHO_DELAY_MS": 0},
+        "target": "Dynamo 1.6.1 Rust frontend: 1.1-1.3 server CPU-ms per request at c=32",
+        "rows": rows,
+        "ratios_to_floor": ratios,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

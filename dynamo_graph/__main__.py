@@ -1,0 +1,3 @@
+from dynamo_graph.cli.main import main
+
+main()

@@ -1,0 +1,181 @@
+"""The `dyngraph` command line (and `dynamo-run`, an alias of `dyngraph run`).
+
+Thin on purpose: parse, call into the package, print. `run` takes dynamo-run's words
+(`in=...`, `out=...`, a bare MODEL) and flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from dynamo_graph import __version__
+
+app = typer.Typer(
+    name="dyngraph",
+    help="Declarative LLM serving graphs; `dyngraph run` speaks dynamo-run's command line.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+err = Console(stderr=True)
+
+_BOOL_WORDS = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _explicit_flags(ctx: typer.Context) -> set[str]:
+    sources = {name: ctx.get_parameter_source(name) for name in ctx.params}
+    return {name for name, source in sources.items() if source is not None and source.name == "COMMANDLINE"}
+
+
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": True},
+    help="Run a model in one process: dyngraph run in=http|text|stdin|batch:FILE|none out=ENGINE [MODEL].",
+)
+def run_command(
+    ctx: typer.Context,
+    words: Annotated[
+        list[str] | None, typer.Argument(help="in=INPUT, out=ENGINE and/or MODEL", show_default=False)
+    ] = None,
+    model_path: Annotated[
+        str | None, typer.Option("--model-path", help="HF folder, GGUF file or org/name")
+    ] = None,
+    model_name: Annotated[
+        str | None, typer.Option("--model-name", help="name the model is served under")
+    ] = None,
+    model_config: Annotated[
+        str | None, typer.Option("--model-config", help="HF folder with tokenizer files (for a GGUF)")
+    ] = None,
+    http_host: Annotated[
+        str, typer.Option("--http-host", help="address the HTTP server binds")
+    ] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option("--http-port")] = 8080,
+    context_length: Annotated[
+        int | None, typer.Option("--context-length", help="override the model's context length")
+    ] = None,
+    kv_cache_block_size: Annotated[int | None, typer.Option("--kv-cache-block-size")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size")] = 1,
+    num_nodes: Annotated[int, typer.Option("--num-nodes")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank")] = 0,
+    leader_addr: Annotated[str | None, typer.Option("--leader-addr", help="HOST:PORT of node rank 0")] = None,
+    base_gpu_id: Annotated[int, typer.Option("--base-gpu-id")] = 0,
+    extra_engine_args: Annotated[
+        Path | None, typer.Option("--extra-engine-args", help="JSON file of engine arguments")
+    ] = None,
+    router_mode: Annotated[
+        str, typer.Option("--router-mode", help="random | round-robin | kv")
+    ] = "round-robin",
+    kv_overlap_score_weight: Annotated[float, typer.Option("--kv-overlap-score-weight")] = 1.0,
+    router_temperature: Annotated[float, typer.Option("--router-temperature")] = 0.0,
+    use_kv_events: Annotated[str, typer.Option("--use-kv-events", help="true | false")] = "true",
+    migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
+    static_worker: Annotated[bool, typer.Option("--static-worker")] = False,
+    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
+) -> None:
+    from dynamo_graph.engines import UnknownEngineError
+    from dynamo_graph.inputs.config import RunConfig, RunConfigError, parse_input, validate
+    from dynamo_graph.inputs.launch import run
+    from dynamo_graph.llm.model_source import ModelResolutionError
+    from dynamo_graph.log import LogSpecError, setup_logging
+
+    try:
+        setup_logging(verbose)
+    except LogSpecError as e:
+        raise _fail(str(e)) from None
+    if use_kv_events.lower() not in _BOOL_WORDS:
+        raise _fail(f"--use-kv-events takes true or false, not {use_kv_events!r}")
+    cfg = RunConfig(
+        model_path=model_path,
+        model_name=model_name,
+        model_config=model_config,
+        http_host=http_host,
+        http_port=http_port,
+        context_length=context_length,
+        kv_cache_block_size=kv_cache_block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        leader_addr=leader_addr,
+        base_gpu_id=base_gpu_id,
+        extra_engine_args=extra_engine_args,
+        router_mode=router_mode,
+        kv_overlap_score_weight=kv_overlap_score_weight,
+        router_temperature=router_temperature,
+        use_kv_events=_BOOL_WORDS[use_kv_events.lower()],
+        migration_limit=migration_limit,
+        static_worker=static_worker,
+        verbosity=verbose,
+        explicit=_explicit_flags(ctx),
+    )
+    input_given = False
+    try:
+        for word in words or []:
+            key, sep, value = word.partition("=")
+            if sep and key == "in":
+                cfg.input, cfg.input_arg = parse_input(value)
+                input_given = True
+            elif sep and key == "out":
+                cfg.output = value
+            elif cfg.model_path is None and not sep:
+                cfg.model_path = word
+            else:
+                raise RunConfigError(f"unexpected argument {word!r} (expected in=..., out=... and one MODEL)")
+        if cfg.input == "text" and not sys.stdin.isatty():
+            # dynamo-run: a piped prompt is answered once, then the process exits.
+            cfg.input = "stdin"
+        if not input_given and not cfg.output and not cfg.model_path:
+            raise RunConfigError("nothing to run: give a MODEL, out=ENGINE, or both (see --help)")
+        validate(cfg)
+        code = run(cfg)
+    except (RunConfigError, UnknownEngineError, ModelResolutionError) as e:
+        raise _fail(str(e)) from None
+    except KeyboardInterrupt:
+        code = 130
+    raise typer.Exit(code)
+
+
+@dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")
+def tiny_model_command(
+    out_dir: Annotated[Path, typer.Argument(help="folder to write")],
+    allow_eos: Annotated[bool, typer.Option("--allow-eos", help="let greedy decoding emit eos")] = False,
+    context_length: Annotated[int, typer.Option("--context-length")] = 512,
+) -> None:
+    from dynamo_graph.dev.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out_dir, allow_eos=allow_eos, context_length=context_length)
+    err.print(f"tiny model written to {path}")
+
+
+@app.command("version", help="Print the version.")
+def version_command() -> None:
+    print(__version__)
+
+
+def main() -> None:
+    app()
+
+
+def dynamo_run_main() -> None:
+    """`dynamo-run ...` is `dyngraph run ...`."""
+    app(args=["run", *sys.argv[1:]], prog_name="dynamo-run")

@@ -1,0 +1,80 @@
+"""Engines by their `out=` name. Each is imported lazily so heavy optional packages load only
+when that engine is chosen."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from dynamo_graph.backend.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    target: str  # "module:factory", the factory takes the run configuration
+    needs_model: bool
+    description: str
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            "echo_core",
+            "dynamo_graph.engines.echo:EchoCoreEngine",
+            True,
+            "streams the pre-processed prompt's token ids back (shows the chat template)",
+        ),
+        EngineSpec(
+            "echo_full",
+            "dynamo_graph.engines.echo:EchoFullEngine",
+            False,
+            "streams the un-processed prompt text back",
+        ),
+    )
+}
+
+# Named by dynamo-run and planned here; not built yet, so choosing one says so plainly.
+PLANNED_ENGINES = ("mocker", "llamacpp", "mistralrs", "vllm", "sglang", "trtllm")
+# dynamo-run's choice when `out=` is not given, first installed wins.
+DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
+
+
+class UnknownEngineError(ValueError):
+    pass
+
+
+def engine_names() -> list[str]:
+    return sorted(ENGINES)
+
+
+def get_engine_spec(name: str) -> EngineSpec:
+    spec = ENGINES.get(name)
+    if spec is not None:
+        return spec
+    available = ", ".join(engine_names())
+    if name in PLANNED_ENGINES:
+        raise UnknownEngineError(
+            f"engine {name!r} is not available in this version of dyngraph yet; "
+            f"available engines: {available}"
+        )
+    raise UnknownEngineError(
+        f"unknown engine {name!r}; available engines: {available} (or a dyn://namespace.component.endpoint)"
+    )
+
+
+def create_engine(name: str) -> LLMEngine:
+    module_name, _, attr = get_engine_spec(name).target.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory()
+
+
+def default_engine() -> str:
+    for name in DEFAULT_ENGINE_ORDER:
+        if name in ENGINES:
+            return name
+    raise UnknownEngineError(
+        "no inference engine is installed for `dyngraph run MODEL` (tried, in order: "
+        f"{', '.join(DEFAULT_ENGINE_ORDER)}); choose one with out=ENGINE, e.g. out=echo_core"
+    )

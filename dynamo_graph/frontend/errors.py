@@ -1,0 +1,78 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Everything a client can get wrong maps to a 4xx here with the offending field named; only
+our own failures are 5xx.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from dynamo_graph.backend.errors import EngineError
+
+_STATUS_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    415: "UnsupportedMediaType",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class HTTPError(Exception):
+    """An error answered to the client with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def from_engine_error(cls, err: EngineError) -> HTTPError:
+        return cls(err.http_status, err.message, param=err.param, code=err.code)
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    error = {
+        "message": message,
+        "type": _STATUS_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
+        "param": param,
+        "code": code if code is not None else status,
+    }
+    return msgspec.json.encode({"error": error})
+
+
+# msgspec's messages end with " - at `$.field[0].sub`"; the path becomes the OpenAI `param`.
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING_RE = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def from_decode_error(err: msgspec.DecodeError | msgspec.ValidationError) -> HTTPError:
+    """Turn msgspec's decode/validation error into a 400 that names the field."""
+    text = str(err)
+    if isinstance(err, msgspec.ValidationError):
+        match = _PATH_RE.search(text)
+        path = match.group("path").lstrip(".") if match else ""
+        if match:
+            text = text[: match.start()]
+        missing = _MISSING_RE.match(text)
+        if missing:
+            field = missing.group("field")
+            param = f"{path}.{field}" if path else field
+        else:
+            param = path or None
+            if param:
+                text = f"{text} for field `{param}`"
+        return HTTPError(400, f"Invalid request: {text}", param=param, code="invalid_request")
+    return HTTPError(400, f"Malformed JSON body: {text}", code="invalid_json")

@@ -1,0 +1,106 @@
+"""Frontend metrics in Prometheus format, named as Dynamo names them (`dynamo_frontend_*`).
+
+The frontend observes inter-token latency once per streamed token, so the histogram here is a
+plain bucket array updated without locks (the event loop is single-threaded) and exported
+through a custom collector; prometheus_client's own Histogram costs several microseconds per
+observation, a visible share of the per-request CPU budget (notes/PERF.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "dynamo_frontend"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class Histogram:
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
+
+
+class ModelMetrics:
+    """Everything counted for one served model."""
+
+    __slots__ = ("cached_tokens", "duration", "inflight", "isl", "itl", "osl", "requests", "ttft")
+
+    def __init__(self) -> None:
+        # (endpoint, request_type, status) -> count
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.inflight = 0
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+        self.duration = Histogram(LATENCY_BUCKETS)
+        self.isl = Histogram(TOKEN_BUCKETS)
+        self.osl = Histogram(TOKEN_BUCKETS)
+        self.cached_tokens = Histogram(TOKEN_BUCKETS)
+
+    def count_request(self, endpoint: str, request_type: str, status: str) -> None:
+        key = (endpoint, request_type, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+class FrontendMetrics(Collector):
+    def __init__(self) -> None:
+        self.models: dict[str, ModelMetrics] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def model(self, name: str) -> ModelMetrics:
+        metrics = self.models.get(name)
+        if metrics is None:
+            metrics = self.models[name] = ModelMetrics()
+        return metrics
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests", "Requests handled", labels=["model", "endpoint", "request_type", "status"]
+        )
+        inflight = GaugeMetricFamily(f"{PREFIX}_inflight_requests", "Requests in flight", labels=["model"])
+        histograms = {
+            "ttft": (f"{PREFIX}_time_to_first_token_seconds", "Time to first token"),
+            "itl": (f"{PREFIX}_inter_token_latency_seconds", "Time between streamed tokens"),
+            "duration": (f"{PREFIX}_request_duration_seconds", "Request duration"),
+            "isl": (f"{PREFIX}_input_sequence_tokens", "Prompt length in tokens"),
+            "osl": (f"{PREFIX}_output_sequence_tokens", "Completion length in tokens"),
+            "cached_tokens": (f"{PREFIX}_cached_tokens", "Prompt tokens served from a prefix cache"),
+        }
+        families = {
+            key: HistogramMetricFamily(name, doc, labels=["model"]) for key, (name, doc) in histograms.items()
+        }
+        for model, m in self.models.items():
+            for (endpoint, request_type, status), n in m.requests.items():
+                requests.add_metric([model, endpoint, request_type, status], n)
+            inflight.add_metric([model], m.inflight)
+            for key, family in families.items():
+                hist: Histogram = getattr(m, key)
+                family.add_metric([model], hist.buckets(), hist.sum)
+        yield requests
+        yield inflight
+        yield from families.values()

@@ -1,0 +1,270 @@
+"""POST /v1/chat/completions and /v1/completions as plain ASGI handlers (the hot path).
+
+They sit beside the FastAPI app rather than inside it: FastAPI's request and streaming layers
+cost about as much CPU as everything else a streamed request needs (notes/PERF.md). Request
+bodies decode straight into msgspec Structs whose errors name the field; the response status
+is only sent once the first delta (or error) is known, so failures before the first token are
+still proper 4xx/5xx answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
+from dynamo_graph.frontend.models import ModelRegistry
+from dynamo_graph.frontend.responses import DONE, ChunkWriter, error_event, full_response
+from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
+from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
+from dynamo_graph.runtime.context import Context
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+DEFAULT_BODY_LIMIT = 32 * 1024 * 1024
+
+_DECODERS = {
+    "chat": msgspec.json.Decoder(ChatCompletionRequest),
+    "completions": msgspec.json.Decoder(CompletionRequest),
+}
+
+
+async def send_json(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(
+                413, f"Request body is larger than the limit of {limit} bytes", code="body_too_large"
+            )
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+# curl's `-d` sends form-urlencoded by default; its body is still JSON, so accept it.
+_JSON_MEDIA = (b"", b"application/json", b"application/x-www-form-urlencoded")
+
+
+def _check_content_type(scope: Scope) -> None:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            if media not in _JSON_MEDIA and not media.endswith(b"+json"):
+                raise HTTPError(
+                    415,
+                    f"Unsupported content type {media.decode(errors='replace')!r}; send application/json",
+                    code="unsupported_media_type",
+                )
+
+
+async def _watch_disconnect(receive: Receive, context: Context) -> None:
+    """Cancel the request's generation when the client goes away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            context.stop_generating()
+            return
+
+
+def _as_http_error(err: Exception) -> HTTPError:
+    if isinstance(err, HTTPError):
+        return err
+    if isinstance(err, EngineError):
+        return HTTPError.from_engine_error(err)
+    log.exception("request failed", exc_info=err)
+    return HTTPError(500, f"Internal error: {err}", code="internal")
+
+
+class OpenAIHandler:
+    """Serves one OpenAI endpoint kind ("chat" or "completions") for every registered model."""
+
+    def __init__(self, kind: str, models: ModelRegistry, metrics: FrontendMetrics, body_limit: int) -> None:
+        self.kind = kind
+        self.endpoint = "chat_completions" if kind == "chat" else "completions"
+        self.models = models
+        self.metrics = metrics
+        self.body_limit = body_limit
+        self.decoder = _DECODERS[kind]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_json(send, 405, HTTPError(405, "Use POST for this endpoint").body())
+            return
+        try:
+            _check_content_type(scope)
+            body = await read_body(receive, self.body_limit)
+            try:
+                request = self.decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                raise from_decode_error(err) from None
+            pipeline = self.models.get(request.model)
+            if pipeline is None:
+                raise HTTPError(
+                    404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found"
+                )
+            prepared = self._prepare(pipeline, request)
+        except HTTPError as err:
+            await send_json(send, err.status, err.body())
+            return
+        except ConnectionResetError:
+            return
+        await self._serve(pipeline, prepared, request, receive, send)
+
+    @staticmethod
+    def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
+        try:
+            return pipeline.prepare(request)
+        except EngineError as err:
+            raise HTTPError.from_engine_error(err) from None
+        except ValueError as err:  # the preprocessor's and chat template's input errors
+            raise HTTPError(
+                400, str(err), param=getattr(err, "param", None), code="invalid_request"
+            ) from None
+
+    async def _serve(
+        self, pipeline: ModelPipeline, prepared: Prepared, request: AnyRequest, receive: Receive, send: Send
+    ) -> None:
+        metrics = self.metrics.model(pipeline.name)
+        context = Context()
+        watcher = asyncio.create_task(_watch_disconnect(receive, context))
+        metrics.inflight += 1
+        start = time.perf_counter()
+        request_type = "stream" if request.stream else "unary"
+        status = "error"
+        try:
+            if request.stream:
+                ok = await self._stream(pipeline, prepared, request, context, send, metrics, start)
+            else:
+                ok = await self._unary(pipeline, prepared, context, send, metrics, start)
+            status = "success" if ok else ("cancelled" if context.is_stopped() else "error")
+        finally:
+            metrics.inflight -= 1
+            watcher.cancel()
+            metrics.count_request(self.endpoint, request_type, status)
+            metrics.duration.observe(time.perf_counter() - start)
+            metrics.isl.observe(prepared.prompt_tokens)
+            metrics.osl.observe(prepared.completion_tokens)
+            if prepared.cached_tokens is not None:
+                metrics.cached_tokens.observe(prepared.cached_tokens)
+
+    async def _stream(
+        self,
+        pipeline: ModelPipeline,
+        prepared: Prepared,
+        request: AnyRequest,
+        context: Context,
+        send: Send,
+        metrics: ModelMetrics,
+        start: float,
+    ) -> bool:
+        writer = ChunkWriter(request.model, chat=self.kind == "chat")
+        started = False
+        first_content = True
+        last = start
+        itl = metrics.itl
+        try:
+            async for delta in pipeline.stream(prepared, context):
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                    started = True
+                if delta.text:
+                    now = time.perf_counter()
+                    if first_content:
+                        metrics.ttft.observe(now - start)
+                    else:
+                        itl.observe(now - last)
+                    last = now
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": writer.content(delta.text, first_content),
+                            "more_body": True,
+                        }
+                    )
+                    first_content = False
+                if delta.finish_reason is not None:
+                    tail = writer.finish(delta.finish_reason)
+                    opts = request.stream_options
+                    if opts is not None and opts.include_usage:
+                        tail += writer.usage(prepared)
+                    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+                    return True
+        except Exception as err:  # noqa: BLE001 - every failure becomes an answer to the client
+            http_err = _as_http_error(err)
+            if not started:
+                await send_json(send, http_err.status, http_err.body())
+            else:
+                with contextlib.suppress(Exception):
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": error_event(http_err.body()) + DONE,
+                            "more_body": False,
+                        }
+                    )
+            return False
+        # The stream ended without a finish reason: the client went away and we stopped.
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return False
+
+    async def _unary(
+        self,
+        pipeline: ModelPipeline,
+        prepared: Prepared,
+        context: Context,
+        send: Send,
+        metrics: ModelMetrics,
+        start: float,
+    ) -> bool:
+        parts: list[str] = []
+        finish: str | None = None
+        try:
+            async for delta in pipeline.stream(prepared, context):
+                if delta.text:
+                    if not parts:
+                        metrics.ttft.observe(time.perf_counter() - start)
+                    parts.append(delta.text)
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+        except Exception as err:  # noqa: BLE001
+            http_err = _as_http_error(err)
+            await send_json(send, http_err.status, http_err.body())
+            return False
+        if finish is None:  # cancelled by the client: nobody is listening
+            return False
+        body = full_response(
+            prepared.request.model, "".join(parts), finish, prepared, chat=self.kind == "chat"
+        )
+        await send_json(send, 200, body)
+        return True

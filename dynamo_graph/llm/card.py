@@ -1,0 +1,140 @@
+"""The model deployment card (MDC): what a worker publishes about the model it serves.
+
+A frontend builds its pre/post-processing from the card alone, so the card inlines the chat
+template and names the tokenizer/config files with checksums. Every worker of one model must
+publish the same `mdcsum()`; it covers content, never paths, because hosts lay files out
+differently. Fields follow Dynamo's `lib/llm/src/model_card.rs` (shared/notes/DYNAMO.md 4.5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import gguf
+import msgspec
+
+from dynamo_graph.llm.model_source import LocalModel
+
+ModelType = Literal["chat", "completions", "embedding", "prefill"]
+ModelInput = Literal["tokens", "text"]
+DEFAULT_MODEL_TYPE: list[ModelType] = ["chat", "completions"]
+_CHUNK = 1 << 20
+
+
+class CheckedFile(msgspec.Struct, frozen=True):
+    """A file the frontend may need, with a checksum of its bytes ("blake2b:<hex>")."""
+
+    path: str
+    checksum: str
+
+    @classmethod
+    def from_path(cls, path: Path) -> CheckedFile:
+        return cls(path=str(Path(path).absolute()), checksum=f"blake2b:{_blake2b_file(path)}")
+
+
+def _blake2b_file(path: Path, limit: int | None = None) -> str:
+    """blake2b of the file's bytes, or of its first `limit` bytes."""
+    h = hashlib.blake2b()
+    left = limit
+    with open(path, "rb") as f:
+        while left is None or left > 0:
+            chunk = f.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+    return h.hexdigest()
+
+
+def _gguf_checked_file(path: Path) -> CheckedFile:
+    """A GGUF's checksum covers its header (metadata, tokenizer, tensor index), not the weights:
+    hashing many GB at every worker start costs seconds, and the header already pins the model."""
+    header = gguf.GGUFReader(path).data_offset
+    return CheckedFile(
+        path=str(path.absolute()), checksum=f"blake2b-gguf-header:{_blake2b_file(path, header)}"
+    )
+
+
+def slugify(name: str) -> str:
+    """Dynamo's Slug::slugify: lowercase; anything but ASCII letters, digits, '-' and '_' -> '_'."""
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in name.lower())
+
+
+class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Dynamo's MDC. `files` keys: config, tokenizer, tokenizer_config, generation_config, gguf."""
+
+    display_name: str
+    slug: str
+    source_path: str
+    model_type: list[ModelType] = msgspec.field(default_factory=lambda: list(DEFAULT_MODEL_TYPE))
+    model_input: ModelInput = "tokens"
+    files: dict[str, CheckedFile] = msgspec.field(default_factory=dict)
+    chat_template: str | None = None
+    context_length: int | None = None
+    kv_cache_block_size: int = 16
+    migration_limit: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    user_data: dict[str, Any] | None = None
+    runtime_config: dict[str, Any] | None = None
+
+    @classmethod
+    def from_local_model(
+        cls,
+        model: LocalModel,
+        *,
+        model_input: ModelInput = "tokens",
+        model_type: list[ModelType] | None = None,
+        context_length: int | None = None,
+        kv_cache_block_size: int = 16,
+        migration_limit: int = 0,
+        user_data: dict[str, Any] | None = None,
+    ) -> ModelDeploymentCard:
+        """Build the card a worker publishes; `context_length` overrides the model's own
+        (dynamo-run's --context-length)."""
+        paths = {
+            "config": model.config_json,
+            "tokenizer": model.tokenizer_json,
+            "tokenizer_config": model.tokenizer_config_json,
+            "generation_config": model.generation_config_json,
+        }
+        files = {k: CheckedFile.from_path(p) for k, p in paths.items() if p is not None}
+        if model.gguf_path is not None:
+            files["gguf"] = _gguf_checked_file(model.gguf_path)
+        local = model.repo_id is None
+        return cls(
+            display_name=model.display_name,
+            slug=slugify(model.display_name),
+            source_path=str((model.gguf_path or model.root).absolute()) if local else model.source,
+            model_type=list(model_type or DEFAULT_MODEL_TYPE),
+            model_input=model_input,
+            files=files,
+            chat_template=model.chat_template,
+            context_length=context_length if context_length is not None else model.context_length,
+            kv_cache_block_size=kv_cache_block_size,
+            migration_limit=migration_limit,
+            bos_token_id=model.bos_token_id,
+            eos_token_ids=list(model.eos_token_ids),
+            user_data=user_data,
+        )
+
+    def mdcsum(self) -> str:
+        """blake2b over what must match across workers of one model; paths are left out."""
+        content = [
+            self.display_name,
+            sorted((name, f.checksum) for name, f in self.files.items()),
+            self.chat_template,
+            self.context_length,
+            self.kv_cache_block_size,
+        ]
+        return hashlib.blake2b(msgspec.json.encode(content)).hexdigest()
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ModelDeploymentCard:
+        return msgspec.json.decode(data, type=cls)

@@ -1,0 +1,123 @@
+"""OpenAI request types (chat and completions) as msgspec Structs, with field constraints.
+
+One definition for every input: the HTTP frontend decodes request bodies straight into these
+(msgspec names the offending field in its errors, which become OpenAI error bodies), and the
+text / batch inputs build them in code. Unknown fields are ignored, as OpenAI-compatible servers
+do; values out of range are rejected here so nothing downstream has to re-check them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class NvExt(msgspec.Struct, omit_defaults=True):
+    """Dynamo's request extensions (`nvext`)."""
+
+    ignore_eos: bool | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    greed_sampling: bool | None = None
+    annotations: list[str] | None = None
+
+
+class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Fields shared by chat and completions requests (OpenAI's plus vLLM/Dynamo extensions)."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: NonNegInt | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: int | None = None
+    min_p: Probability | None = None
+    n: PosInt | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: NonNegInt | None = None
+    skip_special_tokens: bool | None = None
+    nvext: NvExt | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: NonNegInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[Any]
+    echo: bool | None = None
+    best_of: PosInt | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+
+
+def stop_strings(request: AnyRequest) -> list[str]:
+    stop = request.stop
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def wants_ignore_eos(request: AnyRequest) -> bool:
+    if request.ignore_eos:
+        return True
+    return bool(request.nvext and request.nvext.ignore_eos)
+
+
+def requested_max_tokens(request: AnyRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens

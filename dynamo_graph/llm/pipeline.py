@@ -1,0 +1,147 @@
+"""One served model as the inputs see it: OpenAI request in, text deltas out.
+
+A pipeline is used in two steps so that bad input is answered before a response starts:
+`prepare()` validates and pre-processes synchronously (raising errors that become 4xx), then
+`stream()` runs the engine and yields deltas. `TokensPipeline` wraps a Tokens-input backend
+(pre/post-processing happen here, DESIGN.md "Data flow"); `TextPipeline` forwards the OpenAI
+request to an engine that does its own templating. The backend is anything with
+`generate(request, context)`: an engine in this process, or (later) a router over workers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.detokenizer import DetokenizerFactory
+from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
+from dynamo_graph.llm.postprocessor import Postprocessor
+from dynamo_graph.llm.preprocessor import Preprocessor
+from dynamo_graph.runtime.context import Context
+
+
+class Backend(Protocol):
+    def generate(self, request: Any, context: Context) -> AsyncIterator[LLMEngineOutput]: ...
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready to stream; usage is filled in as the stream runs."""
+
+    request: AnyRequest
+    preprocessed: PreprocessedRequest | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class ModelPipeline(abc.ABC):
+    def __init__(self, card: ModelDeploymentCard, backend: Backend) -> None:
+        self.card = card
+        self.backend = backend
+
+    @property
+    def name(self) -> str:
+        return self.card.display_name
+
+    @abc.abstractmethod
+    def prepare(self, request: AnyRequest) -> Prepared:
+        """Validate and pre-process; raises errors that the inputs report as bad requests."""
+
+    @abc.abstractmethod
+    def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+        """Run the request; the last delta carries the finish reason."""
+
+
+def _engine_failure(out: LLMEngineOutput) -> EngineError:
+    return EngineError(out.error or f"engine ended the stream with {out.finish_reason!r}")
+
+
+class TokensPipeline(ModelPipeline):
+    """Pre-processes to token ids, calls the backend, post-processes token ids to text."""
+
+    def __init__(
+        self,
+        card: ModelDeploymentCard,
+        backend: Backend,
+        preprocessor: Preprocessor,
+        detokenizers: DetokenizerFactory,
+    ) -> None:
+        super().__init__(card, backend)
+        self.preprocessor = preprocessor
+        self.detokenizers = detokenizers
+
+    def prepare(self, request: AnyRequest) -> Prepared:
+        if isinstance(request, ChatCompletionRequest):
+            pre = self.preprocessor.preprocess_chat(request)
+        else:
+            pre = self.preprocessor.preprocess_completion(request)
+        return Prepared(request=request, preprocessed=pre, prompt_tokens=len(pre.token_ids))
+
+    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+        pre = prepared.preprocessed
+        assert pre is not None
+        post = Postprocessor.for_request(self.detokenizers, pre)
+        outputs = self.backend.generate(pre, context)
+        try:
+            async for out in outputs:
+                if out.error is not None or out.finish_reason == "error":
+                    raise _engine_failure(out)
+                if out.cached_tokens is not None:
+                    prepared.cached_tokens = out.cached_tokens
+                text, finish = post.process(out)
+                prepared.completion_tokens = post.completion_tokens
+                if finish is not None:
+                    tail = post.finish()
+                    yield Delta(text + tail, finish)
+                    return
+                if text:
+                    yield Delta(text)
+            raise EngineError("engine stream ended before generation completed")
+        finally:
+            if not context.is_stopped():
+                # We stopped reading early (a stop condition, or our consumer went away).
+                context.stop_generating()
+            await outputs.aclose()  # type: ignore[attr-defined]
+
+
+class TextPipeline(ModelPipeline):
+    """For engines that take the OpenAI request and return text (echo_full, chat-type workers)."""
+
+    def prepare(self, request: AnyRequest) -> Prepared:
+        return Prepared(request=request, preprocessed=None)
+
+    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+        outputs = self.backend.generate(prepared.request, context)
+        try:
+            async for out in outputs:
+                if out.error is not None or out.finish_reason == "error":
+                    raise _engine_failure(out)
+                if out.text:
+                    prepared.completion_tokens += max(len(out.token_ids), 1)
+                if out.finish_reason is not None:
+                    usage = out.completion_usage
+                    if usage is not None:
+                        prepared.prompt_tokens = usage.prompt_tokens
+                        prepared.completion_tokens = usage.completion_tokens
+                        prepared.cached_tokens = usage.cached_tokens
+                    yield Delta(out.text or "", "stop" if out.finish_reason == "eos" else out.finish_reason)
+                    return
+                if out.text:
+                    yield Delta(out.text)
+            raise EngineError("engine stream ended before generation completed")
+        finally:
+            if not context.is_stopped():
+                context.stop_generating()
+            await outputs.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,174 @@
+"""Per-request postprocessing: engine chunks in, visible text deltas and a finish reason out.
+
+Enforces every stop condition of the request itself (engines are asked to honour them too, but
+the frontend's answer must not depend on it): hidden stop tokens (eos) and requested stop token
+ids, min_tokens, max_tokens, and stop strings, which can span chunks and multi-byte characters.
+
+Choices, following vLLM / OpenAI:
+- `completion_tokens` counts every token up to and including the one that ends generation (an
+  eos or stop token id is counted but not shown); tokens an engine sends past that are dropped.
+- min_tokens: a stop token at 1-based position <= min_tokens is an ordinary token (decoded and
+  shown like any other), and stop strings are looked for only in chunks that end past
+  min_tokens. ignore_eos disables the hidden (eos) ids only, not requested stop_token_ids.
+- A stop string and everything after it are dropped; text that could still become a stop
+  string is held back, and released once it cannot (or when the stream ends).
+- The engine's finish reasons map "eos"/"stop" -> "stop", "length" -> "length", and keep
+  "cancelled" and "error" distinct so the frontend can decide what to send.
+"""
+
+from __future__ import annotations
+
+from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
+from dynamo_graph.llm.detokenizer import DetokenizerFactory, IncrementalDetokenizer
+
+_ENGINE_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+
+class StopStringMatcher:
+    """Finds the first stop string in a stream of text pieces, scanning only new text plus the
+    held tail (never the whole output): per piece O(len(piece) + longest stop) per stop string."""
+
+    __slots__ = ("_stops", "held")
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        # Emitted-not-yet text: the longest tail that is a proper prefix of some stop string.
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to show, whether a stop string matched; if so nothing more may be shown)."""
+        buf = self.held + text if self.held else text
+        stops = self._stops
+        first = -1
+        for stop in stops:
+            at = buf.find(stop)
+            if at != -1 and (first == -1 or at < first):
+                first = at
+        if first != -1:
+            self.held = ""
+            return buf[:first], True
+        # A match spanning pieces must start in the held tail, so hold the longest suffix of buf
+        # that is a proper prefix of a stop string; earlier text can never be part of a match.
+        n = len(buf)
+        keep = 0
+        for stop in stops:
+            head = stop[0]
+            end = n - keep  # only starts before `end` would hold more than already held
+            pos = buf.find(head, max(n - len(stop) + 1, 0), end)
+            while pos != -1:
+                if stop.startswith(buf[pos:]):
+                    keep = n - pos
+                    break
+                pos = buf.find(head, pos + 1, end)
+        if keep:
+            self.held = buf[n - keep :]
+            return buf[: n - keep], False
+        self.held = ""
+        return buf, False
+
+    def release(self) -> str:
+        """The held tail, once no more text can complete a stop string."""
+        held, self.held = self.held, ""
+        return held
+
+
+class Postprocessor:
+    """One request's output stream: call `process` per engine chunk until `done`, then `finish`
+    if the stream ended without a finish reason."""
+
+    __slots__ = (
+        "_detok",
+        "_matcher",
+        "_max_tokens",
+        "_min_tokens",
+        "_stop_ids",
+        "completion_tokens",
+        "done",
+        "finish_reason",
+    )
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop_conditions: StopConditions) -> None:
+        sc = stop_conditions
+        stop_ids = set(sc.stop_token_ids or ())
+        if not sc.ignore_eos:
+            stop_ids.update(sc.stop_token_ids_hidden or ())
+        self._detok = detokenizer
+        self._stop_ids = frozenset(stop_ids)
+        self._max_tokens = sc.max_tokens
+        self._min_tokens = sc.min_tokens or 0
+        self._matcher = StopStringMatcher(sc.stop) if sc.stop else None
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        # True once a stop condition fired or the engine finished: stop consuming the engine.
+        self.done = False
+
+    @classmethod
+    def for_request(cls, factory: DetokenizerFactory, request: PreprocessedRequest) -> Postprocessor:
+        detok = factory.new(
+            skip_special_tokens=request.output_options.skip_special_tokens, prompt_ids=request.token_ids
+        )
+        return cls(detok, request.stop_conditions)
+
+    def process(self, out: LLMEngineOutput) -> tuple[str, str | None]:
+        """(newly visible text, finish reason or None) for one engine chunk."""
+        if self.done:
+            return "", None
+        ids = out.token_ids
+        finish: str | None = None
+        text = ""
+        if ids:
+            start = self.completion_tokens
+            max_tokens = self._max_tokens
+            if self._stop_ids.isdisjoint(ids):
+                count = start + len(ids)
+                if max_tokens is not None and count >= max_tokens:
+                    ids = ids[: max_tokens - start]
+                    count = max_tokens
+                    finish = "length"
+            else:
+                ids, count, finish = self._scan_stop_ids(ids, start)
+            self.completion_tokens = count
+            if ids:
+                text = self._detok.add(ids)
+        if finish is None and out.finish_reason is not None:
+            finish = _ENGINE_FINISH.get(out.finish_reason, out.finish_reason)
+        if finish is not None:
+            text += self._detok.flush()
+        matcher = self._matcher
+        if matcher is not None and self.completion_tokens > self._min_tokens:
+            text, matched = matcher.feed(text)
+            if matched:
+                finish = "stop"
+            elif finish is not None:
+                text += matcher.release()
+        if finish is not None:
+            self.done = True
+            self.finish_reason = finish
+        return text, finish
+
+    def _scan_stop_ids(self, ids: list[int], start: int) -> tuple[list[int], int, str | None]:
+        """Token by token, for chunks holding a stop id: (ids to show, token count, finish)."""
+        stop_ids, min_tokens, max_tokens = self._stop_ids, self._min_tokens, self._max_tokens
+        count = start
+        for i, token_id in enumerate(ids):
+            count += 1
+            if token_id in stop_ids and count > min_tokens:
+                return ids[:i], count, "stop"
+            if max_tokens is not None and count >= max_tokens:
+                return ids[: i + 1], count, "length"
+        return ids, count, None
+
+    def finish(self) -> str:
+        """Text still held when the stream ends without a finish reason ("" once done)."""
+        if self.done:
+            return ""
+        self.done = True
+        text = self._detok.flush()
+        matcher = self._matcher
+        if matcher is not None:
+            text, matched = matcher.feed(text)
+            if matched:
+                self.finish_reason = "stop"
+            else:
+                text += matcher.release()
+        return text

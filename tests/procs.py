@@ -1,0 +1,87 @@
+"""Start and stop real `dyngraph` processes for tests, by PID, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+DYNGRAPH = [sys.executable, "-m", "dynamo_graph"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A `dyngraph run in=http ...` child; stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        full_env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", **(env or {})}
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [*DYNGRAPH, "run", "in=http", *args, "--http-port", str(self.port)],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def run_cli(
+    args: Sequence[str],
+    *,
+    input_text: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", **(env or {})}
+    return subprocess.run(
+        [*DYNGRAPH, *args],
+        input=input_text if input_text is not None else "",
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
