@@ -232,7 +232,7 @@ def _is_built(out_dir: Path, marker: str) -> bool:
         return False
 
 
-def ensure_tiny_model(out_dir: Path, **kw: Any) -> Path:
+def ensure_tiny_model(out_dir: Path, *, allow_eos: bool = False, context_length: int = 512) -> Path:
     """Build the tiny model into out_dir unless a complete build with the same options is there.
 
     Safe when several processes race (pytest-xdist workers, parallel CI jobs): each builds in a
@@ -240,7 +240,7 @@ def ensure_tiny_model(out_dir: Path, **kw: Any) -> Path:
     A non-empty out_dir that is not a tiny-model build is never deleted.
     """
     out_dir = Path(out_dir)
-    marker = _marker(kw.get("allow_eos", False), kw.get("context_length", 512))
+    marker = _marker(allow_eos, context_length)
     if _is_built(out_dir, marker):
         return out_dir
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MARKER).exists():
@@ -249,8 +249,9 @@ def ensure_tiny_model(out_dir: Path, **kw: Any) -> Path:
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the final folder should be like any other
     try:
-        build_tiny_model(tmp, **kw)
+        build_tiny_model(tmp, allow_eos=allow_eos, context_length=context_length)
         if _is_built(out_dir, marker):
             return out_dir  # another process finished first
         if out_dir.exists():

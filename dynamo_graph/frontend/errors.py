@@ -63,7 +63,8 @@ def from_decode_error(err: msgspec.DecodeError | msgspec.ValidationError) -> HTT
     text = str(err)
     if isinstance(err, msgspec.ValidationError):
         match = _PATH_RE.search(text)
-        path = match.group("path").lstrip(".") if match else ""
+        # Dict values show as `[...]` in msgspec paths; the key itself is the useful name.
+        path = match.group("path").lstrip(".").replace("[...]", "") if match else ""
         if match:
             text = text[: match.start()]
         missing = _MISSING_RE.match(text)

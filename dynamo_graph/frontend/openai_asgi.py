@@ -165,7 +165,8 @@ class OpenAIHandler:
                 ok = await self._stream(pipeline, prepared, request, context, send, metrics, start)
             else:
                 ok = await self._unary(pipeline, prepared, context, send, metrics, start)
-            status = "success" if ok else ("cancelled" if context.is_stopped() else "error")
+            disconnected = watcher.done() and not watcher.cancelled()
+            status = "cancelled" if disconnected else ("success" if ok else "error")
         finally:
             metrics.inflight -= 1
             watcher.cancel()

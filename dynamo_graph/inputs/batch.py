@@ -162,7 +162,9 @@ class _BatchRun:
 
     def _fail(self, lineno: int, reason: str) -> None:
         self.stats.failed += 1
-        self.progress.console.print(f"{self.path}:{lineno}: {reason}", style="red", markup=False)
+        self.progress.console.print(
+            f"{self.path}:{lineno}: {reason}", style="red", markup=False, soft_wrap=True
+        )
         self.progress.advance(self.task_id)
 
     def _finish(self, seq: int, line: bytes | None) -> None:
@@ -190,11 +192,14 @@ def _summary(console: Console, path: Path, out_path: Path, stats: _Stats, wall_s
         f"tokens out: {stats.tokens_out} (mean {mean_out:.1f}, {stats.tokens_out / wall:.1f}/s)"
     )
     console.print(
-        f"request elapsed: p50 {percentile(latencies, 50):.1f} ms · p99 {percentile(latencies, 99):.1f} ms"
+        f"request elapsed: p50 {percentile(latencies, 50):.2f} ms · p99 {percentile(latencies, 99):.2f} ms",
+        soft_wrap=True,
     )
 
 
-async def run_batch(pipeline: ModelPipeline, path: str, *, concurrency: int = 8, ignore_eos: bool = False) -> int:
+async def run_batch(
+    pipeline: ModelPipeline, path: str, *, concurrency: int = 8, ignore_eos: bool = False
+) -> int:
     """Run the file's prompts; 0 if every line succeeded, 1 if some failed."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")

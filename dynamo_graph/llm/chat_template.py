@@ -20,8 +20,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_graph.llm.openai import ChatCompletionRequest
 
-# Context names the caller sets explicitly; template kwargs cannot override them.
-_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# Names `render` sets from its own arguments: a request's chat_template_kwargs cannot set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
 
 
 class ChatTemplateError(ValueError):
@@ -100,7 +102,7 @@ class ChatTemplate:
         """
         context = {
             **self._special,
-            **{k: v for k, v in template_kwargs.items() if k not in _RESERVED},
+            **template_kwargs,
             "messages": messages,
             "tools": tools,
             "documents": documents,

@@ -18,7 +18,12 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     StopConditions,
 )
-from dynamo_graph.llm.chat_template import ChatTemplate, ChatTemplateError, messages_from_request
+from dynamo_graph.llm.chat_template import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatTemplate,
+    ChatTemplateError,
+    messages_from_request,
+)
 from dynamo_graph.llm.openai import (
     AnyRequest,
     ChatCompletionRequest,
@@ -74,13 +79,16 @@ class Preprocessor:
                 f"model {self.model_name!r} has no chat template; use /v1/completions", "messages"
             )
         _check_content_parts(req)
+        extra = req.chat_template_kwargs or {}
+        if extra.keys() & RESERVED_TEMPLATE_KWARGS:
+            extra = {k: v for k, v in extra.items() if k not in RESERVED_TEMPLATE_KWARGS}
         try:
             prompt = self.chat_template.render(
                 messages_from_request(req),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
-                **(req.chat_template_kwargs or {}),
+                **extra,
             )
         except ChatTemplateError as exc:
             raise RequestValidationError(str(exc), "messages") from exc

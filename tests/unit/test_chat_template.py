@@ -107,9 +107,9 @@ def test_hf_environment_features() -> None:
         "{{ {'b': 1, 'a': 'é'} | tojson(sort_keys=True) }}|{{ [1, 2] | tojson(indent=2) }}|"
         "{% generation %}{{ bos_token }}{% endgeneration %}|{{ strftime_now('%Y') | length }}|{{ flavour }}"
     )
-    out = ChatTemplate(source, "<s>", "</s>").render(SYSTEM_USER, flavour="x", messages=[])
-    # trim_blocks drops the newline after a block tag; explicit `messages` wins over kwargs.
-    assert out == 'system\n{"a": "é", "b": 1}|[\n  1,\n  2\n]|<s>|4|x'
+    out = ChatTemplate(source, "<s>", "</s>").render(SYSTEM_USER, flavour="x")
+    # trim_blocks drops the newline after a block tag.
+    assert out == 'system{"a": "é", "b": 1}|[\n  1,\n  2\n]|<s>|4|x'
 
 
 def test_messages_from_request_drops_none_and_parses_arguments() -> None:
