@@ -114,23 +114,37 @@ def _read_line(loop: asyncio.AbstractEventLoop) -> asyncio.Future[str | None]:
     return future
 
 
-async def _prompt(console: Console) -> str | None:
+class _CtrlC:
+    """Where Ctrl-C goes right now: quit at the prompt, stop the answer during a generation.
+
+    One loop signal handler covers the whole session, so there is no moment between turns
+    where Ctrl-C would fall through to asyncio's handler and end the process with a traceback."""
+
+    def __init__(self) -> None:
+        self.action: Callable[[], None] = lambda: None
+
+    def __call__(self) -> None:
+        self.action()
+
+
+async def _prompt(console: Console, ctrl_c: _CtrlC) -> str | None:
     """The user's next message; None when they quit (Ctrl-C or Ctrl-D)."""
-    loop = asyncio.get_running_loop()
-    console.print(PROMPT, end="")
-    line = _read_line(loop)
     interrupted = asyncio.Event()
-    with sigint_calls(interrupted.set):
-        waiter = asyncio.ensure_future(interrupted.wait())
-        await asyncio.wait([line, waiter], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+    ctrl_c.action = interrupted.set
+    console.print(PROMPT, end="")
+    line = _read_line(asyncio.get_running_loop())
+    waiter = asyncio.ensure_future(interrupted.wait())
+    await asyncio.wait([line, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
     if not line.done():
         line.cancel()
         return None
     return line.result()
 
 
-async def _answer(pipeline: ModelPipeline, request: ChatCompletionRequest) -> tuple[str, bool]:
+async def _answer(
+    pipeline: ModelPipeline, request: ChatCompletionRequest, ctrl_c: _CtrlC
+) -> tuple[str, bool]:
     """Stream one answer to stdout, ending its line; returns the text and whether the user
     cancelled it. Raises what `prepare` or the stream raise."""
     prepared = pipeline.prepare(request)
@@ -147,7 +161,7 @@ async def _answer(pipeline: ModelPipeline, request: ChatCompletionRequest) -> tu
 
     task = asyncio.create_task(consume())
 
-    def on_sigint() -> None:
+    def on_ctrl_c() -> None:
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
@@ -156,30 +170,36 @@ async def _answer(pipeline: ModelPipeline, request: ChatCompletionRequest) -> tu
             context.kill()
             task.cancel()
 
-    with sigint_calls(on_sigint):
-        try:
-            await task
-        except asyncio.CancelledError:
-            if interrupts < 2:
-                raise
-        except Exception:
-            # A stopped engine may end its stream with an error; that was our cancel.
-            if not interrupts:
-                raise
-        finally:
-            if parts:
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+    ctrl_c.action = on_ctrl_c
+    try:
+        await task
+    except asyncio.CancelledError:
+        if interrupts < 2:
+            raise
+    except Exception:
+        # A stopped engine may end its stream with an error; that was our cancel.
+        if not interrupts:
+            raise
+    finally:
+        if parts:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     return "".join(parts), interrupts > 0
 
 
 async def run_text(pipeline: ModelPipeline, *, ignore_eos: bool) -> int:
     """The REPL; returns the process exit code (0: the user quit)."""
+    ctrl_c = _CtrlC()
+    with sigint_calls(ctrl_c):
+        return await _chat(pipeline, ctrl_c, ignore_eos=ignore_eos)
+
+
+async def _chat(pipeline: ModelPipeline, ctrl_c: _CtrlC, *, ignore_eos: bool) -> int:
     console = Console(highlight=False)
     errors = Console(stderr=True, highlight=False)
     history: list[ChatMessage] = []
     while True:
-        text = await _prompt(console)
+        text = await _prompt(console, ctrl_c)
         if text is None:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -189,7 +209,7 @@ async def run_text(pipeline: ModelPipeline, *, ignore_eos: bool) -> int:
         messages = [*history, ChatMessage(role="user", content=text)]
         request = chat_request(pipeline, messages, ignore_eos=ignore_eos, stream=True)
         try:
-            answer, cancelled = await _answer(pipeline, request)
+            answer, cancelled = await _answer(pipeline, request, ctrl_c)
         except Exception as err:  # bad input or a failing engine: report it and keep chatting
             log.debug("request failed", exc_info=True)
             errors.print(f"[red]{escape(error_message(err))}[/]")

@@ -42,7 +42,9 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # transformers' filter: Jinja's own tojson HTML-escapes and has no separators / sort_keys.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

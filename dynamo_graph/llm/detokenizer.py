@@ -84,11 +84,11 @@ class DetokenizerFactory:
         skipped = {i: b"" if i in special else b for i, b in shown.items()}
         for skip, table in ((False, shown), (True, skipped)):
             self._bytes[skip] = table
-            self._texts[skip] = {
-                i: s for i, b in table.items() if (s := _standalone_text(b)) is not None
-            }
+            self._texts[skip] = {i: s for i, b in table.items() if (s := _standalone_text(b)) is not None}
 
-    def new(self, *, skip_special_tokens: bool, prompt_ids: list[int] | None = None) -> IncrementalDetokenizer:
+    def new(
+        self, *, skip_special_tokens: bool, prompt_ids: list[int] | None = None
+    ) -> IncrementalDetokenizer:
         """A detokenizer for one request's output stream (about a microsecond)."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
 

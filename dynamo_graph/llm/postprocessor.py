@@ -21,7 +21,13 @@ from __future__ import annotations
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 from dynamo_graph.llm.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 
-_ENGINE_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+_ENGINE_FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "cancelled": "cancelled",
+    "error": "error",
+}
 
 
 class StopStringMatcher:

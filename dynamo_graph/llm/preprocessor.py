@@ -38,6 +38,7 @@ from dynamo_graph.llm.openai import (
 MAX_STOP_STRINGS = 16
 # OpenAI's default max_tokens for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+_PROMPT_SHAPES = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 class RequestValidationError(ValueError):
@@ -129,12 +130,11 @@ class Preprocessor:
             if isinstance(prompt, list):
                 if prompt and all(type(x) is int for x in prompt):
                     return self._checked_ids(prompt)
-                raise RequestValidationError("prompt token-id lists must be non-empty lists of integers", "prompt")
-            if not isinstance(prompt, str):
                 raise RequestValidationError(
-                    "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
-                    "prompt",
+                    "prompt token-id lists must be non-empty lists of integers", "prompt"
                 )
+            if not isinstance(prompt, str):
+                raise RequestValidationError(_PROMPT_SHAPES, "prompt")
         if not prompt:
             raise RequestValidationError("prompt must not be empty", "prompt")
         return self._encode(prompt, add_special_tokens=True).ids
@@ -144,7 +144,8 @@ class Preprocessor:
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise RequestValidationError(
-                f"prompt contains token id {bad}, outside this model's vocabulary [0, {self.vocab_size})", "prompt"
+                f"prompt contains token id {bad}, outside this model's vocabulary [0, {self.vocab_size})",
+                "prompt",
             )
         return ids
 
@@ -232,7 +233,9 @@ def _check_content_parts(req: ChatCompletionRequest) -> None:
                     "messages",
                 )
             if part.text is None:
-                raise RequestValidationError(f"messages[{i}].content[{j}]: text part without text", "messages")
+                raise RequestValidationError(
+                    f"messages[{i}].content[{j}]: text part without text", "messages"
+                )
 
 
 def _sampling_options(req: AnyRequest, vocab_size: int) -> SamplingOptions:
@@ -287,7 +290,9 @@ def _guided_json(response_format: dict[str, Any] | None) -> Any:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise RequestValidationError("response_format json_schema needs a json_schema.schema object", "response_format")
+            raise RequestValidationError(
+                "response_format json_schema needs a json_schema.schema object", "response_format"
+            )
         return schema
     raise RequestValidationError(
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"

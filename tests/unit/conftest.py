@@ -43,7 +43,9 @@ def sp_tokenizer() -> Tokenizer:
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
     tok.train_from_iterator((text[i : i + 8192] for i in range(0, len(text), 8192)), trainer=trainer)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]

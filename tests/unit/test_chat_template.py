@@ -39,9 +39,7 @@ def test_list_of_parts_equals_string_content(template: ChatTemplate) -> None:
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
     ]
     # The template trims each part, as the Llama-3 template does with string content.
-    assert template.render(parts) == template.render(
-        [SYSTEM_USER[0], {"role": "user", "content": "Hithere"}]
-    )
+    assert template.render(parts) == template.render([SYSTEM_USER[0], {"role": "user", "content": "Hithere"}])
     one_part = [SYSTEM_USER[0], {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
     assert template.render(one_part) == RENDERED_SYSTEM_USER
 
@@ -50,7 +48,9 @@ def test_tools_rendered_with_hf_tojson(template: ChatTemplate) -> None:
     tool = {"type": "function", "function": {"name": "météo", "description": "<b>weather</b> & more"}}
     out = template.render(SYSTEM_USER, tools=[tool])
     # Not HTML-escaped and not ASCII-escaped, unlike Jinja's own tojson.
-    assert '{"type": "function", "function": {"name": "météo", "description": "<b>weather</b> & more"}}' in out
+    assert (
+        '{"type": "function", "function": {"name": "météo", "description": "<b>weather</b> & more"}}' in out
+    )
     assert out.startswith(BOS + "<|start_header_id|>system<|end_header_id|>\n\nYou may call these tools:\n")
 
 
@@ -78,7 +78,9 @@ def test_continue_final_message_needs_text(template: ChatTemplate) -> None:
 
 
 def test_raise_exception_message_surfaces() -> None:
-    tpl = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}")
+    tpl = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="first must be user"):
         tpl.render(SYSTEM_USER)
 

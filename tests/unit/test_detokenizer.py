@@ -50,7 +50,9 @@ def test_strategy_detection(detok_factory: DetokenizerFactory, sp_factory: Detok
 
 @pytest.mark.parametrize("text", ADVERSARIAL)
 @pytest.mark.parametrize("skip", [False, True])
-def test_one_token_at_a_time(tok_and_factory: tuple[Tokenizer, DetokenizerFactory], text: str, skip: bool) -> None:
+def test_one_token_at_a_time(
+    tok_and_factory: tuple[Tokenizer, DetokenizerFactory], text: str, skip: bool
+) -> None:
     tok, factory = tok_and_factory
     ids = tok.encode(text, add_special_tokens=False).ids
     assert _decode_stream(factory, [[i] for i in ids], skip) == tok.decode(ids, skip_special_tokens=skip)
@@ -66,7 +68,9 @@ def test_random_chunk_splits(tok_and_factory: tuple[Tokenizer, DetokenizerFactor
         assert _decode_stream(factory, _random_chunks(ids, rng), False) == expected
 
 
-def test_never_emits_replacement_for_split_character(detok_factory: DetokenizerFactory, tokenizer: Tokenizer) -> None:
+def test_never_emits_replacement_for_split_character(
+    detok_factory: DetokenizerFactory, tokenizer: Tokenizer
+) -> None:
     ids = tokenizer.encode("👩‍👩‍👧中文e\u0301", add_special_tokens=False).ids
     detok = detok_factory.new(skip_special_tokens=False)
     pieces = [detok.add([i]) for i in ids]
@@ -88,8 +92,10 @@ def test_random_token_ids_match_decode(detok_factory: DetokenizerFactory, tokeni
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_special_tokens_shown_or_skipped(detok_factory: DetokenizerFactory, tokenizer: Tokenizer, skip: bool) -> None:
-    ids = tokenizer.encode("Hi there", add_special_tokens=False).ids + [EOT_ID]
+def test_special_tokens_shown_or_skipped(
+    detok_factory: DetokenizerFactory, tokenizer: Tokenizer, skip: bool
+) -> None:
+    ids = [*tokenizer.encode("Hi there", add_special_tokens=False).ids, EOT_ID]
     ids += tokenizer.encode(" after", add_special_tokens=False).ids
     out = _decode_stream(detok_factory, [[i] for i in ids], skip)
     assert out == ("Hi there after" if skip else "Hi there<|eot_id|> after")
@@ -106,15 +112,21 @@ def test_truncated_character_at_end_flushes_replacement(
     assert detok.flush() == ""
 
 
-def test_special_token_inside_split_character(detok_factory: DetokenizerFactory, tokenizer: Tokenizer) -> None:
+def test_special_token_inside_split_character(
+    detok_factory: DetokenizerFactory, tokenizer: Tokenizer
+) -> None:
     emoji = tokenizer.encode("😀", add_special_tokens=False).ids
     ids = [*emoji[:2], EOT_ID, *emoji]
-    assert _decode_stream(detok_factory, [[i] for i in ids], False) == tokenizer.decode(ids, skip_special_tokens=False)
+    assert _decode_stream(detok_factory, [[i] for i in ids], False) == tokenizer.decode(
+        ids, skip_special_tokens=False
+    )
 
 
 def test_unknown_ids_are_ignored_like_decode(detok_factory: DetokenizerFactory, tokenizer: Tokenizer) -> None:
     ids = [*tokenizer.encode("a b", add_special_tokens=False).ids, 10**6, 70]
-    assert _decode_stream(detok_factory, [[i] for i in ids], False) == tokenizer.decode(ids, skip_special_tokens=False)
+    assert _decode_stream(detok_factory, [[i] for i in ids], False) == tokenizer.decode(
+        ids, skip_special_tokens=False
+    )
 
 
 def test_added_tokens_with_unmapped_characters(tokenizer: Tokenizer) -> None:
@@ -124,7 +136,9 @@ def test_added_tokens_with_unmapped_characters(tokenizer: Tokenizer) -> None:
     tok.add_special_tokens([AddedToken("<tool call>", special=True)])
     factory = DetokenizerFactory(tok)
     ids = tok.encode("a héllo wörld b <tool call> héllo c", add_special_tokens=False).ids
-    assert len(ids) < len(tokenizer.encode("a héllo wörld b <tool call> héllo c", add_special_tokens=False).ids)
+    assert len(ids) < len(
+        tokenizer.encode("a héllo wörld b <tool call> héllo c", add_special_tokens=False).ids
+    )
     for skip in (False, True):
         assert _decode_stream(factory, [[i] for i in ids], skip) == tok.decode(ids, skip_special_tokens=skip)
 
@@ -135,7 +149,9 @@ def test_accepts_bare_tokenizer(tokenizer: Tokenizer) -> None:
     assert "".join(detok.add([i]) for i in ids) + detok.flush() == "中文 ok"
 
 
-def test_window_strategy_keeps_leading_space_after_prompt(sp_factory: DetokenizerFactory, sp_tokenizer: Tokenizer) -> None:
+def test_window_strategy_keeps_leading_space_after_prompt(
+    sp_factory: DetokenizerFactory, sp_tokenizer: Tokenizer
+) -> None:
     """With prompt context, the first output token's leading space survives (no Strip at start)."""
     prompt = sp_tokenizer.encode("Say", add_special_tokens=False).ids
     output = sp_tokenizer.encode("Say hello 中文", add_special_tokens=False).ids[len(prompt) :]
@@ -143,7 +159,9 @@ def test_window_strategy_keeps_leading_space_after_prompt(sp_factory: Detokenize
     assert "".join(detok.add([i]) for i in output) + detok.flush() == " hello 中文"
 
 
-def test_window_strategy_truncated_character_flushes(sp_factory: DetokenizerFactory, sp_tokenizer: Tokenizer) -> None:
+def test_window_strategy_truncated_character_flushes(
+    sp_factory: DetokenizerFactory, sp_tokenizer: Tokenizer
+) -> None:
     ids = sp_tokenizer.encode("ab 😀", add_special_tokens=False).ids[:-1]
     detok = sp_factory.new(skip_special_tokens=False)
     streamed = "".join(detok.add([i]) for i in ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from tokenizers import Tokenizer
@@ -16,7 +17,7 @@ EOS = [EOT_ID, END_OF_TEXT_ID]
 
 
 @pytest.fixture
-def enc(tokenizer: Tokenizer):  # noqa: ANN201 - a tiny helper
+def enc(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
@@ -25,11 +26,15 @@ def _pp(factory: DetokenizerFactory, *, skip: bool = False, **stop: object) -> P
     return Postprocessor(factory.new(skip_special_tokens=skip), StopConditions(**stop))  # type: ignore[arg-type]
 
 
-def _run(pp: Postprocessor, chunks: list[list[int]], last_finish: str | None = None) -> tuple[str, str | None]:
+def _run(
+    pp: Postprocessor, chunks: list[list[int]], last_finish: str | None = None
+) -> tuple[str, str | None]:
     """Feed chunks until done, as the frontend does; returns (all text, finish reason)."""
     text, finish = [], None
     for n, ids in enumerate(chunks, 1):
-        delta, finish = pp.process(LLMEngineOutput(token_ids=ids, finish_reason=last_finish if n == len(chunks) else None))
+        delta, finish = pp.process(
+            LLMEngineOutput(token_ids=ids, finish_reason=last_finish if n == len(chunks) else None)
+        )
         text.append(delta)
         if pp.done:
             break
@@ -67,8 +72,14 @@ def test_eos_inside_a_chunk_drops_the_rest(detok_factory: DetokenizerFactory, en
 
 def test_ignore_eos_shows_eos_and_runs_to_length(detok_factory: DetokenizerFactory, enc) -> None:
     ids = [*enc("a"), EOT_ID, *enc("b")]
-    assert _run(_pp(detok_factory, ignore_eos=True, max_tokens=3), _singles(ids)) == ("a<|eot_id|>b", "length")
-    assert _run(_pp(detok_factory, skip=True, ignore_eos=True, max_tokens=3), _singles(ids)) == ("ab", "length")
+    assert _run(_pp(detok_factory, ignore_eos=True, max_tokens=3), _singles(ids)) == (
+        "a<|eot_id|>b",
+        "length",
+    )
+    assert _run(_pp(detok_factory, skip=True, ignore_eos=True, max_tokens=3), _singles(ids)) == (
+        "ab",
+        "length",
+    )
 
 
 def test_ignore_eos_keeps_requested_stop_token_ids(detok_factory: DetokenizerFactory, enc) -> None:
@@ -91,7 +102,9 @@ def test_requested_stop_token_ids(detok_factory: DetokenizerFactory, enc) -> Non
     assert _run(pp, _singles(enc("Hi! there"))) == ("Hi", "stop")
 
 
-def test_max_tokens_length_truncates_chunk(detok_factory: DetokenizerFactory, tokenizer: Tokenizer, enc) -> None:
+def test_max_tokens_length_truncates_chunk(
+    detok_factory: DetokenizerFactory, tokenizer: Tokenizer, enc
+) -> None:
     ids = enc("one two three four five")
     pp = _pp(detok_factory, max_tokens=3)
     assert pp.process(LLMEngineOutput(token_ids=ids)) == (tokenizer.decode(ids[:3]), "length")
@@ -151,9 +164,15 @@ def test_held_prefix_released_by_finish(detok_factory: DetokenizerFactory, enc) 
 def test_stop_string_in_split_multibyte_character(detok_factory: DetokenizerFactory, enc) -> None:
     ids = enc("family 👩‍👩‍👧 then 中文 rest")
     assert _run(_pp(detok_factory, stop=["👧"]), _singles(ids)) == ("family 👩\u200d👩\u200d", "stop")
-    assert _run(_pp(detok_factory, stop=["中文"]), _singles(ids)) == ("family 👩\u200d👩\u200d👧 then ", "stop")
+    assert _run(_pp(detok_factory, stop=["中文"]), _singles(ids)) == (
+        "family 👩\u200d👩\u200d👧 then ",
+        "stop",
+    )
     # The stop string starts with a character that is still incomplete: nothing leaks early.
-    assert _run(_pp(detok_factory, stop=["文 r"]), _singles(ids)) == ("family 👩\u200d👩\u200d👧 then 中", "stop")
+    assert _run(_pp(detok_factory, stop=["文 r"]), _singles(ids)) == (
+        "family 👩\u200d👩\u200d👧 then 中",
+        "stop",
+    )
 
 
 def test_several_stop_strings_earliest_wins(detok_factory: DetokenizerFactory, enc) -> None:
