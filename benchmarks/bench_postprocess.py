@@ -18,7 +18,14 @@ from pathlib import Path
 import msgspec
 
 from dynamo_graph.backend.protocol import LLMEngineOutput, StopConditions
-from dynamo_graph.dev.tiny_tokenizer import BOS_ID, CHAT_TEMPLATE, END_OF_TEXT_ID, EOT_ID, SPECIAL_TOKENS
+from dynamo_graph.dev.tiny_tokenizer import (
+    BOS_ID,
+    CHAT_TEMPLATE,
+    END_OF_TEXT_ID,
+    EOT_ID,
+    SPECIAL_TOKENS,
+    write_tokenizer_files,
+)
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.detokenizer import DetokenizerFactory
 from dynamo_graph.llm.openai import ChatCompletionRequest
@@ -54,8 +61,6 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        from dynamo_graph.dev.tiny_tokenizer import write_tokenizer_files
-
         tokenizer = write_tokenizer_files(Path(tmp), 4096)
     factory = DetokenizerFactory(tokenizer)
     ids = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False).ids
@@ -79,9 +84,14 @@ def main() -> None:
 
     plain = StopConditions(max_tokens=TOKENS, stop_token_ids_hidden=eos)
     with_stops = StopConditions(max_tokens=TOKENS, stop_token_ids_hidden=eos, stop=["</answer>", "\n\nUser:"])
+
+    def detokenize() -> object:
+        detok = factory.new(skip_special_tokens=False)
+        return [detok.add(c.token_ids) for c in chunks]
+
     results: dict[str, float] = {}
     for name, fn in {
-        "detokenize_only": lambda: [factory.new(skip_special_tokens=False).add(c.token_ids) for c in chunks],
+        "detokenize_only": detokenize,
         "postprocess": stream(plain),
         "postprocess_2_stop_strings": stream(with_stops),
         "msgpack_decode_and_postprocess": stream(plain, decode_frames=True),
@@ -90,7 +100,9 @@ def main() -> None:
 
     template = ChatTemplate(CHAT_TEMPLATE, SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOT_ID])
     pre = Preprocessor(tokenizer, template, eos, 4096, "tiny")
-    request = msgspec.convert({"model": "tiny", "messages": PROMPT, "max_tokens": TOKENS}, ChatCompletionRequest)
+    request = msgspec.convert(
+        {"model": "tiny", "messages": PROMPT, "max_tokens": TOKENS}, ChatCompletionRequest
+    )
     prompt_tokens = len(pre.preprocess_chat(request).token_ids)
     results["preprocess_chat_us_per_request"] = round(
         _per_call_us(lambda: pre.preprocess_chat(request), args.iterations), 1

@@ -103,12 +103,15 @@ async def build_pipeline(cfg: RunConfig) -> tuple[ModelPipeline, LLMEngine]:
             assert model is not None
             pipeline: ModelPipeline = _tokens_pipeline(cfg, engine, engine_config, model)
         else:
-            name = cfg.model_name or (model.display_name if model else engine_name)
-            card = ModelDeploymentCard(
-                display_name=name,
-                model_input="text",
-                context_length=cfg.context_length or engine_config.context_length,
-            )
+            context_length = cfg.context_length or engine_config.context_length
+            if model is not None:
+                card = ModelDeploymentCard.from_local_model(
+                    model, model_input="text", context_length=context_length
+                )
+            else:
+                card = ModelDeploymentCard.without_files(
+                    cfg.model_name or engine_name, context_length=context_length
+                )
             pipeline = TextPipeline(card, engine)
     except BaseException:
         await engine.cleanup()

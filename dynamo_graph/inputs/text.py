@@ -4,7 +4,8 @@ The conversation history (user and assistant turns) is sent with every request. 
 an answer stops that generation only (a second Ctrl-C stops waiting for the engine to wind
 down); the cancelled or failed turn - the user's message and any partial answer - is left out
 of the history, so the next request still alternates user/assistant as chat templates require.
-Ctrl-C or Ctrl-D at the prompt ends the session with exit code 0.
+Ctrl-C or Ctrl-D at the prompt ends the session with exit code 0. One loop signal handler routes
+Ctrl-C for the whole session and gives the previous handler back at the end.
 
 The prompt is read with `input()` in a daemon thread so the event loop keeps serving (leases,
 watchers) while the user types. A daemon thread, not `asyncio.to_thread`: when the user quits
@@ -72,17 +73,20 @@ def sigint_calls(callback: Callable[[], None]) -> Iterator[None]:
     handler `asyncio.run` installed to cancel the main task."""
     loop = asyncio.get_running_loop()
     previous = signal.getsignal(signal.SIGINT)
-    try:
-        loop.add_signal_handler(signal.SIGINT, callback)
-    except (NotImplementedError, RuntimeError):  # no signal support here (Windows, not main thread)
-        yield
-        return
+    # Started with Ctrl-C ignored (nohup, a background job): leave it ignored.
+    installed = previous != signal.SIG_IGN
+    if installed:
+        try:
+            loop.add_signal_handler(signal.SIGINT, callback)
+        except (NotImplementedError, RuntimeError):  # no signals here (Windows, not the main thread)
+            installed = False
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        if installed:
+            loop.remove_signal_handler(signal.SIGINT)
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
 
 def _read_line(loop: asyncio.AbstractEventLoop) -> asyncio.Future[str | None]:

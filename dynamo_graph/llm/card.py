@@ -121,6 +121,19 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
             user_data=user_data,
         )
 
+    @classmethod
+    def without_files(
+        cls, name: str, *, model_input: ModelInput = "text", context_length: int | None = None
+    ) -> ModelDeploymentCard:
+        """A card for an engine that needs no model files (echo_full, or a model it loads itself)."""
+        return cls(
+            display_name=name,
+            slug=slugify(name),
+            source_path=name,
+            model_input=model_input,
+            context_length=context_length,
+        )
+
     def mdcsum(self) -> str:
         """blake2b over what must match across workers of one model; paths are left out."""
         content = [

@@ -84,7 +84,6 @@ class ChatTemplate:
             self._template = _environment().from_string(template)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
-        self.source = template
         self._special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
 
     def render(

@@ -65,7 +65,7 @@ def _standalone_text(data: bytes) -> str | None:
 
 
 class DetokenizerFactory:
-    """Per-tokenizer tables, built once (tens of ms) and shared by every request's detokenizer."""
+    """Per-tokenizer tables, built once per model and shared by every request's detokenizer."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -117,7 +117,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         prompt_ids: list[int] | None = None,
     ) -> None:
-        factory = source if type(source) is DetokenizerFactory else DetokenizerFactory(source)
+        factory = source if isinstance(source, DetokenizerFactory) else DetokenizerFactory(source)
         self._skip = skip_special_tokens
         # Incremental UTF-8 decoder, created on the first token that does not decode alone;
         # None again once it holds no partial character.

@@ -18,6 +18,9 @@ Choices, following vLLM / OpenAI:
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from functools import lru_cache
+
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 from dynamo_graph.llm.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 
@@ -30,23 +33,38 @@ _ENGINE_FINISH = {
 }
 
 
-class StopStringMatcher:
-    """Finds the first stop string in a stream of text pieces, scanning only new text plus the
-    held tail (never the whole output): per piece O(len(piece) + longest stop) per stop string."""
+@lru_cache(maxsize=256)
+def _prefix_table(stops: tuple[str, ...]) -> dict[str, tuple[list[int], list[str]]]:
+    """last char c -> (lengths k ascending, stop strings) of the proper prefixes stop[:k] ending
+    in c. Cached: clients tend to send the same stop strings on every request."""
+    by_char: dict[str, list[tuple[int, str]]] = {}
+    for stop in stops:
+        for k in range(1, len(stop)):
+            by_char.setdefault(stop[k - 1], []).append((k, stop))
+    table = {}
+    for c, entries in by_char.items():
+        entries.sort()
+        table[c] = ([k for k, _ in entries], [stop for _, stop in entries])
+    return table
 
-    __slots__ = ("_stops", "held")
+
+class StopStringMatcher:
+    """Finds the first stop string in a stream of text pieces, scanning only the held tail plus
+    new text, never the whole output."""
+
+    __slots__ = ("_prefixes", "_stops", "held")
 
     def __init__(self, stops: list[str]) -> None:
-        self._stops = [s for s in stops if s]
-        # Emitted-not-yet text: the longest tail that is a proper prefix of some stop string.
+        self._stops = tuple(s for s in stops if s)
+        self._prefixes = _prefix_table(self._stops)
+        # Text not shown yet: the longest tail that is a proper prefix of some stop string.
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to show, whether a stop string matched; if so nothing more may be shown)."""
         buf = self.held + text if self.held else text
-        stops = self._stops
         first = -1
-        for stop in stops:
+        for stop in self._stops:
             at = buf.find(stop)
             if at != -1 and (first == -1 or at < first):
                 first = at
@@ -56,19 +74,14 @@ class StopStringMatcher:
         # A match spanning pieces must start in the held tail, so hold the longest suffix of buf
         # that is a proper prefix of a stop string; earlier text can never be part of a match.
         n = len(buf)
-        keep = 0
-        for stop in stops:
-            head = stop[0]
-            end = n - keep  # only starts before `end` would hold more than already held
-            pos = buf.find(head, max(n - len(stop) + 1, 0), end)
-            while pos != -1:
-                if stop.startswith(buf[pos:]):
-                    keep = n - pos
-                    break
-                pos = buf.find(head, pos + 1, end)
-        if keep:
-            self.held = buf[n - keep :]
-            return buf[: n - keep], False
+        entry = self._prefixes.get(buf[-1]) if n else None
+        if entry is not None:
+            lengths, stops = entry
+            for j in range(bisect_right(lengths, n) - 1, -1, -1):
+                k = lengths[j]
+                if stops[j].startswith(buf[n - k :]):
+                    self.held = buf[n - k :]
+                    return buf[: n - k], False
         self.held = ""
         return buf, False
 
@@ -141,7 +154,7 @@ class Postprocessor:
         if finish is not None:
             text += self._detok.flush()
         matcher = self._matcher
-        if matcher is not None and self.completion_tokens > self._min_tokens:
+        if matcher is not None and (text or finish) and self.completion_tokens > self._min_tokens:
             text, matched = matcher.feed(text)
             if matched:
                 finish = "stop"

@@ -33,9 +33,10 @@ from dynamo_graph.llm.openai import (
     wants_ignore_eos,
 )
 
-# OpenAI allows 4 stop sequences; vLLM no limit. 16 covers real clients while bounding the
-# postprocessor's per-token scan.
+# OpenAI allows 4 stop sequences, vLLM any number. 16 strings of up to 1024 characters cover
+# real clients while bounding the postprocessor's per-token scan and held-back text.
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
 # OpenAI's default max_tokens for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _PROMPT_SHAPES = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -190,6 +191,10 @@ class Preprocessor:
         stop = [s for s in stop_strings(req) if s]  # an empty stop string cannot mean anything
         if len(stop) > MAX_STOP_STRINGS:
             raise RequestValidationError(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise RequestValidationError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long", "stop"
+            )
         min_tokens = req.min_tokens
         if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
             raise RequestValidationError(

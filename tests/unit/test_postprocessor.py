@@ -188,6 +188,19 @@ def test_overlapping_prefixes_hold_the_longest(detok_factory: DetokenizerFactory
     assert pp.process(LLMEngineOutput(token_ids=enc("b?"))) == ("", "stop")
 
 
+def test_long_stop_string_one_character_at_a_time() -> None:
+    stop = "ab" * 20 + "!"
+    matcher = StopStringMatcher([stop])
+    text = "x" + "ab" * 30 + "?" + stop + "tail"  # a long false start, then the real thing
+    shown = []
+    for ch in text:
+        piece, matched = matcher.feed(ch)
+        shown.append(piece)
+        if matched:
+            break
+    assert matched and "".join(shown) == "x" + "ab" * 30 + "?"
+
+
 def test_stop_string_after_min_tokens_only(detok_factory: DetokenizerFactory, enc) -> None:
     ids = enc("ab ab ab")
     n_first = len(enc("ab"))

@@ -12,7 +12,12 @@ from dynamo_graph.backend.protocol import PreprocessedRequest
 from dynamo_graph.dev.tiny_tokenizer import BOS_ID, CHAT_TEMPLATE, END_OF_TEXT_ID, EOT_ID, SPECIAL_TOKENS
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
-from dynamo_graph.llm.preprocessor import MAX_STOP_STRINGS, Preprocessor, RequestValidationError
+from dynamo_graph.llm.preprocessor import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    Preprocessor,
+    RequestValidationError,
+)
 
 CONTEXT_LENGTH = 512
 EOS = [EOT_ID, END_OF_TEXT_ID]
@@ -181,6 +186,7 @@ def test_no_context_length_leaves_max_tokens_unset(tokenizer: Tokenizer) -> None
         ("chat", {"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
         ("chat", {"max_tokens": 5, "min_tokens": 6}, "min_tokens", "min_tokens (6)"),
         ("chat", {"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop", "stop strings"),
+        ("chat", {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop", "at most"),
         ("chat", {"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
         ("chat", {"logit_bias": {"99999": 1.0}}, "logit_bias", "99999"),
         ("chat", {"logit_bias": {"abc": 1.0}}, "logit_bias", "abc"),
