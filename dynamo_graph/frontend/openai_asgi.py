@@ -219,7 +219,7 @@ class OpenAIHandler:
                         tail += writer.usage(prepared)
                     await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
                     return True
-        except Exception as err:  # noqa: BLE001 - every failure becomes an answer to the client
+        except Exception as err:
             http_err = _as_http_error(err)
             if not started:
                 await send_json(send, http_err.status, http_err.body())
@@ -258,7 +258,7 @@ class OpenAIHandler:
                     parts.append(delta.text)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             http_err = _as_http_error(err)
             await send_json(send, http_err.status, http_err.body())
             return False

@@ -69,8 +69,10 @@ def test_missing_model_path_is_named() -> None:
 
 
 def test_flags_without_effect_are_reported(tiny_model: Path) -> None:
-    result = run_cli(["run", "out=echo_core", str(tiny_model), "--router-mode", "kv", "--migration-limit", "2"],
-                     input_text="hello\n")
+    result = run_cli(
+        ["run", "out=echo_core", str(tiny_model), "--router-mode", "kv", "--migration-limit", "2"],
+        input_text="hello\n",
+    )
     assert result.returncode == 0, result.stderr
     assert "--router-mode" in result.stderr and "--migration-limit" in result.stderr
     assert "no effect" in result.stderr
@@ -80,8 +82,14 @@ def test_dynamo_run_alias(tiny_model: Path) -> None:
     exe = shutil.which("dynamo-run", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.fail("the dynamo-run console script is not installed next to the interpreter")
-    result = subprocess.run([exe, "out=echo_core", str(tiny_model)], input="Hi there\n", capture_output=True,
-                            text=True, timeout=60, env={"DYN_TOKEN_ECHO_DELAY_MS": "0", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [exe, "out=echo_core", str(tiny_model)],
+        input="Hi there\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"DYN_TOKEN_ECHO_DELAY_MS": "0", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     assert "<|start_header_id|>user<|end_header_id|>" in result.stdout
     assert "Hi there" in result.stdout

@@ -189,7 +189,7 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
             cancelled = _metric(
                 proc,
                 'dynamo_frontend_requests_total{endpoint="chat_completions"'
-                ',model="%s",request_type="stream",status="cancelled"}' % tiny_model.name,
+                f',model="{tiny_model.name}",request_type="stream",status="cancelled"}}',
             )
             if cancelled:
                 break

@@ -41,7 +41,7 @@ TOO_LONG = "word " * 2000  # beyond the tiny model's 512-token context
 
 
 def echo_full_pipeline(delay_s: float = 0.0) -> TextPipeline:
-    card = ModelDeploymentCard(display_name="tiny", slug="tiny", source_path="", model_input="text")
+    card = ModelDeploymentCard.without_files("tiny")
     return TextPipeline(card, EchoFullEngine(delay_s=delay_s))
 
 
@@ -126,7 +126,7 @@ async def test_batch_keeps_input_order_when_answers_finish_out_of_order(tmp_path
 async def test_batch_runs_at_most_concurrency_requests_at_once(tmp_path: Path) -> None:
     src = write_lines(tmp_path / "in.jsonl", [json.dumps({"text": f"t{i}"}) for i in range(60)])
     engine = CountingEngine()
-    card = ModelDeploymentCard(display_name="count", slug="count", source_path="", model_input="text")
+    card = ModelDeploymentCard.without_files("count")
 
     assert await run_batch(TextPipeline(card, engine), str(src), concurrency=5) == 0
 
@@ -192,7 +192,7 @@ async def test_batch_reports_requests_the_pipeline_rejects(
 async def test_batch_reports_engine_failures_per_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    card = ModelDeploymentCard(display_name="broken", slug="broken", source_path="", model_input="text")
+    card = ModelDeploymentCard.without_files("broken")
     src = write_lines(tmp_path / "in.jsonl", ['{"text": "a"}', '{"text": "b"}'])
 
     assert await run_batch(TextPipeline(card, FailingEngine()), str(src)) == 1
@@ -244,7 +244,7 @@ async def test_stdin_rejected_request_exits_2(
 
 
 async def test_stdin_engine_failure_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    card = ModelDeploymentCard(display_name="broken", slug="broken", source_path="", model_input="text")
+    card = ModelDeploymentCard.without_files("broken")
     assert await run_stdin(TextPipeline(card, FailingEngine()), QUESTION, ignore_eos=False) == 1
     captured = capsys.readouterr()
     assert captured.out == "partial\n"
