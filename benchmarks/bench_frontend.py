@@ -49,8 +49,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(argv: list[str], port: int) -> subprocess.Popen:
-    env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", "DYN_LOG": "warn"}
+def start(argv: list[str], port: int, delay_ms: float) -> subprocess.Popen:
+    env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": str(delay_ms), "DYN_LOG": "warn"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -66,32 +66,23 @@ def start(argv: list[str], port: int) -> subprocess.Popen:
 def measure(
     pid: int, port: int, body: dict, *, concurrency: int, requests: int, keep_alive: bool, max_seconds: float
 ) -> dict:
-    # Warm-up (connections, caches), not counted.
-    asyncio.run(
-        run_load(
-            "127.0.0.1",
-            port,
-            "/v1/chat/completions",
-            body,
-            concurrency=concurrency,
-            requests=min(requests, 4 * concurrency),
-            keep_alive=keep_alive,
-            max_seconds=10,
+    def load(n: int, seconds: float) -> tuple[list, float]:
+        return asyncio.run(
+            run_load(
+                "127.0.0.1",
+                port,
+                "/v1/chat/completions",
+                body,
+                concurrency=concurrency,
+                requests=n,
+                keep_alive=keep_alive,
+                max_seconds=seconds,
+            )
         )
-    )
+
+    load(min(requests, 4 * concurrency), 10)  # warm-up (connections, caches), not counted
     cpu0 = cpu_seconds(pid)
-    results, wall = asyncio.run(
-        run_load(
-            "127.0.0.1",
-            port,
-            "/v1/chat/completions",
-            body,
-            concurrency=concurrency,
-            requests=requests,
-            keep_alive=keep_alive,
-            max_seconds=max_seconds,
-        )
-    )
+    results, wall = load(requests, max_seconds)
     cpu = cpu_seconds(pid) - cpu0
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.gaps]
@@ -118,6 +109,12 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,8,32,128")
     parser.add_argument("--requests", type=int, default=1500, help="requests per point (c=1 uses a third)")
     parser.add_argument("--max-seconds", type=float, default=30.0, help="time cap per point")
+    parser.add_argument(
+        "--echo-delay-ms",
+        type=float,
+        default=0.0,
+        help="echo_core pacing; 0 sends each response in one burst, >0 makes every token its own write",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontend.json"))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -152,7 +149,7 @@ def main() -> int:
     rows = []
     for name, argv in servers.items():
         port = free_port()
-        proc = start(argv(port), port)
+        proc = start(argv(port), port, args.echo_delay_ms)
         try:
             for keep_alive in (False, True):
                 for c in levels:
@@ -199,7 +196,11 @@ def main() -> int:
         "benchmark": "frontend_streaming_chat_echo_core",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "workload": {"output_tokens": 64, "engine": "echo_core", "DYN_TOKEN_ECHO_DELAY_MS": 0},
+        "workload": {
+            "output_tokens": 64,
+            "engine": "echo_core",
+            "DYN_TOKEN_ECHO_DELAY_MS": args.echo_delay_ms,
+        },
         "target": "Dynamo 1.6.1 Rust frontend: 1.1-1.3 server CPU-ms per request at c=32",
         "rows": rows,
         "ratios_to_floor": ratios,

@@ -4,6 +4,8 @@ reported as a ratio to this floor (notes/PERF.md measured it at ~0.43 ms at c=32
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
 
 import uvicorn
@@ -13,6 +15,8 @@ CHUNK = (
     b'"finish_reason":null,"logprobs":null}],"created":0,"model":"m","object":"chat.completion.chunk"}\n\n'
 )
 TOKENS = 64
+# Paced like echo_core when the benchmark sets a delay, so the comparison stays like for like.
+DELAY_S = float(os.environ.get("DYN_TOKEN_ECHO_DELAY_MS", "0") or 0) / 1000
 
 
 async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -24,6 +28,8 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     )
     for _ in range(TOKENS):
+        if DELAY_S:
+            await asyncio.sleep(DELAY_S)
         await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 

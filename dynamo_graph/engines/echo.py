@@ -15,7 +15,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.engine import EngineConfig, LLMEngine, ModelInput
 from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_max_tokens
@@ -33,14 +33,25 @@ def echo_delay_seconds() -> float:
     return max(delay_ms, 0.0) / 1000.0
 
 
-class EchoCoreEngine(LLMEngine):
-    """Streams the prompt's token ids back, one per chunk."""
+class _EchoEngine(LLMEngine):
+    """What both echo engines share: the pacing delay and nothing to load or release."""
+
+    model_input: ModelInput
 
     def __init__(self, delay_s: float | None = None) -> None:
         self.delay_s = echo_delay_seconds() if delay_s is None else delay_s
 
     async def start(self, worker_id: int = 0) -> EngineConfig:
-        return EngineConfig(model_input="tokens")
+        return EngineConfig(model_input=self.model_input)
+
+    async def cleanup(self) -> None:
+        return None
+
+
+class EchoCoreEngine(_EchoEngine):
+    """Streams the prompt's token ids back, one per chunk."""
+
+    model_input = "tokens"
 
     async def generate(  # type: ignore[override]
         self, request: PreprocessedRequest, context: Context
@@ -57,9 +68,6 @@ class EchoCoreEngine(LLMEngine):
             yield LLMEngineOutput(token_ids=[tok])
         truncated = limit is not None and len(request.token_ids) > limit
         yield LLMEngineOutput(finish_reason="length" if truncated else "stop")
-
-    async def cleanup(self) -> None:
-        return None
 
 
 def _prompt_text(request: AnyRequest) -> str:
@@ -80,14 +88,10 @@ def _prompt_text(request: AnyRequest) -> str:
     raise InvalidArgument("echo_full needs a text prompt (it has no tokenizer)", param="prompt")
 
 
-class EchoFullEngine(LLMEngine):
+class EchoFullEngine(_EchoEngine):
     """Streams the last message (chat) or the prompt (completions) back, one character a chunk."""
 
-    def __init__(self, delay_s: float | None = None) -> None:
-        self.delay_s = echo_delay_seconds() if delay_s is None else delay_s
-
-    async def start(self, worker_id: int = 0) -> EngineConfig:
-        return EngineConfig(model_input="text")
+    model_input = "text"
 
     async def generate(  # type: ignore[override]
         self, request: AnyRequest, context: Context
@@ -106,6 +110,3 @@ class EchoFullEngine(LLMEngine):
         usage = CompletionUsage(prompt_tokens=len(text), completion_tokens=len(chars))
         finish = "length" if len(chars) < len(text) else "stop"
         yield LLMEngineOutput(finish_reason=finish, completion_usage=usage)
-
-    async def cleanup(self) -> None:
-        return None
