@@ -162,7 +162,7 @@ async def run_async(cfg: RunConfig) -> int:
             from dynamo_graph.inputs.batch import run_batch
 
             assert cfg.input_arg is not None
-            return await run_batch(pipeline, cfg.input_arg)
+            return await run_batch(pipeline, cfg.input_arg, ignore_eos=echo)
         if cfg.input == "stdin":
             from dynamo_graph.inputs.stdin import run_stdin
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -100,3 +101,21 @@ def test_gguf_model_serves_with_its_embedded_template(tiny_model: Path) -> None:
     result = run_cli(["run", "out=echo_core", str(gguf)], input_text="Hi there\n")
     assert result.returncode == 0, result.stderr
     assert "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>" in result.stdout
+
+
+def test_batch_with_echo_core_returns_whole_templates_in_order(tiny_model: Path, tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"question number {i}"}) for i in range(100)]
+    lines[41] = "{not json"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    result = run_cli(["run", f"in=batch:{prompts}", "out=echo_core", str(tiny_model)], timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"{prompts}:42:" in result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "output.jsonl").read_text().splitlines()]
+    assert len(rows) == 99
+    expected = [i for i in range(100) if i != 41]
+    assert [row["text"] for row in rows] == [f"question number {i}" for i in expected]
+    for row in rows:
+        # ignore_eos is set for echo engines, so the whole template comes back.
+        assert row["response"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert row["tokens_in"] == row["tokens_out"]
