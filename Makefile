@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench
+.PHONY: setup run test test-all lint bench llamacpp
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,16 @@ $(MODEL_DIR)/tokenizer.json: | $(BIN)/dyngraph
 run: setup $(MODEL_DIR)/tokenizer.json
 	$(BIN)/dyngraph run in=http out=echo_core $(MODEL_DIR) --http-port $(HTTP_PORT)
 
-test: setup
+# llama-cpp-python compiles for minutes from source; where the shared prebuilt wheel is present,
+# install it so the GGUF test runs against real llama.cpp (it skips otherwise).
+LLAMA_WHEELS ?= ../shared/wheels
+
+llamacpp: setup
+	@if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
+	else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): llama.cpp tests will skip"; fi
+
+test: setup llamacpp
 	$(BIN)/ruff check dynamo_graph tests benchmarks
 	$(BIN)/pytest -q
 
