@@ -102,9 +102,8 @@ class TokensPipeline(ModelPipeline):
                     prepared.cached_tokens = out.cached_tokens
                 text, finish = post.process(out)
                 prepared.completion_tokens = post.completion_tokens
-                if finish is not None:
-                    tail = post.finish()
-                    yield Delta(text + tail, finish)
+                if finish is not None:  # the postprocessor has flushed everything it held
+                    yield Delta(text, finish)
                     return
                 if text:
                     yield Delta(text)
