@@ -6,8 +6,10 @@ The two OpenAI generation routes go to plain ASGI handlers (openai_asgi.py); eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -102,6 +104,18 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
 
 
+class GracefulServer(uvicorn.Server):
+    """Exits normally after a graceful shutdown on SIGINT/SIGTERM. uvicorn re-raises the signal
+    once it has shut down, so the process would die "killed by SIGTERM" and a supervisor could
+    not tell a clean stop from a crash."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
@@ -115,4 +129,4 @@ def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
         log_level="warning",
         timeout_graceful_shutdown=30,
     )
-    return uvicorn.Server(config)
+    return GracefulServer(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc.wait_ready()
         yield proc
     finally:
-        proc.stop()
+        assert proc.stop() == 0, proc.log()
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +220,33 @@ def test_keep_alive_streams_do_not_stall(server: ServerProcess, model_name: str)
             times.append(time.perf_counter() - start)
     times.sort()
     assert times[len(times) // 2] < 0.035, times
+
+
+def test_sigterm_lets_inflight_stream_finish(tiny_model: Path, tmp_path: Path) -> None:
+    """SIGTERM mid-stream: the response still completes, then the process exits 0."""
+    proc = ServerProcess(
+        ["out=echo_core", "--model-path", str(tiny_model)],
+        env={"DYN_TOKEN_ECHO_DELAY_MS": "20"},
+        log_dir=tmp_path,
+    )
+    try:
+        proc.wait_ready()
+        body = {
+            "model": tiny_model.name,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "stream": True,
+            "nvext": {"ignore_eos": True},
+        }
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", f"{proc.base_url}/v1/chat/completions", json=body) as resp,
+        ):
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert '"finish_reason":"stop"' in "".join(rest)
+        assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+        assert proc.proc.wait(timeout=10) == 0
+    finally:
+        proc.stop()
