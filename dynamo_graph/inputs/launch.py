@@ -17,11 +17,8 @@ from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
-from dynamo_graph.llm.chat_template import ChatTemplate
-from dynamo_graph.llm.detokenizer import DetokenizerFactory
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
-from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, TokensPipeline
-from dynamo_graph.llm.preprocessor import Preprocessor
+from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -59,29 +56,14 @@ def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
         )
 
 
-def _tokens_pipeline(
-    cfg: RunConfig, engine: LLMEngine, engine_config: EngineConfig, model: LocalModel
-) -> TokensPipeline:
-    context_length = cfg.context_length or engine_config.context_length or model.context_length
-    card = ModelDeploymentCard.from_local_model(
+def _tokens_card(cfg: RunConfig, engine_config: EngineConfig, model: LocalModel) -> ModelDeploymentCard:
+    return ModelDeploymentCard.from_local_model(
         model,
         model_input="tokens",
-        context_length=context_length,
+        context_length=cfg.context_length or engine_config.context_length or model.context_length,
         kv_cache_block_size=cfg.kv_cache_block_size or engine_config.kv_cache_block_size or 16,
         migration_limit=cfg.migration_limit,
     )
-    tokenizer = model.load_tokenizer()
-    template = None
-    if model.chat_template:
-        template = ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
-    preprocessor = Preprocessor(
-        tokenizer=tokenizer,
-        chat_template=template,
-        eos_token_ids=model.eos_token_ids,
-        context_length=context_length,
-        model_name=card.display_name,
-    )
-    return TokensPipeline(card, engine, preprocessor, DetokenizerFactory(tokenizer))
 
 
 async def build_pipeline(cfg: RunConfig) -> tuple[ModelPipeline, LLMEngine]:
@@ -101,7 +83,7 @@ async def build_pipeline(cfg: RunConfig) -> tuple[ModelPipeline, LLMEngine]:
         engine_config = await engine.start()
         if engine_config.model_input == "tokens":
             assert model is not None
-            pipeline: ModelPipeline = _tokens_pipeline(cfg, engine, engine_config, model)
+            pipeline: ModelPipeline = tokens_pipeline(_tokens_card(cfg, engine_config, model), model, engine)
         else:
             context_length = cfg.context_length or engine_config.context_length
             if model is not None:

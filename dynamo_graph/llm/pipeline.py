@@ -18,7 +18,9 @@ from typing import Any, Protocol
 from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.detokenizer import DetokenizerFactory
+from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
 from dynamo_graph.llm.postprocessor import Postprocessor
 from dynamo_graph.llm.preprocessor import Preprocessor
@@ -113,6 +115,21 @@ class TokensPipeline(ModelPipeline):
                 # We stopped reading early (a stop condition, or our consumer went away).
                 context.stop_generating()
             await outputs.aclose()  # type: ignore[attr-defined]
+
+
+def tokens_pipeline(card: ModelDeploymentCard, model: LocalModel, backend: Backend) -> TokensPipeline:
+    """A Tokens-input model's pipeline: the card's limits, the model's tokenizer and template."""
+    tokenizer = model.load_tokenizer()
+    source = card.chat_template or model.chat_template
+    template = ChatTemplate(source, bos_token=model.bos_token, eos_token=model.eos_token) if source else None
+    preprocessor = Preprocessor(
+        tokenizer=tokenizer,
+        chat_template=template,
+        eos_token_ids=card.eos_token_ids or model.eos_token_ids,
+        context_length=card.context_length,
+        model_name=card.display_name,
+    )
+    return TokensPipeline(card, backend, preprocessor, DetokenizerFactory(tokenizer))
 
 
 class TextPipeline(ModelPipeline):

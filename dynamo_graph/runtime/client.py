@@ -1,0 +1,156 @@
+"""Calling an endpoint's instances: discovery keeps the instance list, a picker spreads requests.
+
+An instance that fails to connect or breaks a stream is dropped from routing at once (before
+its lease expires) and comes back only when discovery announces it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.router.push import InstancePicker
+from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
+from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
+
+if TYPE_CHECKING:
+    from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord
+
+log = logging.getLogger(__name__)
+_encode = msgspec.msgpack.encode
+_decode_any = msgspec.msgpack.Decoder()
+
+
+class NoInstances(EngineError):
+    code = "no_instances"
+    http_status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class Client:
+    def __init__(
+        self, runtime: DistributedRuntime, name: EndpointName, *, router_mode: str = "round-robin"
+    ) -> None:
+        from dynamo_graph.runtime.runtime import InstanceRecord
+
+        self.runtime = runtime
+        self.name = name
+        self.picker = InstancePicker(router_mode)
+        self._random = InstancePicker("random")
+        self._round_robin = InstancePicker("round-robin")
+        self._record_decoder = msgspec.json.Decoder(InstanceRecord)
+        self.instances: dict[int, InstanceRecord] = {}
+        self._ordered: list[int] = []
+        self._changed = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        discovery = self.runtime.discovery
+        if discovery is None:
+            raise EngineError(
+                f"{self.name}: a static runtime has no discovery; use a static endpoint address"
+            )
+        self._watch_task = asyncio.create_task(self._watch(), name=f"watch {self.name}")
+
+    def add_static(self, record: InstanceRecord) -> None:
+        """Route to a known address with no discovery (static mode)."""
+        self._set(record.instance_id, record)
+
+    async def _watch(self) -> None:
+        assert self.runtime.discovery is not None
+        async for event in self.runtime.discovery.watch_prefix(self.name.instances_prefix()):
+            instance_id = instance_id_from_key(event.key)
+            if event.kind == "put" and event.value is not None:
+                try:
+                    self._set(instance_id, self._record_decoder.decode(event.value))
+                except msgspec.DecodeError as err:
+                    log.warning("ignoring malformed instance record %s: %s", event.key, err)
+            else:
+                self._drop(instance_id)
+
+    def _set(self, instance_id: int, record: InstanceRecord) -> None:
+        self.instances[instance_id] = record
+        self._ordered = sorted(self.instances)
+        self._changed.set()
+
+    def _drop(self, instance_id: int) -> None:
+        if self.instances.pop(instance_id, None) is not None:
+            self._ordered = sorted(self.instances)
+            self._changed.set()
+
+    def instance_ids(self) -> list[int]:
+        return list(self._ordered)
+
+    def report_instance_down(self, instance_id: int) -> None:
+        """Stop routing to an instance that failed us; discovery re-adds it if it is alive."""
+        if instance_id in self.instances:
+            log.warning("%s: instance %x is unreachable, removing it from routing", self.name, instance_id)
+            self._drop(instance_id)
+
+    async def wait_for_instances(self, timeout_s: float | None = None) -> list[int]:
+        async def wait() -> list[int]:
+            while not self._ordered:
+                self._changed.clear()
+                await self._changed.wait()
+            return self.instance_ids()
+
+        return await asyncio.wait_for(wait(), timeout_s)
+
+    def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
+        candidates = [i for i in self._ordered if not exclude or i not in exclude]
+        if not candidates:
+            raise NoInstances(f"no instances of {self.name} are available")
+        return (picker or self.picker).pick(candidates)
+
+    async def generate(
+        self,
+        request: Any,
+        *,
+        instance_id: int | None = None,
+        context: Context | None = None,
+        response_type: type | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[Any]:
+        """Send `request` to one instance (the picker's choice, or `instance_id`) and stream its
+        responses. Connection failures take the instance out of routing and re-raise."""
+        target = self.pick() if instance_id is None else instance_id
+        record = self.instances.get(target)
+        if record is None:
+            raise NoInstances(f"instance {target:x} of {self.name} is not known")
+        decode = msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
+        client = self.runtime.client_for(record.transport)
+        ctx = context or Context()
+        stream = client.stream(record.transport, record.subject, _encode(request), {}, ctx, timeout_s)
+        try:
+            async for payload in stream:
+                yield decode(payload)
+        except (CannotConnect, StreamBroken):
+            self.report_instance_down(target)
+            raise
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    # Dynamo's Python client spells routing choices as methods returning a stream.
+    async def random(self, request: Any, context: Context | None = None) -> AsyncIterator[Any]:
+        return self.generate(request, instance_id=self.pick(picker=self._random), context=context)
+
+    async def round_robin(self, request: Any, context: Context | None = None) -> AsyncIterator[Any]:
+        return self.generate(request, instance_id=self.pick(picker=self._round_robin), context=context)
+
+    async def direct(
+        self, request: Any, instance_id: int, context: Context | None = None
+    ) -> AsyncIterator[Any]:
+        return self.generate(request, instance_id=instance_id, context=context)
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task

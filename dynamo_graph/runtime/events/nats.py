@@ -1,0 +1,158 @@
+"""Event plane over core NATS (many machines): one subject per topic, fire-and-forget.
+
+Subjects are `dyn.events.{namespace}.{component}.{topic}` with each part reduced to one subject
+token (characters other than letters, digits, '_' and '-' become '_'), so any topic is a valid
+subject; the exact topic rides in a header when it differs. The publisher id and a per-publisher
+sequence number ride in headers so that subscribers can count what they missed.
+
+A subscriber subscribes to the whole channel (`dyn.events.{ns}.{comp}.>`) and filters by topic
+prefix itself: NATS matches whole tokens only, and the other planes match string prefixes. Its
+subscription is bounded (`pending_msgs_limit`); when it falls behind, nats-py drops the newest
+messages (a "slow consumer") and the publisher is never held up.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Sequence
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
+from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
+
+log = logging.getLogger(__name__)
+
+SUBJECT_ROOT = "dyn.events"
+HEADER_PUBLISHER = "Dyn-Publisher"
+HEADER_SEQ = "Dyn-Seq"
+HEADER_TOPIC = "Dyn-Topic"
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def subject_token(text: str) -> str:
+    """One NATS subject token: no '.', wildcards or whitespace, never empty."""
+    return _NOT_TOKEN.sub("_", text) or "_"
+
+
+def channel_subject(namespace: str, component: str) -> str:
+    return f"{SUBJECT_ROOT}.{subject_token(namespace)}.{subject_token(component)}"
+
+
+async def _connect(nats_url: str, name: str, **options: object) -> Client:
+    """Reconnect forever once connected (events published meanwhile are lost, as the plane
+    allows), but fail the first connect with a message that names the URL."""
+    try:
+        return await nats.connect(
+            nats_url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
+        )
+    except (OSError, nats.errors.Error) as exc:
+        raise ConnectionError(f"event plane: cannot connect to NATS at {nats_url}: {exc}") from exc
+
+
+class NatsEventPublisher(EventPublisher):
+    def __init__(self, nc: Client, channel: str, publisher_id: int) -> None:
+        self.publisher_id = publisher_id
+        self.dropped = 0
+        """Events not sent because the connection was down and its outbound buffer full."""
+        self._nc = nc
+        self._channel = channel
+        self._publisher_hex = f"{publisher_id:x}"
+        self._seq = 0
+
+    @classmethod
+    async def create(
+        cls, nats_url: str, namespace: str, component: str, publisher_id: int
+    ) -> NatsEventPublisher:
+        nc = await _connect(nats_url, f"dyn-events-pub-{namespace}.{component}.{publisher_id:x}")
+        return cls(nc, channel_subject(namespace, component), publisher_id)
+
+    async def publish(self, topic: str, payload: bytes) -> None:
+        self._seq += 1
+        token = subject_token(topic)
+        headers = {HEADER_PUBLISHER: self._publisher_hex, HEADER_SEQ: str(self._seq)}
+        if token != topic:
+            headers[HEADER_TOPIC] = topic
+        try:
+            await self._nc.publish(f"{self._channel}.{token}", payload, headers=headers)
+        except nats.errors.OutboundBufferLimitError:
+            self.dropped += 1
+
+    async def close(self) -> None:
+        if not self._nc.is_closed:
+            await self._nc.flush()
+            await self._nc.close()
+
+
+class NatsEventSubscriber(EventSubscriber):
+    def __init__(self, topics: tuple[str, ...], channel: str) -> None:
+        self.topics = topics
+        self.slow_consumer_drops = 0
+        """Messages nats-py discarded because this subscription's buffer was full."""
+        self._gaps = GapCounter()
+        self._channel_prefix_len = len(channel) + 1
+        self._nc: Client | None = None
+        self._sub: nats.aio.subscription.Subscription | None = None
+
+    @property
+    def dropped(self) -> int:
+        """Events known lost, from sequence gaps (a loss shows once that publisher sends again)."""
+        return self._gaps.missed
+
+    @classmethod
+    async def create(
+        cls,
+        nats_url: str,
+        namespace: str,
+        component: str,
+        topics: Sequence[str],
+        *,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> NatsEventSubscriber:
+        channel = channel_subject(namespace, component)
+        self = cls(check_topics(topics), channel)
+        self._nc = await _connect(nats_url, f"dyn-events-sub-{namespace}.{component}", error_cb=self._error)
+        self._sub = await self._nc.subscribe(
+            f"{channel}.>", pending_msgs_limit=max_pending, pending_bytes_limit=0
+        )
+        await self._nc.flush()  # the server has the subscription once this returns
+        return self
+
+    async def _error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            if self.slow_consumer_drops == 0:
+                log.warning("event subscriber on %s is too slow: dropping events", exc.subject)
+            self.slow_consumer_drops += 1
+        else:
+            log.warning("event subscriber NATS connection: %s", exc)
+
+    def _event(self, msg: Msg) -> Event | None:
+        headers = msg.headers or {}
+        topic = headers.get(HEADER_TOPIC) or msg.subject[self._channel_prefix_len :]
+        if not topic.startswith(self.topics):
+            return None
+        try:
+            publisher_id = int(headers[HEADER_PUBLISHER], 16)
+            self._gaps.see(publisher_id, int(headers[HEADER_SEQ]))
+        except (KeyError, ValueError):
+            log.warning("dropping an event without valid publisher/seq headers on %s", msg.subject)
+            return None
+        return Event(topic, msg.data, publisher_id)
+
+    async def events(self) -> AsyncIterator[Event]:
+        if self._sub is None:
+            return
+        async for msg in self._sub.messages:
+            event = self._event(msg)
+            if event is not None:
+                yield event
+
+    async def close(self) -> None:
+        sub, nc, self._sub, self._nc = self._sub, self._nc, None, None
+        if sub is not None and nc is not None and not nc.is_closed:
+            await sub.unsubscribe()
+            await nc.close()
