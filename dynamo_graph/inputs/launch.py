@@ -10,17 +10,21 @@ import logging
 import signal
 import sys
 from contextlib import suppress
+from dataclasses import dataclass
 
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
+from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
+from dynamo_graph.runtime.names import EndpointName
 
 log = logging.getLogger(__name__)
+WAIT_FOR_MODEL_S = 60.0
 console = Console(stderr=True)
 
 # Flags that configure parts this process does not have with one in-process engine.
@@ -56,17 +60,38 @@ def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
         )
 
 
-def _tokens_card(cfg: RunConfig, engine_config: EngineConfig, model: LocalModel) -> ModelDeploymentCard:
+@dataclass
+class StartedEngine:
+    """An engine started for one model, with the card it serves under."""
+
+    engine: LLMEngine
+    config: EngineConfig
+    card: ModelDeploymentCard
+    model: LocalModel | None
+
+    def pipeline(self) -> ModelPipeline:
+        if self.config.model_input == "tokens":
+            assert self.model is not None
+            return tokens_pipeline(self.card, self.model, self.engine)
+        return TextPipeline(self.card, self.engine)
+
+
+def _card(
+    cfg: RunConfig, engine_name: str, config: EngineConfig, model: LocalModel | None
+) -> ModelDeploymentCard:
+    context_length = cfg.context_length or config.context_length
+    if model is None:
+        return ModelDeploymentCard.without_files(cfg.model_name or engine_name, context_length=context_length)
     return ModelDeploymentCard.from_local_model(
         model,
-        model_input="tokens",
-        context_length=cfg.context_length or engine_config.context_length or model.context_length,
-        kv_cache_block_size=cfg.kv_cache_block_size or engine_config.kv_cache_block_size or 16,
+        model_input=config.model_input,
+        context_length=context_length or model.context_length,
+        kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
         migration_limit=cfg.migration_limit,
     )
 
 
-async def build_pipeline(cfg: RunConfig) -> tuple[ModelPipeline, LLMEngine]:
+async def start_engine(cfg: RunConfig) -> StartedEngine:
     engine_name = cfg.output or default_engine()
     spec = get_engine_spec(engine_name)
     if spec.needs_model and not cfg.model_path:
@@ -80,25 +105,11 @@ async def build_pipeline(cfg: RunConfig) -> tuple[ModelPipeline, LLMEngine]:
         model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
     engine = create_engine(engine_name)
     try:
-        engine_config = await engine.start()
-        if engine_config.model_input == "tokens":
-            assert model is not None
-            pipeline: ModelPipeline = tokens_pipeline(_tokens_card(cfg, engine_config, model), model, engine)
-        else:
-            context_length = cfg.context_length or engine_config.context_length
-            if model is not None:
-                card = ModelDeploymentCard.from_local_model(
-                    model, model_input="text", context_length=context_length
-                )
-            else:
-                card = ModelDeploymentCard.without_files(
-                    cfg.model_name or engine_name, context_length=context_length
-                )
-            pipeline = TextPipeline(card, engine)
+        config = await engine.start()
+        return StartedEngine(engine, config, _card(cfg, engine_name, config, model), model)
     except BaseException:
         await engine.cleanup()
         raise
-    return pipeline, engine
 
 
 async def _wait_for_signal() -> None:
@@ -109,52 +120,108 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _serve_http(cfg: RunConfig, pipeline: ModelPipeline) -> None:
+async def _serve_http(cfg: RunConfig, registry: ModelRegistry) -> None:
     from dynamo_graph.frontend.app import FrontendApp, make_server
-    from dynamo_graph.frontend.models import ModelRegistry
 
-    registry = ModelRegistry()
-    registry.add(pipeline)
     server = make_server(FrontendApp(registry), cfg.http_host, cfg.http_port)
+    names = ", ".join(registry.names()) or "models as workers appear"
     console.print(
-        f"[bold green]dyngraph[/] serving model [bold]{pipeline.name}[/] on "
-        f"http://{cfg.http_host}:{cfg.http_port}/v1 (Ctrl-C to stop)"
+        f"[bold green]dyngraph[/] serving {names} on http://{cfg.http_host}:{cfg.http_port}/v1"
+        " (Ctrl-C to stop)"
     )
     await server.serve()
 
 
+async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline, *, echo: bool) -> int:
+    """Run a non-HTTP input against one model's pipeline."""
+    if cfg.input == "none":
+        console.print(f"engine {cfg.output} ready for model {pipeline.name}; waiting for a signal")
+        await _wait_for_signal()
+        return 0
+    if cfg.input == "batch":
+        from dynamo_graph.inputs.batch import run_batch
+
+        assert cfg.input_arg is not None
+        return await run_batch(pipeline, cfg.input_arg, ignore_eos=echo)
+    if cfg.input == "stdin":
+        from dynamo_graph.inputs.stdin import run_stdin
+
+        return await run_stdin(pipeline, sys.stdin.read(), ignore_eos=echo)
+    from dynamo_graph.inputs.text import run_text
+
+    return await run_text(pipeline, ignore_eos=echo)
+
+
+def _discovers_workers(cfg: RunConfig) -> bool:
+    return cfg.output == "auto" or (cfg.output or "").startswith("dyn://")
+
+
+async def _first_model(registry: ModelRegistry, timeout_s: float) -> ModelPipeline:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not registry.names():
+        if asyncio.get_running_loop().time() > deadline:
+            raise RunConfigError(f"no model was registered by any worker within {timeout_s:.0f}s")
+        await asyncio.sleep(0.05)
+    pipeline = registry.get(registry.names()[0])
+    assert pipeline is not None
+    return pipeline
+
+
+async def _run_frontend(cfg: RunConfig) -> int:
+    """`out=auto` / `out=dyn://ns.comp.ep`: serve the models that workers register."""
+    from dynamo_graph.frontend.model_watcher import ModelWatcher
+    from dynamo_graph.runtime.runtime import DistributedRuntime
+
+    only = EndpointName.parse(cfg.output) if cfg.output and cfg.output.startswith("dyn://") else None
+    runtime = await DistributedRuntime.create()
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router_mode=cfg.router_mode, only_endpoint=only)
+    watch = asyncio.create_task(watcher.run(), name="model watcher")
+    try:
+        if cfg.input == "http":
+            await _serve_http(cfg, registry)
+            return 0
+        return await _drive_input(cfg, await _first_model(registry, WAIT_FOR_MODEL_S), echo=False)
+    finally:
+        watch.cancel()
+        with suppress(asyncio.CancelledError):
+            await watch
+        await watcher.close()
+        await runtime.close()
+
+
 async def run_async(cfg: RunConfig) -> int:
     if cfg.input == "dyn":
-        raise RunConfigError(
-            f"in={cfg.input_arg}: serving as a distributed worker needs the distributed "
-            "runtime, which this version of dyngraph does not have yet"
-        )
-    pipeline, engine = await build_pipeline(cfg)
+        if _discovers_workers(cfg):
+            raise RunConfigError(
+                f"in={cfg.input_arg} serves an engine: give out=ENGINE, not out={cfg.output}"
+            )
+        from dynamo_graph.inputs.endpoint import serve_worker
+
+        assert cfg.input_arg is not None
+        name = EndpointName.parse(cfg.input_arg)
+        started = await start_engine(cfg)
+        try:
+            return await serve_worker(cfg, name, started.engine, started.config, started.card)
+        finally:
+            with suppress(Exception):
+                await started.engine.cleanup()
+    if _discovers_workers(cfg):
+        return await _run_frontend(cfg)
+    started = await start_engine(cfg)
+    pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.
     echo = (cfg.output or "").startswith("echo")
     try:
         if cfg.input == "http":
-            await _serve_http(cfg, pipeline)
+            registry = ModelRegistry()
+            registry.add(pipeline)
+            await _serve_http(cfg, registry)
             return 0
-        if cfg.input == "none":
-            console.print(f"engine {cfg.output} ready for model {pipeline.name}; waiting for a signal")
-            await _wait_for_signal()
-            return 0
-        if cfg.input == "batch":
-            from dynamo_graph.inputs.batch import run_batch
-
-            assert cfg.input_arg is not None
-            return await run_batch(pipeline, cfg.input_arg, ignore_eos=echo)
-        if cfg.input == "stdin":
-            from dynamo_graph.inputs.stdin import run_stdin
-
-            return await run_stdin(pipeline, sys.stdin.read(), ignore_eos=echo)
-        from dynamo_graph.inputs.text import run_text
-
-        return await run_text(pipeline, ignore_eos=echo)
+        return await _drive_input(cfg, pipeline, echo=echo)
     finally:
         with suppress(Exception):
-            await engine.cleanup()
+            await started.engine.cleanup()
 
 
 def run(cfg: RunConfig) -> int:

@@ -47,6 +47,8 @@ class Client:
         self._round_robin = InstancePicker("round-robin")
         self._record_decoder = msgspec.json.Decoder(InstanceRecord)
         self.instances: dict[int, InstanceRecord] = {}
+        # When set, only these instances are routed to (e.g. those whose model card was accepted).
+        self.allowed: set[int] | None = None
         self._ordered: list[int] = []
         self._changed = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
@@ -86,7 +88,8 @@ class Client:
             self._changed.set()
 
     def instance_ids(self) -> list[int]:
-        return list(self._ordered)
+        allowed = self.allowed
+        return [i for i in self._ordered if allowed is None or i in allowed]
 
     def report_instance_down(self, instance_id: int) -> None:
         """Stop routing to an instance that failed us; discovery re-adds it if it is alive."""
@@ -96,7 +99,7 @@ class Client:
 
     async def wait_for_instances(self, timeout_s: float | None = None) -> list[int]:
         async def wait() -> list[int]:
-            while not self._ordered:
+            while not self.instance_ids():
                 self._changed.clear()
                 await self._changed.wait()
             return self.instance_ids()
@@ -104,7 +107,12 @@ class Client:
         return await asyncio.wait_for(wait(), timeout_s)
 
     def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
-        candidates = [i for i in self._ordered if not exclude or i not in exclude]
+        allowed = self.allowed
+        candidates = [
+            i
+            for i in self._ordered
+            if (allowed is None or i in allowed) and (not exclude or i not in exclude)
+        ]
         if not candidates:
             raise NoInstances(f"no instances of {self.name} are available")
         return (picker or self.picker).pick(candidates)

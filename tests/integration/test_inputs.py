@@ -26,7 +26,7 @@ from dynamo_graph.backend.protocol import LLMEngineOutput
 from dynamo_graph.engines.echo import EchoFullEngine
 from dynamo_graph.inputs.batch import run_batch
 from dynamo_graph.inputs.config import RunConfig
-from dynamo_graph.inputs.launch import build_pipeline
+from dynamo_graph.inputs.launch import start_engine
 from dynamo_graph.inputs.stdin import run_stdin
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.openai import AnyRequest
@@ -48,11 +48,11 @@ def echo_full_pipeline(delay_s: float = 0.0) -> TextPipeline:
 @pytest.fixture
 async def echo_core_pipeline(tiny_model: Path) -> AsyncIterator[ModelPipeline]:
     """The real tokens pipeline `dyngraph run out=echo_core MODEL` builds."""
-    pipeline, engine = await build_pipeline(RunConfig(output="echo_core", model_path=str(tiny_model)))
+    started = await start_engine(RunConfig(output="echo_core", model_path=str(tiny_model)))
     try:
-        yield pipeline
+        yield started.pipeline()
     finally:
-        await engine.cleanup()
+        await started.engine.cleanup()
 
 
 class FailingEngine:

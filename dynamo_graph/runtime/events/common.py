@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-DEFAULT_MAX_PENDING = 10_000
+DEFAULT_MAX_PENDING = 65_536
 """Events buffered per subscriber (and per publisher->subscriber pipe for zmq) before dropping."""
 
 
@@ -19,20 +19,21 @@ def check_topics(topics: Sequence[str]) -> tuple[str, ...]:
 
 
 class GapCounter:
-    """Counts events lost on the way, from the sequence numbers each publisher stamps (1, 2, ...).
-
-    Loss is only visible once a later event from the same publisher arrives. A sequence number
-    that goes backwards means the publisher restarted under the same id: it starts a new run."""
+    """Counts events lost on the way, from the sequence numbers (1, 2, ...) a publisher stamps on
+    each topic. Numbering per topic (not per publisher) keeps counting exact when a subscriber
+    sees only some topics. A loss shows once a later event on that topic arrives; a number that
+    goes backwards means the publisher restarted under the same id and starts a new run."""
 
     def __init__(self) -> None:
         self.missed = 0
-        self._last: dict[int, int] = {}
+        self._last: dict[int, dict[str, int]] = {}
 
-    def see(self, publisher_id: int, seq: int) -> None:
-        last = self._last.get(publisher_id)
+    def see(self, publisher_id: int, topic: str, seq: int) -> None:
+        topics = self._last.setdefault(publisher_id, {})
+        last = topics.get(topic)
         if last is not None and seq > last + 1:
             self.missed += seq - last - 1
-        self._last[publisher_id] = seq
+        topics[topic] = seq
 
     def forget(self, publisher_id: int) -> None:
         """The publisher is gone: drop its state so that ids do not pile up."""

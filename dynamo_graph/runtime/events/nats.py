@@ -2,8 +2,8 @@
 
 Subjects are `dyn.events.{namespace}.{component}.{topic}` with each part reduced to one subject
 token (characters other than letters, digits, '_' and '-' become '_'), so any topic is a valid
-subject; the exact topic rides in a header when it differs. The publisher id and a per-publisher
-sequence number ride in headers so that subscribers can count what they missed.
+subject; the exact topic rides in a header when it differs. The publisher id and a sequence number
+per publisher and topic ride in headers so that subscribers can count what they missed.
 
 A subscriber subscribes to the whole channel (`dyn.events.{ns}.{comp}.>`) and filters by topic
 prefix itself: NATS matches whole tokens only, and the other planes match string prefixes. Its
@@ -21,6 +21,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
 from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
@@ -31,6 +32,7 @@ SUBJECT_ROOT = "dyn.events"
 HEADER_PUBLISHER = "Dyn-Publisher"
 HEADER_SEQ = "Dyn-Seq"
 HEADER_TOPIC = "Dyn-Topic"
+MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription, on top of the message-count bound
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
 
 
@@ -62,7 +64,7 @@ class NatsEventPublisher(EventPublisher):
         self._nc = nc
         self._channel = channel
         self._publisher_hex = f"{publisher_id:x}"
-        self._seq = 0
+        self._seqs: dict[str, int] = {}
 
     @classmethod
     async def create(
@@ -72,9 +74,9 @@ class NatsEventPublisher(EventPublisher):
         return cls(nc, channel_subject(namespace, component), publisher_id)
 
     async def publish(self, topic: str, payload: bytes) -> None:
-        self._seq += 1
+        seq = self._seqs[topic] = self._seqs.get(topic, 0) + 1
         token = subject_token(topic)
-        headers = {HEADER_PUBLISHER: self._publisher_hex, HEADER_SEQ: str(self._seq)}
+        headers = {HEADER_PUBLISHER: self._publisher_hex, HEADER_SEQ: str(seq)}
         if token != topic:
             headers[HEADER_TOPIC] = topic
         try:
@@ -96,11 +98,12 @@ class NatsEventSubscriber(EventSubscriber):
         self._gaps = GapCounter()
         self._channel_prefix_len = len(channel) + 1
         self._nc: Client | None = None
-        self._sub: nats.aio.subscription.Subscription | None = None
+        self._sub: Subscription | None = None
 
     @property
     def dropped(self) -> int:
-        """Events known lost, from sequence gaps (a loss shows once that publisher sends again)."""
+        """Events known lost, from sequence gaps (a loss shows once that topic's publisher sends
+        again). Includes `slow_consumer_drops` once they show."""
         return self._gaps.missed
 
     @classmethod
@@ -117,7 +120,7 @@ class NatsEventSubscriber(EventSubscriber):
         self = cls(check_topics(topics), channel)
         self._nc = await _connect(nats_url, f"dyn-events-sub-{namespace}.{component}", error_cb=self._error)
         self._sub = await self._nc.subscribe(
-            f"{channel}.>", pending_msgs_limit=max_pending, pending_bytes_limit=0
+            f"{channel}.>", pending_msgs_limit=max_pending, pending_bytes_limit=MAX_PENDING_BYTES
         )
         await self._nc.flush()  # the server has the subscription once this returns
         return self
@@ -137,7 +140,7 @@ class NatsEventSubscriber(EventSubscriber):
             return None
         try:
             publisher_id = int(headers[HEADER_PUBLISHER], 16)
-            self._gaps.see(publisher_id, int(headers[HEADER_SEQ]))
+            self._gaps.see(publisher_id, topic, int(headers[HEADER_SEQ]))
         except (KeyError, ValueError):
             log.warning("dropping an event without valid publisher/seq headers on %s", msg.subject)
             return None

@@ -149,7 +149,16 @@ class FrameWriter:
     growing memory. The local buffer itself is flushed at once beyond `flush_bytes`.
     """
 
-    __slots__ = ("_buf", "_closed", "_drain_waiters", "_flush_bytes", "_loop", "_paused", "_scheduled", "_transport")
+    __slots__ = (
+        "_buf",
+        "_closed",
+        "_drain_waiters",
+        "_flush_bytes",
+        "_loop",
+        "_paused",
+        "_scheduled",
+        "_transport",
+    )
 
     def __init__(self, transport: asyncio.WriteTransport, flush_bytes: int = 256 * 1024) -> None:
         self._transport = transport

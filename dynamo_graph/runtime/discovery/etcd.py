@@ -1,0 +1,260 @@
+"""etcd discovery: one lease per process with keepalive, list-then-watch, re-grant after loss.
+
+The client is etcd3aio (asyncio, grpc.aio), kept behind this small class so that it can be swapped
+for aetcd (shared/notes/SERVICES.md). What etcd3aio does and does not do for us:
+- Watches reconnect by themselves and resume from the last seen revision + 1, so a watcher misses
+  nothing across an etcd restart. A watch whose revision was compacted is cancelled by etcd and
+  etcd3aio would then wait forever; we list again, diff and watch anew.
+- `LeaseKeepalive` only logs errors; it reports a lost lease through `.alive`. When the lease is
+  gone (this process was cut off from etcd for longer than the TTL), we grant a new one and put
+  every key we own again. The lease id changes then; instance ids do not, because the runtime
+  chooses them (names.new_instance_id) and they are not the lease.
+- Unary calls fail with EtcdConnectionError while the grpc channel reconnects (about 0.15 s after
+  an etcd restart with our channel settings, about 2 s with grpc's defaults); writes retry with
+  backoff for a bounded time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
+
+from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError, WatchEvent
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_DELETE = 1  # mvccpb.Event.DELETE (PUT is 0)
+_WRITE_RETRY_S = 5.0  # how long a write waits for etcd to come back before it fails
+_RETRY_MAX_BACKOFF_S = 1.0
+# grpc's defaults back off up to 120 s between reconnect attempts; after a long etcd outage the
+# channel would stay down long after etcd is back. etcd3aio has no hook for channel options.
+_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`http://host:port` or `host:port` -> (host, port). TLS (https) is not supported yet."""
+    text = endpoint.strip()
+    parts = urlsplit(text if "://" in text else f"http://{text}")
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise DiscoveryError(
+            f"etcd endpoint {endpoint!r}: expected http://host:port or host:port (https is not supported)"
+        )
+    try:
+        port = parts.port or 2379
+    except ValueError as exc:
+        raise DiscoveryError(f"etcd endpoint {endpoint!r}: bad port") from exc
+    return parts.hostname, port
+
+
+def _is_lease_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and "lease not found" in (exc.details() or "")
+
+
+class EtcdDiscovery(Discovery):
+    """Keys live on this process's etcd lease; `_owned` remembers them to put them again after a
+    re-grant."""
+
+    backend = "etcd"
+
+    def __init__(self, endpoints: list[str], *, ttl_s: int = 10) -> None:
+        if not endpoints:
+            raise DiscoveryError("etcd discovery needs at least one endpoint")
+        if ttl_s < 1:
+            raise DiscoveryError(f"etcd lease TTL must be at least 1 s, got {ttl_s}")
+        self._endpoints = [parse_endpoint(e) for e in endpoints]
+        self._ttl_s = int(ttl_s)
+        self._client: Etcd3Client | None = None
+        self._lease: int | None = None
+        self._owned: dict[str, bytes] = {}
+        self._write_lock = asyncio.Lock()
+        self._lease_lost = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._keeper: asyncio.Task[None] | None = None
+
+    @property
+    def lease_id(self) -> int:
+        if self._lease is None:
+            raise DiscoveryError("etcd discovery is not started")
+        return self._lease
+
+    @property
+    def _etcd(self) -> Etcd3Client:
+        if self._client is None or self._closed.is_set():
+            raise DiscoveryError("etcd discovery is not started or already closed")
+        return self._client
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        targets = []
+        for host, port in self._endpoints:
+            # etcd3aio dials `ipv4:host:port`, which takes addresses only: resolve names here.
+            try:
+                infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise DiscoveryError(f"etcd endpoint {host}:{port}: cannot resolve ({exc})") from exc
+            targets.append(f"{infos[0][4][0]}:{port}")
+        client = Etcd3Client(
+            targets, watch_reconnect_backoff_seconds=0.1, watch_max_reconnect_backoff_seconds=1.0
+        )
+        manager = getattr(client, "_manager", None)
+        if manager is not None:
+            manager.grpc_options += _CHANNEL_OPTIONS
+        await client.connect()
+        self._client = client
+        try:
+            self._lease = await self._retry("grant a lease", self._grant)
+        except DiscoveryError:
+            await client.close()
+            self._client = None
+            raise
+        self._keeper = asyncio.create_task(self._keep_lease(), name="etcd-lease-keeper")
+
+    async def _grant(self) -> int:
+        resp = await self._etcd.lease.grant(self._ttl_s, timeout=self._ttl_s)
+        return int(resp.ID)
+
+    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Retry while etcd is unreachable (e.g. its first second after a restart), up to
+        _WRITE_RETRY_S. A write on a lost lease wakes the keeper and waits for the new lease."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _WRITE_RETRY_S
+        backoff = 0.05
+        while True:
+            try:
+                return await call()
+            except (EtcdConnectionError, EtcdTransientError, grpc.aio.AioRpcError) as exc:
+                retriable = isinstance(exc, EtcdConnectionError | EtcdTransientError)
+                if _is_lease_not_found(exc):
+                    self._lease_lost.set()
+                    retriable = True
+                if not retriable or loop.time() + backoff > deadline:
+                    targets = ", ".join(f"{h}:{p}" for h, p in self._endpoints)
+                    raise DiscoveryError(f"etcd at {targets}: cannot {what}: {exc}") from exc
+            except EtcdError as exc:
+                raise DiscoveryError(f"etcd: cannot {what}: {exc}") from exc
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _RETRY_MAX_BACKOFF_S)
+
+    async def _keep_lease(self) -> None:
+        """Keep the lease alive; when etcd says it is gone, grant a new one and re-put our keys."""
+        check_s = min(1.0, self._ttl_s / 4)
+        while not self._closed.is_set():
+            lease = self.lease_id
+            async with self._etcd.lease.keep_alive_context(lease, self._ttl_s) as keepalive:
+                while keepalive.alive and not self._lease_lost.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._closed.wait(), check_s)
+                    if self._closed.is_set():
+                        return
+            log.warning("etcd lease %x lost; granting a new one and registering %d keys again",
+                        lease, len(self._owned))
+            await self._regrant()
+
+    async def _regrant(self) -> None:
+        """Grant and re-put until etcd answers (capped backoff with jitter, no limit: the process
+        must come back whenever etcd does). Keys re-put on a newer lease leave the older one."""
+        backoff = 0.1
+        while True:
+            try:
+                self._lease = await self._grant()
+                self._lease_lost.clear()
+                async with self._write_lock:
+                    for key, value in list(self._owned.items()):
+                        await self._put_raw(key, value)
+                return
+            except (EtcdError, grpc.aio.AioRpcError) as exc:
+                log.warning("etcd lease re-grant failed (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 5.0)
+
+    async def _put_raw(self, key: str, value: bytes) -> None:
+        await self._etcd.kv.put(key, value, lease=self.lease_id)
+
+    async def put(self, key: str, value: bytes) -> None:
+        async with self._write_lock:
+            self._owned[key] = value
+            await self._retry(f"put {key}", lambda: self._put_raw(key, value))
+
+    async def delete(self, key: str) -> None:
+        async with self._write_lock:
+            self._owned.pop(key, None)
+            await self._retry(f"delete {key}", lambda: self._etcd.kv.delete(key))
+
+    async def _range(self, prefix: str) -> Any:
+        return await self._retry(
+            f"list {prefix}", lambda: self._etcd.kv.get(prefix, range_end=prefix_range_end(prefix))
+        )
+
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        resp = await self._range(prefix)
+        return {kv.key.decode(): bytes(kv.value) for kv in resp.kvs}
+
+    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        """List, then watch from the listed revision + 1. If etcd cancels the watch (its start
+        revision was compacted), list again and emit the difference before watching anew."""
+        known: dict[str, bytes] = {}
+        while not self._closed.is_set():
+            resp = await self._range(prefix)
+            listed = {kv.key.decode(): bytes(kv.value) for kv in resp.kvs}
+            for key in [k for k in known if k not in listed]:
+                del known[key]
+                yield WatchEvent("delete", key, None)
+            for key, value in listed.items():
+                if known.get(key) != value:
+                    known[key] = value
+                    yield WatchEvent("put", key, value)
+            stream = self._etcd.watch.watch(
+                prefix, range_end=prefix_range_end(prefix), start_revision=resp.header.revision + 1
+            )
+            try:
+                async with contextlib.aclosing(stream):
+                    async for wresp in stream:
+                        for ev in wresp.events:
+                            key = ev.kv.key.decode()
+                            if ev.type == _DELETE:
+                                if known.pop(key, None) is not None:
+                                    yield WatchEvent("delete", key, None)
+                            else:
+                                known[key] = bytes(ev.kv.value)
+                                yield WatchEvent("put", key, known[key])
+                        if wresp.canceled:
+                            log.warning("etcd watch on %s cancelled (%s); listing again", prefix,
+                                        wresp.cancel_reason or f"compacted at {wresp.compact_revision}")
+                            break
+            except (grpc.aio.AioRpcError, EtcdError, DiscoveryError):
+                if self._closed.is_set():
+                    return
+                raise
+
+    async def close(self) -> None:
+        if self._closed.is_set() or self._client is None:
+            self._closed.set()
+            return
+        self._closed.set()
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+        if self._lease is not None:
+            try:  # revoking deletes our keys at once; if etcd is down they go after the TTL
+                await self._client.lease.revoke(self._lease, timeout=2.0)
+            except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
+                log.warning("etcd lease %x not revoked (%s); its keys expire after %d s",
+                            self._lease, exc, self._ttl_s)
+        self._owned.clear()
+        await self._client.close()
