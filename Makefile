@@ -1,13 +1,13 @@
 # Set-up lives here so the README's two commands work on a fresh machine:
 #   make run   -> venv + install + tiny model, then `dyngraph run in=http out=echo_core` on it
-#   make test  -> venv + install, then the default (fast) test suite
+#   make test  -> venv + install (+ etcd, nats-server from Debian), then the default (fast) test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench llamacpp
+.PHONY: setup run test test-all lint bench llamacpp services
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,14 @@ llamacpp: setup
 	  $(BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
 	else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): llama.cpp tests will skip"; fi
 
-test: setup llamacpp
+# etcd and nats-server back the distributed tests (Debian packages; CI runs as root).
+services:
+	@if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server nats-server; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server nats-server; fi; \
+	fi
+
+test: setup llamacpp services
 	$(BIN)/ruff check dynamo_graph tests benchmarks
 	$(BIN)/pytest -q
 

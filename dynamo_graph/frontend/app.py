@@ -57,7 +57,7 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     async def health() -> JSONResponse:
         names = models.names()
         status = "healthy" if names else "unhealthy"
-        body = {"status": status, "models": names}
+        body = {"status": status, "models": names, "details": models.health()}
         return JSONResponse(body, status_code=200 if names else 503)
 
     @api.get("/live")

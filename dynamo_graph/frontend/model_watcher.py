@@ -52,6 +52,17 @@ def build_remote_pipeline(card: ModelDeploymentCard, client: Client) -> ModelPip
     return tokens_pipeline(card, model, RemoteTokensBackend(client))
 
 
+def _instances_report(client: Client) -> list[dict]:
+    return [
+        {
+            "instance_id": f"{i:x}",
+            "transport": client.instances[i].transport,
+            "requests": client.sent.get(i, 0),
+        }
+        for i in client.instance_ids()
+    ]
+
+
 class ModelWatcher:
     def __init__(
         self,
@@ -97,7 +108,7 @@ class ModelWatcher:
                 return
             await client.start()
             model = self._models[name] = _Model(checksum=card.mdcsum(), client=client)
-            self.registry.add(pipeline)
+            self.registry.add(pipeline, instances=lambda c=client: _instances_report(c))
             log.info("model %r added (endpoint %s)", name, endpoint)
         elif card.mdcsum() != model.checksum:
             log.error(

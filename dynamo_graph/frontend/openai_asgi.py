@@ -131,6 +131,14 @@ class OpenAIHandler:
                 raise HTTPError(
                     404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found"
                 )
+            if self.kind not in pipeline.card.model_type:
+                raise HTTPError(
+                    400,
+                    f"The model `{request.model}` does not serve this endpoint; it serves "
+                    f"{', '.join(pipeline.card.model_type)}",
+                    param="model",
+                    code="wrong_endpoint",
+                )
             prepared = self._prepare(pipeline, request)
         except HTTPError as err:
             await send_json(send, err.status, err.body())

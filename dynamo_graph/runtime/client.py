@@ -49,6 +49,8 @@ class Client:
         self.instances: dict[int, InstanceRecord] = {}
         # When set, only these instances are routed to (e.g. those whose model card was accepted).
         self.allowed: set[int] | None = None
+        # Requests sent to each instance (for /health and for checking how load spreads).
+        self.sent: dict[int, int] = {}
         self._ordered: list[int] = []
         self._changed = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
@@ -134,6 +136,7 @@ class Client:
             raise NoInstances(f"instance {target:x} of {self.name} is not known")
         decode = msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
         client = self.runtime.client_for(record.transport)
+        self.sent[target] = self.sent.get(target, 0) + 1
         ctx = context or Context()
         stream = client.stream(record.transport, record.subject, _encode(request), {}, ctx, timeout_s)
         try:

@@ -161,8 +161,11 @@ class EtcdDiscovery(Discovery):
                         await asyncio.wait_for(self._closed.wait(), check_s)
                     if self._closed.is_set():
                         return
-            log.warning("etcd lease %x lost; granting a new one and registering %d keys again",
-                        lease, len(self._owned))
+            log.warning(
+                "etcd lease %x lost; granting a new one and registering %d keys again",
+                lease,
+                len(self._owned),
+            )
             await self._regrant()
 
     async def _regrant(self) -> None:
@@ -233,8 +236,11 @@ class EtcdDiscovery(Discovery):
                                 known[key] = bytes(ev.kv.value)
                                 yield WatchEvent("put", key, known[key])
                         if wresp.canceled:
-                            log.warning("etcd watch on %s cancelled (%s); listing again", prefix,
-                                        wresp.cancel_reason or f"compacted at {wresp.compact_revision}")
+                            log.warning(
+                                "etcd watch on %s cancelled (%s); listing again",
+                                prefix,
+                                wresp.cancel_reason or f"compacted at {wresp.compact_revision}",
+                            )
                             break
             except (grpc.aio.AioRpcError, EtcdError, DiscoveryError):
                 if self._closed.is_set():
@@ -254,7 +260,11 @@ class EtcdDiscovery(Discovery):
             try:  # revoking deletes our keys at once; if etcd is down they go after the TTL
                 await self._client.lease.revoke(self._lease, timeout=2.0)
             except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
-                log.warning("etcd lease %x not revoked (%s); its keys expire after %d s",
-                            self._lease, exc, self._ttl_s)
+                log.warning(
+                    "etcd lease %x not revoked (%s); its keys expire after %d s",
+                    self._lease,
+                    exc,
+                    self._ttl_s,
+                )
         self._owned.clear()
         await self._client.close()
