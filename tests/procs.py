@@ -39,13 +39,13 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0, path: str = "/health") -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.base_url}{path}", timeout=1.0).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -85,3 +85,39 @@ def run_cli(
         timeout=timeout,
         cwd=cwd,
     )
+
+
+class WorkerProcess:
+    """A `dyngraph run in=dyn://...` (or any command) child that tests may kill -9."""
+
+    def __init__(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, log_dir: Path, name: str = "worker"
+    ) -> None:
+        self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("wb")
+        full_env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", **(env or {})}
+        self.proc = subprocess.Popen(
+            list(argv), env=full_env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    @classmethod
+    def dyngraph(cls, args: Sequence[str], **kw: object) -> WorkerProcess:
+        return cls([*DYNGRAPH, "run", *args], **kw)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=5)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+        return self.proc.returncode

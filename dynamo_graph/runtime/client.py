@@ -129,24 +129,36 @@ class Client:
         timeout_s: float | None = None,
     ) -> AsyncIterator[Any]:
         """Send `request` to one instance (the picker's choice, or `instance_id`) and stream its
-        responses. Connection failures take the instance out of routing and re-raise."""
-        target = self.pick() if instance_id is None else instance_id
-        record = self.instances.get(target)
-        if record is None:
-            raise NoInstances(f"instance {target:x} of {self.name} is not known")
+        responses. An instance that cannot be reached leaves routing; if the picker chose it, the
+        request goes to another instance (nothing was generated yet, so that is always safe).
+        A stream that breaks midway raises StreamBroken: resuming it is request migration's job."""
         decode = msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
-        client = self.runtime.client_for(record.transport)
-        self.sent[target] = self.sent.get(target, 0) + 1
+        payload = _encode(request)
         ctx = context or Context()
-        stream = client.stream(record.transport, record.subject, _encode(request), {}, ctx, timeout_s)
-        try:
-            async for payload in stream:
-                yield decode(payload)
-        except (CannotConnect, StreamBroken):
-            self.report_instance_down(target)
-            raise
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+        tried: set[int] = set()
+        while True:
+            target = self.pick(exclude=tried) if instance_id is None else instance_id
+            record = self.instances.get(target)
+            if record is None:
+                raise NoInstances(f"instance {target:x} of {self.name} is not known")
+            self.sent[target] = self.sent.get(target, 0) + 1
+            stream = self.runtime.client_for(record.transport).stream(
+                record.transport, record.subject, payload, {}, ctx, timeout_s
+            )
+            try:
+                async for item in stream:
+                    yield decode(item)
+                return
+            except CannotConnect:
+                self.report_instance_down(target)
+                if instance_id is not None:
+                    raise
+                tried.add(target)
+            except StreamBroken:
+                self.report_instance_down(target)
+                raise
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
 
     # Dynamo's Python client spells routing choices as methods returning a stream.
     async def random(self, request: Any, context: Context | None = None) -> AsyncIterator[Any]:

@@ -50,7 +50,7 @@ def _ttl(ttl_s: float | None) -> float:
 def _endpoints(endpoints: list[str] | str | None) -> tuple[list[str], str]:
     source = "ETCD_ENDPOINTS" if endpoints is None else "etcd endpoints"
     if endpoints is None:
-        endpoints = os.environ.get("ETCD_ENDPOINTS", "").strip() or DEFAULT_ETCD_ENDPOINT
+        endpoints = os.environ.get("ETCD_ENDPOINTS") or DEFAULT_ETCD_ENDPOINT
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     cleaned = [e.strip() for e in items if e.strip()]
     if not cleaned:

@@ -2,9 +2,13 @@
 
 The client is etcd3aio (asyncio, grpc.aio), kept behind this small class so that it can be swapped
 for aetcd (shared/notes/SERVICES.md). What etcd3aio does and does not do for us:
-- Watches reconnect by themselves and resume from the last seen revision + 1, so a watcher misses
-  nothing across an etcd restart. A watch whose revision was compacted is cancelled by etcd and
-  etcd3aio would then wait forever; we list again, diff and watch anew.
+- Its watches resume by themselves only after UNAVAILABLE; an etcd restart can also break the
+  stream with INTERNAL ("Failed execute_batch"), which etcd3aio raises. We watch again from the
+  last event's revision + 1, so a watcher misses nothing across restarts. A watch whose revision
+  was compacted is cancelled by etcd and etcd3aio would then wait forever; we list again, diff
+  and watch anew.
+- Closing the client makes grpc raise CancelledError in open watch streams; watches end quietly
+  when this discovery was closed.
 - `LeaseKeepalive` only logs errors; it reports a lost lease through `.alive`. When the lease is
   gone (this process was cut off from etcd for longer than the TTL), we grant a new one and put
   every key we own again. The lease id changes then; instance ids do not, because the runtime
@@ -18,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import grpc
@@ -36,7 +41,9 @@ T = TypeVar("T")
 
 _DELETE = 1  # mvccpb.Event.DELETE (PUT is 0)
 _WRITE_RETRY_S = 5.0  # how long a write waits for etcd to come back before it fails
-_RETRY_MAX_BACKOFF_S = 1.0
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 1.0
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 # grpc's defaults back off up to 120 s between reconnect attempts; after a long etcd outage the
 # channel would stay down long after etcd is back. etcd3aio has no hook for channel options.
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
@@ -59,6 +66,13 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     except ValueError as exc:
         raise DiscoveryError(f"etcd endpoint {endpoint!r}: bad port") from exc
     return parts.hostname, port
+
+
+def _retriable(exc: BaseException) -> bool:
+    """etcd unreachable or restarting (grpc may report a dropped stream as INTERNAL)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in _RETRY_CODES
+    return isinstance(exc, EtcdConnectionError | EtcdTransientError)
 
 
 def _is_lease_not_found(exc: BaseException) -> bool:
@@ -129,26 +143,24 @@ class EtcdDiscovery(Discovery):
         return int(resp.ID)
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Retry while etcd is unreachable (e.g. its first second after a restart), up to
+        """Retry while etcd is unreachable (e.g. its first moments after a restart), up to
         _WRITE_RETRY_S. A write on a lost lease wakes the keeper and waits for the new lease."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _WRITE_RETRY_S
-        backoff = 0.05
+        backoff = _BACKOFF_MIN_S
         while True:
             try:
                 return await call()
-            except (EtcdConnectionError, EtcdTransientError, grpc.aio.AioRpcError) as exc:
-                retriable = isinstance(exc, EtcdConnectionError | EtcdTransientError)
+            except (EtcdError, grpc.aio.AioRpcError) as exc:
                 if _is_lease_not_found(exc):
                     self._lease_lost.set()
-                    retriable = True
-                if not retriable or loop.time() + backoff > deadline:
+                elif not _retriable(exc):
+                    raise DiscoveryError(f"etcd: cannot {what}: {exc}") from exc
+                if loop.time() + backoff > deadline:
                     targets = ", ".join(f"{h}:{p}" for h, p in self._endpoints)
                     raise DiscoveryError(f"etcd at {targets}: cannot {what}: {exc}") from exc
-            except EtcdError as exc:
-                raise DiscoveryError(f"etcd: cannot {what}: {exc}") from exc
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _RETRY_MAX_BACKOFF_S)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _keep_lease(self) -> None:
         """Keep the lease alive; when etcd says it is gone, grant a new one and re-put our keys."""
@@ -189,6 +201,10 @@ class EtcdDiscovery(Discovery):
         await self._etcd.kv.put(key, value, lease=self.lease_id)
 
     async def put(self, key: str, value: bytes) -> None:
+        try:  # the same contract as the file backend, so a bad value fails on every backend
+            json.loads(value)
+        except ValueError as exc:
+            raise DiscoveryError(f"etcd discovery: value of {key!r} is not valid JSON: {exc}") from exc
         async with self._write_lock:
             self._owned[key] = value
             await self._retry(f"put {key}", lambda: self._put_raw(key, value))
@@ -198,36 +214,40 @@ class EtcdDiscovery(Discovery):
             self._owned.pop(key, None)
             await self._retry(f"delete {key}", lambda: self._etcd.kv.delete(key))
 
-    async def _range(self, prefix: str) -> Any:
-        return await self._retry(
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        resp = await self._retry(
             f"list {prefix}", lambda: self._etcd.kv.get(prefix, range_end=prefix_range_end(prefix))
         )
-
-    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        resp = await self._range(prefix)
         return {kv.key.decode(): bytes(kv.value) for kv in resp.kvs}
 
     async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
-        """List, then watch from the listed revision + 1. If etcd cancels the watch (its start
-        revision was compacted), list again and emit the difference before watching anew."""
+        """List, then watch from the listed revision + 1. A broken stream is watched again from
+        the last event's revision + 1 (etcd3aio resumes only after UNAVAILABLE, and an etcd restart
+        can also surface as INTERNAL). If etcd cancels the watch (its start revision was
+        compacted), list again and emit the difference. Retries until close()."""
+        end = prefix_range_end(prefix)
         known: dict[str, bytes] = {}
+        next_rev = 0  # 0: list first
+        backoff = _BACKOFF_MIN_S
         while not self._closed.is_set():
-            resp = await self._range(prefix)
-            listed = {kv.key.decode(): bytes(kv.value) for kv in resp.kvs}
-            for key in [k for k in known if k not in listed]:
-                del known[key]
-                yield WatchEvent("delete", key, None)
-            for key, value in listed.items():
-                if known.get(key) != value:
-                    known[key] = value
-                    yield WatchEvent("put", key, value)
-            stream = self._etcd.watch.watch(
-                prefix, range_end=prefix_range_end(prefix), start_revision=resp.header.revision + 1
-            )
             try:
+                if not next_rev:
+                    resp = await self._etcd.kv.get(prefix, range_end=end)
+                    listed = {kv.key.decode(): bytes(kv.value) for kv in resp.kvs}
+                    for key in [k for k in known if k not in listed]:
+                        del known[key]
+                        yield WatchEvent("delete", key, None)
+                    for key, value in listed.items():
+                        if known.get(key) != value:
+                            known[key] = value
+                            yield WatchEvent("put", key, value)
+                    next_rev = resp.header.revision + 1
+                stream = self._etcd.watch.watch(prefix, range_end=end, start_revision=next_rev)
                 async with contextlib.aclosing(stream):
                     async for wresp in stream:
+                        backoff = _BACKOFF_MIN_S
                         for ev in wresp.events:
+                            next_rev = ev.kv.mod_revision + 1
                             key = ev.kv.key.decode()
                             if ev.type == _DELETE:
                                 if known.pop(key, None) is not None:
@@ -236,14 +256,27 @@ class EtcdDiscovery(Discovery):
                                 known[key] = bytes(ev.kv.value)
                                 yield WatchEvent("put", key, known[key])
                         if wresp.canceled:
-                            log.warning(
-                                "etcd watch on %s cancelled (%s); listing again",
-                                prefix,
-                                wresp.cancel_reason or f"compacted at {wresp.compact_revision}",
-                            )
+                            reason = wresp.cancel_reason or f"compacted at {wresp.compact_revision}"
+                            log.warning("etcd watch on %s cancelled (%s); listing again", prefix, reason)
+                            next_rev = 0
                             break
-            except (grpc.aio.AioRpcError, EtcdError, DiscoveryError):
+            except (grpc.aio.AioRpcError, EtcdConnectionError, EtcdTransientError) as exc:
                 if self._closed.is_set():
+                    return
+                if not _retriable(exc):
+                    raise DiscoveryError(f"etcd: watch on {prefix} failed: {exc}") from exc
+                log.warning("etcd watch on %s broken (%s); watching again in %.1f s", prefix, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            except DiscoveryError:  # self._etcd after close()
+                if self._closed.is_set():
+                    return
+                raise
+            except asyncio.CancelledError:
+                # grpc raises CancelledError in a stream whose channel close() shut; a real
+                # cancellation of the consuming task must still propagate.
+                task = asyncio.current_task()
+                if self._closed.is_set() and task is not None and not task.cancelling():
                     return
                 raise
 

@@ -21,6 +21,8 @@ class Event:
 
 
 class EventPublisher(abc.ABC):
+    publisher_id: int
+
     @abc.abstractmethod
     async def publish(self, topic: str, payload: bytes) -> None:
         """Send without waiting for subscribers; never blocks on a slow one (bounded buffers,
@@ -31,6 +33,9 @@ class EventPublisher(abc.ABC):
 
 
 class EventSubscriber(abc.ABC):
+    # Events known lost (buffer overflow or sequence gaps) since the subscriber started.
+    dropped: int
+
     @abc.abstractmethod
     def events(self) -> AsyncIterator[Event]:
         """Every event on the subscribed topics, from every publisher, as they arrive."""

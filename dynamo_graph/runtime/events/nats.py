@@ -13,9 +13,10 @@ messages (a "slow consumer") and the publisher is never held up.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import nats
 import nats.errors
@@ -33,6 +34,8 @@ HEADER_PUBLISHER = "Dyn-Publisher"
 HEADER_SEQ = "Dyn-Seq"
 HEADER_TOPIC = "Dyn-Topic"
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription, on top of the message-count bound
+CONNECT_TIMEOUT_S = 5.0
+ErrorCallback = Callable[[Exception], Awaitable[None]]
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
 
 
@@ -45,15 +48,26 @@ def channel_subject(namespace: str, component: str) -> str:
     return f"{SUBJECT_ROOT}.{subject_token(namespace)}.{subject_token(component)}"
 
 
-async def _connect(nats_url: str, name: str, **options: object) -> Client:
-    """Reconnect forever once connected (events published meanwhile are lost, as the plane
-    allows), but fail the first connect with a message that names the URL."""
+async def _log_error(exc: Exception) -> None:
+    log.warning("event plane NATS connection: %s", exc)
+
+
+async def _connect(nats_url: str, name: str, error_cb: ErrorCallback = _log_error) -> Client:
+    """Reconnect forever once connected (meanwhile nats-py buffers up to 2 MB of publishes; the
+    rest are dropped, as the plane allows), but give up on the first connect after
+    CONNECT_TIMEOUT_S, naming the URL."""
+    nc = Client()
     try:
-        return await nats.connect(
-            nats_url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
+        await asyncio.wait_for(
+            nc.connect(
+                nats_url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=error_cb
+            ),
+            CONNECT_TIMEOUT_S,
         )
-    except (OSError, nats.errors.Error) as exc:
-        raise ConnectionError(f"event plane: cannot connect to NATS at {nats_url}: {exc}") from exc
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        await nc.close()
+        raise ConnectionError(f"event plane: cannot connect to NATS at {nats_url}: {exc!r}") from exc
+    return nc
 
 
 class NatsEventPublisher(EventPublisher):
@@ -131,7 +145,7 @@ class NatsEventSubscriber(EventSubscriber):
                 log.warning("event subscriber on %s is too slow: dropping events", exc.subject)
             self.slow_consumer_drops += 1
         else:
-            log.warning("event subscriber NATS connection: %s", exc)
+            await _log_error(exc)
 
     def _event(self, msg: Msg) -> Event | None:
         headers = msg.headers or {}

@@ -24,7 +24,7 @@ import zmq.asyncio
 from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
 from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
-from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
+from dynamo_graph.runtime.names import EndpointName, NameError_, instance_id_from_key
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ _ALL_INTERFACES = {"", "*", "0.0.0.0", "::", "[::]"}
 def event_channels_prefix(namespace: str, component: str) -> str:
     """Discovery prefix of a channel's publishers; names are checked as in dyn:// names."""
     name = EndpointName.parse(f"{namespace}.{component}")
-    return f"{EVENT_CHANNELS_ROOT}/{name.namespace}/{name.component}/"
+    if (name.namespace, name.component) != (namespace, component):
+        raise NameError_(f"namespace {namespace!r} and component {component!r} must not contain '.'")
+    return f"{EVENT_CHANNELS_ROOT}/{namespace}/{component}/"
 
 
 def _tcp(host: str, port: int | str) -> str:

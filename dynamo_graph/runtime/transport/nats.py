@@ -88,16 +88,21 @@ def sanitize_subject(subject: str) -> str:
 
 
 def _is_no_responders(msg: Msg) -> bool:
-    return bool(msg.headers) and msg.headers.get("Status") == _NO_RESPONDERS  # type: ignore[union-attr]
+    headers = msg.headers
+    return headers is not None and headers.get("Status") == _NO_RESPONDERS
 
 
-async def _connect(url: str, name: str) -> NatsClient:
+async def _connect(url: str, name: str, **options: Any) -> NatsClient:
+    """Connect, failing within about a second when NATS is unreachable, then keep reconnecting
+    forever once connected (nats-py applies one attempt limit to both phases)."""
     try:
-        return await nats.connect(
-            url, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1
+        nc = await nats.connect(
+            url, name=name, connect_timeout=2, reconnect_time_wait=0.5, max_reconnect_attempts=1, **options
         )
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         raise CannotConnect(f"cannot connect to NATS at {url}: {exc!r}") from exc
+    nc.options["max_reconnect_attempts"] = -1
+    return nc
 
 
 # --------------------------------------------------------------------------- worker side
@@ -179,7 +184,8 @@ class NatsRequestPlaneServer(RequestPlaneServer):
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
         pending = [task for task in self._tasks if not task.done()]
-        for stream in self._streams.values():
+        doomed = list(self._streams.values())
+        for stream in doomed:
             stream.context.kill()
         for task in pending:
             task.cancel()
@@ -187,6 +193,11 @@ class NatsRequestPlaneServer(RequestPlaneServer):
             await asyncio.wait(pending, timeout=1.0)
         if self._keepalive is not None:
             self._keepalive.cancel()
+        for stream in doomed:  # tell callers now, rather than after silence_s (-> StreamBroken)
+            if not stream.stopped:
+                await nc.publish(
+                    stream.inbox, encode(Error(stream.frame_id, "disconnected", "worker shut down"))
+                )
         await nc.close()
         self._nc = None
 
@@ -323,8 +334,7 @@ class NatsRequestPlaneClient(RequestPlaneClient):
             self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._nc is None:
-                nc = await _connect(self.url, "dyngraph-client")
-                nc._error_cb = self._on_error  # nats-py has no public setter after connect
+                nc = await _connect(self.url, "dyngraph-client", error_cb=self._on_error)
                 inbox = nc.new_inbox()
                 self._sub = await nc.subscribe(
                     f"{inbox}.*",
@@ -337,11 +347,7 @@ class NatsRequestPlaneClient(RequestPlaneClient):
         return self._nc
 
     async def _on_error(self, exc: Exception) -> None:
-        if (
-            isinstance(exc, nats.errors.SlowConsumerError)
-            and self._sub is not None
-            and exc.sid == self._sub._id
-        ):
+        if isinstance(exc, nats.errors.SlowConsumerError) and exc.sub is self._sub:
             for stream in self._streams.values():
                 stream.fail(StreamBroken("response frames were dropped (slow consumer)"))
         else:
@@ -356,7 +362,11 @@ class NatsRequestPlaneClient(RequestPlaneClient):
         if _is_no_responders(msg):
             stream.fail(CannotConnect("no worker is subscribed to this endpoint (no responders)"))
             return
-        frame = decode(msg.data)
+        try:
+            frame = decode(msg.data)
+        except Exception:
+            stream.fail(StreamBroken(f"undecodable response frame on {msg.subject}"))
+            return
         kind = type(frame)
         if kind is Keepalive:
             return
@@ -399,7 +409,6 @@ class NatsRequestPlaneClient(RequestPlaneClient):
                     return
                 if not frames:
                     if stream.failure is not None:
-                        finished = isinstance(stream.failure, CannotConnect)
                         raise stream.failure
                     await self._wait(loop, stream, timeout_s)
                     continue

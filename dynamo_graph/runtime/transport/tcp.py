@@ -24,7 +24,7 @@ import collections
 import logging
 import socket
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.runtime.context import Context
@@ -109,10 +109,9 @@ class _ServerConnection(asyncio.Protocol):
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         _set_nodelay(transport)
-        self.transport = transport
-        self.writer = FrameWriter(transport)
+        self.writer = FrameWriter(self.transport)
         self.server._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -312,10 +311,9 @@ class _ClientConnection(asyncio.Protocol):
         self._resume_at = client.stream_buffer // 2
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         _set_nodelay(transport)
-        self.transport = transport
-        self.writer = FrameWriter(transport)
+        self.writer = FrameWriter(self.transport)
 
     def data_received(self, data: bytes) -> None:
         try:
