@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,12 +22,21 @@ LEASE_TTL = "2"
 def planes(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
     """Environment selecting discovery and request plane for every process of a test."""
     if request.param == "file+tcp":
-        return {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "kv"),
-                "DYN_REQUEST_PLANE": "tcp", "DYN_LEASE_TTL": LEASE_TTL}
+        return {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(tmp_path / "kv"),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_LEASE_TTL": LEASE_TTL,
+        }
     etcd = request.getfixturevalue("etcd_fresh")
     nats = request.getfixturevalue("nats_server")
-    return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.url, "DYN_REQUEST_PLANE": "nats",
-            "NATS_SERVER": nats.url, "DYN_LEASE_TTL": LEASE_TTL}
+    return {
+        "DYN_DISCOVERY_BACKEND": "etcd",
+        "ETCD_ENDPOINTS": etcd.url,
+        "DYN_REQUEST_PLANE": "nats",
+        "NATS_SERVER": nats.url,
+        "DYN_LEASE_TTL": LEASE_TTL,
+    }
 
 
 @pytest.fixture
@@ -53,7 +64,9 @@ def frontend(tmp_path: Path, planes: dict[str, str]) -> Iterator[ServerProcess]:
         proc.stop()
 
 
-def echo_worker(spawn: Callable[..., WorkerProcess], model: Path, env: dict[str, str] | None = None) -> WorkerProcess:
+def echo_worker(
+    spawn: Callable[..., WorkerProcess], model: Path, env: dict[str, str] | None = None
+) -> WorkerProcess:
     from tests.procs import DYNGRAPH
 
     return spawn([*DYNGRAPH, "run", f"in={MODEL_ENDPOINT}", "out=echo_core", str(model)], env)
@@ -75,7 +88,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 def chat(base_url: str, model: str, text: str, **kw: object) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "nvext": {"ignore_eos": True}, **kw}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "nvext": {"ignore_eos": True},
+        **kw,
+    }
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
 
 
@@ -83,14 +101,19 @@ async def _load(base_url: str, model: str, n: int, concurrency: int) -> list[int
     """n requests with `concurrency` in flight; returns the status codes."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=30) as client:
+
         async def one(i: int) -> int:
             async with sem:
-                body = {"model": model, "messages": [{"role": "user", "content": f"request {i}"}],
-                        "max_tokens": 8}
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"request {i}"}],
+                    "max_tokens": 8,
+                }
                 try:
                     return (await client.post(f"{base_url}/v1/chat/completions", json=body)).status_code
                 except httpx.TransportError:
                     return 0
+
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
@@ -119,7 +142,9 @@ def test_round_robin_spreads_and_a_killed_worker_leaves_routing(
     assert set(after) == set(before) and sum(after.values()) - sum(before.values()) == 60
 
 
-def test_models_follow_workers(tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess) -> None:
+def test_models_follow_workers(
+    tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess
+) -> None:
     model = tiny_model.name
 
     def listed() -> list[str]:
@@ -147,3 +172,77 @@ def test_new_worker_is_listed_within_a_second(
     registered = time.monotonic()
     wait_for(lambda: bool(httpx.get(f"{frontend.base_url}/v1/models").json()["data"]), 5, "the model")
     assert time.monotonic() - registered < 1.0
+
+
+def test_client_disconnect_reaches_the_worker_within_100ms(
+    tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess, tmp_path: Path
+) -> None:
+    log = tmp_path / "cancel.log"
+    worker_script = Path(__file__).with_name("cancel_worker.py")
+    spawn([sys.executable, str(worker_script), str(tiny_model)], {"CANCEL_LOG": str(log)})
+    wait_for(lambda: len(instances(frontend, "slow")) == 1, 20, "the slow worker")
+    body = {"model": "slow", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{frontend.base_url}/v1/chat/completions", json=body) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        closed_at = time.time()
+    wait_for(lambda: log.exists() and log.read_text().strip() != "", 5, "the worker to see the cancellation")
+    seen_at = float(log.read_text().split()[0])
+    assert seen_at - closed_at < 0.1, seen_at - closed_at
+
+
+@pytest.mark.parametrize("kind", ["backend", "chat", "completion"])
+def test_seed_example_worker_serves_every_model_type(
+    tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess, kind: str
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "hello_worker.py"
+    spawn([sys.executable, str(example), str(tiny_model), kind])
+    model = f"hello-{kind}"
+    wait_for(lambda: len(instances(frontend, model)) == 1, 20, f"the {kind} example worker")
+    if kind == "completion":
+        resp = httpx.post(
+            f"{frontend.base_url}/v1/completions",
+            json={"model": model, "prompt": "Tuvalu is far"},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == "Tuvalu is far"
+        return
+    resp = chat(frontend.base_url, model, "What is the capital of Tuvalu?")
+    assert resp.status_code == 200, resp.text
+    content = resp.json()["choices"][0]["message"]["content"]
+    if kind == "chat":
+        assert content == "What is the capital of Tuvalu?"
+        assert resp.json()["usage"]["completion_tokens"] == 6
+    else:  # Backend: the frontend templated and tokenized; the worker echoed the token ids
+        assert "<|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of Tuvalu?" in content
+
+
+def test_1000_concurrent_streams_through_one_worker_do_not_cross(
+    tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess
+) -> None:
+    model = tiny_model.name
+    echo_worker(spawn, tiny_model)
+    wait_for(lambda: len(instances(frontend, model)) == 1, 20, "the worker")
+
+    async def run() -> list[tuple[int, str]]:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+            async def one(i: int) -> tuple[int, str]:
+                body = {"model": model, "prompt": f"stream number {i} here", "max_tokens": 64, "stream": True}
+                text = []
+                async with client.stream("POST", f"{frontend.base_url}/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                return i, "".join(text)
+
+            return await asyncio.gather(*(one(i) for i in range(1000)))
+
+    results = asyncio.run(asyncio.wait_for(run(), 120))
+    for i, text in results:
+        assert text == f"<|begin_of_text|>stream number {i} here", (i, text)

@@ -136,7 +136,8 @@ class FileDiscovery(Discovery):
         self._heartbeat = asyncio.create_task(self._beat_forever(), name="file-discovery-heartbeat")
 
     def _start_sync(self) -> None:
-        (self.root / LEASES_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.root / LEASES_DIR).mkdir(mode=0o700, exist_ok=True)
         if self.root == _per_user_root() and self.root.stat().st_uid != os.getuid():
             raise DiscoveryError(f"file discovery: {self.root} belongs to another user; set DYN_FILE_KV")
         self._write_lease()
@@ -218,8 +219,8 @@ class FileDiscovery(Discovery):
         except ValueError as exc:
             raise DiscoveryError(f"file discovery: value of {key!r} is not valid JSON: {exc}") from exc
         path = self._record_path(key)
-        if self._closed.is_set():
-            raise DiscoveryError("file discovery is closed")
+        if self._heartbeat is None or self._closed.is_set():
+            raise DiscoveryError("file discovery: put() needs start() first and no close()")
         async with self._write_lock:
             try:
                 await asyncio.to_thread(_write_atomic, path, _record_head(self._lease_hex) + value + b"}")
