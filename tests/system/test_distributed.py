@@ -246,3 +246,59 @@ def test_1000_concurrent_streams_through_one_worker_do_not_cross(
     results = asyncio.run(asyncio.wait_for(run(), 120))
     for i, text in results:
         assert text == f"<|begin_of_text|>stream number {i} here", (i, text)
+
+
+@pytest.fixture
+def etcd_planes(request: pytest.FixtureRequest) -> tuple[object, dict[str, str]]:
+    etcd = request.getfixturevalue("etcd_fresh")
+    nats = request.getfixturevalue("nats_server")
+    env = {
+        "DYN_DISCOVERY_BACKEND": "etcd",
+        "ETCD_ENDPOINTS": etcd.url,
+        "DYN_REQUEST_PLANE": "nats",
+        "NATS_SERVER": nats.url,
+        "DYN_LEASE_TTL": LEASE_TTL,
+    }
+    return etcd, env
+
+
+def test_etcd_restart_and_outage_longer_than_the_lease(
+    tiny_model: Path, tmp_path: Path, etcd_planes: tuple[object, dict[str, str]]
+) -> None:
+    etcd, env = etcd_planes
+    model = tiny_model.name
+    from tests.procs import DYNGRAPH
+
+    workers = [
+        WorkerProcess(
+            [*DYNGRAPH, "run", f"in={MODEL_ENDPOINT}", "out=echo_core", str(tiny_model)],
+            env=env,
+            log_dir=tmp_path,
+        )
+        for _ in range(2)
+    ]
+    front = ServerProcess(["out=auto"], env=env, log_dir=tmp_path)
+    try:
+        front.wait_ready(path="/live")
+        wait_for(lambda: len(instances(front, model)) == 2, 20, "both workers")
+
+        async def load_during_restart() -> list[int]:
+            task = asyncio.create_task(_load(front.base_url, model, 200, 4))
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(etcd.restart)  # type: ignore[attr-defined]
+            return await task
+
+        codes = asyncio.run(load_during_restart())
+        assert codes.count(200) == 200, codes
+        wait_for(lambda: len(instances(front, model)) == 2, 10, "both workers after the restart")
+
+        etcd.stop()  # type: ignore[attr-defined]
+        time.sleep(float(LEASE_TTL) + 1.5)
+        etcd.restart()  # type: ignore[attr-defined]
+        # The leases expired while etcd was down: workers must re-grant and re-register alone.
+        wait_for(lambda: len(instances(front, model)) == 2, 20, "both workers to come back by themselves")
+        assert chat(front.base_url, model, "after the outage").status_code == 200
+    finally:
+        front.stop()
+        for worker in workers:
+            worker.stop()
