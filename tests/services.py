@@ -22,7 +22,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent (the test process) dies."""
+    """preexec_fn: the child gets SIGTERM when its parent dies. Linux ties this to the *thread*
+    that forked: start servers from a thread that outlives them (the main thread, or a pool
+    thread that lives until the event loop closes)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 

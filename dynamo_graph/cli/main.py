@@ -24,7 +24,7 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 _BOOL_WORDS = {
     "true": True,

@@ -32,7 +32,7 @@ from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 SHUTDOWN_GRACE_S = 10.0
 
 

@@ -25,7 +25,7 @@ from dynamo_graph.runtime.names import EndpointName
 
 log = logging.getLogger(__name__)
 WAIT_FOR_MODEL_S = 60.0
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 # Flags that configure parts this process does not have with one in-process engine.
 _DISTRIBUTED_FLAGS = {

@@ -206,8 +206,16 @@ class EtcdDiscovery(Discovery):
         except ValueError as exc:
             raise DiscoveryError(f"etcd discovery: value of {key!r} is not valid JSON: {exc}") from exc
         async with self._write_lock:
-            self._owned[key] = value
-            await self._retry(f"put {key}", lambda: self._put_raw(key, value))
+            previous = self._owned.get(key)
+            self._owned[key] = value  # before the write: a re-grant meanwhile must re-put it too
+            try:
+                await self._retry(f"put {key}", lambda: self._put_raw(key, value))
+            except DiscoveryError:
+                if previous is None:
+                    del self._owned[key]
+                else:
+                    self._owned[key] = previous
+                raise
 
     async def delete(self, key: str) -> None:
         async with self._write_lock:
