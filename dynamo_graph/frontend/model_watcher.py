@@ -108,7 +108,7 @@ class ModelWatcher:
                 return
             await client.start()
             model = self._models[name] = _Model(checksum=card.mdcsum(), client=client)
-            self.registry.add(pipeline, instances=lambda c=client: _instances_report(c))
+            self.registry.add(pipeline, instances=client.report)
             log.info("model %r added (endpoint %s)", name, endpoint)
         elif card.mdcsum() != model.checksum:
             log.error(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -23,7 +24,7 @@ from rich.console import Console
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
-from dynamo_graph.inputs.config import RunConfig
+from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
 from dynamo_graph.llm.register import publish_card
@@ -96,6 +97,15 @@ def text_handler(engine: LLMEngine):
     return generate
 
 
+def check_static_worker_settings() -> None:
+    """A static worker is found by address, not discovery: it needs a fixed tcp port."""
+    plane = os.environ.get("DYN_REQUEST_PLANE") or "tcp"
+    if plane != "tcp":
+        raise RunConfigError(f"--static-worker needs the tcp request plane (DYN_REQUEST_PLANE={plane!r})")
+    if not (os.environ.get("DYN_TCP_PORT") or "0").strip("0"):
+        raise RunConfigError("--static-worker needs a fixed port for frontends to dial: set DYN_TCP_PORT")
+
+
 async def serve_worker(
     cfg: RunConfig,
     name: EndpointName,
@@ -103,6 +113,8 @@ async def serve_worker(
     engine_config: EngineConfig,
     card: ModelDeploymentCard,
 ) -> int:
+    if cfg.static_worker:
+        check_static_worker_settings()
     runtime = await DistributedRuntime.create(static=cfg.static_worker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

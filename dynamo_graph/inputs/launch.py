@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from contextlib import suppress
@@ -46,14 +47,23 @@ _ENGINE_FLAGS = {
 }
 
 
+# A worker publishes these in its model card / registration; the router flags stay unused.
+_WORKER_FLAGS = {"migration_limit", "static_worker"}
+
+
 def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
     """Say which given flags have no effect here, instead of dropping them silently."""
-    unused = [flag for key, flag in _DISTRIBUTED_FLAGS.items() if key in cfg.explicit]
+    worker = cfg.input == "dyn"
+    unused = [
+        flag
+        for key, flag in _DISTRIBUTED_FLAGS.items()
+        if key in cfg.explicit and not (worker and key in _WORKER_FLAGS)
+    ]
     if engine_name.startswith("echo"):
         unused += [flag for key, flag in _ENGINE_FLAGS.items() if key in cfg.explicit]
     if unused:
         log.warning(
-            "%s: no effect with in=%s out=%s (one in-process engine, no router)",
+            "%s: no effect with in=%s out=%s (no router in this process)",
             ", ".join(unused),
             cfg.input,
             engine_name,
@@ -167,12 +177,63 @@ async def _first_model(registry: ModelRegistry, timeout_s: float) -> ModelPipeli
     return pipeline
 
 
+def _static_addresses() -> list[str]:
+    raw = os.environ.get("DYN_STATIC_WORKERS") or ""
+    addresses = [a.strip() for a in raw.split(",") if a.strip()]
+    if not addresses:
+        raise RunConfigError(
+            "a static frontend (out=dyn://... with --model-path) needs the workers' "
+            "addresses: DYN_STATIC_WORKERS=host:port[,host:port...]"
+        )
+    return addresses
+
+
+async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
+    """No discovery: the model comes from --model-path (a Backend-type model) and the workers
+    from DYN_STATIC_WORKERS; requests go round the listed addresses."""
+    from dynamo_graph.frontend.remote import RemoteTokensBackend
+    from dynamo_graph.runtime.client import Client
+    from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord, static_subject
+
+    addresses = _static_addresses()
+    assert cfg.model_path is not None
+    model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
+    card = _card(cfg, "static", EngineConfig(model_input="tokens"), model)
+    runtime = await DistributedRuntime.create(static=True)
+    client = Client(runtime, name, router_mode=cfg.router_mode)
+    for index, address in enumerate(addresses, start=1):
+        client.add_static(
+            InstanceRecord(
+                namespace=name.namespace,
+                component=name.component,
+                endpoint=name.endpoint,
+                instance_id=index,
+                transport={"tcp": address},
+                subject=static_subject(name),
+            )
+        )
+    registry = ModelRegistry()
+    registry.add(tokens_pipeline(card, model, RemoteTokensBackend(client)), instances=client.report)
+    try:
+        if cfg.input == "http":
+            await _serve_http(cfg, registry)
+            return 0
+        pipeline = registry.get(card.display_name)
+        assert pipeline is not None
+        return await _drive_input(cfg, pipeline, echo=False)
+    finally:
+        await runtime.close()
+
+
 async def _run_frontend(cfg: RunConfig) -> int:
-    """`out=auto` / `out=dyn://ns.comp.ep`: serve the models that workers register."""
+    """`out=auto` / `out=dyn://ns.comp.ep`: serve the models that workers register, or with
+    --model-path, the static workers of that endpoint."""
     from dynamo_graph.frontend.model_watcher import ModelWatcher
     from dynamo_graph.runtime.runtime import DistributedRuntime
 
     only = EndpointName.parse(cfg.output) if cfg.output and cfg.output.startswith("dyn://") else None
+    if only is not None and cfg.model_path:
+        return await _static_frontend(cfg, only)
     runtime = await DistributedRuntime.create()
     registry = ModelRegistry()
     watcher = ModelWatcher(runtime, registry, router_mode=cfg.router_mode, only_endpoint=only)

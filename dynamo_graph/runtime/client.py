@@ -93,8 +93,22 @@ class Client:
         allowed = self.allowed
         return [i for i in self._ordered if allowed is None or i in allowed]
 
+    def report(self) -> list[dict[str, Any]]:
+        """The routable instances, where they are, and how many requests each was sent."""
+        return [
+            {
+                "instance_id": f"{i:x}",
+                "transport": self.instances[i].transport,
+                "requests": self.sent.get(i, 0),
+            }
+            for i in self.instance_ids()
+        ]
+
     def report_instance_down(self, instance_id: int) -> None:
-        """Stop routing to an instance that failed us; discovery re-adds it if it is alive."""
+        """Stop routing to an instance that failed us; discovery re-adds it if it is alive.
+        Static instances have no discovery to bring them back, so they stay listed."""
+        if self.runtime.static:
+            return
         if instance_id in self.instances:
             log.warning("%s: instance %x is unreachable, removing it from routing", self.name, instance_id)
             self._drop(instance_id)

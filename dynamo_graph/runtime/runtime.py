@@ -117,6 +117,11 @@ class DistributedRuntime:
             await self.discovery.close()
 
 
+def static_subject(name: EndpointName) -> str:
+    """The request-plane subject of an endpoint served without discovery."""
+    return f"{name.namespace}.{name.component}.{name.endpoint}"
+
+
 class Namespace:
     def __init__(self, runtime: DistributedRuntime, name: str) -> None:
         self.runtime = runtime
@@ -152,10 +157,12 @@ class Endpoint:
         self.component = component
         self.runtime = component.namespace.runtime
         self.name = EndpointName(component.namespace.name, component.name, name)
-        self.subject = (
-            f"{self.name.namespace}.{self.name.component}.{self.name.endpoint}-{self.runtime.instance_id:x}"
-        )
+        self.subject = static_subject(self.name)
+        if not self.runtime.static:
+            # Dynamic instances are addressed one by one; static ones share the endpoint's name.
+            self.subject += f"-{self.runtime.instance_id:x}"
         self._registered = False
+        self.transport: dict[str, Any] = {}  # where callers reach this endpoint, once served
 
     @property
     def instance_id(self) -> int:
@@ -189,7 +196,7 @@ class Endpoint:
                 yield _encode(item)
 
         server = await self.runtime.server()
-        transport = server.register(self.subject, serve)
+        transport = self.transport = server.register(self.subject, serve)
         record = InstanceRecord(
             namespace=self.name.namespace,
             component=self.name.component,

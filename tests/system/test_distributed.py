@@ -302,3 +302,48 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
         front.stop()
         for worker in workers:
             worker.stop()
+
+
+def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path: Path) -> None:
+    from tests.procs import DYNGRAPH, free_port
+
+    port = free_port()
+    env = {"DYN_TCP_PORT": str(port), "DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": "http://127.0.0.1:9"}
+    # The etcd settings point nowhere: neither side may touch discovery.
+    worker = WorkerProcess(
+        [
+            *DYNGRAPH,
+            "run",
+            "in=dyn://static.backend.generate",
+            "out=echo_core",
+            str(tiny_model),
+            "--static-worker",
+        ],
+        env=env,
+        log_dir=tmp_path,
+    )
+    front = ServerProcess(
+        ["out=dyn://static.backend.generate", "--model-path", str(tiny_model), "--model-name", "tiny-static"],
+        env={"DYN_STATIC_WORKERS": f"127.0.0.1:{port}"},
+        log_dir=tmp_path,
+    )
+    try:
+        wait_for(lambda: "serving model" in worker.log(), 20, "the static worker")
+        front.wait_ready()
+        resp = chat(front.base_url, "tiny-static", "static hello")
+        assert resp.status_code == 200, resp.text
+        assert "static hello" in resp.json()["choices"][0]["message"]["content"]
+    finally:
+        front.stop()
+        worker.stop()
+
+
+def test_static_worker_needs_a_fixed_port(tiny_model: Path) -> None:
+    from tests.procs import run_cli
+
+    result = run_cli(
+        ["run", "in=dyn://static.backend.generate", "out=echo_core", str(tiny_model), "--static-worker"],
+        env={"DYN_TCP_PORT": ""},
+    )
+    assert result.returncode == 2
+    assert "DYN_TCP_PORT" in result.stderr

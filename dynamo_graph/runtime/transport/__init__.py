@@ -1,7 +1,8 @@
 """Request plane transports, chosen by name: `tcp` (default) or `nats`.
 
 Environment: `DYN_REQUEST_PLANE` (tcp | nats), `NATS_SERVER` (nats://127.0.0.1:4222),
-`DYN_TCP_HOST` (bind address, 127.0.0.1) and `DYN_TCP_ADVERTISE_HOST` (the address callers dial).
+`DYN_TCP_HOST` (bind address, 127.0.0.1), `DYN_TCP_PORT` (listen port, 0 = any free one; static
+workers need a fixed one) and `DYN_TCP_ADVERTISE_HOST` (the address callers dial).
 Explicit keyword arguments win over the environment. A caller picks its client by the key of
 the instance's transport record ({"tcp": ...} or {"nats": ...}).
 """
@@ -52,6 +53,13 @@ def _check_kind(kind: str, source: str) -> str:
     return kind
 
 
+def _tcp_port() -> int:
+    raw = os.environ.get("DYN_TCP_PORT") or "0"
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"DYN_TCP_PORT={raw!r} is not a port number (0-65535)")
+    return int(raw)
+
+
 def create_server(kind: str | None = None, **kw: Any) -> RequestPlaneServer:
     """A worker-side server. tcp: host, port, advertise_host, max_streams_per_connection,
     cancel_grace_s; nats: url, keepalive_s, cancel_grace_s."""
@@ -60,6 +68,7 @@ def create_server(kind: str | None = None, **kw: Any) -> RequestPlaneServer:
         from dynamo_graph.runtime.transport.tcp import TcpRequestPlaneServer
 
         kw.setdefault("host", os.environ.get("DYN_TCP_HOST") or "127.0.0.1")
+        kw.setdefault("port", _tcp_port())
         kw.setdefault("advertise_host", os.environ.get("DYN_TCP_ADVERTISE_HOST") or None)
         return TcpRequestPlaneServer(**kw)
     from dynamo_graph.runtime.transport.nats import NatsRequestPlaneServer
