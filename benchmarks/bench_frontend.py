@@ -64,8 +64,18 @@ def start(argv: list[str], port: int, delay_ms: float) -> subprocess.Popen:
 
 
 def measure(
-    pid: int, port: int, body: dict, *, concurrency: int, requests: int, keep_alive: bool, max_seconds: float
+    pid: int,
+    port: int,
+    body: dict,
+    *,
+    concurrency: int,
+    requests: int,
+    keep_alive: bool,
+    max_seconds: float,
+    extra_pids: dict[str, int] | None = None,
 ) -> dict:
+    """One load point. CPU is read for the server `pid` and any `extra_pids` (e.g. workers)."""
+
     def load(n: int, seconds: float) -> tuple[list, float]:
         return asyncio.run(
             run_load(
@@ -81,9 +91,10 @@ def measure(
         )
 
     load(min(requests, 4 * concurrency), 10)  # warm-up (connections, caches), not counted
-    cpu0 = cpu_seconds(pid)
+    pids = {"server": pid, **(extra_pids or {})}
+    cpu0 = {name: cpu_seconds(p) for name, p in pids.items()}
     results, wall = load(requests, max_seconds)
-    cpu = cpu_seconds(pid) - cpu0
+    cpu = {name: cpu_seconds(p) - cpu0[name] for name, p in pids.items()}
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.gaps]
     return {
@@ -97,7 +108,7 @@ def measure(
         "ttft_p99_ms": round(percentile([r.ttft for r in ok], 99) * 1000, 2),
         "itl_p50_ms": round(percentile(gaps, 50) * 1000, 3),
         "itl_p99_ms": round(percentile(gaps, 99) * 1000, 3),
-        "server_cpu_ms_per_request": round(cpu * 1000 / max(len(ok), 1), 3),
+        **{f"{name}_cpu_ms_per_request": round(c * 1000 / max(len(ok), 1), 3) for name, c in cpu.items()},
     }
 
 
