@@ -91,6 +91,15 @@ def run_command(
     use_kv_events: Annotated[str, typer.Option("--use-kv-events", help="true | false")] = "true",
     migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
     static_worker: Annotated[bool, typer.Option("--static-worker")] = False,
+    discovery_backend: Annotated[
+        str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
+    ] = None,
+    request_plane: Annotated[
+        str | None, typer.Option("--request-plane", help="tcp | nats (env DYN_REQUEST_PLANE)")
+    ] = None,
+    event_plane: Annotated[
+        str | None, typer.Option("--event-plane", help="zmq | nats | inproc (env DYN_EVENT_PLANE)")
+    ] = None,
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
 ) -> None:
     from dynamo_graph.engines import UnknownEngineError
@@ -125,6 +134,9 @@ def run_command(
         use_kv_events=_BOOL_WORDS[use_kv_events.lower()],
         migration_limit=migration_limit,
         static_worker=static_worker,
+        discovery_backend=discovery_backend,
+        request_plane=request_plane,
+        event_plane=event_plane,
         verbosity=verbose,
         explicit=_explicit_flags(ctx),
     )

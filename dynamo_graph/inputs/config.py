@@ -44,6 +44,10 @@ class RunConfig:
     use_kv_events: bool = True
     migration_limit: int = 0
     static_worker: bool = False
+    # Runtime planes; None leaves the environment (DYN_DISCOVERY_BACKEND, ...) in charge.
+    discovery_backend: str | None = None
+    request_plane: str | None = None
+    event_plane: str | None = None
     verbosity: int = 0
     # Flags given explicitly on the command line (so we can say which ones an engine ignores).
     explicit: set[str] = field(default_factory=set)
@@ -112,3 +116,28 @@ def validate(cfg: RunConfig) -> None:
         raise RunConfigError(f"--router-temperature must be >= 0, not {cfg.router_temperature}")
     if cfg.extra_engine_args is not None:
         cfg.engine_args()  # fail now, with the file named, rather than after the model loads
+
+
+_PLANE_ENV = {
+    "discovery_backend": "DYN_DISCOVERY_BACKEND",
+    "request_plane": "DYN_REQUEST_PLANE",
+    "event_plane": "DYN_EVENT_PLANE",
+}
+
+
+def apply_runtime_settings(cfg: RunConfig) -> None:
+    """Put the plane flags into the environment (so every part of the runtime, and any child
+    process, sees one configuration), then check all runtime settings before connecting."""
+    from dynamo_graph.runtime import discovery, transport
+    from dynamo_graph.runtime.events import event_plane_kind
+
+    for attr, env in _PLANE_ENV.items():
+        value = getattr(cfg, attr)
+        if value is not None:
+            os.environ[env] = value
+    try:
+        discovery.check_settings()
+        transport.check_settings()
+        event_plane_kind()
+    except (ValueError, discovery.DiscoveryError) as err:
+        raise RunConfigError(str(err)) from None

@@ -18,7 +18,7 @@ from rich.console import Console
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
+from dynamo_graph.inputs.config import RunConfig, RunConfigError, apply_runtime_settings
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
@@ -252,6 +252,8 @@ async def _run_frontend(cfg: RunConfig) -> int:
 
 
 async def run_async(cfg: RunConfig) -> int:
+    if cfg.input == "dyn" or _discovers_workers(cfg):
+        apply_runtime_settings(cfg)
     if cfg.input == "dyn":
         if _discovers_workers(cfg):
             raise RunConfigError(

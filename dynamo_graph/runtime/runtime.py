@@ -62,6 +62,7 @@ class DistributedRuntime:
         self._clients: dict[str, RequestPlaneClient] = {}
         self._shutdown = asyncio.Event()
         self._served: list[Endpoint] = []
+        self._closed = False
 
     @classmethod
     async def create(
@@ -105,7 +106,11 @@ class DistributedRuntime:
         await self._shutdown.wait()
 
     async def close(self, grace_s: float = 5.0) -> None:
-        """Unregister everything, let streams in flight finish up to grace_s, release the lease."""
+        """Unregister everything, let streams in flight finish up to grace_s, release the lease.
+        Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
         self._shutdown.set()
         for endpoint in list(self._served):
             await endpoint.unregister()

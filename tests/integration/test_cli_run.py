@@ -119,3 +119,19 @@ def test_batch_with_echo_core_returns_whole_templates_in_order(tiny_model: Path,
         # ignore_eos is set for echo engines, so the whole template comes back.
         assert row["response"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
         assert row["tokens_in"] == row["tokens_out"]
+
+
+def test_bad_runtime_settings_are_named(tiny_model: Path) -> None:
+    cases = [
+        (["--discovery-backend", "consul"], {}, "consul"),
+        (["--request-plane", "carrier-pigeon"], {}, "carrier-pigeon"),
+        (["--event-plane", "kafka"], {}, "kafka"),
+        ([], {"DYN_LEASE_TTL": "soon"}, "DYN_LEASE_TTL"),
+        ([], {"DYN_TCP_PORT": "http"}, "DYN_TCP_PORT"),
+        ([], {"DYN_DISCOVERY_BACKEND": "zookeeper"}, "DYN_DISCOVERY_BACKEND"),
+    ]
+    for flags, env, named in cases:
+        result = run_cli(["run", "in=dyn://x.y.z", "out=echo_core", str(tiny_model), *flags], env=env)
+        assert result.returncode == 2, (flags, env, result.stderr)
+        assert named in result.stderr, (flags, env, result.stderr)
+        assert "Traceback" not in result.stderr

@@ -18,7 +18,7 @@ BACKENDS = ("file", "etcd")
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
 DEFAULT_TTL_S = 10.0
 
-__all__ = ["BACKENDS", "Discovery", "DiscoveryError", "WatchEvent", "create_discovery"]
+__all__ = ["BACKENDS", "Discovery", "DiscoveryError", "WatchEvent", "check_settings", "create_discovery"]
 
 
 def _backend(backend: str | None) -> str:
@@ -56,6 +56,16 @@ def _endpoints(endpoints: list[str] | str | None) -> tuple[list[str], str]:
     if not cleaned:
         raise DiscoveryError(f"{source}={endpoints!r}: expected http://host:port[,http://host:port...]")
     return cleaned, source
+
+
+def check_settings() -> str:
+    """Validate the discovery settings in the environment now (before any connection is made);
+    returns the backend name."""
+    backend = _backend(None)
+    _ttl(None)
+    if backend == "etcd":
+        _endpoints(None)
+    return backend
 
 
 def create_discovery(

@@ -36,6 +36,7 @@ __all__ = [
     "RequestTimeout",
     "StreamBroken",
     "TransportError",
+    "check_settings",
     "create_client",
     "create_server",
     "default_kind",
@@ -50,6 +51,13 @@ def default_kind() -> str:
 def _check_kind(kind: str, source: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"{source}={kind!r} is not a request plane; use one of: {', '.join(KINDS)}")
+    return kind
+
+
+def check_settings() -> str:
+    """Validate the request-plane settings in the environment now; returns the plane's name."""
+    kind = default_kind()
+    _tcp_port()
     return kind
 
 
