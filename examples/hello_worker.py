@@ -54,8 +54,10 @@ class RequestHandler:
             words = request["messages"][-1]["content"].split()
             for i, word in enumerate(words):
                 yield {"choices": [{"index": 0, "delta": {"content": word if i == 0 else " " + word}}]}
-            yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                   "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)}}
+            yield {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": len(words), "completion_tokens": len(words)},
+            }
         else:
             prompt = request["prompt"]
             for i in range(0, len(prompt), 4):
