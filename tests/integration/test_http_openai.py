@@ -160,22 +160,31 @@ def _metric(server: ServerProcess, prefix: str) -> float:
     return total
 
 
+def stream_body(model: str) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "stream": True,
+        "nvext": {"ignore_eos": True},
+    }
+
+
+def paced_server(tiny_model: Path, tmp_path: Path, delay_ms: int) -> ServerProcess:
+    proc = ServerProcess(
+        ["out=echo_core", "--model-path", str(tiny_model)],
+        env={"DYN_TOKEN_ECHO_DELAY_MS": str(delay_ms)},
+        log_dir=tmp_path,
+    )
+    proc.wait_ready()
+    return proc
+
+
 def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) -> None:
     """A slow stream (100 ms per token) abandoned after two chunks ends well before it would
     have finished, and the frontend counts it as cancelled."""
-    proc = ServerProcess(
-        ["out=echo_core", "--model-path", str(tiny_model)],
-        env={"DYN_TOKEN_ECHO_DELAY_MS": "100"},
-        log_dir=tmp_path,
-    )
+    proc = paced_server(tiny_model, tmp_path, 100)
     try:
-        proc.wait_ready()
-        body = {
-            "model": tiny_model.name,
-            "messages": [{"role": "user", "content": QUESTION}],
-            "stream": True,
-            "nvext": {"ignore_eos": True},
-        }
+        body = stream_body(tiny_model.name)
         with (
             httpx.Client(timeout=10) as http,
             http.stream("POST", f"{proc.base_url}/v1/chat/completions", json=body) as resp,
@@ -204,12 +213,7 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
 def test_keep_alive_streams_do_not_stall(server: ServerProcess, model_name: str) -> None:
     """TCP_NODELAY: streamed responses on one kept-alive connection take milliseconds, not the
     ~40 ms Nagle + delayed-ACK stall (notes/DYNAMO.md 3b)."""
-    body = {
-        "model": model_name,
-        "messages": [{"role": "user", "content": QUESTION}],
-        "stream": True,
-        "nvext": {"ignore_eos": True},
-    }
+    body = stream_body(model_name)
     times = []
     with httpx.Client(timeout=10) as http:
         for _ in range(7):
@@ -224,19 +228,9 @@ def test_keep_alive_streams_do_not_stall(server: ServerProcess, model_name: str)
 
 def test_sigterm_lets_inflight_stream_finish(tiny_model: Path, tmp_path: Path) -> None:
     """SIGTERM mid-stream: the response still completes, then the process exits 0."""
-    proc = ServerProcess(
-        ["out=echo_core", "--model-path", str(tiny_model)],
-        env={"DYN_TOKEN_ECHO_DELAY_MS": "20"},
-        log_dir=tmp_path,
-    )
+    proc = paced_server(tiny_model, tmp_path, 20)
     try:
-        proc.wait_ready()
-        body = {
-            "model": tiny_model.name,
-            "messages": [{"role": "user", "content": QUESTION}],
-            "stream": True,
-            "nvext": {"ignore_eos": True},
-        }
+        body = stream_body(tiny_model.name)
         with (
             httpx.Client(timeout=10) as http,
             http.stream("POST", f"{proc.base_url}/v1/chat/completions", json=body) as resp,
