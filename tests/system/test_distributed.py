@@ -347,3 +347,32 @@ def test_static_worker_needs_a_fixed_port(tiny_model: Path) -> None:
     )
     assert result.returncode == 2
     assert "DYN_TCP_PORT" in result.stderr
+
+
+def test_worker_with_a_different_model_card_is_refused(
+    tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess
+) -> None:
+    """Same model name, different card (context length): the frontend says so and never routes
+    to the odd one out."""
+    from tests.procs import DYNGRAPH
+
+    model = tiny_model.name
+    echo_worker(spawn, tiny_model)
+    wait_for(lambda: len(instances(frontend, model)) == 1, 20, "the first worker")
+    odd = spawn(
+        [
+            *DYNGRAPH,
+            "run",
+            f"in={MODEL_ENDPOINT}",
+            "out=echo_core",
+            str(tiny_model),
+            "--context-length",
+            "256",
+        ]
+    )
+    wait_for(lambda: "serving model" in odd.log(), 20, "the odd worker to register")
+    wait_for(lambda: "REFUSING worker" in frontend.log(), 5, "the frontend to refuse it")
+    assert len(instances(frontend, model)) == 1
+    codes = asyncio.run(_load(frontend.base_url, model, 20, 4))
+    assert codes.count(200) == 20
+    assert sum(i["requests"] for i in instances(frontend, model)) == 20
