@@ -35,11 +35,10 @@ frames were dropped, so every stream in flight fails with StreamBroken.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import nats
@@ -48,7 +47,6 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import (
     CannotConnect,
@@ -69,9 +67,9 @@ from dynamo_graph.runtime.transport.frames import (
     Request,
     decode,
     encode,
-    error_frame,
     error_from_frame,
 )
+from dynamo_graph.runtime.transport.streams import ClientStream, HandlerTasks, ServerStream, run_handler
 
 log = logging.getLogger(__name__)
 
@@ -108,29 +106,16 @@ async def _connect(url: str, name: str, **options: Any) -> NatsClient:
 # --------------------------------------------------------------------------- worker side
 
 
-class _NatsServerStream:
-    __slots__ = ("context", "frame_id", "inbox", "probe", "stopped", "task", "timer")
+class _NatsServerStream(ServerStream):
+    """A stream is addressed by the caller's inbox and probed through the worker's `probe`."""
+
+    __slots__ = ("frame_id", "inbox", "probe")
 
     def __init__(self, context: Context, inbox: str, frame_id: int, probe: str) -> None:
-        self.context = context
+        super().__init__(context)
         self.inbox = inbox
         self.frame_id = frame_id
         self.probe = probe
-        self.stopped = False
-        self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-
-    def stop(self, grace_s: float, *, killed: bool) -> None:
-        if self.stopped:
-            return
-        self.stopped = True
-        if killed:
-            self.context.kill()
-        else:
-            self.context.stop_generating()
-        task = self.task
-        if task is not None and not task.done():
-            self.timer = asyncio.get_running_loop().call_later(grace_s, task.cancel)
 
 
 class NatsRequestPlaneServer(RequestPlaneServer):
@@ -148,7 +133,7 @@ class NatsRequestPlaneServer(RequestPlaneServer):
         self._handlers: dict[str, Handler] = {}
         self._streams: dict[str, _NatsServerStream] = {}  # by caller inbox
         self._probes: dict[str, _NatsServerStream] = {}  # by worker probe subject
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = HandlerTasks()
         self._keepalive: asyncio.Task[None] | None = None
         self._probe_prefix = ""
         self._next_probe = 0
@@ -181,16 +166,9 @@ class NatsRequestPlaneServer(RequestPlaneServer):
             return
         if self._subs:
             await self._subs[0].unsubscribe()  # new requests now get "no responders"
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
-        pending = [task for task in self._tasks if not task.done()]
-        doomed = list(self._streams.values())
-        for stream in doomed:
-            stream.context.kill()
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
+        await self._tasks.wait(grace_s)
+        doomed = list(self._streams.values())  # their tasks remove them as they end
+        await self._tasks.end(doomed)
         if self._keepalive is not None:
             self._keepalive.cancel()
         for stream in doomed:  # tell callers now, rather than after silence_s (-> StreamBroken)
@@ -229,10 +207,7 @@ class NatsRequestPlaneServer(RequestPlaneServer):
         self._streams[inbox] = stream
         self._probes[probe] = stream
         await nc.publish(inbox, encode(Ack(frame.id)))
-        task = asyncio.get_running_loop().create_task(self._serve(nc, stream, handler, frame))
-        stream.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(stream, self._serve(nc, stream, handler, frame))
 
     async def _on_probe_reply(self, msg: Msg) -> None:
         stream = self._probes.get(msg.subject)
@@ -242,27 +217,15 @@ class NatsRequestPlaneServer(RequestPlaneServer):
     async def _serve(
         self, nc: NatsClient, stream: _NatsServerStream, handler: Handler, frame: Request
     ) -> None:
-        fid = stream.frame_id
+        """Run one handler; the terminal frame is not sent to a caller that cancelled or is gone."""
         inbox = stream.inbox
-        terminal: Frame = End(fid)
+
+        def send(frame: Frame) -> Awaitable[None]:
+            return nc.publish(inbox, encode(frame))
+
         try:
-            responses = handler(frame.body, frame.headers, stream.context)
-            try:
-                async for body in responses:
-                    if not stream.stopped:
-                        await nc.publish(inbox, encode(Data(fid, body)))
-            finally:
-                aclose = getattr(responses, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-        except EngineError as exc:
-            terminal = error_frame(fid, exc)
-        except Exception as exc:
-            log.exception("handler for %r failed", frame.subject)
-            terminal = error_frame(fid, exc)
+            terminal = await run_handler(stream, handler, frame, send)
         finally:
-            if stream.timer is not None:
-                stream.timer.cancel()
             self._streams.pop(inbox, None)
             self._probes.pop(stream.probe, None)
         if not stream.stopped and not nc.is_closed:
@@ -283,26 +246,14 @@ class NatsRequestPlaneServer(RequestPlaneServer):
 # --------------------------------------------------------------------------- caller side
 
 
-class _NatsClientStream:
-    __slots__ = ("acked", "failure", "frames", "last_any", "last_data", "waiter")
+class _NatsClientStream(ClientStream):
+    __slots__ = ("acked", "last_any", "last_data")
 
     def __init__(self, now: float) -> None:
-        self.frames: collections.deque[Frame] = collections.deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.failure: EngineError | None = None
+        super().__init__()
         self.acked = False
         self.last_any = now
         self.last_data = now
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def fail(self, error: EngineError) -> None:
-        if self.failure is None:
-            self.failure = error
-        self.wake()
 
 
 class NatsRequestPlaneClient(RequestPlaneClient):

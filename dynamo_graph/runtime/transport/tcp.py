@@ -20,13 +20,11 @@ Measured numbers: benchmarks/bench_transport.py.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, cast
 
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import (
     CannotConnect,
@@ -46,9 +44,9 @@ from dynamo_graph.runtime.transport.frames import (
     FrameReader,
     FrameWriter,
     Request,
-    error_frame,
     error_from_frame,
 )
+from dynamo_graph.runtime.transport.streams import ClientStream, HandlerTasks, ServerStream, run_handler
 
 log = logging.getLogger(__name__)
 
@@ -76,33 +74,10 @@ def _set_nodelay(transport: asyncio.BaseTransport) -> None:
 # --------------------------------------------------------------------------- worker side
 
 
-class _ServerStream:
-    __slots__ = ("context", "stopped", "task", "timer")
-
-    def __init__(self, context: Context) -> None:
-        self.context = context
-        self.stopped = False  # caller gone or cancelled: frames are no longer wanted
-        self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-
-    def stop(self, grace_s: float, *, killed: bool) -> None:
-        """Tell the handler to stop; cancel its task if it is still running after grace_s."""
-        if self.stopped:
-            return
-        self.stopped = True
-        if killed:
-            self.context.kill()
-        else:
-            self.context.stop_generating()
-        task = self.task
-        if task is not None and not task.done():
-            self.timer = asyncio.get_running_loop().call_later(grace_s, task.cancel)
-
-
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: TcpRequestPlaneServer) -> None:
         self.server = server
-        self.streams: dict[int, _ServerStream] = {}
+        self.streams: dict[int, ServerStream] = {}
         self.reader = FrameReader()
         self.writer: FrameWriter
         self.transport: asyncio.Transport
@@ -129,6 +104,17 @@ class _ServerConnection(asyncio.Protocol):
             stream = self.streams.get(frame.id)
             if stream is not None:
                 stream.stop(self.server.cancel_grace_s, killed=False)
+
+    def send(self, frame: Frame) -> Awaitable[None] | None:
+        """Write `frame` now; only while the transport is paused, hand back a wait-then-write."""
+        if self.writer.writable:
+            self.writer.write(frame)
+            return None
+        return self._send_when_writable(frame)
+
+    async def _send_when_writable(self, frame: Frame) -> None:
+        await self.writer.drain()
+        self.writer.write(frame)
 
     def pause_writing(self) -> None:
         self.writer.pause()
@@ -168,7 +154,7 @@ class TcpRequestPlaneServer(RequestPlaneServer):
         self.cancel_grace_s = cancel_grace_s
         self._handlers: dict[str, Handler] = {}
         self._connections: set[_ServerConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = HandlerTasks()
         self._server: asyncio.Server | None = None
         self._stopping = False
 
@@ -198,16 +184,8 @@ class TcpRequestPlaneServer(RequestPlaneServer):
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
-        pending = [task for task in self._tasks if not task.done()]
-        for conn in self._connections:
-            for stream in conn.streams.values():
-                stream.context.kill()
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
+        await self._tasks.wait(grace_s)
+        await self._tasks.end([stream for conn in self._connections for stream in conn.streams.values()])
         connections = list(self._connections)
         for conn in connections:
             conn.writer.flush()
@@ -232,67 +210,32 @@ class TcpRequestPlaneServer(RequestPlaneServer):
             limit = self.max_streams_per_connection
             conn.writer.write(Error(sid, "overloaded", f"more than {limit} streams on one connection"))
             return
-        stream = _ServerStream(Context(frame.request_id or None))
+        stream = ServerStream(Context(frame.request_id or None))
         conn.streams[sid] = stream
-        task = asyncio.get_running_loop().create_task(self._serve(conn, sid, stream, handler, frame))
-        stream.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(stream, self._serve(conn, stream, handler, frame))
 
-    async def _serve(
-        self, conn: _ServerConnection, sid: int, stream: _ServerStream, handler: Handler, frame: Request
-    ) -> None:
-        """Run one handler: data frames, then exactly one terminal frame (unless the connection
-        is gone or the task was cancelled, when nobody could read it)."""
-        writer = conn.writer
-        terminal: Frame = End(sid)
+    @staticmethod
+    async def _serve(conn: _ServerConnection, stream: ServerStream, handler: Handler, frame: Request) -> None:
+        """Run one handler; its terminal frame is written even after a Cancel (the caller drops
+        it) and dropped by the writer if the connection is gone."""
+        sid = frame.id
         try:
-            responses = handler(frame.body, frame.headers, stream.context)
-            try:
-                async for body in responses:
-                    if stream.stopped:
-                        continue  # let the handler run its abort; nobody reads these frames
-                    if not writer.writable:
-                        await writer.drain()
-                    writer.write(Data(sid, body))
-            finally:
-                aclose = getattr(responses, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-        except EngineError as exc:
-            terminal = error_frame(sid, exc)
-        except Exception as exc:
-            log.exception("handler for %r failed", frame.subject)
-            terminal = error_frame(sid, exc)
+            terminal = await run_handler(stream, handler, frame, conn.send)
         finally:
-            if stream.timer is not None:
-                stream.timer.cancel()
             if conn.streams.get(sid) is stream:
                 del conn.streams[sid]
-        writer.write(terminal)
+        conn.writer.write(terminal)
 
 
 # --------------------------------------------------------------------------- caller side
 
 
-class _ClientStream:
-    __slots__ = ("failure", "frames", "id", "waiter")
+class _ClientStream(ClientStream):
+    __slots__ = ("id",)
 
     def __init__(self, stream_id: int) -> None:
+        super().__init__()
         self.id = stream_id
-        self.frames: collections.deque[Frame] = collections.deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.failure: EngineError | None = None
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def fail(self, error: EngineError) -> None:
-        if self.failure is None:
-            self.failure = error
-        self.wake()
 
 
 class _ClientConnection(asyncio.Protocol):
