@@ -58,3 +58,11 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProc]:
     proc = _service_or_skip(lambda: start_nats(tmp_path_factory.mktemp("nats")), "nats-server")
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def nats_fresh(tmp_path: Path) -> Iterator[NatsProc]:
+    """A private nats-server the test may stop, restart or kill."""
+    proc = _service_or_skip(lambda: start_nats(tmp_path), "nats-server")
+    yield proc
+    proc.stop()

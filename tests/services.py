@@ -7,6 +7,7 @@ Each server is a `subprocess.Popen` child that gets SIGTERM when the test proces
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import json
 import shutil
@@ -41,7 +42,7 @@ def _require(binary: str) -> str:
     return path
 
 
-class _ServerProc:
+class _ServerProc(abc.ABC):
     """A server child with stop (SIGTERM, then SIGKILL after 3 s), kill and restart."""
 
     def __init__(self, tmp_dir: Path, name: str) -> None:
@@ -50,11 +51,11 @@ class _ServerProc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s = 0.0
 
-    def _command(self) -> list[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _command(self) -> list[str]: ...
 
-    def _wait_ready(self, deadline: float) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _wait_ready(self, deadline: float) -> None: ...
 
     def _spawn(self, timeout: float = 10.0) -> None:
         started = time.monotonic()

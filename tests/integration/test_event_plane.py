@@ -31,7 +31,7 @@ from dynamo_graph.runtime.events import (
 )
 from dynamo_graph.runtime.events.nats import NatsEventSubscriber
 from dynamo_graph.runtime.events.zmq import ZmqEventPublisher, ZmqEventSubscriber, event_channels_prefix
-from tests.services import start_nats
+from tests.services import NatsProc
 
 NS, COMP = "evtest", "worker"
 SYNC = "sync"
@@ -394,11 +394,8 @@ def test_event_plane_kind_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         event_plane_kind("tcp")
 
 
-async def test_nats_publisher_and_subscriber_survive_a_server_restart(tmp_path: Path) -> None:
-    try:
-        server = start_nats(tmp_path)
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+async def test_nats_publisher_and_subscriber_survive_a_server_restart(nats_fresh: NatsProc) -> None:
+    server = nats_fresh
     plane = Plane("nats", None, server.url)
     try:
         async with asyncio.timeout(15):
