@@ -167,6 +167,47 @@ def run_command(
     raise typer.Exit(code)
 
 
+def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a graph.build.Built
+    from dynamo_graph.graph.build import build
+    from dynamo_graph.graph.errors import GraphError
+
+    try:
+        return build(graph_file, overrides or [])
+    except GraphError as e:
+        for problem in e.problems:
+            err.print(f"[bold red]error:[/] {problem}", highlight=False)
+        count = len(e.problems)
+        err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+GraphFile = Annotated[Path, typer.Argument(help="the graph YAML file")]
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="Hydra-style overrides: key=value, +key=value, ~key")
+]
+
+
+@app.command("validate", help="Check a graph file: exit 0, or 2 with every problem (file:line, key path).")
+def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+    built = _build_or_exit(graph_file, overrides)
+    procs = len(built.plan.processes)
+    err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
+
+
+@app.command("render", help="Print the resolved graph and its launch plan (a dry run of `up`).")
+def render_command(
+    graph_file: GraphFile,
+    overrides: Overrides = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid")] = "yaml",
+) -> None:
+    from dynamo_graph.graph.render import FORMATS, render
+
+    if fmt not in FORMATS:
+        raise _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    built = _build_or_exit(graph_file, overrides)
+    sys.stdout.write(render(built.graph, built.plan, fmt))
+
+
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")
 def tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="folder to write")],

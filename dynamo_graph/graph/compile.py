@@ -1,0 +1,383 @@
+"""Graph -> Plan: one process spec per replica, each a `dyngraph run ...` command line (or an
+etcd / nats-server the graph asks dyngraph to manage).
+
+The plan is what `dyngraph up` launches and what `dyngraph render` prints, so it is a pure
+function of the validated graph and where its file lives: same input, same plan, byte for
+byte. Ports the graph leaves as `auto` appear as `{port:NAME}` placeholders that the
+supervisor fills with free ports at launch; the argv's leading `dyngraph` is the console
+script (a launcher may run it as `python -m dynamo_graph`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
+
+PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (DYNAMO.md 1.4)
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """How the supervisor knows a process is ready: an HTTP 200, a TCP connect, or a log line."""
+
+    kind: Literal["http", "tcp", "log"]
+    target: str
+    timeout_s: float
+
+
+class RestartPolicy(msgspec.Struct, frozen=True):
+    policy: Literal["never", "on-failure", "always"]
+    max_restarts: int
+    backoff_s: float
+    backoff_max_s: float
+
+
+class ProcessSpec(msgspec.Struct, frozen=True):
+    name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
+    component: str
+    replica: int
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    workdir: str
+    ports: dict[str, int | str]  # port name -> fixed port or "auto"
+    depends_on: list[str]  # names of processes that must be ready first
+    readiness: Probe
+    restart: RestartPolicy
+    shutdown_grace_s: float
+    role: str = "agg"
+
+
+class Plan(msgspec.Struct, frozen=True):
+    graph: str
+    namespace: str
+    graph_file: str
+    state_dir: str
+    files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
+    processes: list[ProcessSpec]
+
+
+def port_placeholder(name: str) -> str:
+    return "{port:" + name + "}"
+
+
+def _port(value: int | str, name: str) -> str:
+    return port_placeholder(name) if value == "auto" else str(value)
+
+
+def _resolve_path(path: str, graph_dir: Path) -> str:
+    """Relative paths are relative to the graph file; hub ids (`org/name`, `hf://...`) stay."""
+    if path.startswith("hf://"):
+        return path
+    candidate = (graph_dir / path).resolve()
+    if Path(path).is_absolute() or candidate.exists() or path.startswith((".", "~")):
+        return str(Path(path).expanduser() if path.startswith("~") else candidate)
+    return path  # `org/name`: resolved from the Hugging Face cache at run time
+
+
+class _Compiler:
+    def __init__(self, graph: Graph, graph_file: Path, state_dir: Path) -> None:
+        self.graph = graph
+        self.graph_dir = graph_file.parent.resolve()
+        self.graph_file = graph_file.resolve()
+        self.state_dir = state_dir.resolve()
+        self.files: dict[str, str] = {}
+        self.infra: list[ProcessSpec] = []
+        self.multi_host = any(
+            host != LOCAL
+            for comp in graph.components.values()
+            for host in (comp.hosts_of_replicas() if isinstance(comp, Worker) else [comp.host])
+        )
+
+    def _infra_host(self, configured: str | None) -> str:
+        """Where managed infra binds: as configured, else where other hosts can reach it."""
+        if configured:
+            return configured
+        local = self.graph.host(LOCAL).advertise_host
+        return local if self.multi_host and local else "127.0.0.1"
+
+    def _host_env(self, host: str) -> dict[str, str]:
+        """In a multi-host graph, workers listen on and advertise their host's routable address."""
+        if not self.multi_host:
+            return {}
+        h = self.graph.host(host)
+        address = h.advertise_host or (h.ssh.address if h.ssh else None)
+        return {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address} if address else {}
+
+    # ---- runtime planes and infra ----------------------------------------------------------
+
+    def planes_env(self) -> dict[str, str]:
+        rt = self.graph.runtime
+        env = {
+            "DYN_DISCOVERY_BACKEND": rt.discovery,
+            "DYN_REQUEST_PLANE": rt.request_plane,
+            "DYN_EVENT_PLANE": rt.event_plane,
+            "DYN_LEASE_TTL": f"{rt.lease_ttl_s:g}",
+            "PYTHONHASHSEED": PYTHON_HASH_SEED,
+        }
+        if rt.discovery == "file":
+            env["DYN_FILE_KV"] = str(self.state_dir / "discovery")
+        etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
+        if etcd is not None:
+            if etcd.managed:
+                env["ETCD_ENDPOINTS"] = (
+                    f"http://{etcd.host or '127.0.0.1'}:{_port(etcd.client_port, 'etcd.client')}"
+                )
+            else:
+                env["ETCD_ENDPOINTS"] = ",".join(etcd.endpoints)
+        if nats is not None:
+            if nats.managed:
+                env["NATS_SERVER"] = f"nats://{self._infra_host(nats.host)}:{_port(nats.port, 'nats.client')}"
+            elif nats.url:
+                env["NATS_SERVER"] = nats.url
+        return env
+
+    def infra_processes(self) -> list[ProcessSpec]:
+        procs = []
+        etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
+        never = RestartPolicy("on-failure", 5, 0.5, 5.0)
+        if etcd is not None and etcd.managed:
+            host = self._infra_host(etcd.host)
+            client = f"http://{host}:{_port(etcd.client_port, 'etcd.client')}"
+            peer = f"http://{host}:{_port(etcd.peer_port, 'etcd.peer')}"
+            procs.append(
+                ProcessSpec(
+                    name="etcd",
+                    component="etcd",
+                    replica=0,
+                    host="local",
+                    argv=[
+                        "etcd",
+                        "--name",
+                        "dyngraph",
+                        "--data-dir",
+                        str(self.state_dir / "etcd"),
+                        "--listen-client-urls",
+                        client,
+                        "--advertise-client-urls",
+                        client,
+                        "--listen-peer-urls",
+                        peer,
+                        "--initial-advertise-peer-urls",
+                        peer,
+                        "--initial-cluster",
+                        f"dyngraph={peer}",
+                        "--initial-cluster-state",
+                        "new",
+                        "--logger",
+                        "zap",
+                        "--log-level",
+                        "error",
+                    ],
+                    env={},
+                    workdir=str(self.state_dir),
+                    ports={"etcd.client": etcd.client_port, "etcd.peer": etcd.peer_port},
+                    depends_on=[],
+                    readiness=Probe("http", f"{client}/health", 30.0),
+                    restart=never,
+                    shutdown_grace_s=5.0,
+                )
+            )
+        if nats is not None and nats.managed:
+            host = self._infra_host(nats.host)
+            argv = ["nats-server", "-a", host, "-p", _port(nats.port, "nats.client")]
+            if nats.jetstream:
+                argv += ["-js", "-sd", str(self.state_dir / "nats")]
+            procs.append(
+                ProcessSpec(
+                    name="nats",
+                    component="nats",
+                    replica=0,
+                    host="local",
+                    argv=argv,
+                    env={},
+                    workdir=str(self.state_dir),
+                    ports={"nats.client": nats.port},
+                    depends_on=[],
+                    readiness=Probe("tcp", f"{host}:{_port(nats.port, 'nats.client')}", 30.0),
+                    restart=never,
+                    shutdown_grace_s=5.0,
+                )
+            )
+        return procs
+
+    # ---- components --------------------------------------------------------------------------
+
+    def _common(self, name: str) -> tuple[list[str], RestartPolicy]:
+        comp = self.graph.components[name]
+        deps = [d for dep in sorted(comp.depends_on) for d in self._process_names(dep)]
+        r = comp.restart
+        return [p.name for p in self.infra] + deps, RestartPolicy(
+            r.policy, r.max_restarts, r.backoff_s, r.backoff_max_s
+        )
+
+    def _process_names(self, component: str) -> list[str]:
+        comp = self.graph.components[component]
+        replicas = comp.replicas if isinstance(comp, Worker) else 1
+        return [f"{component}-{i}" for i in range(replicas)]
+
+    def _workdir(self, host: str) -> str:
+        workdir = self.graph.host(host).workdir
+        return _resolve_path(workdir, self.graph_dir) if workdir else str(self.graph_dir)
+
+    def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
+        out = "auto"
+        endpoints = {
+            str(w.endpoint_name())
+            for w in self.graph.workers().values()
+            if comp.models is None or w.model in comp.models
+        }
+        if comp.models is not None and len(endpoints) == 1:
+            out = endpoints.pop()  # serve just that endpoint's workers
+        router = comp.router
+        argv = [
+            "dyngraph",
+            "run",
+            "in=http",
+            f"out={out}",
+            "--http-host",
+            comp.http.host,
+            "--http-port",
+            str(comp.http.port),
+            "--router-mode",
+            router.mode,
+            "--kv-overlap-score-weight",
+            f"{router.kv_overlap_score_weight:g}",
+            "--router-temperature",
+            f"{router.temperature:g}",
+            "--use-kv-events",
+            "true" if router.use_kv_events else "false",
+            "--migration-limit",
+            str(comp.migration_limit),
+        ]
+        depends_on, restart = self._common(name)
+        probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
+        return ProcessSpec(
+            name=f"{name}-0",
+            component=name,
+            replica=0,
+            host=comp.host,
+            argv=argv,
+            env={**self.planes_env(), **dict(sorted(comp.env.items()))},
+            workdir=self._workdir(comp.host),
+            ports={"http": comp.http.port},
+            depends_on=depends_on,
+            readiness=Probe("http", f"http://{probe_host}:{comp.http.port}/live", comp.readiness.timeout_s),
+            restart=restart,
+            shutdown_grace_s=comp.shutdown_grace_s,
+        )
+
+    def _engine_args_file(self, name: str, worker: Worker) -> str | None:
+        if worker.engine_args_file is not None:
+            return _resolve_path(worker.engine_args_file, self.graph_dir)
+        if worker.engine_args is None:
+            return None
+        path = str(self.state_dir / "engine-args" / f"{name}.json")
+        self.files[path] = json.dumps(worker.engine_args, indent=2, sort_keys=True) + "\n"
+        return path
+
+    @staticmethod
+    def _gpu_env(worker: Worker, slot: int) -> dict[str, str]:
+        """GPUs of the `slot`-th replica on its host (the schema counts GPUs per host)."""
+        per = worker.gpus.per_replica
+        if per == 0:
+            return {}
+        if worker.gpus.gpu_ids is not None:
+            ids = worker.gpus.gpu_ids[slot * per : (slot + 1) * per]
+        else:
+            base = worker.gpus.base_gpu_id or 0
+            ids = list(range(base + slot * per, base + (slot + 1) * per))
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids)}
+
+    def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
+        model = self.graph.models[worker.model]
+        engine = (
+            _resolve_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
+        )
+        argv = [
+            "dyngraph",
+            "run",
+            f"in={worker.endpoint_name()}",
+            f"out={engine}",
+            "--model-path",
+            _resolve_path(model.path, self.graph_dir),
+            "--model-name",
+            str(model.name),
+        ]
+        if model.config:
+            argv += ["--model-config", _resolve_path(model.config, self.graph_dir)]
+        if model.context_length:
+            argv += ["--context-length", str(model.context_length)]
+        if model.kv_cache_block_size:
+            argv += ["--kv-cache-block-size", str(model.kv_cache_block_size)]
+        args_file = self._engine_args_file(name, worker)
+        if args_file:
+            argv += ["--extra-engine-args", args_file]
+        if worker.gpus.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(worker.gpus.tensor_parallel_size)]
+        if worker.migration_limit:
+            argv += ["--migration-limit", str(worker.migration_limit)]
+        if worker.static:
+            argv += ["--static-worker"]
+        depends_on, restart = self._common(name)
+        procs = []
+        on_host: dict[str, int] = {}
+        for replica, host in enumerate(worker.hosts_of_replicas()):
+            slot = on_host[host] = on_host.get(host, -1) + 1
+            env = {
+                **self.planes_env(),
+                **self._host_env(host),
+                **self._gpu_env(worker, slot),
+                **dict(sorted(worker.env.items())),
+            }
+            ports: dict[str, int | str] = {}
+            if worker.static:
+                port = worker.tcp_port + replica if worker.tcp_port else "auto"
+                ports["tcp"] = port
+                env["DYN_TCP_PORT"] = _port(port, f"{name}-{replica}.tcp")
+            procs.append(
+                ProcessSpec(
+                    name=f"{name}-{replica}",
+                    component=name,
+                    replica=replica,
+                    host=host,
+                    argv=list(argv),
+                    env=env,
+                    workdir=self._workdir(host),
+                    ports=ports,
+                    depends_on=depends_on,
+                    readiness=Probe("log", "serving model", worker.readiness.timeout_s),
+                    restart=restart,
+                    shutdown_grace_s=worker.shutdown_grace_s,
+                    role=worker.role,
+                )
+            )
+        return procs
+
+    def plan(self) -> Plan:
+        self.infra = self.infra_processes()
+        processes = list(self.infra)
+        for name in sorted(self.graph.components):
+            comp = self.graph.components[name]
+            if isinstance(comp, Frontend):
+                processes.append(self.frontend(name, comp))
+            else:
+                processes += self.workers(name, comp)
+        assert self.graph.namespace is not None
+        return Plan(
+            graph=self.graph.name,
+            namespace=self.graph.namespace,
+            graph_file=str(self.graph_file),
+            state_dir=str(self.state_dir),
+            files=dict(sorted(self.files.items())),
+            processes=processes,
+        )
+
+
+def compile_graph(graph: Graph, *, graph_file: Path, state_dir: Path) -> Plan:
+    """The launch plan of a validated graph (deterministic)."""
+    return _Compiler(graph, graph_file, state_dir).plan()

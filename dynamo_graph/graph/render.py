@@ -1,0 +1,121 @@
+"""`dyngraph render`: a graph and its plan as YAML, JSON, a shell script, or a mermaid drawing.
+
+All four are deterministic text (a test renders twice and compares bytes), so they can be
+committed, diffed in review and used as a dry run of `dyngraph up`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from typing import Any
+
+import msgspec
+import yaml
+
+from dynamo_graph.graph.compile import Plan
+from dynamo_graph.graph.schema import Graph
+
+FORMATS = ("yaml", "json", "shell", "mermaid")
+_PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
+
+
+def _document(graph: Graph, plan: Plan) -> dict[str, Any]:
+    return {"graph": graph.model_dump(mode="json"), "plan": msgspec.to_builtins(plan)}
+
+
+def render_yaml(graph: Graph, plan: Plan) -> str:
+    return yaml.safe_dump(_document(graph, plan), sort_keys=False, default_flow_style=False, width=120)
+
+
+def render_json(graph: Graph, plan: Plan) -> str:
+    return json.dumps(_document(graph, plan), indent=2) + "\n"
+
+
+def _shell_var(name: str) -> str:
+    return "PORT_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def render_shell(graph: Graph, plan: Plan) -> str:
+    """The commands a person could run by hand, in dependency order, auto ports picked first."""
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# dyngraph plan for graph {plan.graph!r} ({plan.graph_file})",
+        "set -euo pipefail",
+    ]
+    auto = sorted(
+        {m for p in plan.processes for text in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(text)}
+    )
+    if auto:
+        lines.append(
+            'free_port() { python3 -c \'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); '
+            "print(s.getsockname()[1])'; }"
+        )
+        lines += [f"{_shell_var(name)}=$(free_port)" for name in auto]
+    for path, text in plan.files.items():
+        lines.append(f"mkdir -p {shlex.quote(str(path).rsplit('/', 1)[0])}")
+        lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
+
+    def sub(text: str) -> str:
+        quoted = shlex.quote(text)
+        # Placeholders become shell variables; close and reopen the quotes around them.
+        out = _PLACEHOLDER.sub(lambda m: "'\"$" + _shell_var(m.group(1)) + "\"'", quoted)
+        return out.removeprefix("''").removesuffix("''")
+
+    for proc in plan.processes:
+        lines.append("")
+        lines.append(
+            f"# {proc.name} on {proc.host} (ready when {proc.readiness.kind} {proc.readiness.target})"
+        )
+        env = " ".join(f"{k}={sub(v)}" for k, v in proc.env.items())
+        command = " ".join(sub(a) for a in proc.argv)
+        lines.append(f"(cd {shlex.quote(proc.workdir)} && {env + ' ' if env else ''}{command}) &")
+    lines.append("wait")
+    return "\n".join(lines) + "\n"
+
+
+def _node(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def render_mermaid(graph: Graph, plan: Plan) -> str:
+    """Components, endpoints and routing: client -> frontends -> endpoints -> worker replicas."""
+    out = ["flowchart LR", "  client((client))"]
+    replicas: dict[str, list[str]] = {}
+    for proc in plan.processes:
+        replicas.setdefault(proc.component, []).append(f"{proc.name}@{proc.host}")
+    for name, comp in sorted(graph.frontends().items()):
+        out.append(f'  {_node(name)}["{name}<br/>http {comp.http.host}:{comp.http.port}"]')
+        out.append(f"  client --> {_node(name)}")
+    for name, worker in sorted(graph.workers().items()):
+        endpoint = str(worker.endpoint_name())
+        ep_node = "ep_" + _node(endpoint)
+        out.append(f'  {ep_node}{{{{"{endpoint}"}}}}')
+        model = graph.models[worker.model]
+        out.append(
+            f'  subgraph {_node(name)}["{name}: {worker.engine}, model {model.name}, role {worker.role}"]'
+        )
+        out += [f'    {_node(r)}["{r}"]' for r in replicas.get(name, [])]
+        out.append("  end")
+        out += [f"  {ep_node} --> {_node(r)}" for r in replicas.get(name, [])]
+        for fname, front in sorted(graph.frontends().items()):
+            if front.models is None or worker.model in front.models:
+                out.append(f"  {_node(fname)} -->|{front.router.mode}| {ep_node}")
+    for infra in ("etcd", "nats"):
+        if infra in replicas:
+            out.append(f"  {infra}[({infra})]")
+    out.append(
+        f"  %% runtime: discovery {graph.runtime.discovery}, request plane {graph.runtime.request_plane}, "
+        f"events {graph.runtime.event_plane}"
+    )
+    return "\n".join(out) + "\n"
+
+
+RENDERERS = {"yaml": render_yaml, "json": render_json, "shell": render_shell, "mermaid": render_mermaid}
+
+
+def render(graph: Graph, plan: Plan, fmt: str) -> str:
+    if fmt not in RENDERERS:
+        raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return RENDERERS[fmt](graph, plan)

@@ -1,0 +1,515 @@
+"""The graph file's schema: pydantic models that are the single source of truth for its shape.
+
+A graph file (after `load.py` has composed it into a plain dict) is validated against `Graph`;
+`validate.py` adds the checks that span several keys (references, ports, GPUs, planes). Every
+field maps onto a `dyngraph run` flag or environment variable, which is what `compile.py` turns
+it into. Relative paths in a graph (model paths, engine files, engine-args files, the local
+workdir) are relative to the directory of the graph file, not the current directory.
+
+`python -m dynamo_graph.graph.schema > schemas/graph.schema.json` writes the JSON Schema that
+editors use to complete graph files; a unit test fails when the committed file is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
+
+LOCAL = "local"
+"""The host dyngraph runs on; it always exists, declared or not."""
+
+KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
+"""Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
+
+ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
+
+# Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow
+# runtime/names.py: letters, digits, '_' and '-', no dots.
+_NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$"
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_API_KEY_ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+Name = Annotated[str, Field(pattern=_NAME_RE)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+AutoPort = Port | Literal["auto"]
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """An error found by a model-level check but about one field: validate.py appends `field`
+    to the reported key path, so the user is pointed at the key to change."""
+    return PydanticCustomError("graph_field", "{message}", {"field": field, "message": message})
+
+
+def _env_name(name: str) -> str:
+    if not _ENV_NAME_RE.match(name):
+        raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+    return name
+
+
+def _env_value(value: Any) -> Any:
+    # YAML reads `FOO: 1` and `FOO: true` as numbers and booleans; the process sees strings.
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+def _api_key_env_name(name: str) -> str:
+    if not _API_KEY_ENV_RE.match(name):
+        # The value may be a real secret: never echo it back.
+        raise ValueError(
+            "expected the name of an environment variable that holds a key (UPPER_CASE, e.g. "
+            "DYN_API_KEY), never a literal key"
+        )
+    return name
+
+
+Env = dict[Annotated[str, AfterValidator(_env_name)], Annotated[str, BeforeValidator(_env_value)]]
+
+
+class _Model(BaseModel):
+    """Base of every graph model: unknown keys are errors, field docstrings are editor hints."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime planes and the services behind them
+# ---------------------------------------------------------------------------------------------
+
+
+class RuntimePlanes(_Model):
+    """How processes find each other and talk (DYN_DISCOVERY_BACKEND, DYN_REQUEST_PLANE,
+    DYN_EVENT_PLANE); the defaults need no services and suit one machine."""
+
+    discovery: Literal["file", "etcd"] = "file"
+    """Where instances register: `file` (under the graph's state dir, one machine) or `etcd`
+    (needs `infra.etcd`; required when components run on more than one host)."""
+    request_plane: Literal["tcp", "nats"] = "tcp"
+    """Transport for requests: `tcp` (direct connections) or `nats` (needs `infra.nats`). Across
+    hosts, `tcp` needs `advertise_host` on every host that runs workers."""
+    event_plane: Literal["zmq", "nats", "inproc"] = "zmq"
+    """Transport for KV events and load metrics; `nats` needs `infra.nats`. `inproc` only reaches
+    subscribers in the same process, so it cannot feed a kv router in another process."""
+    lease_ttl_s: float = Field(10.0, gt=0)
+    """Seconds a dead process's registration outlives it (DYN_LEASE_TTL)."""
+
+
+class Etcd(_Model):
+    """etcd for discovery: `managed: true` (dyngraph starts and stops it on the local host) or
+    `endpoints` of an existing cluster."""
+
+    managed: bool = False
+    """Start etcd with the graph (Debian's `etcd` binary) and stop it with the graph."""
+    endpoints: list[str] = []
+    """Client URLs of an existing etcd (ETCD_ENDPOINTS), e.g. `http://10.0.0.5:2379`."""
+    host: str | None = None
+    """Managed only: address etcd binds; default 127.0.0.1, or `hosts.local.advertise_host` when
+    components run on other hosts."""
+    client_port: AutoPort = "auto"
+    """Managed only: client port, or `auto` for a free one picked at launch."""
+    peer_port: AutoPort = "auto"
+    """Managed only: peer port, or `auto`."""
+
+    _MANAGED_ONLY: ClassVar[tuple[str, ...]] = ("host", "client_port", "peer_port")
+
+    @model_validator(mode="after")
+    def _managed_or_external(self) -> Etcd:
+        _check_managed_or_external(self, "endpoints", bool(self.endpoints))
+        return self
+
+
+class Nats(_Model):
+    """nats-server for the request and/or event plane: `managed: true` or the `url` of one."""
+
+    managed: bool = False
+    """Start nats-server with the graph on the local host and stop it with the graph."""
+    url: str | None = None
+    """URL of an existing server (NATS_SERVER), e.g. `nats://10.0.0.5:4222`."""
+    host: str | None = None
+    """Managed only: address nats-server binds; default as for etcd."""
+    port: AutoPort = "auto"
+    """Managed only: client port, or `auto`."""
+    jetstream: bool = False
+    """Managed only: start with JetStream (`-js`), which Dynamo's own components expect."""
+
+    _MANAGED_ONLY: ClassVar[tuple[str, ...]] = ("host", "port", "jetstream")
+
+    @model_validator(mode="after")
+    def _managed_or_external(self) -> Nats:
+        _check_managed_or_external(self, "url", self.url is not None)
+        return self
+
+
+def _check_managed_or_external(service: Etcd | Nats, external_key: str, external: bool) -> None:
+    if service.managed and external:
+        raise field_error(external_key, f"give either `managed: true` or `{external_key}`, not both")
+    if not service.managed and not external:
+        raise field_error("managed", f"set `managed: true` or give `{external_key}` of a running server")
+    if not service.managed:
+        for key in service._MANAGED_ONLY:
+            if key in service.model_fields_set:
+                raise field_error(key, f"`{key}` applies only to `managed: true`")
+
+
+class Infra(_Model):
+    """Services the graph's planes need; an absent entry is not used. Managed services run on
+    the local host."""
+
+    etcd: Etcd | None = None
+    """Needed when `runtime.discovery: etcd`."""
+    nats: Nats | None = None
+    """Needed when the request or event plane is `nats`."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Hosts and models
+# ---------------------------------------------------------------------------------------------
+
+
+class Ssh(_Model):
+    """How to reach a remote host (the ssh client's own config applies too)."""
+
+    address: str
+    """Host name or IP address to ssh to."""
+    user: str | None = None
+    """Login user; default: the ssh client's."""
+    port: Port = 22
+    """ssh port."""
+    identity_file: str | None = None
+    """Private key file (`ssh -i`)."""
+
+
+class Host(_Model):
+    """A machine components are placed on. `local` is this machine and needs no `ssh`; any other
+    host is reached over ssh."""
+
+    ssh: Ssh | None = None
+    """Required for every host but `local`."""
+    workdir: str | None = None
+    """Working directory of the processes; default the graph file's directory (local) or the
+    ssh user's home (remote)."""
+    python: str | None = None
+    """Python interpreter that has dyngraph installed; default the current one (local) or
+    `python3` (remote)."""
+    venv: str | None = None
+    """Virtual environment with dyngraph installed (its `bin/python` is used); instead of
+    `python`."""
+    env: Env = {}
+    """Environment for every process on this host (components' `env` wins)."""
+    gpus: int = Field(0, ge=0)
+    """Number of GPUs on the host; components' GPU requests must fit. 0 on `local` unless
+    declared."""
+    advertise_host: str | None = None
+    """Address other hosts reach this one at (DYN_TCP_ADVERTISE_HOST, managed infra). Needed for
+    the tcp request plane across hosts; an ssh host defaults to its `ssh.address`."""
+
+    @model_validator(mode="after")
+    def _python_or_venv(self) -> Host:
+        if self.python is not None and self.venv is not None:
+            raise field_error("venv", "give either `python` or `venv`, not both")
+        return self
+
+
+class Model(_Model):
+    """A model served by workers (--model-path and friends)."""
+
+    path: str
+    """Hugging Face folder, GGUF file, `org/name` or `hf://org/name` (--model-path)."""
+    name: str | None = None
+    """Name clients ask for (--model-name); default the model's key in `models`."""
+    config: str | None = None
+    """Folder with tokenizer files for a GGUF (--model-config)."""
+    context_length: int | None = Field(None, ge=1)
+    """Override the model's context length (--context-length)."""
+    kv_cache_block_size: int | None = Field(None, ge=1)
+    """KV cache block size in tokens (--kv-cache-block-size)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Components
+# ---------------------------------------------------------------------------------------------
+
+
+class Restart(_Model):
+    """What the supervisor does when a process exits."""
+
+    policy: Literal["never", "on-failure", "always"] = "on-failure"
+    """`on-failure` restarts after a non-zero exit or a signal; `always` after any exit."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts in a row before the component is reported as crash-looping and left down."""
+    backoff_s: float = Field(1.0, ge=0)
+    """Delay before the first restart; doubles on each further one."""
+    backoff_max_s: float = Field(30.0, ge=0)
+    """Ceiling of the doubling delay."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Restart:
+        if self.backoff_max_s < self.backoff_s:
+            raise field_error("backoff_max_s", "must be at least `backoff_s`")
+        return self
+
+
+class Readiness(_Model):
+    """When a process counts as up: a frontend when its HTTP `/health` answers, a worker when its
+    endpoint is registered in discovery. Dependents start after that."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Give up (and apply the restart policy) if not ready within this many seconds."""
+
+
+class _Component(_Model):
+    env: Env = {}
+    """Environment variables of the component's processes."""
+    depends_on: list[str] = []
+    """Components that must be ready before this one starts."""
+    restart: Restart = Restart()
+    """Restart policy."""
+    readiness: Readiness = Readiness()
+    """Readiness probe."""
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    """Seconds between SIGTERM and SIGKILL on shutdown."""
+
+
+class Http(_Model):
+    """Where the OpenAI-compatible HTTP server listens."""
+
+    host: str = "127.0.0.1"
+    """Bind address (--http-host); `0.0.0.0` to serve other machines."""
+    port: Port = 8080
+    """Port (--http-port)."""
+
+
+class Router(_Model):
+    """How the frontend picks a worker instance."""
+
+    mode: Literal["random", "round-robin", "kv"] = "round-robin"
+    """--router-mode; `kv` routes by KV cache overlap and needs KV events (or
+    `use_kv_events: false`)."""
+    kv_overlap_score_weight: float = Field(1.0, ge=0)
+    """kv: weight of cached-prefix overlap against load (--kv-overlap-score-weight)."""
+    temperature: float = Field(0.0, ge=0)
+    """kv: softmax temperature of the pick, 0 = always the best (--router-temperature)."""
+    use_kv_events: bool = True
+    """kv: follow workers' KV events; false predicts cache contents from routed requests
+    (--use-kv-events)."""
+
+
+class Frontend(_Component):
+    """The OpenAI-compatible HTTP frontend with pre/post-processing and the router
+    (`dyngraph run in=http out=auto`)."""
+
+    kind: Literal["frontend"]
+    host: str = LOCAL
+    """Host the frontend runs on (a key of `hosts`, or `local`)."""
+    http: Http = Http()
+    """HTTP listener."""
+    router: Router = Router()
+    """Routing to worker instances."""
+    migration_limit: int = Field(0, ge=0)
+    """Times a request whose stream breaks is moved to another worker (--migration-limit)."""
+    api_key_env: list[Annotated[str, AfterValidator(_api_key_env_name)]] = []
+    """Names of environment variables holding accepted API keys (never the keys themselves)."""
+    models: list[str] | None = None
+    """Keys of `models` this frontend serves; default all."""
+
+
+class Gpus(_Model):
+    """GPUs each replica uses (--tensor-parallel-size, --base-gpu-id, CUDA_VISIBLE_DEVICES)."""
+
+    per_replica: int = Field(0, ge=0)
+    """GPUs one replica uses; 0 for CPU engines."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """--tensor-parallel-size."""
+    base_gpu_id: int | None = Field(None, ge=0)
+    """First GPU on each host; replica k there uses the next `per_replica` from
+    `base_gpu_id + k * per_replica`. Default: dyngraph assigns free GPUs."""
+    gpu_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    """Exactly which GPUs the component may use on each host, sliced `per_replica` per
+    replica; instead of `base_gpu_id`."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Gpus:
+        if 0 < self.per_replica < self.tensor_parallel_size:
+            raise field_error(
+                "per_replica",
+                f"tensor_parallel_size {self.tensor_parallel_size} needs at least that many GPUs per replica",
+            )
+        if self.gpu_ids is not None and self.base_gpu_id is not None:
+            raise field_error("gpu_ids", "give either `gpu_ids` or `base_gpu_id`, not both")
+        if (self.gpu_ids is not None or self.base_gpu_id is not None) and self.per_replica == 0:
+            raise field_error("per_replica", "GPU ids are given but `per_replica` is 0")
+        if self.gpu_ids is not None and len(set(self.gpu_ids)) != len(self.gpu_ids):
+            raise field_error("gpu_ids", "lists a GPU more than once")
+        return self
+
+
+class Worker(_Component):
+    """Replicas of an engine serving one model on one endpoint (`dyngraph run in=dyn://...`)."""
+
+    kind: Literal["worker"]
+    model: str
+    """Key of the model in `models`."""
+    engine: str
+    """echo_core, echo_full, mocker, vllm, llamacpp, mistralrs, sglang, trtllm, or the path of a
+    Python engine file (`*.py`)."""
+    endpoint: str | None = None
+    """`component[.endpoint]` in the graph's namespace, or `dyn://namespace.component.endpoint`;
+    default `<namespace>.<component key>.generate`."""
+    engine_args: dict[str, Any] | None = None
+    """Engine arguments inline (written to a JSON file for --extra-engine-args)."""
+    engine_args_file: str | None = None
+    """JSON file of engine arguments (--extra-engine-args); instead of `engine_args`."""
+    replicas: int = Field(1, ge=1)
+    """Worker processes; replica i runs on `placement[i % len(placement)]`."""
+    placement: list[str] = Field([LOCAL], min_length=1)
+    """Hosts the replicas are spread over, round-robin (keys of `hosts`, or `local`)."""
+    gpus: Gpus = Gpus()
+    """GPU use per replica."""
+    role: Literal["agg", "prefill", "decode"] = "agg"
+    """`agg` does whole requests; a model with `prefill` workers needs `decode` ones and back."""
+    static: bool = False
+    """Serve without discovery on fixed ports (--static-worker); needs `tcp_port` and the tcp
+    request plane."""
+    tcp_port: Port | None = None
+    """Request-plane port of replica 0 (DYN_TCP_PORT); replica i uses `tcp_port + i`.
+    Default: a free port."""
+    migration_limit: int = Field(0, ge=0)
+    """Migration limit advertised in the model card (--migration-limit)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine in ENGINES or engine.endswith(".py"):
+            return engine
+        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)} or a *.py file")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_syntax(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None:
+            resolve_endpoint(endpoint, namespace="ns", component="comp")
+        return endpoint
+
+    @model_validator(mode="after")
+    def _one_engine_args(self) -> Worker:
+        if self.engine_args is not None and self.engine_args_file is not None:
+            raise field_error("engine_args_file", "give either `engine_args` or `engine_args_file`, not both")
+        return self
+
+    def endpoint_name(self) -> EndpointName:
+        """The endpoint; complete once `Graph` has validated (it fills in the default)."""
+        assert self.endpoint is not None, "Graph validation fills in the endpoint"
+        return EndpointName.parse(self.endpoint)
+
+    def hosts_of_replicas(self) -> list[str]:
+        """Host of each replica, in replica order."""
+        return [self.placement[i % len(self.placement)] for i in range(self.replicas)]
+
+
+def resolve_endpoint(text: str | None, *, namespace: str, component: str) -> EndpointName:
+    """`dyn://ns.comp.ep` as dynamo-run reads it, `comp[.ep]` inside `namespace`, or the default
+    `namespace.component.generate`. Raises ValueError on a malformed name."""
+    if text is None:
+        return EndpointName(namespace, component, DEFAULT_ENDPOINT)
+    if text.startswith("dyn://"):
+        return EndpointName.parse(text)
+    parts = text.split(".")
+    if len(parts) > 2:
+        raise ValueError(f"{text!r}: write `dyn://{text}` for an endpoint with a namespace, else comp.ep")
+    return EndpointName.parse(f"dyn://{namespace}.{text}")
+
+
+Component = Annotated[Frontend | Worker, Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph
+# ---------------------------------------------------------------------------------------------
+
+
+class Graph(_Model):
+    """A deployment: models, the components that serve them, the hosts they run on and the
+    runtime planes between them. Relative paths are relative to the graph file's directory."""
+
+    name: Name
+    """The graph's name: state lives in `.dyngraph/<name>/` next to the graph file."""
+    namespace: Name | None = None
+    """Dynamo namespace of the components' endpoints; default `name`."""
+    runtime: RuntimePlanes = RuntimePlanes()
+    """Discovery, request plane and event plane."""
+    infra: Infra = Infra()
+    """etcd and nats-server, managed by dyngraph or external."""
+    hosts: dict[Name, Host] = {}
+    """Machines by name; `local` exists without being declared (declare it to set its `gpus`)."""
+    models: dict[Name, Model] = {}
+    """Models by key."""
+    components: dict[Name, Component] = {}
+    """Frontends and workers by name (`kind: frontend` or `kind: worker`)."""
+
+    @field_validator("hosts")
+    @classmethod
+    def _ssh_only_remote(cls, hosts: dict[str, Host]) -> dict[str, Host]:
+        for key, host in hosts.items():
+            if key == LOCAL and host.ssh is not None:
+                raise field_error(f"{key}.ssh", "`local` is this machine: it takes no `ssh` block")
+            if key != LOCAL and host.ssh is None:
+                raise field_error(f"{key}.ssh", "a host other than `local` needs `ssh: {address: ...}`")
+        return hosts
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Graph:
+        """Spell out defaults that depend on other keys, so the validated graph (which `render`
+        prints and `compile` reads) is explicit."""
+        if self.namespace is None:
+            self.namespace = self.name
+        for key, model in self.models.items():
+            if model.name is None:
+                model.name = key
+        for key, comp in self.components.items():
+            if isinstance(comp, Worker):
+                comp.endpoint = str(resolve_endpoint(comp.endpoint, namespace=self.namespace, component=key))
+        return self
+
+    def host(self, key: str) -> Host:
+        """A host by key; an undeclared `local` is a default one."""
+        return self.hosts[key] if key in self.hosts else Host()
+
+    def workers(self) -> dict[str, Worker]:
+        return {k: c for k, c in self.components.items() if isinstance(c, Worker)}
+
+    def frontends(self) -> dict[str, Frontend]:
+        return {k: c for k, c in self.components.items() if isinstance(c, Frontend)}
+
+
+def export_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a graph file, for editors (yaml-language-server) and CI."""
+    schema = Graph.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "dyngraph graph"
+    return schema
+
+
+def dump_json_schema() -> str:
+    """Deterministic text of the schema: sorted keys, 2-space indent, trailing newline."""
+    return json.dumps(export_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(dump_json_schema())

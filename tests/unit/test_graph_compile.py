@@ -1,0 +1,136 @@
+"""Graph -> Plan -> rendered text: deterministic, and what `dyngraph up` would launch."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dynamo_graph.graph.build import build
+from dynamo_graph.graph.render import FORMATS, render
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(
+    p for p in (ROOT / "graphs").rglob("*.yaml") if "templates" not in p.parts and ".dyngraph" not in p.parts
+)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "graph.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+name: demo
+models:
+  tiny:
+    path: ./model
+components:
+  frontend:
+    kind: frontend
+    http: {port: 18555}
+  backend:
+    kind: worker
+    model: tiny
+    engine: echo_core
+"""
+
+
+def test_shipped_graphs_exist() -> None:
+    assert ROOT / "graphs" / "hello.yaml" in SHIPPED
+    assert len(SHIPPED) >= 3
+
+
+@pytest.mark.parametrize("graph_file", SHIPPED, ids=[str(p.relative_to(ROOT)) for p in SHIPPED])
+def test_every_shipped_graph_renders_identically_twice(graph_file: Path) -> None:
+    first, second = build(graph_file), build(graph_file)
+    for fmt in FORMATS:
+        assert render(first.graph, first.plan, fmt) == render(second.graph, second.plan, fmt), fmt
+
+
+def test_plan_of_a_small_graph(tmp_path: Path) -> None:
+    built = build(_write(tmp_path, BASE))
+    names = [p.name for p in built.plan.processes]
+    assert names == ["backend-0", "frontend-0"]
+    worker, frontend = built.plan.processes
+    assert worker.argv[:4] == ["dyngraph", "run", "in=dyn://demo.backend.generate", "out=echo_core"]
+    assert worker.argv[worker.argv.index("--model-path") + 1] == str((tmp_path / "model").resolve())
+    assert worker.env["DYN_DISCOVERY_BACKEND"] == "file"
+    assert worker.env["DYN_FILE_KV"] == str(tmp_path.resolve() / ".dyngraph" / "graph" / "discovery")
+    assert worker.env["PYTHONHASHSEED"] == "0"
+    assert worker.readiness.kind == "log"
+    assert frontend.argv[:4] == ["dyngraph", "run", "in=http", "out=auto"]
+    assert frontend.readiness.target == "http://127.0.0.1:18555/live"
+    assert frontend.env["DYN_FILE_KV"] == worker.env["DYN_FILE_KV"]
+
+
+def test_overrides_scale_replicas_and_add_env(tmp_path: Path) -> None:
+    built = build(
+        _write(tmp_path, BASE), ["+components.backend.replicas=3", "+components.backend.env.FOO=bar"]
+    )
+    workers = [p for p in built.plan.processes if p.component == "backend"]
+    assert [p.name for p in workers] == ["backend-0", "backend-1", "backend-2"]
+    assert all(p.env["FOO"] == "bar" for p in workers)
+
+
+def test_depends_on_and_managed_infra(tmp_path: Path) -> None:
+    text = BASE.replace(
+        "name: demo",
+        """name: demo
+runtime: {discovery: etcd, request_plane: nats, event_plane: nats}
+infra:
+  etcd: {managed: true}
+  nats: {managed: true}""",
+    ).replace("kind: frontend", "kind: frontend\n    depends_on: [backend]")
+    plan = build(_write(tmp_path, text)).plan
+    names = [p.name for p in plan.processes]
+    assert names[:2] == ["etcd", "nats"]
+    frontend = next(p for p in plan.processes if p.component == "frontend")
+    assert frontend.depends_on == ["etcd", "nats", "backend-0"]
+    assert frontend.env["ETCD_ENDPOINTS"] == "http://127.0.0.1:{port:etcd.client}"
+    assert frontend.env["NATS_SERVER"] == "nats://127.0.0.1:{port:nats.client}"
+    assert "DYN_FILE_KV" not in frontend.env
+
+
+def test_inline_engine_args_become_a_file_and_gpus_a_device_list(tmp_path: Path) -> None:
+    text = BASE.replace("name: demo", "name: demo\nhosts:\n  local: {gpus: 4}").replace(
+        "engine: echo_core",
+        "engine: echo_core\n    replicas: 2\n    engine_args: {block_size: 32}\n    gpus: {per_replica: 2}",
+    )
+    plan = build(_write(tmp_path, text)).plan
+    workers = [p for p in plan.processes if p.component == "backend"]
+    path = workers[0].argv[workers[0].argv.index("--extra-engine-args") + 1]
+    assert plan.files[path] == '{\n  "block_size": 32\n}\n'
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "2,3"]
+
+
+def test_shell_render_is_valid_bash_and_mermaid_draws_the_route(tmp_path: Path) -> None:
+    text = BASE.replace(
+        "name: demo", "name: demo\ninfra:\n  nats: {managed: true}\nruntime: {request_plane: nats}"
+    )
+    built = build(_write(tmp_path, text))
+    script = render(built.graph, built.plan, "shell")
+    assert subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True).returncode == 0
+    assert "PORT_NATS_CLIENT=$(free_port)" in script
+    assert "dyngraph run in=dyn://demo.backend.generate out=echo_core" in script
+    mermaid = render(built.graph, built.plan, "mermaid")
+    assert mermaid.startswith("flowchart LR")
+    assert "frontend -->|round-robin| ep_dyn___demo_backend_generate" in mermaid
+
+
+def test_cli_validate_and_render(tmp_path: Path) -> None:
+    from tests.procs import run_cli
+
+    good = _write(tmp_path, BASE)
+    result = run_cli(["validate", str(good)])
+    assert result.returncode == 0, result.stderr
+    result = run_cli(["render", str(good), "--format", "json"])
+    assert result.returncode == 0 and '"processes"' in result.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASE.replace("engine: echo_core", "engine: echo_core\n    replicaz: 2"))
+    result = run_cli(["validate", str(bad)])
+    assert result.returncode == 2
+    assert f"{bad}:" in result.stderr and "components.backend.replicaz" in result.stderr
+    assert "replicas" in result.stderr  # did-you-mean
