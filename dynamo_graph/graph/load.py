@@ -49,7 +49,7 @@ from hydra.core.default_element import ResultDefault
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -125,7 +125,7 @@ _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("dyngraph_environ", 
 _NO_DEFAULT = object()
 
 
-class UnsetEnvVar(KeyError):
+class _UnsetEnvVar(KeyError):
     """An environment variable used without a default is not set."""
 
     def __init__(self, name: str) -> None:
@@ -141,7 +141,7 @@ def _env(name: str, default: Any = _NO_DEFAULT) -> str | None:
     if name in environ:
         return environ[name]
     if default is _NO_DEFAULT:
-        raise UnsetEnvVar(name)
+        raise _UnsetEnvVar(name)
     return None if default is None else str(default)
 
 
@@ -183,7 +183,7 @@ def _check_overrides(overrides: Sequence[str]) -> list[Problem]:
     for text in overrides:
         try:
             key = _PARSER.parse_override(text).key_or_group
-        except OverrideParseException as exc:
+        except HydraException as exc:  # parse_override raises the base class
             key = re.sub(r"^[~+]*", "", text).partition("=")[0]
             problems.append(Problem(key, f"cannot parse override {text!r}: {_first_line(exc)}", OVERRIDE))
             continue
@@ -203,10 +203,11 @@ def _check_keys(file: Path, root: yaml.MappingNode) -> list[Problem]:
     """Duplicate keys (YAML would keep the last silently, OmegaConf stops at the first) and a
     top-level `hydra`, which Hydra would take as its own config and drop."""
     problems = []
-    if any(key.value == "hydra" for key, _ in root.value):
-        problems.append(
-            Problem("hydra", "`hydra` is reserved by Hydra and cannot be a graph key", Location(str(file)))
-        )
+    problems.extend(
+        Problem("hydra", "`hydra` is reserved by Hydra and cannot be a graph key", _loc(file, key))
+        for key, _ in root.value
+        if key.value == "hydra"
+    )
 
     def walk(node: yaml.Node, path: str) -> None:
         if isinstance(node, yaml.SequenceNode):
@@ -247,15 +248,15 @@ def _compose(
         # The graph goes in through the ConfigStore, which Hydra searches last, so that its own
         # directory (which holds the file) can be on the search path without `defaults: [/agg]`
         # in a graph named agg.yaml meaning itself; and so that any suffix (.yml) works.
-        ConfigStore.instance().store(name=_PRIMARY, node=OmegaConf.load(file))
         # Left initialized by someone else, GlobalHydra would refuse initialize_config_dir.
         GlobalHydra.instance().clear()
         try:
+            ConfigStore.instance().store(name=_PRIMARY, node=OmegaConf.load(file))
             with initialize_config_dir(version_base=None, config_dir=str(search_dirs[0])):
                 cfg = compose(config_name=_PRIMARY, overrides=hydra_overrides)
                 loader = GlobalHydra.instance().config_loader()
                 defaults_list = loader.compute_defaults_list(_PRIMARY, hydra_overrides, RunMode.RUN)
-        except yaml.MarkedYAMLError as exc:  # a template's YAML (the graph's was parsed before)
+        except yaml.MarkedYAMLError as exc:  # e.g. a template's syntax, or a tag OmegaConf refuses
             raise GraphError([_yaml_problem(exc)]) from exc
         except MissingConfigException as exc:
             where = ", ".join(str(d) for d in search_dirs)
@@ -415,9 +416,9 @@ def _check_node(node: DictConfig | ListConfig, path: str, source: SourceMap, pro
 
 def _interpolation_message(exc: BaseException) -> str:
     cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, UnsetEnvVar):
+    while cause is not None and not isinstance(cause, _UnsetEnvVar):
         cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, UnsetEnvVar):
+    if isinstance(cause, _UnsetEnvVar):
         fix = f"set it, or give a default: ${{env:{cause.name},default}}"
         return f"environment variable {cause.name} is not set and has no default ({fix})"
     return f"cannot resolve interpolation: {_first_line(exc)}"

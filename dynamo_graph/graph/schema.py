@@ -449,7 +449,8 @@ class Graph(_Model):
     runtime planes between them. Relative paths are relative to the graph file's directory."""
 
     name: Name
-    """The graph's name: state lives in `.dyngraph/<name>/` next to the graph file."""
+    """The graph's name (processes, logs and the status table use it); state lives in
+    `.dyngraph/<graph file stem>/` next to the graph file."""
     namespace: Name | None = None
     """Dynamo namespace of the components' endpoints; default `name`."""
     runtime: RuntimePlanes = RuntimePlanes()
