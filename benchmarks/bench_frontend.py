@@ -36,6 +36,16 @@ PROMPT = (
 )
 
 
+# Streamed chat, 64 tokens, the template's eos ignored so echo_core returns all of them.
+STREAM_BODY = {
+    "model": "bench",
+    "messages": [{"role": "user", "content": PROMPT}],
+    "max_tokens": 64,
+    "stream": True,
+    "nvext": {"ignore_eos": True},
+}
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
@@ -129,13 +139,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontend.json"))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 64,
-        "stream": True,
-        "nvext": {"ignore_eos": True},
-    }
+    body = STREAM_BODY
 
     servers = {
         "dyngraph": lambda port: [

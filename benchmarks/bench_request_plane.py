@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_frontend import PROMPT, free_port, measure
+from bench_frontend import STREAM_BODY, free_port, measure
 
 ROOT = Path(__file__).resolve().parents[1]
 DYNGRAPH = [sys.executable, "-m", "dynamo_graph", "run"]
@@ -143,13 +143,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "request_plane.json"))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 64,
-        "stream": True,
-        "nvext": {"ignore_eos": True},
-    }
+    body = STREAM_BODY
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for topology in args.topologies.split(","):
