@@ -1,5 +1,5 @@
 # Set-up lives here so the README's two commands work on a fresh machine:
-#   make run   -> venv + install + tiny model, then `dyngraph run in=http out=echo_core` on it
+#   make run   -> venv + install + tiny model, then `dyngraph up graphs/hello.yaml` (foreground)
 #   make test  -> venv + install (+ etcd, nats-server from Debian), then the default (fast) test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,7 @@ $(MODEL_DIR)/tokenizer.json: | $(BIN)/dyngraph
 	$(BIN)/dyngraph dev tiny-model $(MODEL_DIR)
 
 run: setup $(MODEL_DIR)/tokenizer.json
-	$(BIN)/dyngraph run in=http out=echo_core $(MODEL_DIR) --http-port $(HTTP_PORT)
+	$(BIN)/dyngraph up graphs/hello.yaml components.frontend.http.port=$(HTTP_PORT)
 
 # llama-cpp-python compiles for minutes from source; where the shared prebuilt wheel is present,
 # install it so the GGUF test runs against real llama.cpp (it skips otherwise).

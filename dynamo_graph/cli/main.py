@@ -208,6 +208,56 @@ def render_command(
     sys.stdout.write(render(built.graph, built.plan, fmt))
 
 
+def _state_of(graph_file: Path):  # returns a graph.supervise.state.StateDir
+    """The graph's state dir; `status`, `logs` and `down` need no valid graph, only its path."""
+    from dynamo_graph.graph.load import state_dir
+    from dynamo_graph.graph.supervise.state import StateDir
+
+    return StateDir(state_dir(graph_file))
+
+
+@app.command("up", help="Start a graph (or apply its changes to the running one); -d to detach.")
+def up_command(
+    graph_file: GraphFile,
+    overrides: Overrides = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+) -> None:
+    from dynamo_graph.graph.supervise import commands
+
+    out = Console(soft_wrap=True)
+    if not detach:
+        raise typer.Exit(commands.up_foreground(_build_or_exit(graph_file, overrides), out))
+    with commands.DetachedUp(_state_of(graph_file)) as up:  # the supervisor boots while we load
+        code = up.run(_build_or_exit(graph_file, overrides), out)
+    raise typer.Exit(code)
+
+
+@app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
+def status_command(graph_file: GraphFile) -> None:
+    from dynamo_graph.graph.supervise import commands
+
+    raise typer.Exit(commands.status(_state_of(graph_file), Console(soft_wrap=True)))
+
+
+@app.command("logs", help="Print a graph's process logs, prefixed; -f follows.")
+def logs_command(
+    graph_file: GraphFile,
+    process: Annotated[str | None, typer.Argument(help="a component or process name")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="lines of each log to show first")] = 100,
+) -> None:
+    from dynamo_graph.graph.supervise import commands
+
+    raise typer.Exit(commands.logs(_state_of(graph_file), Console(soft_wrap=True), process, follow, lines))
+
+
+@app.command("down", help="Stop a graph: SIGTERM, grace period, SIGKILL; checks nothing is left.")
+def down_command(graph_file: GraphFile) -> None:
+    from dynamo_graph.graph.supervise import commands
+
+    raise typer.Exit(commands.down(_state_of(graph_file), Console(soft_wrap=True)))
+
+
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")
 def tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="folder to write")],

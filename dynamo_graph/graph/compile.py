@@ -12,57 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
-import msgspec
-
+from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RestartPolicy, port_placeholder
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 
 PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (DYNAMO.md 1.4)
-
-
-class Probe(msgspec.Struct, frozen=True):
-    """How the supervisor knows a process is ready: an HTTP 200, a TCP connect, or a log line."""
-
-    kind: Literal["http", "tcp", "log"]
-    target: str
-    timeout_s: float
-
-
-class RestartPolicy(msgspec.Struct, frozen=True):
-    policy: Literal["never", "on-failure", "always"]
-    max_restarts: int
-    backoff_s: float
-    backoff_max_s: float
-
-
-class ProcessSpec(msgspec.Struct, frozen=True):
-    name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
-    component: str
-    replica: int
-    host: str
-    argv: list[str]
-    env: dict[str, str]
-    workdir: str
-    ports: dict[str, int | str]  # port name -> fixed port or "auto"
-    depends_on: list[str]  # names of processes that must be ready first
-    readiness: Probe
-    restart: RestartPolicy
-    shutdown_grace_s: float
-    role: str = "agg"
-
-
-class Plan(msgspec.Struct, frozen=True):
-    graph: str
-    namespace: str
-    graph_file: str
-    state_dir: str
-    files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
-    processes: list[ProcessSpec]
-
-
-def port_placeholder(name: str) -> str:
-    return "{port:" + name + "}"
 
 
 def _port(value: int | str, name: str) -> str:
@@ -172,6 +126,11 @@ class _Compiler:
                         "zap",
                         "--log-level",
                         "error",
+                        # One member, no peers: short ticks elect the leader in ~0.1 s, not ~1 s.
+                        "--heartbeat-interval",
+                        "25",
+                        "--election-timeout",
+                        "250",
                     ],
                     env={},
                     workdir=str(self.state_dir),
@@ -337,8 +296,9 @@ class _Compiler:
             ports: dict[str, int | str] = {}
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
-                ports["tcp"] = port
-                env["DYN_TCP_PORT"] = _port(port, f"{name}-{replica}.tcp")
+                port_name = f"{name}-{replica}.tcp"
+                ports[port_name] = port
+                env["DYN_TCP_PORT"] = _port(port, port_name)
             procs.append(
                 ProcessSpec(
                     name=f"{name}-{replica}",

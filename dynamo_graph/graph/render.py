@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from dynamo_graph.graph.compile import Plan
+from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
 
 FORMATS = ("yaml", "json", "shell", "mermaid")

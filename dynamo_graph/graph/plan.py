@@ -1,0 +1,56 @@
+"""The launch plan: what `dyngraph up` runs and `dyngraph render` prints.
+
+Plain msgspec structs with no pydantic or graph-schema imports, so the supervisor (which reads
+a plan from its state dir) starts fast. `compile.py` builds them from a validated graph.
+Port names in `ProcessSpec.ports` are the same names as the `{port:NAME}` placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """How the supervisor knows a process is ready: an HTTP 200, a TCP connect, or a log line."""
+
+    kind: Literal["http", "tcp", "log"]
+    target: str
+    timeout_s: float
+
+
+class RestartPolicy(msgspec.Struct, frozen=True):
+    policy: Literal["never", "on-failure", "always"]
+    max_restarts: int
+    backoff_s: float
+    backoff_max_s: float
+
+
+class ProcessSpec(msgspec.Struct, frozen=True):
+    name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
+    component: str
+    replica: int
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    workdir: str
+    ports: dict[str, int | str]  # port name -> fixed port or "auto"
+    depends_on: list[str]  # names of processes that must be ready first
+    readiness: Probe
+    restart: RestartPolicy
+    shutdown_grace_s: float
+    role: str = "agg"
+
+
+class Plan(msgspec.Struct, frozen=True):
+    graph: str
+    namespace: str
+    graph_file: str
+    state_dir: str
+    files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
+    processes: list[ProcessSpec]
+
+
+def port_placeholder(name: str) -> str:
+    return "{port:" + name + "}"

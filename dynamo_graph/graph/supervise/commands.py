@@ -1,0 +1,364 @@
+"""`dyngraph up | status | logs | down`: the client side of the supervisor; each returns an exit code.
+
+`up -d` starts a detached supervisor when none runs (or reuses the running one), sends it the
+plan over the control socket (see DetachedUp), and waits on processes.json until every process
+is ready or one failed. `down` asks the supervisor to stop, waits for it to exit, then checks for itself that
+no process of the graph is alive and none of its ports is still listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from dynamo_graph.graph.build import Built
+from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.supervise import control, probes
+from dynamo_graph.graph.supervise.daemon import supervise
+from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
+from dynamo_graph.graph.supervise.logs import LogFollower, tail_lines
+from dynamo_graph.graph.supervise.ports import listening, plan_ports
+from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
+from dynamo_graph.graph.supervise.supervisor import Supervisor
+from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
+
+DAEMON_START_TIMEOUT_S = 15.0
+FAILURE_LOG_LINES = 20
+POLL_S = 0.02
+
+
+# ---- up ---------------------------------------------------------------------------------------
+
+
+def _write_resolved(state: StateDir, built: Built) -> None:
+    state.ensure()
+    text = yaml.safe_dump(built.graph.model_dump(mode="json"), sort_keys=False, width=120)
+    state.resolved_file.write_text(text)
+
+
+def _levels(plan: Plan) -> int:
+    """How many dependency levels the plan has (processes that start one after another)."""
+    deps = {p.name: p.depends_on for p in plan.processes}
+    level: dict[str, int] = {}
+
+    def of(name: str) -> int:  # the validator rejects cycles
+        if name not in level:
+            level[name] = 1 + max((of(d) for d in deps.get(name, [])), default=0)
+        return level[name]
+
+    return max((of(n) for n in deps), default=1)
+
+
+def _wait_deadline(plan: Plan) -> float:
+    """Enough for each dependency level to use its readiness timeout, plus a margin."""
+    longest = max((p.readiness.timeout_s for p in plan.processes), default=0.0)
+    return time.monotonic() + longest * _levels(plan) + 10.0
+
+
+def _wait_ready(state: StateDir, plan: Plan) -> list[ProcessRecord]:
+    """Poll processes.json until every process is ready; returns the ones that failed or exited
+    (empty when all are ready). Raises TimeoutError, or ControlError if the supervisor died."""
+    names = [p.name for p in plan.processes]
+    deadline = _wait_deadline(plan)
+    while time.monotonic() < deadline:
+        records = {r.name: r for r in state.read_processes()}
+        bad = [records[n] for n in names if n in records and records[n].state in ("failed", "exited")]
+        if bad:
+            return bad
+        if all(n in records and records[n].state == "ready" for n in names):
+            return []
+        if state.supervisor() is None:
+            raise control.ControlError("the supervisor exited; see " + str(state.supervisor_log))
+        time.sleep(POLL_S)
+    raise TimeoutError("processes not ready in time")
+
+
+def _print_failures(console: Console, state: StateDir, failed: list[ProcessRecord]) -> None:
+    for record in failed:
+        why = record.message or f"exit {record.last_exit}"
+        console.print(f"[bold red]{record.name} {record.state}[/] ({why}); last log lines:", highlight=False)
+        for line in tail_lines(state.log_file(record.name), FAILURE_LOG_LINES):
+            console.print(f"  {record.name} | {line}", highlight=False, markup=False)
+
+
+class DetachedUp:
+    """`up -d` in two halves, so that a new supervisor boots while the graph is being loaded:
+
+        with DetachedUp(state) as up:      # lock the graph; spawn a supervisor if none runs
+            code = up.run(build(...), console)
+
+    Leaving the block by an exception (a graph with errors) stops a supervisor spawned here.
+    """
+
+    def __init__(self, state: StateDir) -> None:
+        self.state = state
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.orphans: list[str] = []  # processes of a dead supervisor that would not stop
+        self._lock = state.lock()
+
+    def __enter__(self) -> DetachedUp:
+        self.started = time.monotonic()
+        self._lock.__enter__()
+        if self.state.supervisor() is not None:
+            return self
+        self.orphans = _reap_orphans(self.state)
+        if self.orphans:
+            return self
+        with self.state.supervisor_log.open("ab") as log:
+            self.daemon = subprocess.Popen(
+                [sys.executable, "-m", "dynamo_graph.graph.supervise.daemon", str(self.state.root)],
+                cwd=self.state.root,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is not None and self.daemon is not None:
+                self.daemon.terminate()  # our own child: it stops its (empty) plan and exits
+                self.daemon.wait(DAEMON_START_TIMEOUT_S)
+        finally:
+            self._lock.__exit__(*exc)
+
+    def _wait_daemon(self) -> None:
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+        while not control.reachable(self.state.control_socket):
+            assert self.daemon is not None
+            if self.daemon.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(tail_lines(self.state.supervisor_log, FAILURE_LOG_LINES))
+                raise control.ControlError(f"the supervisor did not start:\n{tail}")
+            time.sleep(0.005)
+
+    def run(self, built: Built, console: Console) -> int:
+        """Send the plan, wait until every process is ready (0) or one failed (1)."""
+        plan, state = built.plan, self.state
+        if self.orphans:
+            console.print(f"[bold red]error:[/] processes of a previous run would not stop: {self.orphans}")
+            return 1
+        _write_resolved(state, built)
+        try:
+            if self.daemon is not None:
+                self._wait_daemon()
+            reply = control.request(state.control_socket, control.Apply(plan))
+        except control.ControlError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 1
+        if self.daemon is None:
+            for change in reply.changes or ["no changes"]:
+                console.print(change, highlight=False)
+        try:
+            failed = _wait_ready(state, plan)
+        except (TimeoutError, control.ControlError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 1
+        if failed:
+            _print_failures(console, state, failed)
+            console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
+            return 1
+        console.print(status_table(plan, {r.name: r for r in state.read_processes()}, None))
+        for spec in plan.processes:
+            if url := frontend_url(spec):
+                console.print(f"{spec.name}: {url}", highlight=False)
+        elapsed = time.monotonic() - self.started
+        console.print(f"graph {plan.graph}: {len(plan.processes)} processes ready in {elapsed:.2f} s")
+        return 0
+
+
+def up_foreground(built: Built, console: Console) -> int:
+    """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all."""
+    plan = built.plan
+    state = StateDir(plan.state_dir)
+    with state.lock():
+        running = state.supervisor() is not None
+        if not running:
+            if orphans := _reap_orphans(state):
+                console.print(f"[bold red]error:[/] processes of a previous run would not stop: {orphans}")
+                return 1
+            _write_resolved(state, built)
+            state.write_pid(os.getpid())  # claim the graph before releasing the lock
+    if running:
+        console.print(f"graph {plan.graph} already runs in the background: applying the changes to it")
+        with DetachedUp(state) as up:
+            return up.run(built, console)
+    prefix = Prefixer(console, [p.name for p in plan.processes])
+    started = time.monotonic()
+
+    async def stream(sup: Supervisor) -> None:
+        follower = LogFollower(prefix.line)
+        announced = False
+        try:
+            while True:
+                for name in sup.runners:
+                    follower.add(name, state.log_file(name), from_end=True)
+                follower.poll()
+                records = [r.record for r in sup.runners.values()]
+                if not announced and records and all(r.state == "ready" for r in records):
+                    announced = True
+                    elapsed = time.monotonic() - started
+                    prefix.event("dyngraph", f"all {len(records)} processes ready in {elapsed:.2f} s")
+                    for spec in plan.processes:
+                        if url := frontend_url(spec):
+                            prefix.event("dyngraph", f"{spec.name}: {url}")
+                await asyncio.sleep(POLL_S)
+        finally:
+            follower.poll()
+
+    asyncio.run(supervise(state, prefix.event, plan, alongside=stream))
+    return 0
+
+
+# ---- status -----------------------------------------------------------------------------------
+
+
+def _log_since_last_start(path: Path) -> probes.LogWatch:
+    """A LogWatch over the current run's output: after the last start marker in the log."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return probes.LogWatch(path, 0)
+    marker = data.rfind(START_MARKER.encode())
+    offset = 0 if marker < 0 else data.index(b"\n", marker) + 1
+    return probes.LogWatch(path, offset)
+
+
+async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRecord]) -> dict[str, str]:
+    """Each live process's readiness probe, run once now."""
+
+    async def one(name: str) -> str:
+        spec = next(p for p in plan.processes if p.name == name)
+        ok = await probes.check(spec.readiness, _log_since_last_start(state.log_file(name)))
+        return f"{spec.readiness.kind} {'ok' if ok else 'failing'}"
+
+    live = [n for n, r in records.items() if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+    results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
+    return dict(zip(live, results, strict=False))
+
+
+def status(state: StateDir, console: Console) -> int:
+    plan = state.read_plan()
+    if plan is None:
+        console.print(f"graph in {state.root} has never run")
+        return 0
+    records = {r.name: r for r in state.read_processes()}
+    running = state.supervisor() is not None
+    health = asyncio.run(_health_now(state, plan, records)) if running else {}
+    console.print(status_table(plan, records, health))
+    if not running:
+        console.print(f"graph {plan.graph} is not running (last known states shown)")
+    return 0
+
+
+# ---- logs -------------------------------------------------------------------------------------
+
+
+def logs(state: StateDir, console: Console, selector: str | None, follow: bool, lines: int) -> int:
+    plan = state.read_plan()
+    names = [p.name for p in plan.processes] if plan else sorted(p.stem for p in state.logs.glob("*.log"))
+    if selector:
+        components = {p.name: p.component for p in plan.processes} if plan else {}
+        names = [n for n in names if selector in (n, components.get(n))]
+        if not names:
+            console.print(f"[bold red]error:[/] no process or component named {selector!r}", highlight=False)
+            return 1
+    prefix = Prefixer(console, names)
+    for name in names:
+        for line in tail_lines(state.log_file(name), lines):
+            prefix.line(name, line)
+    if not follow:
+        return 0
+    follower = LogFollower(prefix.line)
+    for name in names:
+        follower.add(name, state.log_file(name), from_end=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(follower.run())
+    return 0
+
+
+# ---- down -------------------------------------------------------------------------------------
+
+
+def _wait_gone(alive: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def down(state: StateDir, console: Console) -> int:
+    if not state.root.exists():
+        console.print(f"graph in {state.root} is not running")
+        return 0
+    with state.lock():
+        plan = state.read_plan()
+        records = state.read_processes()
+        sup = state.supervisor()
+        live = [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+        if sup is None and not live:
+            state.clear_runtime_files()
+            console.print(f"graph in {state.root} is not running")
+            return 0
+        grace = _grace(plan)
+        levels = _levels(plan) if plan else 1
+        if sup is not None:
+            try:
+                control.request(state.control_socket, control.Stop())
+            except control.ControlError:
+                kill_verified(sup.pid, sup.start_ticks, signal.SIGTERM)
+            if not _wait_gone(lambda: pid_alive(sup.pid, sup.start_ticks), grace * (levels + 1) + 5):
+                console.print("[yellow]the supervisor did not stop in time; killing it[/]")
+                kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
+        leftovers = _stop_leftovers(records, grace)
+        state.clear_runtime_files()
+        ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
+    if leftovers or ports:
+        console.print(
+            f"[bold red]error:[/] still alive: {', '.join(leftovers) or '-'}; "
+            f"ports still listening: {', '.join(map(str, ports)) or '-'}"
+        )
+        return 1
+    console.print(f"graph {plan.graph if plan else state.root.name}: stopped {len(live)} processes")
+    return 0
+
+
+def _grace(plan: Plan | None) -> float:
+    return max((p.shutdown_grace_s for p in plan.processes), default=10.0) if plan else 10.0
+
+
+def _reap_orphans(state: StateDir) -> list[str]:
+    """Before a fresh supervisor: stop processes a dead one left behind and forget its files.
+    Returns the names of any that would not stop (then nothing may be started)."""
+    leftovers = _stop_leftovers(state.read_processes(), _grace(state.read_plan()))
+    if not leftovers:
+        state.clear_runtime_files()
+    return leftovers
+
+
+def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
+    """Processes the supervisor did not stop (it crashed or was killed): SIGTERM, grace, SIGKILL.
+    Returns the names of any still alive after that."""
+
+    def alive() -> list[ProcessRecord]:
+        return [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+
+    for record in alive():
+        kill_verified(record.pid, record.start_ticks, signal.SIGTERM)  # type: ignore[arg-type]
+    if not _wait_gone(lambda: bool(alive()), grace):
+        for record in alive():
+            kill_verified(record.pid, record.start_ticks, signal.SIGKILL)  # type: ignore[arg-type]
+        _wait_gone(lambda: bool(alive()), 5.0)
+    return [r.name for r in alive()]

@@ -1,0 +1,87 @@
+"""A supervisor's whole life, in the foreground (`dyngraph up`) or detached (`up -d`):
+
+    python -m dynamo_graph.graph.supervise.daemon STATE_DIR
+
+The detached one starts with an empty plan; `up -d` then sends it the plan over the control
+socket, exactly as a later `up` sends a changed one. Both kinds write `supervisor.pid`, listen
+on the control socket, and on `stop`, SIGINT or SIGTERM stop every process in reverse
+dependency order before removing the pid and socket files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.supervise import control
+from dynamo_graph.graph.supervise.state import StateDir
+from dynamo_graph.graph.supervise.supervisor import Report, Supervisor
+
+# Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
+# a fresh supervisor starts from empty so no dead instance of last time is routed to.
+FRESH_DIRS = ("discovery", "etcd", "nats")
+
+
+async def supervise(
+    state: StateDir,
+    report: Report,
+    plan: Plan | None = None,
+    alongside: Callable[[Supervisor], Awaitable[None]] | None = None,
+) -> None:
+    """Run until a `stop` request, SIGINT or SIGTERM, then stop everything. `alongside` (the
+    foreground's log streaming) runs meanwhile and is cancelled once every process stopped."""
+    state.ensure()
+    for name in FRESH_DIRS:
+        shutil.rmtree(state.root / name, ignore_errors=True)
+    state.write_pid(os.getpid())
+    sup = Supervisor(state, report)
+    shutdown = asyncio.Event()
+
+    def handle(req: control.Request) -> control.Reply:
+        if isinstance(req, control.Stop):
+            shutdown.set()
+            return control.Reply(ok=True)
+        changes = sup.apply(req.plan)
+        report("dyngraph", "applied: " + (", ".join(changes) or "no changes"))
+        return control.Reply(ok=True, changes=changes)
+
+    server = await control.serve(state.control_socket, handle)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.set)
+    extra: asyncio.Task[None] | None = None
+    try:
+        if plan is not None:
+            sup.apply(plan)
+        if alongside is not None:
+            extra = asyncio.ensure_future(alongside(sup))
+        await shutdown.wait()
+    finally:
+        server.close()
+        report("dyngraph", "stopping")
+        await sup.stop_all()
+        if extra is not None:
+            extra.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await extra
+        state.clear_runtime_files()
+        report("dyngraph", "stopped")
+
+
+def _print_report(process: str, message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {process}: {message}", flush=True)
+
+
+def main() -> None:
+    asyncio.run(supervise(StateDir(sys.argv[1]), _print_report))
+
+
+if __name__ == "__main__":
+    main()

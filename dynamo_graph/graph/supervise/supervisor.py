@@ -1,0 +1,246 @@
+"""The supervisor: keeps a plan's processes running, in dependency order, per their restart policy.
+
+One `Runner` task per process: wait until everything in `depends_on` is ready, start, probe
+until ready (or exit, or the probe's timeout), watch, and on exit restart with exponential
+backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a run stayed up
+`STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
+left `failed` and its last log lines are reported.
+
+`apply(plan)` is both the first start and every later `up`: it diffs the new plan against the
+running one by each process's launch identity (argv, env, workdir, host), restarts what
+changed, starts what is new, stops what is gone, and leaves the rest alone.
+Stopping goes in reverse dependency order: a process stops once everything depending on it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.supervise import probes
+from dynamo_graph.graph.supervise.local import LocalProcess
+from dynamo_graph.graph.supervise.logs import tail_lines
+from dynamo_graph.graph.supervise.ports import fill_plan
+from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_write
+
+STABLE_AFTER_S = 10.0
+CRASH_LOG_LINES = 20
+LOCAL_HOSTS = ("local",)
+
+Report = Callable[[str, str], None]  # (process name, message)
+
+
+class PlanError(Exception):
+    """A plan this supervisor cannot run (e.g. a process on a remote host)."""
+
+
+def launch_identity(spec: ProcessSpec) -> tuple[object, ...]:
+    """What makes two specs the same running process: a change here means a restart."""
+    return (spec.argv, spec.env, spec.workdir, spec.host)
+
+
+class Runner:
+    """The life of one process of the plan, across its restarts."""
+
+    def __init__(self, sup: Supervisor, spec: ProcessSpec) -> None:
+        self.sup = sup
+        self.spec = spec
+        self.record = ProcessRecord(spec.name, spec.component, spec.replica, spec.host)
+        self.ready = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.proc: LocalProcess | None = None
+        self._start: asyncio.Future[None] | None = None
+        self._task = asyncio.create_task(self._run(), name=f"runner {spec.name}")
+
+    def _set(self, **changes: object) -> None:
+        for key, value in changes.items():
+            setattr(self.record, key, value)
+        self.sup.persist()
+
+    async def _run(self) -> None:
+        streak = 0
+        runs = 0
+        while True:
+            await self._wait_dependencies()
+            runs += 1
+            code, failed = await self._one_run(runs)
+            self.ready.clear()
+            assert self.proc is not None
+            if time.time() - self.proc.started_at >= STABLE_AFTER_S:
+                streak = 0
+            policy = self.spec.restart
+            if policy.policy == "never" or (policy.policy == "on-failure" and not failed):
+                self._set(state="failed" if failed else "exited", pid=None)
+                self.sup.report(self.spec.name, f"exited with {code}; restart policy {policy.policy}")
+                return
+            streak += 1
+            if streak > policy.max_restarts:
+                self._set(state="failed", pid=None, message=f"crash loop (last exit {code})")
+                tail = "\n".join(tail_lines(self.sup.state.log_file(self.spec.name), CRASH_LOG_LINES))
+                self.sup.report(
+                    self.spec.name,
+                    f"crash loop: failed {streak} times in a row (last exit {code}), giving up; "
+                    f"last log lines:\n{tail}",
+                )
+                return
+            delay = min(policy.backoff_s * 2 ** (streak - 1), policy.backoff_max_s)
+            self._set(state="restarting", pid=None, restarts=self.record.restarts + 1)
+            self.sup.report(self.spec.name, f"exited with {code}; restarting in {delay:g} s")
+            await asyncio.sleep(delay)
+
+    async def _wait_dependencies(self) -> None:
+        while True:
+            deps = [self.sup.runners[d] for d in self.spec.depends_on if d in self.sup.runners]
+            pending = [d for d in deps if not d.ready.is_set()]
+            if not pending:
+                return
+            await pending[0].ready.wait()
+
+    async def _one_run(self, attempt: int) -> tuple[int, bool]:
+        """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
+        self.proc = LocalProcess(self.spec, self.sup.state.log_file(self.spec.name))
+        self._start = asyncio.ensure_future(self.proc.start(attempt))
+        try:
+            await asyncio.shield(self._start)
+        except OSError as e:
+            self._set(message=f"cannot start: {e}")
+            return 127, True
+        proc = self.proc
+        self._set(
+            state="starting",
+            pid=proc.pid,
+            start_ticks=proc.start_ticks,
+            started_at=proc.started_at,
+            message="",
+        )
+        exited = asyncio.ensure_future(proc.wait())
+        if await self._probe_until_ready(proc, exited):
+            self._set(state="ready")
+            self.ready.set()
+            elapsed = time.time() - proc.started_at
+            self.sup.report(self.spec.name, f"ready in {elapsed:.2f} s (pid {proc.pid})")
+        elif not exited.done():
+            timeout = self.spec.readiness.timeout_s
+            self._set(message=f"not ready after {timeout:g} s")
+            self.sup.report(self.spec.name, f"not ready after {timeout:g} s; stopping it")
+            await proc.stop()
+        code = await exited
+        proc.sweep()
+        self._set(last_exit=code)
+        return code, code != 0 or not self.ready.is_set()
+
+    async def _probe_until_ready(self, proc: LocalProcess, exited: asyncio.Future[int]) -> bool:
+        probe = self.spec.readiness
+        watch = probes.LogWatch(proc.log_path, proc.log_offset)
+        deadline = time.monotonic() + probe.timeout_s
+        delay = 0.01
+        while time.monotonic() < deadline and not exited.done():
+            if await probes.check(probe, watch):
+                return True
+            await asyncio.wait([exited], timeout=delay)
+            delay = min(delay * 1.5, 0.1)
+        return False
+
+    async def stop(self) -> None:
+        """Stop for good: cancel the lifecycle, then SIGTERM/SIGKILL the current run."""
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._start is not None:
+            with contextlib.suppress(OSError):
+                await self._start
+        code = await self.proc.stop() if self.proc else None
+        self.ready.clear()
+        if self.record.state not in ("failed", "exited"):
+            self._set(state="stopped", pid=None, last_exit=code)
+        self.stopped.set()
+
+
+class Supervisor:
+    """The running plan: its runners, the ports it filled, and the records it persists."""
+
+    def __init__(self, state: StateDir, report: Report) -> None:
+        self.state = state
+        self.report = report
+        self.ports: dict[str, int] = {}
+        self.runners: dict[str, Runner] = {}
+        self.plan: Plan | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    def persist(self) -> None:
+        self.state.write_processes([r.record for r in self.runners.values()])
+
+    def apply(self, raw: Plan) -> list[str]:
+        """Make `raw` the running plan; returns the changes as `+ name`, `~ name`, `- name`.
+        Starting and stopping go on in the background."""
+        bad = sorted({p.host for p in raw.processes} - set(LOCAL_HOSTS))
+        if bad:
+            raise PlanError(f"host {', '.join(bad)}: launching on remote hosts is not supported yet")
+        plan = fill_plan(raw, self.ports)
+        for path, text in plan.files.items():
+            atomic_write(Path(path), text)
+        new = {p.name: p for p in plan.processes}
+        old = self.runners
+        added = [n for n in new if n not in old]
+        changed = [n for n in new if n in old and launch_identity(old[n].spec) != launch_identity(new[n])]
+        removed = [n for n in old if n not in new]
+        kept = {n: old[n] for n in new if n in old and n not in changed}
+        for name, runner in kept.items():
+            runner.spec = new[name]  # the same process; its dependencies or policy may differ
+        self.runners = kept
+        for name in added:
+            self.runners[name] = Runner(self, new[name])
+        self.plan = plan
+        self._order()
+        going = [old[n] for n in [*changed, *removed]]
+        if going:
+            task = asyncio.create_task(self._replace(going, [new[n] for n in changed]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self.state.write_plan(plan)
+        self.state.write_ports(self.ports)
+        self.persist()
+        return [f"+ {n}" for n in added] + [f"~ {n}" for n in changed] + [f"- {n}" for n in removed]
+
+    def _order(self) -> None:
+        """Keep runners (and so processes.json and `status`) in plan order."""
+        order = [p.name for p in self.plan.processes] if self.plan else []
+        self.runners = {n: self.runners[n] for n in order if n in self.runners}
+
+    async def _replace(self, going: list[Runner], restart: list[ProcessSpec]) -> None:
+        """Stop the runners that go, then start the changed processes with their new specs."""
+        await stop_in_order(going)
+        if self.stopping:
+            return
+        current = {p.name: p for p in self.plan.processes} if self.plan else {}
+        for spec in restart:
+            if current.get(spec.name) == spec and spec.name not in self.runners:
+                self.runners[spec.name] = Runner(self, spec)
+        self._order()
+        self.persist()
+
+    async def stop_all(self) -> None:
+        """Stop everything; a replacement still in progress finishes first and starts nothing."""
+        self.stopping = True
+        await asyncio.gather(*self._tasks)
+        await stop_in_order(list(self.runners.values()))
+        self.persist()
+
+
+async def stop_in_order(runners: Iterable[Runner]) -> None:
+    """Stop runners concurrently, each only after the runners that depend on it have stopped."""
+    runners = list(runners)
+    names = {r.spec.name for r in runners}
+    dependents = {n: [r for r in runners if n in r.spec.depends_on] for n in names}
+
+    async def stop_one(runner: Runner) -> None:
+        for dependent in dependents[runner.spec.name]:
+            await dependent.stopped.wait()
+        await runner.stop()
+
+    await asyncio.gather(*(stop_one(r) for r in runners))

@@ -1,0 +1,85 @@
+"""What the supervise commands print: the status table, frontend URLs, prefixed log lines."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.supervise.state import ProcessRecord
+
+_STATE_STYLE = {
+    "ready": "green",
+    "starting": "yellow",
+    "restarting": "yellow",
+    "exited": "dim",
+    "stopped": "dim",
+    "failed": "bold red",
+}
+_PREFIX_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta")
+
+
+def _uptime(record: ProcessRecord) -> str:
+    if record.state not in ("starting", "ready") or record.started_at is None:
+        return "-"
+    seconds = int(time.time() - record.started_at)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def status_table(plan: Plan, records: dict[str, ProcessRecord], health: dict[str, str] | None) -> Table:
+    """One row per process of the plan; the health column only when probes were run."""
+    table = Table(title=f"graph {plan.graph} (namespace {plan.namespace})", title_justify="left")
+    columns = ["component", "replica", "host", "pid", "state", "restarts", "uptime"]
+    for column in [*columns, "health"] if health is not None else columns:
+        table.add_column(column)
+    for spec in plan.processes:
+        record = records.get(spec.name)
+        state = record.state if record else "-"
+        running = record is not None and record.state in ("starting", "ready")
+        cells: list[str | Text] = [
+            spec.component,
+            str(spec.replica),
+            spec.host,
+            str(record.pid) if running and record and record.pid else "-",
+            Text(state, style=_STATE_STYLE.get(state, "")),
+            str(record.restarts) if record else "-",
+            _uptime(record) if record else "-",
+        ]
+        table.add_row(*cells, *([health.get(spec.name, "-")] if health is not None else []))
+    return table
+
+
+def frontend_url(spec: ProcessSpec) -> str | None:
+    """`http://host:port/v1` of a frontend process (one run with `in=http`)."""
+    if "in=http" not in spec.argv:
+        return None
+    argv = spec.argv
+    host = argv[argv.index("--http-host") + 1] if "--http-host" in argv else "127.0.0.1"
+    port = argv[argv.index("--http-port") + 1] if "--http-port" in argv else "8080"
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+
+
+class Prefixer:
+    """`name | line` with one stable color per name, like docker compose."""
+
+    def __init__(self, console: Console, names: list[str]) -> None:
+        self.console = console
+        self.width = max([len(n) for n in names] + [len("dyngraph")])
+        self.colors: dict[str, str] = {}
+
+    def _prefix(self, name: str) -> Text:
+        color = self.colors.setdefault(name, _PREFIX_COLORS[len(self.colors) % len(_PREFIX_COLORS)])
+        return Text(f"{name:<{self.width}} | ", style="bold white" if name == "dyngraph" else color)
+
+    def line(self, name: str, text: str) -> None:
+        """A line the process wrote."""
+        self.console.print(self._prefix(name) + Text(text), highlight=False)
+
+    def event(self, name: str, text: str) -> None:
+        """Something the supervisor says about the process (ready, restarting, crash loop)."""
+        tag = "" if name == "dyngraph" else "[dyngraph] "
+        self.console.print(self._prefix(name) + Text(tag + text, style="bold"), highlight=False)

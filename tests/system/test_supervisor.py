@@ -1,0 +1,259 @@
+"""`dyngraph up | status | down` on real processes: the CI smoke graphs, copied into tmp_path so
+their state dir (and every log) lives there. Every test downs its graph in a finally."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.procs import DYNGRAPH, free_port, run_cli
+
+GRAPHS = Path(__file__).resolve().parents[2] / "graphs" / "ci"
+
+
+class Graph:
+    """A copied smoke graph with its frontend on a free port and the tiny model's absolute path."""
+
+    def __init__(self, source: str, tmp_path: Path, tiny_model: Path) -> None:
+        self.file = tmp_path / source
+        shutil.copy(GRAPHS / source, self.file)
+        self.port = free_port()
+        self.overrides = [
+            f"components.frontend.http.port={self.port}",
+            f"models.tiny-model.path={tiny_model}",
+        ]
+        self.state = tmp_path / ".dyngraph" / self.file.stem
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
+
+    def up(self, *overrides: str) -> subprocess.CompletedProcess[str]:
+        return self.cli("up", "-d", *self.overrides, *overrides)
+
+    def processes(self) -> dict[str, dict]:
+        records = json.loads((self.state / "processes.json").read_text())
+        return {r["name"]: r for r in records}
+
+    def ports(self) -> list[int]:
+        ports_file = self.state / "ports.json"
+        auto = list(json.loads(ports_file.read_text()).values()) if ports_file.exists() else []
+        return [self.port, *auto]
+
+    def chat(self) -> str:
+        url = f"http://127.0.0.1:{self.port}/v1"
+        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=10)
+        reply = client.chat.completions.create(
+            model="tiny-model",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=4,
+            extra_body={"nvext": {"ignore_eos": True}},
+        )
+        return reply.choices[0].message.content or ""
+
+
+@pytest.fixture
+def make_graph(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], Graph]]:
+    """Graphs made here are brought down at the end, whatever happened."""
+    made: list[Graph] = []
+
+    def make(source: str) -> Graph:
+        graph = Graph(source, tmp_path, tiny_model)
+        made.append(graph)
+        return graph
+
+    yield make
+    for graph in made:
+        graph.cli("down", timeout=90)
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def port_refuses(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def assert_all_gone(pids: list[int], ports: list[int]) -> None:
+    assert [p for p in pids if pid_alive(p)] == []
+    assert [p for p in ports if not port_refuses(p)] == []
+
+
+def test_up_status_restart_scale_down(make_graph: Callable[[str], Graph]) -> None:
+    graph = make_graph("echo.yaml")
+    up = graph.up("components.backend.replicas=1")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"http://127.0.0.1:{graph.port}/v1" in up.stdout
+    assert graph.chat()
+
+    status = graph.cli("status")
+    assert status.returncode == 0, status.stderr
+    rows = [line for line in status.stdout.splitlines() if "local" in line]
+    assert len(rows) == 2 and all("ready" in row for row in rows), status.stdout
+
+    # kill -9 a worker: the supervisor restarts it and the model answers again
+    before = graph.processes()
+    victim = before["backend-0"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(
+        lambda: (
+            graph.processes()["backend-0"]["pid"] not in (None, victim)
+            and graph.processes()["backend-0"]["state"] == "ready"
+        ),
+        20,
+        "backend-0 to be restarted",
+    )
+    assert graph.processes()["backend-0"]["restarts"] == 1
+    wait_for(lambda: _answers(graph), 15, "the model to answer after the restart")
+
+    # replicas 1 -> 3: two added, nothing else restarted
+    pids = {name: rec["pid"] for name, rec in graph.processes().items()}
+    scaled = graph.up("components.backend.replicas=3")
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    changes = [line for line in scaled.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")]
+    assert changes == ["+ backend-1", "+ backend-2"], scaled.stdout
+    after = graph.processes()
+    assert {n: after[n]["pid"] for n in pids} == pids
+    assert all(rec["state"] == "ready" for rec in after.values())
+    assert graph.chat()
+
+    again = graph.up("components.backend.replicas=3")
+    assert again.returncode == 0 and "no changes" in again.stdout
+
+    all_pids = [rec["pid"] for rec in graph.processes().values()]
+    down = graph.cli("down", timeout=90)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert_all_gone(all_pids, graph.ports())
+    assert not (graph.state / "supervisor.pid").exists()
+    assert (graph.state / "logs" / "backend-0.log").exists()
+
+    not_running = graph.cli("down")
+    assert not_running.returncode == 0 and "not running" in not_running.stdout
+
+
+def _answers(graph: Graph) -> bool:
+    try:
+        return bool(graph.chat())
+    except Exception:
+        return False
+
+
+def test_managed_etcd_and_nats(make_graph: Callable[[str], Graph]) -> None:
+    if not (shutil.which("etcd") and shutil.which("nats-server")):
+        pytest.skip("etcd or nats-server not installed")
+    graph = make_graph("echo-etcd-nats.yaml")
+    up = graph.up()
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert graph.chat()
+    records = graph.processes()
+    assert {"etcd", "nats", "backend-0", "backend-1", "frontend-0"} <= records.keys()
+    assert all(rec["state"] == "ready" for rec in records.values())
+
+    pids = [rec["pid"] for rec in records.values()]
+    ports = graph.ports()
+    assert len(ports) == 4  # the frontend's, etcd client + peer, nats
+    down = graph.cli("down", timeout=90)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert_all_gone(pids, ports)
+
+
+def test_foreground_up_stops_on_ctrl_c(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+    graph = make_graph("echo.yaml")
+    with (tmp_path / "foreground.out").open("wb") as out:
+        proc = subprocess.Popen(
+            [*DYNGRAPH, "up", str(graph.file), *graph.overrides],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(
+            lambda: (
+                (graph.state / "processes.json").exists()
+                and len(graph.processes()) == 3
+                and all(r["state"] == "ready" for r in graph.processes().values())
+            ),
+            30,
+            "the graph to be ready",
+        )
+        assert graph.chat()
+        pids = [rec["pid"] for rec in graph.processes().values()]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0  # well within the 10 s grace of each dependency level
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = (tmp_path / "foreground.out").read_text()
+    assert "backend-0  | " in output and "serving model" in output
+    assert "all 3 processes ready" in output
+    assert_all_gone(pids, graph.ports())
+
+
+def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+    graph = make_graph("echo.yaml")
+    up = graph.up(
+        "components.backend.replicas=1",
+        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        "+components.backend.restart.max_restarts=2",
+        "+components.backend.restart.backoff_s=0.1",
+    )
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "backend-0 failed" in up.stdout and "crash loop" in up.stdout
+    assert "no-such-model" in up.stdout  # the worker's own error, from its log
+    assert graph.processes()["backend-0"]["restarts"] == 2
+    supervisor_log = (graph.state / "supervisor.log").read_text()
+    assert "crash loop" in supervisor_log
+
+
+def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Callable[[str], Graph]) -> None:
+    graph = make_graph("echo.yaml")
+    assert graph.up("components.backend.replicas=2").returncode == 0
+    before = graph.processes()
+
+    changed = graph.up("components.backend.replicas=1", "+components.backend.env.DYN_EXAMPLE=1")
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    changes = [line for line in changed.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")]
+    assert changes == ["~ backend-0", "- backend-1"], changed.stdout
+    after = graph.processes()
+    assert after["backend-0"]["pid"] != before["backend-0"]["pid"]
+    assert after["frontend-0"]["pid"] == before["frontend-0"]["pid"]
+    assert "backend-1" not in after and not pid_alive(before["backend-1"]["pid"])
+    # the only replica was replaced: the frontend sees the new instance a moment later
+    wait_for(lambda: _answers(graph), 15, "the model to answer from the new backend-0")
+
+    logs = graph.cli("logs", "backend", "-n", "5")
+    assert logs.returncode == 0 and "backend-0 | " in logs.stdout and "serving model" in logs.stdout
+
+    # the supervisor dies: `down` still stops what it left behind
+    supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(supervisor), 5, "the supervisor to die")
+    pids = [rec["pid"] for rec in after.values()]
+    down = graph.cli("down", timeout=90)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert_all_gone(pids, graph.ports())
