@@ -190,6 +190,7 @@ class _Compiler:
             for w in self.graph.workers().values()
             if comp.models is None or w.model in comp.models
         }
+        serves_workers = bool(endpoints)
         if comp.models is not None and len(endpoints) == 1:
             out = endpoints.pop()  # serve just that endpoint's workers
         router = comp.router
@@ -215,6 +216,9 @@ class _Compiler:
         ]
         depends_on, restart = self._common(name)
         probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
+        # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
+        # and workers start in parallel; a frontend with no workers in the graph is ready when live.
+        probe_url = f"http://{probe_host}:{comp.http.port}{'/health' if serves_workers else '/live'}"
         return ProcessSpec(
             name=f"{name}-0",
             component=name,
@@ -225,7 +229,7 @@ class _Compiler:
             workdir=self._workdir(comp.host),
             ports={"http": comp.http.port},
             depends_on=depends_on,
-            readiness=Probe("http", f"http://{probe_host}:{comp.http.port}/live", comp.readiness.timeout_s),
+            readiness=Probe("http", probe_url, comp.readiness.timeout_s),
             restart=restart,
             shutdown_grace_s=comp.shutdown_grace_s,
         )

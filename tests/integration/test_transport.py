@@ -354,6 +354,9 @@ async def test_worker_killed_mid_stream_is_stream_broken(plane: Plane, own_worke
         elapsed = time.monotonic() - started
         limit = 0.5 if plane.kind == "tcp" else 3.0 + 1.0
         assert elapsed < limit, f"StreamBroken after {elapsed:.2f} s"
+        # The kernel closes a killed process's sockets one by one: wait until it is gone, or the
+        # reconnect below may still reach its listener for an instant (and then be reset).
+        await asyncio.to_thread(own_worker.proc.wait, 5)
         # the next request to the same (now dead) address is a fresh connect attempt
         with pytest.raises(CannotConnect):
             await collect(client.stream(own_worker.record, SUBJECT, echo_request(1), {}, Context()))

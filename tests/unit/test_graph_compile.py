@@ -62,7 +62,7 @@ def test_plan_of_a_small_graph(tmp_path: Path) -> None:
     assert worker.env["PYTHONHASHSEED"] == "0"
     assert worker.readiness.kind == "log"
     assert frontend.argv[:4] == ["dyngraph", "run", "in=http", "out=auto"]
-    assert frontend.readiness.target == "http://127.0.0.1:18555/live"
+    assert frontend.readiness.target == "http://127.0.0.1:18555/health"  # ready = a model is listed
     assert frontend.env["DYN_FILE_KV"] == worker.env["DYN_FILE_KV"]
 
 
