@@ -12,7 +12,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
-import gguf
 import msgspec
 
 from dynamo_graph.llm.model_source import LocalModel
@@ -52,6 +51,8 @@ def _blake2b_file(path: Path, limit: int | None = None) -> str:
 def _gguf_checked_file(path: Path) -> CheckedFile:
     """A GGUF's checksum covers its header (metadata, tokenizer, tensor index), not the weights:
     hashing many GB at every worker start costs seconds, and the header already pins the model."""
+    import gguf  # only GGUF models pay its (numpy) import
+
     header = gguf.GGUFReader(path).data_offset
     return CheckedFile(
         path=str(path.absolute()), checksum=f"blake2b-gguf-header:{_blake2b_file(path, header)}"

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 ModelKind = Literal["hf", "gguf"]
@@ -65,6 +64,8 @@ class GGUFTokenizerInfo:
 
     @classmethod
     def read(cls, path: Path) -> GGUFTokenizerInfo:
+        import gguf  # with numpy, ~0.1 s to import: only GGUF models pay it
+
         try:
             reader = gguf.GGUFReader(path)
         except Exception as e:  # gguf raises ValueError/struct errors on corrupt files
@@ -122,6 +123,8 @@ class GGUFTokenizerInfo:
                 ]
             )
         tok.decoder = decoders.ByteLevel()
+        import gguf
+
         # llama.cpp matches CONTROL and USER_DEFINED tokens inside text; only CONTROL ones are special.
         control, user = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
         tok.add_tokens(
