@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord
 
 log = logging.getLogger(__name__)
+DOWN_COOLOFF_S = 5.0
 _encode = msgspec.msgpack.encode
 _decode_any = msgspec.msgpack.Decoder()
 
@@ -51,6 +53,8 @@ class Client:
         self.allowed: set[int] | None = None
         # Requests sent to each instance (for /health and for checking how load spreads).
         self.sent: dict[int, int] = {}
+        # Instances that failed us, left out of routing until this (monotonic) time.
+        self._down_until: dict[int, float] = {}
         self._ordered: list[int] = []
         self._changed = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
@@ -81,17 +85,31 @@ class Client:
 
     def _set(self, instance_id: int, record: InstanceRecord) -> None:
         self.instances[instance_id] = record
+        self._down_until.pop(instance_id, None)  # (re-)registered: routable again at once
         self._ordered = sorted(self.instances)
         self._changed.set()
 
     def _drop(self, instance_id: int) -> None:
+        self._down_until.pop(instance_id, None)
         if self.instances.pop(instance_id, None) is not None:
             self._ordered = sorted(self.instances)
             self._changed.set()
 
-    def instance_ids(self) -> list[int]:
+    def _routable(self, instance_id: int) -> bool:
         allowed = self.allowed
-        return [i for i in self._ordered if allowed is None or i in allowed]
+        if allowed is not None and instance_id not in allowed:
+            return False
+        until = self._down_until.get(instance_id)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self._down_until[instance_id]  # cooled off: try it again
+        return True
+
+    def instance_ids(self) -> list[int]:
+        """The instances requests may go to now."""
+        return [i for i in self._ordered if self._routable(i)]
 
     def report(self) -> list[dict[str, Any]]:
         """The routable instances, where they are, and how many requests each was sent."""
@@ -105,13 +123,18 @@ class Client:
         ]
 
     def report_instance_down(self, instance_id: int) -> None:
-        """Stop routing to an instance that failed us; discovery re-adds it if it is alive.
-        Static instances have no discovery to bring them back, so they stay listed."""
-        if self.runtime.static:
-            return
+        """Leave an instance that failed us out of routing for DOWN_COOLOFF_S. A dead worker is
+        gone from discovery by then (its lease expires); a live one that had a passing fault
+        (or a static one, which discovery cannot vouch for) gets traffic again."""
         if instance_id in self.instances:
-            log.warning("%s: instance %x is unreachable, removing it from routing", self.name, instance_id)
-            self._drop(instance_id)
+            log.warning(
+                "%s: instance %x is unreachable, leaving it out of routing for %.0fs",
+                self.name,
+                instance_id,
+                DOWN_COOLOFF_S,
+            )
+            self._down_until[instance_id] = time.monotonic() + DOWN_COOLOFF_S
+            self._changed.set()
 
     async def wait_for_instances(self, timeout_s: float | None = None) -> list[int]:
         async def wait() -> list[int]:
@@ -123,12 +146,7 @@ class Client:
         return await asyncio.wait_for(wait(), timeout_s)
 
     def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
-        allowed = self.allowed
-        candidates = [
-            i
-            for i in self._ordered
-            if (allowed is None or i in allowed) and (not exclude or i not in exclude)
-        ]
+        candidates = [i for i in self.instance_ids() if not exclude or i not in exclude]
         if not candidates:
             raise NoInstances(f"no instances of {self.name} are available")
         return (picker or self.picker).pick(candidates)
