@@ -232,6 +232,24 @@ def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path)
     assert "crash loop" in supervisor_log
 
 
+def test_failed_dependency_fails_its_dependents(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+    """A frontend waiting on a worker that gave up is marked failed, not left `starting`."""
+    graph = make_graph("echo.yaml")
+    up = graph.up(
+        "components.backend.replicas=1",
+        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        "+components.backend.restart.max_restarts=1",
+        "+components.backend.restart.backoff_s=0.1",
+        "+components.frontend.depends_on=[backend]",
+    )
+    assert up.returncode == 1, up.stdout + up.stderr
+    records = graph.processes()
+    assert records["backend-0"]["state"] == "failed"
+    assert records["frontend-0"]["state"] == "failed", records["frontend-0"]
+    assert "dependency backend-0 failed" in records["frontend-0"]["message"]
+    assert records["frontend-0"]["pid"] is None
+
+
 def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Callable[[str], Graph]) -> None:
     graph = make_graph("echo.yaml")
     assert graph.up("components.backend.replicas=2").returncode == 0

@@ -65,7 +65,11 @@ class Runner:
         streak = 0
         runs = 0
         while True:
-            await self._wait_dependencies()
+            gave_up = await self._wait_dependencies()
+            if gave_up is not None:
+                self._set(state="failed", pid=None, message=f"dependency {gave_up} failed")
+                self.sup.report(self.spec.name, f"not started: its dependency {gave_up} failed")
+                return
             runs += 1
             code, failed = await self._one_run(runs)
             self.ready.clear()
@@ -92,13 +96,22 @@ class Runner:
             self.sup.report(self.spec.name, f"exited with {code}; restarting in {delay:g} s")
             await asyncio.sleep(delay)
 
-    async def _wait_dependencies(self) -> None:
+    async def _wait_dependencies(self) -> str | None:
+        """Wait until every dependency is ready; returns the name of one that gave up for good
+        (its runner ended without being ready), since waiting for it would be forever."""
         while True:
             deps = [self.sup.runners[d] for d in self.spec.depends_on if d in self.sup.runners]
+            for dep in deps:
+                if dep._task.done() and not dep.ready.is_set():
+                    return dep.spec.name
             pending = [d for d in deps if not d.ready.is_set()]
             if not pending:
-                return
-            await pending[0].ready.wait()
+                return None
+            ready = asyncio.ensure_future(pending[0].ready.wait())
+            try:
+                await asyncio.wait({ready, pending[0]._task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
 
     async def _one_run(self, attempt: int) -> tuple[int, bool]:
         """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
