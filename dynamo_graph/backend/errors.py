@@ -10,7 +10,6 @@ from __future__ import annotations
 class EngineError(Exception):
     code = "internal"
     http_status = 500
-    error_type = "InternalServerError"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -21,25 +20,21 @@ class EngineError(Exception):
 class InvalidArgument(EngineError):
     code = "invalid_argument"
     http_status = 400
-    error_type = "BadRequestError"
 
 
 class ModelNotFound(EngineError):
     code = "model_not_found"
     http_status = 404
-    error_type = "NotFoundError"
 
 
 class EngineShutdown(EngineError):
     code = "engine_shutdown"
     http_status = 503
-    error_type = "ServiceUnavailableError"
 
 
 class EngineOverloaded(EngineError):
     code = "overloaded"
     http_status = 503
-    error_type = "ServiceUnavailableError"
 
 
 _BY_CODE: dict[str, type[EngineError]] = {

@@ -53,7 +53,7 @@ def get_engine_spec(name: str) -> EngineSpec:
     spec = ENGINES.get(name)
     if spec is not None:
         return spec
-    available = ", ".join(engine_names())
+    available = ", ".join(f"{n} ({ENGINES[n].description})" for n in engine_names())
     if name in PLANNED_ENGINES:
         raise UnknownEngineError(
             f"engine {name!r} is not available in this version of dyngraph yet; "

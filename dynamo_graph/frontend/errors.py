@@ -22,6 +22,7 @@ _STATUS_TYPES = {
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 
 

@@ -52,17 +52,6 @@ def build_remote_pipeline(card: ModelDeploymentCard, client: Client) -> ModelPip
     return tokens_pipeline(card, model, RemoteTokensBackend(client))
 
 
-def _instances_report(client: Client) -> list[dict]:
-    return [
-        {
-            "instance_id": f"{i:x}",
-            "transport": client.instances[i].transport,
-            "requests": client.sent.get(i, 0),
-        }
-        for i in client.instance_ids()
-    ]
-
-
 class ModelWatcher:
     def __init__(
         self,

@@ -32,10 +32,9 @@ def usage_dict(prepared: Prepared) -> dict:
 class ChunkWriter:
     """Formats one request's stream of chat or completion chunks as SSE events."""
 
-    __slots__ = ("_content_tail", "_finish_head", "_first_head", "_head", "_is_chat", "_meta", "_usage_head")
+    __slots__ = ("_content_tail", "_finish_head", "_first_head", "_head", "_meta", "_usage_head")
 
     def __init__(self, model: str, *, chat: bool) -> None:
-        self._is_chat = chat
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._meta = b'"created":%d,"model":%s,"object":"%s"}' % (

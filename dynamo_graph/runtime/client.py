@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,10 +31,15 @@ _encode = msgspec.msgpack.encode
 _decode_any = msgspec.msgpack.Decoder()
 
 
+@functools.cache
+def _decoder(response_type: type | None) -> Callable[[bytes], Any]:
+    """One msgpack decoder per response type, built once (it is on every request's path)."""
+    return msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
+
+
 class NoInstances(EngineError):
     code = "no_instances"
     http_status = 503
-    error_type = "ServiceUnavailableError"
 
 
 class Client:
@@ -164,7 +170,7 @@ class Client:
         responses. An instance that cannot be reached leaves routing; if the picker chose it, the
         request goes to another instance (nothing was generated yet, so that is always safe).
         A stream that breaks midway raises StreamBroken: resuming it is request migration's job."""
-        decode = msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
+        decode = _decoder(response_type)
         payload = _encode(request)
         ctx = context or Context()
         tried: set[int] = set()

@@ -11,7 +11,6 @@ import re
 import secrets
 from dataclasses import dataclass
 
-DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"
 INSTANCES_ROOT = "v1/instances"

@@ -178,9 +178,9 @@ class Endpoint:
         handler: Callable[..., AsyncIterator[Any]],
         *,
         request_type: type | None = None,
-        graceful_shutdown: bool = True,
     ) -> None:
-        """Serve until the runtime shuts down. `handler(request[, context])` yields responses."""
+        """Serve until the runtime shuts down. `handler(request[, context])` yields responses.
+        Shutdown is always graceful: unregister, then streams in flight get the runtime's grace."""
         await self.start_serving(handler, request_type=request_type)
         try:
             await self.runtime.wait_for_shutdown()

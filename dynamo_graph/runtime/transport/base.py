@@ -10,7 +10,7 @@ frame, which the client turns into normal completion or a typed exception.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dynamo_graph.backend.errors import EngineError
@@ -26,7 +26,6 @@ class TransportError(EngineError):
 
     code = "transport"
     http_status = 503
-    error_type = "ServiceUnavailableError"
 
 
 class CannotConnect(TransportError):
@@ -44,7 +43,6 @@ class StreamBroken(TransportError):
 class RequestTimeout(TransportError):
     code = "timeout"
     http_status = 504
-    error_type = "GatewayTimeoutError"
 
 
 class RequestPlaneServer(abc.ABC):
@@ -86,6 +84,3 @@ class RequestPlaneClient(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
-
-
-Connector = Callable[[], Awaitable[None]]
