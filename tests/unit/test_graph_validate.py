@@ -510,13 +510,15 @@ components:
 
 def _plain_graph_files() -> list[Path]:
     """Shipped graphs that validate on their own: not composed by Hydra (`defaults:`) and not
-    fragments under graphs/templates/, which load.py composes and its tests cover."""
+    fragments under graphs/templates/, which load.py composes and its tests cover; nor a running
+    graph's state (.dyngraph/), which only exists where someone ran `dyngraph up`."""
     files = []
     for path in sorted((REPO / "graphs").rglob("*.yaml")):
+        parts = path.relative_to(REPO / "graphs").parts
+        if "templates" in parts or ".dyngraph" in parts:
+            continue
         data = yaml.safe_load(path.read_text())
-        if "templates" not in path.relative_to(REPO / "graphs").parts and not (
-            isinstance(data, dict) and "defaults" in data
-        ):
+        if not (isinstance(data, dict) and "defaults" in data):
             files.append(path)
     return files
 
