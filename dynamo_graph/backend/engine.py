@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
+
+if TYPE_CHECKING:
+    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.llm.model_source import LocalModel
+    from dynamo_graph.router.kv.publisher import KvEventSink
 
 ModelInput = Literal["tokens", "text"]
 
@@ -31,9 +36,21 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     total_kv_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # Ranks the engine schedules independently; the kv router treats each as its own target.
+    data_parallel_size: int = 1
 
 
 class LLMEngine(abc.ABC):
+    # Engines that report their KV cache (for kv routing) say so; the process serving them then
+    # sets `kv_event_sink` before `start()`. It stays None when nobody listens (e.g. in=http).
+    publishes_kv_events: bool = False
+    kv_event_sink: KvEventSink | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
+        """Build the engine from the command line's settings and the resolved model."""
+        return cls()
+
     @abc.abstractmethod
     async def start(self, worker_id: int = 0) -> EngineConfig:
         """Load whatever the engine needs; called once before any generate."""

@@ -63,6 +63,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     annotations: list[str] = msgspec.field(default_factory=list)
+    # The data-parallel rank the router chose (engines with several ranks); None: engine's choice.
+    dp_rank: int | None = None
     # Free-form extras passed through to the engine (e.g. nvext fields it understands).
     extra: dict[str, Any] | None = None
 

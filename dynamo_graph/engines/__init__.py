@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dynamo_graph.backend.engine import LLMEngine
+
+if TYPE_CHECKING:
+    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.llm.model_source import LocalModel
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
-    target: str  # "module:factory", the factory takes the run configuration
+    target: str  # "module:EngineClass", built with EngineClass.from_config(cfg, model)
     needs_model: bool
     description: str
 
@@ -64,10 +69,10 @@ def get_engine_spec(name: str) -> EngineSpec:
     )
 
 
-def create_engine(name: str) -> LLMEngine:
+def create_engine(name: str, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
     module_name, _, attr = get_engine_spec(name).target.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory()
+    engine_class: type[LLMEngine] = getattr(importlib.import_module(module_name), attr)
+    return engine_class.from_config(cfg, model)
 
 
 def default_engine() -> str:

@@ -113,7 +113,7 @@ async def start_engine(cfg: RunConfig) -> StartedEngine:
     model = None
     if cfg.model_path:
         model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
-    engine = create_engine(engine_name)
+    engine = create_engine(engine_name, cfg, model)
     try:
         config = await engine.start()
         return StartedEngine(engine, config, _card(cfg, engine_name, config, model), model)

@@ -1,0 +1,49 @@
+"""Block hashes, as Dynamo computes them, so that our events and real engines' events agree.
+
+A block's *local* hash is xxh3_64 (seed 1337) of its token ids as u32 little-endian; only full
+blocks are hashed. The *sequence* hash chains them: `seq[0] = local[0]`,
+`seq[i] = xxh3_64(le64(seq[i-1]) ++ le64(local[i]))`, so it names a block together with
+everything before it. Local hashes key the radix tree's children; sequence hashes name blocks in
+events and in the router's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+
+from xxhash import xxh3_64_intdigest
+
+HASH_SEED = 1337
+_U32 = 4
+_pair = struct.Struct("<QQ").pack
+
+
+def local_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The local hash of every full block of `token_ids` (a trailing partial block is skipped)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    full = len(token_ids) // block_size
+    if not full:
+        return []
+    data = memoryview(array("I", token_ids[: full * block_size]).tobytes())
+    step = block_size * _U32
+    return [xxh3_64_intdigest(data[i : i + step], HASH_SEED) for i in range(0, full * step, step)]
+
+
+def chain_hash(parent: int | None, local: int) -> int:
+    """The sequence hash of a block whose parent block has sequence hash `parent` (None: first)."""
+    if parent is None:
+        return local
+    return xxh3_64_intdigest(_pair(parent, local), HASH_SEED)
+
+
+def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """Sequence hashes of consecutive blocks, continuing from `parent` (None: from the start)."""
+    out: list[int] = []
+    append = out.append
+    for local in local_hashes:
+        parent = local if parent is None else xxh3_64_intdigest(_pair(parent, local), HASH_SEED)
+        append(parent)
+    return out

@@ -1,0 +1,61 @@
+"""The KV event contract on the event plane (DESIGN.md, "KV events"), and worker load metrics.
+
+Engines publish on their endpoint's channel (namespace/component): `kv_events` carry
+`KvCacheEvent`s, `load_metrics` carry `LoadMetrics`. Event ids are monotonic per worker; the
+router tolerates gaps, duplicates and events about blocks it never saw. `block_hash` is whatever
+stable id the engine gives a block (for the mocker, our sequence hash; for vLLM, its own hash);
+`tokens_hash` is the local hash of the block's tokens (see hashing.py).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+KV_EVENTS_TOPIC = "kv_events"
+LOAD_METRICS_TOPIC = "load_metrics"
+
+
+class StoredBlock(msgspec.Struct, array_like=True, frozen=True):
+    block_hash: int
+    tokens_hash: int
+
+
+class KvStored(msgspec.Struct, tag="stored", frozen=True):
+    """Blocks now cached, in order; the first one's parent is `parent_hash` (None: a first block)."""
+
+    blocks: list[StoredBlock]
+    parent_hash: int | None = None
+
+
+class KvRemoved(msgspec.Struct, tag="removed", frozen=True):
+    block_hashes: list[int]
+
+
+class KvCleared(msgspec.Struct, tag="cleared", frozen=True):
+    """Everything this worker (rank) had cached is gone."""
+
+
+KvEventData = KvStored | KvRemoved | KvCleared
+
+
+class KvCacheEvent(msgspec.Struct, frozen=True):
+    event_id: int
+    worker_id: int
+    data: KvEventData
+    dp_rank: int = 0
+
+
+class LoadMetrics(msgspec.Struct, frozen=True):
+    """A worker rank's load after a scheduling step, as the engine sees it."""
+
+    worker_id: int
+    active_blocks: int
+    total_blocks: int
+    waiting: int
+    running: int
+    dp_rank: int = 0
+
+
+encode_event = msgspec.msgpack.Encoder().encode
+decode_kv_event = msgspec.msgpack.Decoder(KvCacheEvent).decode
+decode_load_metrics = msgspec.msgpack.Decoder(LoadMetrics).decode
