@@ -37,11 +37,17 @@ ENGINES: dict[str, EngineSpec] = {
             False,
             "streams the un-processed prompt text back",
         ),
+        EngineSpec(
+            "mocker",
+            "dynamo_graph.engines.mocker.engine:MockerEngine",
+            True,
+            "simulates a vLLM worker: scheduling, prefix cache, KV events (no GPU)",
+        ),
     )
 }
 
 # Named by dynamo-run and planned here; not built yet, so choosing one says so plainly.
-PLANNED_ENGINES = ("mocker", "llamacpp", "mistralrs", "vllm", "sglang", "trtllm")
+PLANNED_ENGINES = ("llamacpp", "mistralrs", "vllm", "sglang", "trtllm")
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 

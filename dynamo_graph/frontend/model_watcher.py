@@ -3,7 +3,8 @@
 Watches the model deployment cards (`v1/mdc/...`): the first card of a model name builds its
 pipeline and a client for its endpoint; later cards of the same model must carry the same
 checksum, or that worker is refused (loudly) and never routed to; when the last card of a
-model goes, the model leaves /v1/models.
+model goes, the model leaves /v1/models. With `--router-mode kv`, each tokens-input model gets
+its own KV router, subscribed to its workers' KV events.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.remote import RemoteTextBackend, RemoteTokensBackend
+from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
+from dynamo_graph.router.kv.router import KvRouter
+from dynamo_graph.router.kv.scheduler import KvRouterConfig
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
 from dynamo_graph.runtime.runtime import DistributedRuntime
@@ -33,10 +36,13 @@ class CardMismatch(ValueError):
 class _Model:
     checksum: str
     client: Client
+    router: KvRouter | None = None
     card_keys: set[str] = field(default_factory=set)
 
 
-def build_remote_pipeline(card: ModelDeploymentCard, client: Client) -> ModelPipeline:
+def build_remote_pipeline(
+    card: ModelDeploymentCard, client: Client, router: KvRouter | None = None
+) -> ModelPipeline:
     if card.model_input == "text":
         return TextPipeline(card, RemoteTextBackend(client))
     # The frontend tokenizes: it needs the model's tokenizer files, from the same path (one host,
@@ -49,7 +55,8 @@ def build_remote_pipeline(card: ModelDeploymentCard, client: Client) -> ModelPip
         theirs, ours = card.files.get(name), local.files.get(name)
         if theirs is not None and ours is not None and theirs.checksum != ours.checksum:
             raise CardMismatch(f"{name} at {ours.path} differs from the worker's ({theirs.checksum})")
-    return tokens_pipeline(card, model, RemoteTokensBackend(client))
+    backend = RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
+    return tokens_pipeline(card, model, backend)
 
 
 class ModelWatcher:
@@ -59,11 +66,13 @@ class ModelWatcher:
         registry: ModelRegistry,
         *,
         router_mode: str = "round-robin",
+        kv_config: KvRouterConfig | None = None,
         only_endpoint: EndpointName | None = None,
     ) -> None:
         self.runtime = runtime
         self.registry = registry
         self.router_mode = router_mode
+        self.kv_config = kv_config
         self.prefix = f"{MDC_ROOT}/{only_endpoint.path}/" if only_endpoint else f"{MDC_ROOT}/"
         self._models: dict[str, _Model] = {}
         self._model_of_key: dict[str, str] = {}
@@ -88,17 +97,23 @@ class ModelWatcher:
         name = card.display_name
         model = self._models.get(name)
         if model is None:
-            client = Client(self.runtime, endpoint, router_mode=self.router_mode)
+            kv = self.router_mode == "kv" and card.model_input == "tokens"
+            client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
             client.allowed = set()
+            router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
             try:
-                pipeline = build_remote_pipeline(card, client)
+                pipeline = build_remote_pipeline(card, client, router)
             except (ModelResolutionError, CardMismatch, OSError) as err:
                 log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
                 return
+            if self.router_mode == "kv" and not kv:
+                log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
             await client.start()
-            model = self._models[name] = _Model(checksum=card.mdcsum(), client=client)
+            if router is not None:
+                await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
+            model = self._models[name] = _Model(checksum=card.mdcsum(), client=client, router=router)
             self.registry.add(pipeline, instances=client.report)
-            log.info("model %r added (endpoint %s)", name, endpoint)
+            log.info("model %r added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
         elif card.mdcsum() != model.checksum:
             log.error(
                 "REFUSING worker %x for model %r: its model card checksum %s differs from %s "
@@ -111,6 +126,8 @@ class ModelWatcher:
             return
         model.card_keys.add(key)
         self._model_of_key[key] = name
+        if model.router is not None:
+            model.router.dp_sizes[instance_id] = int((card.runtime_config or {}).get("data_parallel_size", 1))
         assert model.client.allowed is not None
         model.client.allowed.add(instance_id)
 
@@ -122,13 +139,19 @@ class ModelWatcher:
         model.card_keys.discard(key)
         assert model.client.allowed is not None
         model.client.allowed.discard(instance_id_from_key(key))
+        if model.router is not None:
+            model.router.remove_worker(instance_id_from_key(key))
         if not model.card_keys:
             del self._models[name]
             self.registry.remove(name)
             await model.client.close()
+            if model.router is not None:
+                await model.router.close()
             log.info("model %r removed: no workers left", name)
 
     async def close(self) -> None:
         for model in self._models.values():
             await model.client.close()
+            if model.router is not None:
+                await model.router.close()
         self._models.clear()

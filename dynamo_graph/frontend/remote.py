@@ -8,12 +8,16 @@ turned back into engine outputs so the same pipeline code serves both.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.openai import AnyRequest
-from dynamo_graph.runtime.client import Client
+from dynamo_graph.runtime.client import Client, NoInstances
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.transport.base import CannotConnect
+
+if TYPE_CHECKING:
+    from dynamo_graph.router.kv.router import KvRouter
 
 
 class RemoteTokensBackend:
@@ -22,6 +26,46 @@ class RemoteTokensBackend:
 
     def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         return self.client.generate(request, context=context, response_type=LLMEngineOutput)
+
+
+class KvRoutedTokensBackend:
+    """Tokens-input workers chosen by the KV router: the request goes to the rank whose cache
+    and load make it cheapest, and the router hears when its first token and its end arrive.
+    A worker that cannot be reached is left out and the request routed again (nothing was
+    generated yet, so that is always safe)."""
+
+    def __init__(self, client: Client, router: KvRouter) -> None:
+        self.client = client
+        self.router = router
+
+    async def generate(
+        self, request: PreprocessedRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        router = self.router
+        request_id = context.id
+        unreachable: set[int] = set()
+        while True:
+            instances = [i for i in self.client.instance_ids() if i not in unreachable]
+            if not instances:
+                raise NoInstances(f"no instances of {self.client.name} are available")
+            choice = router.route(request_id, request.token_ids, instances)
+            worker_id, request.dp_rank = choice.key
+            started = False
+            try:
+                async for out in self.client.generate(
+                    request, instance_id=worker_id, context=context, response_type=LLMEngineOutput
+                ):
+                    if not started:
+                        started = True
+                        router.prefill_completed(request_id)
+                    yield out
+                return
+            except CannotConnect:
+                if started:
+                    raise
+                unreachable.add(worker_id)
+            finally:
+                router.free(request_id)
 
 
 def _usage(raw: Any) -> CompletionUsage | None:

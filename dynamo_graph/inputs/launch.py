@@ -10,19 +10,24 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
-from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.inputs.config import RunConfig, RunConfigError, apply_runtime_settings
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
-from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.runtime.names import EndpointName
+
+if TYPE_CHECKING:
+    from dynamo_graph.frontend.models import ModelRegistry
+    from dynamo_graph.llm.pipeline import ModelPipeline
+    from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 log = logging.getLogger(__name__)
 WAIT_FOR_MODEL_S = 60.0
@@ -80,6 +85,8 @@ class StartedEngine:
     model: LocalModel | None
 
     def pipeline(self) -> ModelPipeline:
+        from dynamo_graph.llm.pipeline import TextPipeline, tokens_pipeline  # a worker needs none
+
         if self.config.model_input == "tokens":
             assert self.model is not None
             return tokens_pipeline(self.card, self.model, self.engine)
@@ -92,16 +99,36 @@ def _card(
     context_length = cfg.context_length or config.context_length
     if model is None:
         return ModelDeploymentCard.without_files(cfg.model_name or engine_name, context_length=context_length)
-    return ModelDeploymentCard.from_local_model(
+    card = ModelDeploymentCard.from_local_model(
         model,
         model_input=config.model_input,
         context_length=context_length or model.context_length,
         kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
         migration_limit=cfg.migration_limit,
     )
+    card.runtime_config = _runtime_config(config)
+    return card
 
 
-async def start_engine(cfg: RunConfig) -> StartedEngine:
+def _runtime_config(config: EngineConfig) -> dict[str, int] | None:
+    """What routers want to know of this worker's capacity (may differ between workers)."""
+    fields = {
+        "total_kv_blocks": config.total_kv_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "data_parallel_size": config.data_parallel_size,
+    }
+    return {k: v for k, v in fields.items() if v is not None} or None
+
+
+async def start_engine(
+    cfg: RunConfig,
+    *,
+    worker_id: int = 0,
+    before_start: Callable[[LLMEngine], Awaitable[None]] | None = None,
+) -> StartedEngine:
+    """Build the engine for `cfg` and start it. `before_start` connects what the serving process
+    provides (e.g. the KV event sink) once the engine exists."""
     engine_name = cfg.output or default_engine()
     spec = get_engine_spec(engine_name)
     if spec.needs_model and not cfg.model_path:
@@ -115,11 +142,23 @@ async def start_engine(cfg: RunConfig) -> StartedEngine:
         model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
     engine = create_engine(engine_name, cfg, model)
     try:
-        config = await engine.start()
+        if before_start is not None:
+            await before_start(engine)
+        config = await engine.start(worker_id)
         return StartedEngine(engine, config, _card(cfg, engine_name, config, model), model)
     except BaseException:
         await engine.cleanup()
         raise
+
+
+def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
+    from dynamo_graph.router.kv.scheduler import KvRouterConfig
+
+    return KvRouterConfig(
+        overlap_score_weight=cfg.kv_overlap_score_weight,
+        temperature=cfg.router_temperature,
+        use_kv_events=cfg.use_kv_events,
+    )
 
 
 async def _wait_for_signal() -> None:
@@ -190,8 +229,12 @@ def _static_addresses() -> list[str]:
 
 async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     """No discovery: the model comes from --model-path (a Backend-type model) and the workers
-    from DYN_STATIC_WORKERS; requests go round the listed addresses."""
-    from dynamo_graph.frontend.remote import RemoteTokensBackend
+    from DYN_STATIC_WORKERS; requests go round the listed addresses (or, with --router-mode kv,
+    where the router predicts their prefix is cached: give --kv-cache-block-size as the workers')."""
+    from dynamo_graph.frontend.models import ModelRegistry
+    from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
+    from dynamo_graph.llm.pipeline import tokens_pipeline
+    from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.runtime.client import Client
     from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord, static_subject
 
@@ -200,7 +243,8 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
     card = _card(cfg, "static", EngineConfig(model_input="tokens"), model)
     runtime = await DistributedRuntime.create(static=True)
-    client = Client(runtime, name, router_mode=cfg.router_mode)
+    kv = cfg.router_mode == "kv"
+    client = Client(runtime, name, router_mode="round-robin" if kv else cfg.router_mode)
     for index, address in enumerate(addresses, start=1):
         client.add_static(
             InstanceRecord(
@@ -213,7 +257,12 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
             )
         )
     registry = ModelRegistry()
-    registry.add(tokens_pipeline(card, model, RemoteTokensBackend(client)), instances=client.report)
+    backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client)
+    if kv:
+        # No discovery, so no event plane to hear KV events on: the router predicts caches.
+        router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
+        backend = KvRoutedTokensBackend(client, router)
+    registry.add(tokens_pipeline(card, model, backend), instances=client.report)
     try:
         if cfg.input == "http":
             await _serve_http(cfg, registry)
@@ -229,6 +278,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
     """`out=auto` / `out=dyn://ns.comp.ep`: serve the models that workers register, or with
     --model-path, the static workers of that endpoint."""
     from dynamo_graph.frontend.model_watcher import ModelWatcher
+    from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.runtime.runtime import DistributedRuntime
 
     only = EndpointName.parse(cfg.output) if cfg.output and cfg.output.startswith("dyn://") else None
@@ -236,7 +286,9 @@ async def _run_frontend(cfg: RunConfig) -> int:
         return await _static_frontend(cfg, only)
     runtime = await DistributedRuntime.create()
     registry = ModelRegistry()
-    watcher = ModelWatcher(runtime, registry, router_mode=cfg.router_mode, only_endpoint=only)
+    watcher = ModelWatcher(
+        runtime, registry, router_mode=cfg.router_mode, kv_config=kv_router_config(cfg), only_endpoint=only
+    )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     try:
         if cfg.input == "http":
@@ -262,13 +314,7 @@ async def run_async(cfg: RunConfig) -> int:
         from dynamo_graph.inputs.endpoint import serve_worker
 
         assert cfg.input_arg is not None
-        name = EndpointName.parse(cfg.input_arg)
-        started = await start_engine(cfg)
-        try:
-            return await serve_worker(cfg, name, started.engine, started.config, started.card)
-        finally:
-            with suppress(Exception):
-                await started.engine.cleanup()
+        return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
     if _discovers_workers(cfg):
         return await _run_frontend(cfg)
     started = await start_engine(cfg)
@@ -277,6 +323,8 @@ async def run_async(cfg: RunConfig) -> int:
     echo = (cfg.output or "").startswith("echo")
     try:
         if cfg.input == "http":
+            from dynamo_graph.frontend.models import ModelRegistry
+
             registry = ModelRegistry()
             registry.add(pipeline)
             await _serve_http(cfg, registry)

@@ -1,0 +1,118 @@
+"""Choosing the worker rank for a request: Dynamo's KV routing cost, with fresher inputs.
+
+For every candidate rank `w` (DYNAMO.md 1.1), lower is better:
+
+    overlap(w)        = prompt blocks w already has: the indexer's depth (KV events, or the
+                        approximate indexer), or what w's in-flight requests hold, whichever is more
+    new_tokens(w)     = isl - overlap(w) * block_size                        (at least 0)
+    prefill_blocks(w) = (prefill tokens queued on w + new_tokens(w)) / block_size
+    decode_blocks(w)  = blocks w's in-flight requests hold + prompt blocks w does not hold yet
+    logit(w)          = overlap_score_weight * prefill_blocks(w) + decode_blocks(w)
+
+Temperature 0 picks the minimum, ties going to the rank with the smallest cache (then at
+random); above 0 it samples from a softmax over the negated, min-max-normalised logits, so the
+temperature means the same whatever the block counts (1: the best rank is e times likelier than
+the worst).
+
+What differs from Dynamo, and why: Dynamo reads overlap only from KV events, which arrive after
+a worker has prefilled. A burst of requests sharing a new prefix therefore sees no overlap
+anywhere and spreads the prefix over every worker (each recomputes it), or, when one copy has
+landed, herds onto it while its in-flight accounting lags. Here the router's own bookkeeping
+(sequences.py) is updated synchronously on route, first token and completion, and counts the
+blocks of in-flight requests as cached on their worker, so the second request of a burst meets
+the first one's prefix at once and pays for the load it adds there.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
+
+
+@dataclass(frozen=True, slots=True)
+class KvRouterConfig:
+    overlap_score_weight: float = 1.0
+    temperature: float = 0.0
+    use_kv_events: bool = True
+    # The approximate indexer's settings (without KV events), as Dynamo's defaults.
+    ttl_s: float = 120.0
+    max_tree_size: int = 2**20
+    prune_target_ratio: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.overlap_score_weight < 0:
+            raise ValueError(f"kv overlap score weight must be >= 0, not {self.overlap_score_weight}")
+        if self.temperature < 0:
+            raise ValueError(f"router temperature must be >= 0, not {self.temperature}")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    key: WorkerKey
+    overlap_blocks: int
+    prefill_tokens: int  # the tokens this request will compute there
+    logit: float
+
+
+def score_workers(
+    candidates: Sequence[WorkerKey],
+    seq_hashes: Sequence[int],
+    isl: int,
+    block_size: int,
+    indexed_overlap: Mapping[WorkerKey, int],
+    sequences: ActiveSequences,
+    weight: float,
+) -> list[Choice]:
+    """The cost of sending the request to each candidate (see the module docstring)."""
+    request_blocks = -(-isl // block_size)
+    choices = []
+    loads = sequences.loads
+    for key in candidates:
+        load = loads.get(key)
+        in_flight = sequences.prefix_depth(key, seq_hashes) if load is not None else 0
+        overlap = max(indexed_overlap.get(key, 0), in_flight)
+        new_tokens = max(isl - overlap * block_size, 0)
+        if load is None:
+            logit = weight * new_tokens / block_size + request_blocks
+        else:
+            prefill_blocks = (load.prefill_tokens + new_tokens) / block_size
+            logit = weight * prefill_blocks + len(load.blocks) + request_blocks - in_flight
+        choices.append(Choice(key, overlap, new_tokens, logit))
+    return choices
+
+
+def select(
+    choices: Sequence[Choice],
+    temperature: float,
+    rng: random.Random,
+    tree_size: Callable[[WorkerKey], int] | None = None,
+) -> Choice:
+    """argmin (temperature 0, ties to the smallest cache, then random) or softmax sampling."""
+    if not choices:
+        raise ValueError("no worker to choose from")
+    if len(choices) == 1:
+        return choices[0]
+    if temperature <= 0:
+        best = min(c.logit for c in choices)
+        tied = [c for c in choices if c.logit == best]
+        if len(tied) > 1 and tree_size:
+            sizes = [tree_size(c.key) for c in tied]
+            smallest = min(sizes)
+            tied = [c for c, size in zip(tied, sizes, strict=True) if size == smallest]
+        return tied[0] if len(tied) == 1 else rng.choice(tied)
+    logits = [c.logit for c in choices]
+    low, high = min(logits), max(logits)
+    if high == low:
+        return rng.choice(choices)
+    scale = (high - low) * temperature
+    weights = [math.exp(-(logit - low) / scale) for logit in logits]
+    draw = rng.random() * sum(weights)
+    for choice, w in zip(choices, weights, strict=True):
+        draw -= w
+        if draw <= 0:
+            return choice
+    return choices[-1]

@@ -1,0 +1,107 @@
+"""KV-aware routing end to end: the real frontend with `--router-mode kv` and two mocker workers,
+each its own process, over the embedded planes (file discovery, tcp, zmq events)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.system.test_distributed import instances, wait_for
+
+ENDPOINT = "dyn://kv.mocker.generate"
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer in short sentences, quote the "
+    "relevant policy section, and never promise delivery dates that the tracking system has not "
+    "confirmed. Customers may write in any language; answer in theirs."
+)
+
+
+@pytest.fixture
+def planes(tmp_path: Path) -> dict[str, str]:
+    return {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(tmp_path / "kv"),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_LEASE_TTL": "2",
+    }
+
+
+@pytest.fixture
+def kv_graph(
+    tiny_model: Path, tmp_path: Path, planes: dict[str, str], request: pytest.FixtureRequest
+) -> Iterator[tuple[ServerProcess, list[WorkerProcess]]]:
+    """Two mocker workers (block size 16, fast simulated time) and a kv-routing frontend;
+    `use_kv_events` comes from the test's parameter."""
+    use_events: bool = request.param
+    args = tmp_path / "mocker.json"
+    args.write_text(json.dumps({"block_size": 16, "speedup_ratio": 50.0, "num_gpu_blocks": 4096}))
+    argv = [*DYNGRAPH, "run", f"in={ENDPOINT}", "out=mocker", str(tiny_model), "--extra-engine-args"]
+    workers = [WorkerProcess([*argv, str(args)], env=planes, log_dir=tmp_path) for _ in range(2)]
+    frontend = ServerProcess(
+        ["out=auto", "--router-mode", "kv", "--use-kv-events", "true" if use_events else "false"],
+        env={**planes, "DYN_LOG": "info,dynamo_graph.router=debug"},
+        log_dir=tmp_path,
+    )
+    try:
+        frontend.wait_ready(path="/live")
+        wait_for(lambda: len(instances(frontend, tiny_model.name)) == 2, 30, "both mocker workers")
+        yield frontend, workers
+    finally:
+        frontend.stop()
+        for worker in workers:
+            worker.stop()
+
+
+def _requests_per_instance(frontend: ServerProcess, model: str) -> dict[str, int]:
+    return {i["instance_id"]: i["requests"] for i in instances(frontend, model)}
+
+
+def _served_by(frontend: ServerProcess, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
+    before = _requests_per_instance(frontend, model)
+    body = send()
+    after = _requests_per_instance(frontend, model)
+    changed = [i for i in after if after[i] != before.get(i, 0)]
+    assert len(changed) == 1, (before, after)
+    return changed[0], body
+
+
+@pytest.mark.parametrize("kv_graph", [True, False], ids=["kv-events", "approximate"], indirect=True)
+def test_follow_up_turns_go_to_the_worker_holding_the_conversation(
+    kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path
+) -> None:
+    frontend, _ = kv_graph
+    model = tiny_model.name
+    http = httpx.Client(base_url=frontend.base_url, timeout=30)
+
+    def chat(messages: list[dict]) -> dict:
+        body = {"model": model, "messages": messages, "max_tokens": 24}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    homes: dict[int, str] = {}
+    for conv in range(6):
+        # Each conversation has its own long opening, so that only its own history is shared.
+        messages = [
+            {"role": "system", "content": f"Conversation {conv}. {SYSTEM} Ticket {conv * 7919}."},
+            {"role": "user", "content": f"Where is parcel {conv}? It left the depot {conv + 2} days ago."},
+        ]
+        home, first = _served_by(frontend, model, lambda m=messages: chat(m))
+        homes[conv] = home
+        messages.append(first["choices"][0]["message"])
+        for turn in range(2):
+            messages.append({"role": "user", "content": f"Follow-up {turn}: can you check again?"})
+            served, body = _served_by(frontend, model, lambda m=messages: chat(m))
+            assert served == home, f"conversation {conv} turn {turn + 2} left its worker"
+            usage = body["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            # Everything up to the previous turn's answer is cached (whole 16-token blocks).
+            assert cached >= first["usage"]["prompt_tokens"] - 16, usage
+            messages.append(body["choices"][0]["message"])
+    assert len(set(homes.values())) == 2, f"all conversations landed on one worker: {homes}"
