@@ -26,17 +26,6 @@ dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 err = Console(stderr=True, soft_wrap=True)
 
-_BOOL_WORDS = {
-    "true": True,
-    "1": True,
-    "yes": True,
-    "on": True,
-    "false": False,
-    "0": False,
-    "no": False,
-    "off": False,
-}
-
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
     err.print(f"[bold red]error:[/] {message}", highlight=False)
@@ -102,68 +91,34 @@ def run_command(
     ] = None,
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
 ) -> None:
-    from dynamo_graph.engines import UnknownEngineError
-    from dynamo_graph.inputs.config import RunConfig, RunConfigError, parse_input, validate
-    from dynamo_graph.inputs.launch import run
-    from dynamo_graph.llm.model_source import ModelResolutionError
-    from dynamo_graph.log import LogSpecError, setup_logging
+    from dynamo_graph.cli.run import execute
 
-    try:
-        setup_logging(verbose)
-    except LogSpecError as e:
-        raise _fail(str(e)) from None
-    if use_kv_events.lower() not in _BOOL_WORDS:
-        raise _fail(f"--use-kv-events takes true or false, not {use_kv_events!r}")
-    cfg = RunConfig(
-        model_path=model_path,
-        model_name=model_name,
-        model_config=model_config,
-        http_host=http_host,
-        http_port=http_port,
-        context_length=context_length,
-        kv_cache_block_size=kv_cache_block_size,
-        tensor_parallel_size=tensor_parallel_size,
-        num_nodes=num_nodes,
-        node_rank=node_rank,
-        leader_addr=leader_addr,
-        base_gpu_id=base_gpu_id,
-        extra_engine_args=extra_engine_args,
-        router_mode=router_mode,
-        kv_overlap_score_weight=kv_overlap_score_weight,
-        router_temperature=router_temperature,
-        use_kv_events=_BOOL_WORDS[use_kv_events.lower()],
-        migration_limit=migration_limit,
-        static_worker=static_worker,
-        discovery_backend=discovery_backend,
-        request_plane=request_plane,
-        event_plane=event_plane,
-        verbosity=verbose,
-        explicit=_explicit_flags(ctx),
-    )
-    input_given = False
-    try:
-        for word in words or []:
-            key, sep, value = word.partition("=")
-            if sep and key == "in":
-                cfg.input, cfg.input_arg = parse_input(value)
-                input_given = True
-            elif sep and key == "out":
-                cfg.output = value
-            elif cfg.model_path is None and not sep:
-                cfg.model_path = word
-            else:
-                raise RunConfigError(f"unexpected argument {word!r} (expected in=..., out=... and one MODEL)")
-        if cfg.input == "text" and not sys.stdin.isatty():
-            # dynamo-run: a piped prompt is answered once, then the process exits.
-            cfg.input = "stdin"
-        if not input_given and not cfg.output and not cfg.model_path:
-            raise RunConfigError("nothing to run: give a MODEL, out=ENGINE, or both (see --help)")
-        validate(cfg)
-        code = run(cfg)
-    except (RunConfigError, UnknownEngineError, ModelResolutionError) as e:
-        raise _fail(str(e)) from None
-    except KeyboardInterrupt:
-        code = 130
+    params = {
+        "model_path": model_path,
+        "model_name": model_name,
+        "model_config": model_config,
+        "http_host": http_host,
+        "http_port": http_port,
+        "context_length": context_length,
+        "kv_cache_block_size": kv_cache_block_size,
+        "tensor_parallel_size": tensor_parallel_size,
+        "num_nodes": num_nodes,
+        "node_rank": node_rank,
+        "leader_addr": leader_addr,
+        "base_gpu_id": base_gpu_id,
+        "extra_engine_args": extra_engine_args,
+        "router_mode": router_mode,
+        "kv_overlap_score_weight": kv_overlap_score_weight,
+        "router_temperature": router_temperature,
+        "use_kv_events": use_kv_events,
+        "migration_limit": migration_limit,
+        "static_worker": static_worker,
+        "discovery_backend": discovery_backend,
+        "request_plane": request_plane,
+        "event_plane": event_plane,
+        "verbose": verbose,
+    }
+    code = execute(words, params, _explicit_flags(ctx))
     raise typer.Exit(code)
 
 
@@ -210,7 +165,7 @@ def render_command(
 
 def _state_of(graph_file: Path):  # returns a graph.supervise.state.StateDir
     """The graph's state dir; `status`, `logs` and `down` need no valid graph, only its path."""
-    from dynamo_graph.graph.load import state_dir
+    from dynamo_graph.graph.paths import state_dir
     from dynamo_graph.graph.supervise.state import StateDir
 
     return StateDir(state_dir(graph_file))

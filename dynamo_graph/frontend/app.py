@@ -1,28 +1,35 @@
 """The HTTP frontend: an ASGI dispatcher in front of a FastAPI app.
 
-The two OpenAI generation routes go to plain ASGI handlers (openai_asgi.py); everything else
-(models, health, liveness, metrics, docs) is ordinary FastAPI.
+The two OpenAI generation routes go to plain ASGI handlers (openai_asgi.py), and so do
+`GET /health` and `GET /live` (the readiness probes); everything else (models, metrics, docs,
+errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
+in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
+started, off the critical path of a graph coming up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import DEFAULT_BODY_LIMIT, OpenAIHandler, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
 
 def body_limit_from_env() -> int:
@@ -35,10 +42,27 @@ def body_limit_from_env() -> int:
 
 
 def _error_response(status: int, message: str) -> Response:
+    from fastapi.responses import Response
+
     return Response(error_body(status, message), status_code=status, media_type="application/json")
 
 
+def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
+    """`GET /health`: 200 once a model is listed, else 503."""
+    names = models.names()
+    status = "healthy" if names else "unhealthy"
+    return (200 if names else 503), {"status": status, "models": names, "details": models.health()}
+
+
+LIVE_BODY = {"status": "live", "message": "Service is live"}
+
+
 def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     api = FastAPI(title="dyngraph frontend", version="0.1.0")
 
     @api.exception_handler(StarletteHTTPException)
@@ -55,14 +79,12 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
 
     @api.get("/health")
     async def health() -> JSONResponse:
-        names = models.names()
-        status = "healthy" if names else "unhealthy"
-        body = {"status": status, "models": names, "details": models.health()}
-        return JSONResponse(body, status_code=200 if names else 503)
+        status, body = health_body(models)
+        return JSONResponse(body, status_code=status)
 
     @api.get("/live")
     async def live() -> dict[str, str]:
-        return {"status": "live", "message": "Service is live"}
+        return dict(LIVE_BODY)
 
     @api.get("/metrics")
     async def prometheus() -> Response:
@@ -71,26 +93,57 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     return api
 
 
+async def _send_json(send: Send, status: int, content: Any) -> None:
+    """A JSON response exactly as Starlette's JSONResponse renders it."""
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+    data = body.encode("utf-8")
+    headers = [(b"content-length", str(len(data)).encode()), (b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
 class FrontendApp:
-    """ASGI entry point: the hot routes first, FastAPI for the rest."""
+    """ASGI entry point: the hot routes and the probes first, FastAPI (built lazily) for the rest."""
 
     def __init__(self, models: ModelRegistry, *, body_limit: int | None = None) -> None:
         body_limit = body_limit_from_env() if body_limit is None else body_limit
         self.models = models
         self.metrics = FrontendMetrics()
-        self.api = build_api(models, self.metrics)
+        self._api: FastAPI | None = None
+        self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
             "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, body_limit),
             "/v1/completions": OpenAIHandler("completions", models, self.metrics, body_limit),
         }
+        with contextlib.suppress(RuntimeError):  # no running loop: built on first use
+            asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)
+
+    def _build_api_soon(self) -> asyncio.Future[FastAPI]:
+        if self._api_building is None:
+            building = asyncio.to_thread(build_api, self.models, self.metrics)
+            self._api_building = asyncio.ensure_future(building)
+        return self._api_building
+
+    async def api(self) -> FastAPI:
+        """The FastAPI app for everything but the hot routes; built once, in a worker thread."""
+        if self._api is None:
+            self._api = await asyncio.shield(self._build_api_soon())
+        return self._api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            handler = self.routes.get(scope["path"].rstrip("/") or "/")
+            path = scope["path"]
+            handler = self.routes.get(path.rstrip("/") or "/")
             if handler is not None:
                 await handler(scope, receive, send)
                 return
-        await self.api(scope, receive, send)
+            if scope["method"] == "GET" and path == "/health":
+                await _send_json(send, *health_body(self.models))
+                return
+            if scope["method"] == "GET" and path == "/live":
+                await _send_json(send, 200, LIVE_BODY)
+                return
+        await (self._api or await self.api())(scope, receive, send)
 
 
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):

@@ -55,6 +55,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dynamo_graph.graph.errors import GraphError, Location, Problem
+from dynamo_graph.graph.paths import state_dir as state_dir  # re-exported
 
 OVERRIDE = Location("<override>")
 """Where a value set on the command line comes from."""
@@ -86,13 +87,6 @@ class LoadedGraph:
     source: SourceMap
     file: Path  # absolute
     graph_dir: Path  # relative paths in `data` are relative to this
-
-
-def state_dir(graph_file: str | Path) -> Path:
-    """`<graph dir>/.dyngraph/<graph file stem>/`: where the supervisor keeps the resolved graph,
-    plan, pids, logs and the file-discovery root. Not created here."""
-    file = Path(os.path.abspath(graph_file))
-    return file.parent / ".dyngraph" / file.stem
 
 
 def load_graph(

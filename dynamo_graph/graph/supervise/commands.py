@@ -17,11 +17,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
 from rich.console import Console
 
-from dynamo_graph.graph.build import Built
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.supervise import control, probes
 from dynamo_graph.graph.supervise.daemon import supervise
@@ -32,6 +31,9 @@ from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
 from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
 
+if TYPE_CHECKING:
+    from dynamo_graph.graph.build import Built  # the graph loader: imported by the CLI when needed
+
 DAEMON_START_TIMEOUT_S = 15.0
 FAILURE_LOG_LINES = 20
 POLL_S = 0.02
@@ -41,6 +43,8 @@ POLL_S = 0.02
 
 
 def _write_resolved(state: StateDir, built: Built) -> None:
+    import yaml
+
     state.ensure()
     text = yaml.safe_dump(built.graph.model_dump(mode="json"), sort_keys=False, width=120)
     state.resolved_file.write_text(text)

@@ -29,6 +29,7 @@ from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_w
 
 STABLE_AFTER_S = 10.0
 CRASH_LOG_LINES = 20
+PROBE_MAX_INTERVAL_S = 0.05  # probes start at 10 ms and back off to this
 LOCAL_HOSTS = ("local",)
 
 Report = Callable[[str, str], None]  # (process name, message)
@@ -155,7 +156,7 @@ class Runner:
             if await probes.check(probe, watch):
                 return True
             await asyncio.wait([exited], timeout=delay)
-            delay = min(delay * 1.5, 0.1)
+            delay = min(delay * 1.5, PROBE_MAX_INTERVAL_S)
         return False
 
     async def stop(self) -> None:

@@ -9,7 +9,9 @@ expired: readers ignore it and the first to notice deletes it and the lease file
 heartbeat puts back any of its records that a reader deleted while the owner was stalled, so a
 slow process comes back the way an etcd process re-grants its lease.
 
-Writes are atomic (a temp file in the same directory, then os.replace). Watches poll and diff.
+Writes are atomic (a temp file in the same directory, then os.replace). Watches poll and diff:
+every FAST_POLL_S for FAST_WINDOW_S after they start and after each change (a graph coming up
+is seen within milliseconds), backing off to poll_s while nothing changes.
 File I/O runs in a worker thread so that a slow shared disk never stalls the event loop.
 """
 
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 LEASES_DIR = "_leases"
 RECORD_SUFFIX = ".json"
+FAST_POLL_S = 0.02
+FAST_WINDOW_S = 2.0
 _LEASE_HEX = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -283,17 +287,27 @@ class FileDiscovery(Discovery):
         return found
 
     async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
-        """Poll every poll_s and diff: deletes (removed or expired records) first, then puts."""
+        """Poll and diff: deletes (removed or expired records) first, then puts. Polls fast at
+        first and after a change, backing off (doubling) to poll_s while nothing changes."""
         self._parts(prefix, prefix=True)
         known: dict[str, bytes] = {}
+        fast = min(FAST_POLL_S, self.poll_s)
+        fast_until = time.monotonic() + FAST_WINDOW_S
+        delay = fast
         while not self._closed.is_set():
             current = await asyncio.to_thread(self._scan, prefix)
+            changed = False
             for key in [k for k in known if k not in current]:
                 del known[key]
+                changed = True
                 yield WatchEvent("delete", key, None)
             for key, value in current.items():
                 if known.get(key) != value:
                     known[key] = value
+                    changed = True
                     yield WatchEvent("put", key, value)
+            if changed:
+                fast_until = time.monotonic() + FAST_WINDOW_S
+            delay = fast if time.monotonic() < fast_until else min(delay * 2, self.poll_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), self.poll_s)
+                await asyncio.wait_for(self._closed.wait(), delay)
