@@ -12,7 +12,7 @@ HTTP_PORT ?= 8080
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,mistralrs]'
 	touch $@
 
 setup: $(BIN)/dyngraph
@@ -23,14 +23,16 @@ $(MODEL_DIR)/tokenizer.json: | $(BIN)/dyngraph
 run: setup $(MODEL_DIR)/tokenizer.json
 	$(BIN)/dyngraph up graphs/hello.yaml components.frontend.http.port=$(HTTP_PORT)
 
-# llama-cpp-python compiles for minutes from source; where the shared prebuilt wheel is present,
-# install it so the GGUF test runs against real llama.cpp (it skips otherwise).
+# llama-cpp-python compiles for minutes from source (portable build, as the shared wheel was
+# made); where the shared prebuilt wheel is present, pip takes it instead and skips the compile.
 LLAMA_WHEELS ?= ../shared/wheels
 
 llamacpp: setup
-	@if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
-	  $(BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
-	else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): llama.cpp tests will skip"; fi
+	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { \
+	  if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	    $(BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
+	  else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): compiling it (several minutes)"; \
+	    CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install -q 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; fi; }
 
 # etcd and nats-server back the distributed tests (Debian packages; CI runs as root).
 services:

@@ -4,6 +4,7 @@ when that engine is chosen."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,13 +44,27 @@ ENGINES: dict[str, EngineSpec] = {
             True,
             "simulates a vLLM worker: scheduling, prefix cache, KV events (no GPU)",
         ),
+        EngineSpec(
+            "llamacpp",
+            "dynamo_graph.engines.llamacpp:LlamaCppEngine",
+            True,
+            "runs a GGUF model with llama.cpp in-process (needs llama-cpp-python)",
+        ),
+        EngineSpec(
+            "mistralrs",
+            "dynamo_graph.engines.mistralrs:MistralrsEngine",
+            True,
+            "runs an HF safetensors folder or a GGUF with mistral.rs in-process (needs mistralrs)",
+        ),
     )
 }
 
 # Named by dynamo-run and planned here; not built yet, so choosing one says so plainly.
-PLANNED_ENGINES = ("llamacpp", "mistralrs", "vllm", "sglang", "trtllm")
+PLANNED_ENGINES = ("vllm", "sglang", "trtllm")
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
+# The package each of those needs, to tell "installed" without importing it.
+ENGINE_PACKAGES = {"mistralrs": "mistralrs", "llamacpp": "llama_cpp", "vllm": "vllm"}
 
 
 class UnknownEngineError(ValueError):
@@ -82,8 +97,9 @@ def create_engine(name: str, cfg: RunConfig, model: LocalModel | None) -> LLMEng
 
 
 def default_engine() -> str:
+    """dynamo-run's default: the first of DEFAULT_ENGINE_ORDER whose package is installed."""
     for name in DEFAULT_ENGINE_ORDER:
-        if name in ENGINES:
+        if name in ENGINES and importlib.util.find_spec(ENGINE_PACKAGES[name]) is not None:
             return name
     raise UnknownEngineError(
         "no inference engine is installed for `dyngraph run MODEL` (tried, in order: "

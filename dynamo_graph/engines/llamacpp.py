@@ -1,0 +1,724 @@
+"""`out=llamacpp`: a GGUF model run in-process by llama.cpp (llama-cpp-python), tokens in/out.
+
+The frontend tokenizes and templates (the model card's tokenizer: tokenizer.json, or the one built
+from the GGUF); this engine takes token ids and streams token ids back. llama-cpp-python is
+imported only when this engine is built; without it the error says how to install it.
+
+Model: `--model-path` is a .gguf file, or a folder holding one (an HF folder whose weights are only
+safetensors is refused: convert it with llama.cpp's convert_hf_to_gguf.py). The GGUF's vocabulary
+must cover the tokenizer's ids. `n_ctx` is `--context-length`, else the model's context length
+(each context allocates a KV cache that long: lower it for big models).
+
+Concurrency: a llama.cpp `Llama` object runs one sequence at a time and is not thread-safe, so the
+engine keeps a pool of `n_parallel` contexts (default 1), each its own `Llama` (weights are
+mmapped, so CPU memory for them is shared; each has its own KV cache) driven by its own thread.
+Requests wait in FIFO order for a free context; when several are free, the one whose cached tokens
+share the longest prefix with the prompt is taken. The thread decodes and samples, and hands
+tokens to the request's async generator through a lock-protected list plus
+`loop.call_soon_threadsafe` (tokens produced while the consumer is busy travel in one chunk), so
+the event loop never blocks on llama.cpp. llama.cpp's ctypes calls release the GIL, so contexts
+really run in parallel (each with `n_threads` threads; default: half the CPUs, split among them).
+
+Prefix reuse: a context keeps its KV cache between requests. A new prompt re-uses the longest
+common prefix with the tokens the context last evaluated (at least one prompt token is always
+evaluated again, for fresh logits) and reports it as `cached_tokens`, as llama.cpp's own
+`Llama.generate` and its server do; a follow-up turn of a conversation then only evaluates the new
+turn. Outputs are the same with or without reuse (only rounding of the attention over the cached
+part could differ, as with any prefix cache). `prefix_reuse: false` resets every context before
+each request instead.
+
+Sampling (SamplingOptions -> llama.cpp's sampler chain): temperature 0 or unset is greedy (the
+chain is the penalties and `greedy`, exactly what `Llama.generate(temp=0)` builds); otherwise
+top_k (unset/<=0: off), top_p, min_p, temperature, then a seeded `dist` (the request's seed, else
+the `seed` option; 4294967295, the default, is a random seed). repetition_penalty,
+presence_penalty and frequency_penalty are llama.cpp's penalties over the last
+`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. Guided decoding is
+refused. The engine stops by itself at max_tokens, at a stop token id, and at an eos id unless
+ignore_eos; until min_tokens are generated those ids are banned from sampling (as vLLM does). The
+stop token is the last id of the final chunk (the postprocessor hides it) and counts as generated.
+
+Context limit: a prompt of n_ctx tokens or more is an InvalidArgument (HTTP 400, as vLLM does);
+otherwise generation ends with "length" when prompt + output reaches n_ctx (the frontend already
+rejects a max_tokens that does not fit, so this only guards direct callers).
+
+Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each token and
+between prefill batches; the stream then ends with finish_reason "cancelled". Every final chunk
+carries `completion_usage` (prompt, completion and cached tokens); the first chunk with tokens
+carries `cached_tokens`.
+
+Options (`--extra-engine-args` JSON; an unknown key is an error listing the known ones):
+n_parallel, n_ctx (same as --context-length), n_threads, n_threads_batch, n_batch, n_ubatch,
+n_gpu_layers, main_gpu, seed, use_mmap, use_mlock, flash_attn, offload_kqv, last_n_tokens_size,
+rope_freq_base, rope_freq_scale, verbose, prefix_reuse. Errors in settings or the model are
+`RunConfigError`s, so `dyngraph run` prints them like a bad flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.protocol import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+)
+from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.runtime.context import Context
+
+if TYPE_CHECKING:
+    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.llm.model_source import LocalModel
+
+log = logging.getLogger(__name__)
+
+SOURCE = "--extra-engine-args"
+INSTALL_HINT = "engine 'llamacpp' needs llama-cpp-python: pip install 'dyngraph[llamacpp]'"
+RANDOM_SEED = 4294967295  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed per sampler
+DEFAULT_LAST_N = 64  # llama-cpp-python's last_n_tokens_size: the penalties' window
+CLEANUP_WAIT_S = 30.0
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+class LlamaCppError(RunConfigError):
+    """llama-cpp-python missing, no usable GGUF, or a bad `--extra-engine-args` option."""
+
+
+def import_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise LlamaCppError(f"{INSTALL_HINT} ({err})") from None
+    return llama_cpp
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+# key -> (kind, minimum) ; kind is "int", "bool" or "float". All but ours go to `Llama(...)`.
+_OPTIONS: dict[str, tuple[str, float | None]] = {
+    "n_parallel": ("int", 1),
+    "n_ctx": ("int", 1),
+    "n_threads": ("int", 1),
+    "n_threads_batch": ("int", 1),
+    "n_batch": ("int", 1),
+    "n_ubatch": ("int", 1),
+    "n_gpu_layers": ("int", -1),
+    "main_gpu": ("int", 0),
+    "seed": ("int", 0),
+    "use_mmap": ("bool", None),
+    "use_mlock": ("bool", None),
+    "flash_attn": ("bool", None),
+    "offload_kqv": ("bool", None),
+    "last_n_tokens_size": ("int", 0),
+    "rope_freq_base": ("float", 0.0),
+    "rope_freq_scale": ("float", 0.0),
+    "verbose": ("bool", None),
+    "prefix_reuse": ("bool", None),
+}
+_OURS = {"n_parallel", "n_ctx", "prefix_reuse"}
+
+
+@dataclass(frozen=True)
+class LlamaCppArgs:
+    n_parallel: int = 1
+    n_ctx: int | None = None  # None: the model's context length
+    prefix_reuse: bool = True
+    seed: int = RANDOM_SEED
+    llama_kwargs: dict[str, Any] = field(default_factory=dict)  # the rest, for Llama(...)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LlamaCppArgs:
+        unknown = [key for key in data if key not in _OPTIONS]
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise LlamaCppError(
+                f"{SOURCE}: unknown llamacpp option{'s' if len(unknown) > 1 else ''} {names}; "
+                f"known options: {', '.join(_OPTIONS)}"
+            )
+        for key, value in data.items():
+            _check(key, value)
+        seed = data.get("seed", RANDOM_SEED)
+        if seed > RANDOM_SEED:
+            raise LlamaCppError(f"{SOURCE}: seed must be at most {RANDOM_SEED}, not {seed}")
+        return cls(
+            n_parallel=data.get("n_parallel", 1),
+            n_ctx=data.get("n_ctx"),
+            prefix_reuse=data.get("prefix_reuse", True),
+            seed=seed,
+            llama_kwargs={k: v for k, v in data.items() if k not in _OURS},
+        )
+
+
+def _check(key: str, value: Any) -> None:
+    kind, minimum = _OPTIONS[key]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise LlamaCppError(f"{SOURCE}: {key} must be true or false, not {value!r}")
+        return
+    numeric = (int,) if kind == "int" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        noun = "an integer" if kind == "int" else "a number"
+        raise LlamaCppError(f"{SOURCE}: {key} must be {noun}, not {value!r}")
+    if minimum is not None and value < minimum:
+        raise LlamaCppError(f"{SOURCE}: {key} must be at least {minimum}, not {value}")
+
+
+def args_from_run_config(cfg: RunConfig) -> LlamaCppArgs:
+    data = cfg.engine_args()
+    args = LlamaCppArgs.from_dict(data)
+    if cfg.context_length is not None:
+        if "n_ctx" in data and data["n_ctx"] != cfg.context_length:
+            raise LlamaCppError(
+                f"--context-length {cfg.context_length} conflicts with n_ctx={data['n_ctx']!r} in "
+                f"{SOURCE}; give one of them"
+            )
+        args = LlamaCppArgs(
+            n_parallel=args.n_parallel,
+            n_ctx=cfg.context_length,
+            prefix_reuse=args.prefix_reuse,
+            seed=args.seed,
+            llama_kwargs=args.llama_kwargs,
+        )
+    return args
+
+
+def find_gguf(model: LocalModel) -> Path:
+    """The model's GGUF: the file it was given as, else the one .gguf in its folder (for a split
+    model, its first shard, which llama.cpp follows to the others)."""
+    if model.gguf_path is not None:
+        return model.gguf_path
+    found = sorted(p for p in model.root.glob("*.gguf") if p.is_file())
+    found += sorted(p for p in model.root.glob("*.GGUF") if p.is_file() and p not in found)
+    if not found:
+        raise LlamaCppError(
+            f"out=llamacpp needs a GGUF model: {model.root} holds no .gguf file. Pass a .gguf file or "
+            "a folder with one (convert HF weights with llama.cpp's convert_hf_to_gguf.py)"
+        )
+    firsts = [p for p in found if (m := _SHARD.search(p.name)) and int(m.group(1)) == 1]
+    shards = [p for p in found if _SHARD.search(p.name)]
+    if len(found) == 1:
+        return found[0]
+    if len(firsts) == 1 and len(shards) == len(found):
+        return firsts[0]
+    names = ", ".join(p.name for p in found)
+    raise LlamaCppError(
+        f"{model.root} holds several GGUF files ({names}); pass the one to serve as --model-path FILE.gguf"
+    )
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# ---- one request, shared between the event loop and a context's thread ------------------------
+
+
+class _Job:
+    """A request's state: the thread appends tokens and finally sets `final` (or `error`); the
+    event loop is woken at most once per batch of tokens it has not yet read."""
+
+    __slots__ = (
+        "cached",
+        "cancelled",
+        "context",
+        "error",
+        "final",
+        "generated",
+        "lock",
+        "loop",
+        "max_tokens",
+        "min_tokens",
+        "notified",
+        "pending",
+        "prompt",
+        "released",
+        "sampling",
+        "slot",
+        "stop_ids",
+        "wakeup",
+    )
+
+    def __init__(
+        self,
+        context: Context,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        stop_ids: frozenset[int],
+        sampling: SamplingOptions,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.context = context
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop_ids = stop_ids
+        self.sampling = sampling
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.wakeup = asyncio.Event()
+        self.pending: list[int] = []
+        self.notified = False
+        self.final: FinishReason | None = None
+        self.error: BaseException | None = None
+        self.cached = 0
+        self.generated = 0
+        self.cancelled = False  # set by abort() or when the consumer goes away
+        self.slot: _Slot | None = None
+        self.released = False
+
+    def stopped(self) -> bool:
+        return self.cancelled or self.context.is_stopped()
+
+    # -- thread side
+    def emit(self, token: int | None = None, final: FinishReason | None = None) -> None:
+        with self.lock:
+            if token is not None:
+                self.pending.append(token)
+            if final is not None:
+                self.final = final
+            wake = not self.notified
+            self.notified = True
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self.wakeup.set)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                self.cancelled = True
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+        self.emit()
+
+    # -- event loop side
+    def take(self) -> tuple[list[int], FinishReason | None]:
+        self.wakeup.clear()
+        with self.lock:
+            tokens, self.pending = self.pending, []
+            self.notified = False
+            return tokens, self.final
+
+    def usage(self) -> CompletionUsage:
+        return CompletionUsage(
+            prompt_tokens=len(self.prompt), completion_tokens=self.generated, cached_tokens=self.cached
+        )
+
+
+class _Slot:
+    """One llama.cpp context (a `Llama`) and the thread that drives it."""
+
+    def __init__(self, index: int, llm: Any) -> None:
+        self.index = index
+        self.llm = llm
+        # One thread: jobs given to this context run strictly one after another.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llamacpp-ctx{index}")
+        self.futures: set[asyncio.Future[None]] = set()
+
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        # Read from the event loop for idle contexts; their thread may still be winding down a
+        # cancelled request, so this is only a hint for choosing among them.
+        return _common_prefix(self.llm, prompt)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+class LlamaCppEngine(LLMEngine):
+    """A pool of llama.cpp contexts behind the engine contract; see the module docstring."""
+
+    def __init__(
+        self,
+        gguf_path: str | Path,
+        args: LlamaCppArgs | None = None,
+        *,
+        tokenizer_vocab_size: int | None = None,
+        default_n_ctx: int | None = None,
+    ) -> None:
+        self.gguf_path = Path(gguf_path)
+        self.args = args or LlamaCppArgs()
+        self.tokenizer_vocab_size = tokenizer_vocab_size
+        self.n_ctx = self.args.n_ctx or default_n_ctx or 0  # 0: llama.cpp takes the model's
+        self.n_vocab = 0
+        self._llama_cpp: Any = None
+        self._slots: list[_Slot] = []
+        self._idle: list[_Slot] = []
+        self._waiters: deque[asyncio.Future[_Slot]] = deque()
+        self._jobs: dict[Context, _Job] = {}
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> LlamaCppEngine:
+        import_llama_cpp()  # say it is missing before anything else
+        args = args_from_run_config(cfg)
+        if model is None:
+            raise LlamaCppError(
+                "out=llamacpp needs a model: pass --model-path FILE.gguf or a folder with one"
+            )
+        gguf_path = find_gguf(model)
+        vocab = model.load_tokenizer().get_vocab_size(with_added_tokens=True)
+        return cls(gguf_path, args, tokenizer_vocab_size=vocab, default_n_ctx=model.context_length)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(
+            model_input="tokens", context_length=self.n_ctx, max_num_seqs=self.args.n_parallel
+        )
+
+    async def start(self, worker_id: int = 0) -> EngineConfig:
+        if self._closed:
+            raise EngineShutdown("the llamacpp engine was shut down")
+        if self._started:
+            return self.config()
+        self._llama_cpp = import_llama_cpp()
+        if not self.gguf_path.is_file():
+            raise LlamaCppError(f"out=llamacpp: GGUF file {self.gguf_path} does not exist")
+        for index in range(self.args.n_parallel):
+            llm = await asyncio.to_thread(self._load)
+            self._slots.append(_Slot(index, llm))  # appended at once: cleanup() closes it on failure
+        first = self._slots[0].llm
+        # llama.cpp may round the context up (to a multiple of 256): serve what was asked for.
+        actual = first.n_ctx()
+        self.n_ctx = min(self.n_ctx, actual) if self.n_ctx else actual
+        self.n_vocab = first.n_vocab()
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size > self.n_vocab:
+            raise LlamaCppError(
+                f"{self.gguf_path.name}: the GGUF's vocabulary has {self.n_vocab} tokens but the "
+                f"tokenizer has {self.tokenizer_vocab_size}: they belong to different models "
+                "(check --model-config, or the tokenizer.json beside the GGUF)"
+            )
+        self._idle = list(self._slots)
+        self._started = True
+        log.info(
+            "%s loaded, %d context%s of %d tokens",
+            self.gguf_path.name,
+            len(self._slots),
+            "s" if len(self._slots) > 1 else "",
+            self.n_ctx,
+        )
+        return self.config()
+
+    def _load(self) -> Any:
+        kwargs: dict[str, Any] = {"verbose": False, "seed": self.args.seed}
+        threads = max(1, _available_cpus() // 2 // self.args.n_parallel)
+        kwargs["n_threads"] = threads
+        kwargs.update(self.args.llama_kwargs)
+        kwargs.setdefault("n_threads_batch", kwargs["n_threads"])
+        try:
+            return self._llama_cpp.Llama(model_path=str(self.gguf_path), n_ctx=self.n_ctx, **kwargs)
+        except (ValueError, RuntimeError, OSError) as err:
+            raise LlamaCppError(f"llama.cpp could not load {self.gguf_path}: {err}") from None
+
+    async def drain(self) -> None:
+        while self._jobs or self._waiters:
+            self._drained.clear()
+            await self._drained.wait()
+
+    async def abort(self, context: Context) -> None:
+        job = self._jobs.get(context)
+        if job is not None:
+            job.cancelled = True
+
+    async def cleanup(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in self._jobs.values():
+            job.cancelled = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(EngineShutdown("the llamacpp engine shut down"))
+        running = [f for s in self._slots for f in s.futures if not f.done()]
+        if running:
+            await asyncio.wait(running, timeout=CLEANUP_WAIT_S)
+        for slot in self._slots:
+            if any(not f.done() for f in slot.futures):
+                log.warning("llamacpp: context %d did not stop within %.0fs", slot.index, CLEANUP_WAIT_S)
+                continue  # closing a Llama its thread still uses would crash the process
+            slot.executor.shutdown(wait=False)
+            with contextlib.suppress(Exception):
+                slot.llm.close()
+        self._idle.clear()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def generate(  # type: ignore[override]
+        self, request: PreprocessedRequest | AnyRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        if not isinstance(request, PreprocessedRequest):
+            raise InvalidArgument(
+                "the llamacpp engine takes pre-processed requests (token ids)", param="model"
+            )
+        if self._closed:
+            raise EngineShutdown("the llamacpp engine shut down")
+        if not self._started:
+            raise EngineError("the llamacpp engine is not started")
+        job = self._job(request, context)
+        if context.is_stopped():
+            yield LLMEngineOutput(finish_reason="cancelled", completion_usage=job.usage())
+            return
+        self._jobs[context] = job
+        self._drained.clear()
+        first = True
+        try:
+            slot = await self._acquire(job)
+            if slot is None:  # stopped while waiting for a context
+                yield LLMEngineOutput(finish_reason="cancelled", completion_usage=job.usage())
+                return
+            self._run(slot, job)
+            while True:
+                await job.wakeup.wait()
+                tokens, final = job.take()
+                if job.error is not None:
+                    self._release_job(job)
+                    raise job.error
+                if not tokens and final is None:
+                    continue
+                out = LLMEngineOutput(token_ids=tokens)
+                if first and tokens:
+                    out.cached_tokens = job.cached
+                    first = False
+                if final is not None:
+                    # The context is free for the next request now: its thread has nothing left
+                    # to do for this one, and anything queued on it runs after it anyway.
+                    self._release_job(job)
+                    out.finish_reason = final
+                    out.completion_usage = job.usage()
+                    yield out
+                    return
+                yield out
+        finally:
+            job.cancelled = True  # a no-op once finished; stops the thread if our consumer left
+            self._release_job(job)
+            if self._jobs.get(context) is job:
+                del self._jobs[context]
+            self._check_drained()
+
+    def _job(self, request: PreprocessedRequest, context: Context) -> _Job:
+        prompt = list(request.token_ids)
+        n = len(prompt)
+        if n == 0:
+            raise InvalidArgument("the prompt is empty: at least one token is needed", param="prompt")
+        vocab = self.n_vocab
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:  # llama.cpp aborts the whole process on an out-of-range id
+            raise InvalidArgument(
+                f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="token_ids"
+            )
+        if n >= self.n_ctx:
+            raise InvalidArgument(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, the prompt has "
+                f"{n} tokens, leaving no room for the completion. Please reduce the length of the prompt.",
+                param="prompt",
+            )
+        sc = request.stop_conditions
+        if sc.max_tokens is not None and sc.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be at least 1, not {sc.max_tokens}", param="max_tokens")
+        if sc.min_tokens is not None and sc.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be at least 0, not {sc.min_tokens}", param="min_tokens")
+        so = request.sampling_options
+        if any(v is not None for v in (so.guided_json, so.guided_regex, so.guided_choice, so.guided_grammar)):
+            raise InvalidArgument("guided decoding is not supported by out=llamacpp", param="response_format")
+        if (so.n or 1) > 1 or (so.best_of or 1) > 1:
+            raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=llamacpp", param="n")
+        for key in so.logit_bias or {}:
+            if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab):
+                raise InvalidArgument(
+                    f"logit_bias key {key!r} is not a token id in this model's vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
+        room = self.n_ctx - n
+        stop_ids = set(sc.stop_token_ids or ())
+        if not sc.ignore_eos:
+            stop_ids.update(request.eos_token_ids)
+            stop_ids.update(sc.stop_token_ids_hidden or ())
+        return _Job(
+            context,
+            prompt,
+            max_tokens=room if sc.max_tokens is None else min(sc.max_tokens, room),
+            min_tokens=sc.min_tokens or 0,
+            stop_ids=frozenset(stop_ids),
+            sampling=so,
+            loop=asyncio.get_running_loop(),
+        )
+
+    # ---- the pool of contexts ----------------------------------------------------------------
+
+    async def _acquire(self, job: _Job) -> _Slot | None:
+        """A free context for `job` (FIFO among waiters); None if the request stopped meanwhile."""
+        if self._idle and not self._waiters:
+            best = max(self._idle, key=lambda s: s.cached_prefix(job.prompt)) if len(self._idle) > 1 else None
+            slot = best or self._idle[0]
+            self._idle.remove(slot)
+            return slot
+        waiter: asyncio.Future[_Slot] = job.loop.create_future()
+        self._waiters.append(waiter)
+        stop = asyncio.ensure_future(job.context.stopped())
+        try:
+            await asyncio.wait((waiter, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            elif not waiter.cancelled() and waiter.exception() is None and job.stopped():
+                self._release(waiter.result())  # handed a context just as we stopped: pass it on
+                return None
+        if waiter.cancelled():
+            return None
+        return waiter.result()  # raises EngineShutdown when cleanup() failed the waiters
+
+    def _release_job(self, job: _Job) -> None:
+        """Give the job's context back, once. Safe while its thread still runs the job: the
+        context's single thread runs the next job only after this one stopped."""
+        if job.slot is not None and not job.released:
+            job.released = True
+            self._release(job.slot)
+
+    def _release(self, slot: _Slot) -> None:
+        if self._closed:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
+        self._idle.append(slot)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if not self._jobs and not self._waiters:
+            self._drained.set()
+
+    def _run(self, slot: _Slot, job: _Job) -> None:
+        job.slot = slot
+        future = job.loop.run_in_executor(slot.executor, self._decode, slot.llm, job)
+        slot.futures.add(future)
+        future.add_done_callback(lambda f: self._finished(slot, job, f))
+
+    def _finished(self, slot: _Slot, job: _Job, future: asyncio.Future[None]) -> None:
+        slot.futures.discard(future)
+        if not future.cancelled() and future.exception() is not None:  # _decode reports its own
+            log.error("llamacpp: context %d failed: %s", slot.index, future.exception())
+        self._release_job(job)
+
+    # ---- the decode loop (runs in the context's thread) --------------------------------------
+
+    def _decode(self, llm: Any, job: _Job) -> None:
+        try:
+            job.emit(*self._generate(llm, job))
+        except BaseException as err:
+            llm.n_tokens = 0  # its KV cache may hold half a batch: reuse nothing of it
+            log.exception("llamacpp: decoding failed")
+            job.fail(EngineError(f"llama.cpp failed: {err}"))
+
+    def _generate(self, llm: Any, job: _Job) -> tuple[int | None, FinishReason]:
+        """Prefill, then sample until a stop; returns the last token (sent with the finish
+        reason, in one chunk) and the finish reason."""
+        prompt = job.prompt
+        reuse = 0
+        recurrent = getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False)
+        if self.args.prefix_reuse and not recurrent:
+            # At least the last prompt token is evaluated again, so its logits are fresh.
+            reuse = min(_common_prefix(llm, prompt), len(prompt) - 1)
+        if reuse == 0:
+            llm.reset()
+        llm.n_tokens = reuse  # eval() drops the KV cache past n_tokens first
+        job.cached = reuse
+        n_batch = llm.n_batch
+        for i in range(reuse, len(prompt), n_batch):
+            if job.stopped():
+                return None, "cancelled"
+            llm.eval(prompt[i : i + n_batch])
+        sample, accept, samplers = self._samplers(llm, job)
+        try:
+            ctx = llm.ctx
+            while True:
+                if job.stopped():
+                    return None, "cancelled"
+                banning = job.generated < job.min_tokens and len(samplers) > 1
+                chain = samplers[1] if banning else samplers[0]
+                token = sample(chain.sampler, ctx, -1)  # also accepts it into that chain
+                for other in samplers:
+                    if other is not chain:  # keep the penalties' history the same in both
+                        accept(other.sampler, token)
+                job.generated += 1
+                if token in job.stop_ids and job.generated > job.min_tokens:
+                    return token, "stop"
+                if job.generated >= job.max_tokens:
+                    return token, "length"
+                job.emit(token)
+                llm.eval([token])
+        finally:
+            for chain in samplers:
+                chain.close()
+
+    def _samplers(self, llm: Any, job: _Job) -> tuple[Any, Any, list[Any]]:
+        """llama.cpp sampler chains for the request: [normal] or [normal, with stop ids banned]
+        (the latter while min_tokens are not yet generated)."""
+        from llama_cpp._internals import LlamaSampler
+
+        lc = self._llama_cpp
+        so = job.sampling
+        bias = {int(k): float(v) for k, v in (so.logit_bias or {}).items()}
+        banned = job.stop_ids if job.min_tokens > 0 else frozenset()
+        chains = []
+        for ban in (False, True) if banned else (False,):
+            chain = LlamaSampler()
+            chain_bias = {**bias, **{t: float("-inf") for t in banned}} if ban else bias
+            if chain_bias:
+                chain.add_logit_bias(llm.n_vocab(), chain_bias)
+            chain.add_penalties(
+                n_vocab=llm.n_vocab(),
+                penalty_last_n=self.args.llama_kwargs.get("last_n_tokens_size", DEFAULT_LAST_N),
+                penalty_repeat=1.0 if so.repetition_penalty is None else so.repetition_penalty,
+                penalty_freq=so.frequency_penalty or 0.0,
+                penalty_present=so.presence_penalty or 0.0,
+            )
+            if not so.temperature:  # 0 or unset: greedy
+                chain.add_greedy()
+            else:
+                if so.top_k is not None and so.top_k > 0:
+                    chain.add_top_k(so.top_k)
+                if so.top_p is not None and so.top_p < 1.0:
+                    chain.add_top_p(so.top_p, 1)
+                if so.min_p:
+                    chain.add_min_p(so.min_p, 1)
+                chain.add_temp(so.temperature)
+                chain.add_dist(self.args.seed if so.seed is None else so.seed & 0xFFFFFFFF)
+            chains.append(chain)
+        return lc.llama_sampler_sample, lc.llama_sampler_accept, chains
+
+
+def _common_prefix(llm: Any, prompt: Sequence[int]) -> int:
+    n = min(llm.n_tokens, len(prompt))
+    if n == 0:
+        return 0
+    cached = llm.input_ids[:n].tolist()
+    i = 0
+    while i < n and cached[i] == prompt[i]:
+        i += 1
+    return i

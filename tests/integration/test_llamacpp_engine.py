@@ -1,0 +1,463 @@
+"""`out=llamacpp`: real llama.cpp on the tiny model's GGUF, behind the engine contract and through
+the whole `dyngraph run in=http` stack with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
+from dynamo_graph.backend.protocol import (
+    LLMEngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo_graph.dev.tiny_model import GGUF_NAME
+from dynamo_graph.engines import create_engine, get_engine_spec
+from dynamo_graph.engines.llamacpp import INSTALL_HINT, LlamaCppArgs, LlamaCppEngine, LlamaCppError
+from dynamo_graph.inputs.config import RunConfig, RunConfigError
+from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.runtime.context import Context
+from tests.procs import ServerProcess, run_cli
+
+if os.environ.get("CI"):
+    import llama_cpp  # CI installs the llamacpp extra: a missing package must fail, not skip
+else:
+    llama_cpp = pytest.importorskip("llama_cpp")
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time, in a land far away, there lived",
+    "it's 12345 $3.14",
+    "Hello",
+]
+
+
+@pytest.fixture(scope="module")
+def token_ids(tiny_model: Path) -> list[list[int]]:
+    tok = resolve_model(str(tiny_model)).load_tokenizer()
+    return [tok.encode(p).ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]]]:
+    """llama.cpp's own greedy `Llama.generate` (fresh state each call)."""
+    llm = llama_cpp.Llama(model_path=str(tiny_model / GGUF_NAME), n_ctx=512, verbose=False)
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        llm.reset()
+        out: list[int] = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
+            out.append(tok)
+            if len(out) == n:
+                break
+        return out
+
+    yield generate
+    llm.close()
+
+
+@pytest.fixture
+async def make_engine(tiny_model: Path) -> AsyncIterator[Callable[..., Awaitable[LlamaCppEngine]]]:
+    engines: list[LlamaCppEngine] = []
+
+    async def make(**args: Any) -> LlamaCppEngine:
+        engine = LlamaCppEngine(
+            tiny_model / GGUF_NAME, LlamaCppArgs.from_dict(args), default_n_ctx=512, tokenizer_vocab_size=2048
+        )
+        engines.append(engine)
+        await engine.start()
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.cleanup()
+
+
+def request(prompt: list[int], max_tokens: int | None = 16, **kw: Any) -> PreprocessedRequest:
+    sampling = kw.pop("sampling", SamplingOptions(temperature=0.0))
+    return PreprocessedRequest(
+        model="tiny",
+        token_ids=prompt,
+        stop_conditions=StopConditions(max_tokens=max_tokens, **kw),
+        sampling_options=sampling,
+        eos_token_ids=[4],
+    )
+
+
+async def collect(
+    engine: LlamaCppEngine, req: PreprocessedRequest, ctx: Context | None = None
+) -> list[LLMEngineOutput]:
+    return [out async for out in engine.generate(req, ctx or Context())]
+
+
+def ids(outs: list[LLMEngineOutput]) -> list[int]:
+    return [t for out in outs for t in out.token_ids]
+
+
+# ---- the engine directly -------------------------------------------------------------------------
+
+
+async def test_greedy_matches_llama_generate_and_is_deterministic(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine()
+    assert engine.config().model_input == "tokens"
+    assert engine.config().context_length == 512
+    for prompt in token_ids:
+        outs = await collect(engine, request(prompt, 24))
+        assert ids(outs) == reference(prompt, 24)
+        final = outs[-1]
+        assert final.finish_reason == "length"
+        assert all(out.finish_reason is None for out in outs[:-1])
+        assert final.completion_usage is not None
+        assert final.completion_usage.prompt_tokens == len(prompt)
+        assert final.completion_usage.completion_tokens == 24
+    # Again, now with each context's KV cache holding the previous request: same tokens.
+    for prompt in token_ids:
+        assert ids(await collect(engine, request(prompt, 24))) == reference(prompt, 24)
+
+
+async def test_prefix_reuse_reports_cached_tokens_and_changes_nothing(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine()
+    first = token_ids[0]
+    outs = await collect(engine, request(first, 8))
+    assert outs[0].cached_tokens == 0
+    # A follow-up turn: the previous prompt and answer, then more.
+    follow = [*first, *ids(outs), *token_ids[1]]
+    outs = await collect(engine, request(follow, 12))
+    assert outs[0].cached_tokens == len(first) + 7  # the answer's last token was never evaluated
+    assert outs[-1].completion_usage is not None
+    assert outs[-1].completion_usage.cached_tokens == len(first) + 7
+    assert ids(outs) == reference(follow, 12)
+    # The same prompt again: all but its last token come from the cache.
+    outs = await collect(engine, request(follow, 12))
+    assert outs[0].cached_tokens == len(follow) - 1
+    assert ids(outs) == reference(follow, 12)
+
+    fresh = await make_engine(prefix_reuse=False)
+    await collect(fresh, request(first, 8))
+    outs = await collect(fresh, request(first, 8))
+    assert outs[0].cached_tokens == 0
+    assert ids(outs) == reference(first, 8)
+
+
+async def test_stop_token_ids_eos_ignore_eos_and_min_tokens(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine()
+    prompt = token_ids[0]
+    expected = reference(prompt, 24)
+    stop = expected[2]
+    upto = expected[: expected.index(stop) + 1]
+
+    outs = await collect(engine, request(prompt, 24, stop_token_ids=[stop]))
+    assert ids(outs) == upto  # the stop token ends the stream (the postprocessor hides it)
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].completion_usage.completion_tokens == len(upto)  # type: ignore[union-attr]
+
+    # An eos id (hidden stop) stops too, unless ignore_eos.
+    outs = await collect(engine, request(prompt, 24, stop_token_ids_hidden=[stop]))
+    assert ids(outs) == upto and outs[-1].finish_reason == "stop"
+    outs = await collect(engine, request(prompt, 24, stop_token_ids_hidden=[stop], ignore_eos=True))
+    assert ids(outs) == expected and outs[-1].finish_reason == "length"
+
+    # min_tokens: the stop ids cannot be sampled before then.
+    outs = await collect(engine, request(prompt, 24, stop_token_ids=[stop], min_tokens=len(upto) + 2))
+    got = ids(outs)
+    assert stop not in got[: len(upto) + 2]
+    assert len(got) > len(upto)
+    assert outs[-1].finish_reason in ("stop", "length")
+    if outs[-1].finish_reason == "stop":
+        assert got[-1] == stop
+
+    outs = await collect(engine, request(prompt, 1))
+    assert ids(outs) == expected[:1] and outs[-1].finish_reason == "length"
+
+
+async def test_context_limits(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]]
+) -> None:
+    engine = await make_engine(n_ctx=64)
+    assert engine.config().context_length == 64
+    long_prompt = (token_ids[0] * 4)[:60]
+    outs = await collect(engine, request(long_prompt, None))
+    assert len(ids(outs)) == 4 and outs[-1].finish_reason == "length"  # prompt + output = n_ctx
+    outs = await collect(engine, request(long_prompt, 100))
+    assert len(ids(outs)) == 4 and outs[-1].finish_reason == "length"
+    with pytest.raises(InvalidArgument, match="maximum context length is 64"):
+        await collect(engine, request(token_ids[0] * 3, 4))
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        await collect(engine, request([1, 2, 99999], 4))
+    with pytest.raises(InvalidArgument, match="empty"):
+        await collect(engine, request([], 4))
+    with pytest.raises(InvalidArgument, match="guided"):
+        await collect(engine, request([1, 2], 4, sampling=SamplingOptions(guided_regex="a+")))
+
+
+async def test_sampling_with_a_seed_is_reproducible(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]]
+) -> None:
+    engine = await make_engine()
+    prompt = token_ids[1]
+
+    async def sample(seed: int) -> list[int]:
+        opts = SamplingOptions(temperature=1.5, top_p=0.95, top_k=50, min_p=0.01, seed=seed)
+        return ids(await collect(engine, request(prompt, 32, sampling=opts)))
+
+    a, b, c = await sample(1), await sample(1), await sample(2)
+    assert a == b and len(a) == 32
+    assert a != c
+    penalised = SamplingOptions(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5)
+    plain = ids(await collect(engine, request(prompt, 32)))
+    assert ids(await collect(engine, request(prompt, 32, sampling=penalised))) != plain
+
+
+async def test_cancel_mid_stream_and_abort(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine()
+    prompt = token_ids[0]
+    for how in ("stop", "abort"):
+        ctx = Context()
+        outs: list[LLMEngineOutput] = []
+        async for out in engine.generate(request(prompt, 480), ctx):
+            outs.append(out)
+            if len(outs) == 1:
+                if how == "stop":
+                    ctx.stop_generating()
+                else:
+                    await engine.abort(ctx)
+        assert outs[-1].finish_reason == "cancelled"
+        usage = outs[-1].completion_usage
+        assert usage is not None and usage.completion_tokens == len(ids(outs)) < 480
+    # The context serves the next request as if fresh.
+    assert ids(await collect(engine, request(prompt, 16))) == reference(prompt, 16)
+    # Stopped before it starts.
+    ctx = Context()
+    ctx.stop_generating()
+    outs = await collect(engine, request(prompt, 16), ctx)
+    assert [o.finish_reason for o in outs] == ["cancelled"] and not ids(outs)
+
+
+async def test_a_consumer_that_goes_away_frees_its_context(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine(n_parallel=1)
+    stream = engine.generate(request(token_ids[0], 480), Context())
+    await anext(stream)
+    await stream.aclose()
+    outs = await asyncio.wait_for(collect(engine, request(token_ids[1], 8)), 10)
+    assert ids(outs) == reference(token_ids[1], 8)
+    await asyncio.wait_for(engine.drain(), 5)
+
+
+@pytest.mark.parametrize("n_parallel", [1, 2])
+async def test_concurrent_requests(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]],
+    token_ids: list[list[int]],
+    reference: Any,
+    n_parallel: int,
+) -> None:
+    engine = await make_engine(n_parallel=n_parallel)
+    assert engine.config().max_num_seqs == n_parallel
+    jobs = [(token_ids[i % len(token_ids)], 8 + 9 * i) for i in range(8)]
+    results = await asyncio.gather(*(collect(engine, request(p, n)) for p, n in jobs))
+    for (prompt, n), outs in zip(jobs, results, strict=True):
+        assert ids(outs) == reference(prompt, n)
+        assert outs[-1].finish_reason == "length"
+    # A request waiting for a context can be cancelled while it waits.
+    if n_parallel == 1:
+        busy = asyncio.ensure_future(collect(engine, request(token_ids[0], 480)))
+        await asyncio.sleep(0)
+        ctx = Context()
+        waiting = asyncio.ensure_future(collect(engine, request(token_ids[1], 8), ctx))
+        await asyncio.sleep(0)
+        ctx.stop_generating()
+        outs = await asyncio.wait_for(waiting, 5)
+        assert outs[-1].finish_reason == "cancelled"
+        assert len(ids(await busy)) == 480
+    await asyncio.wait_for(engine.drain(), 5)
+
+
+async def test_cleanup_is_idempotent_and_ends_streams(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], tiny_model: Path, token_ids: list[list[int]]
+) -> None:
+    never_started = LlamaCppEngine(tiny_model / GGUF_NAME)
+    await never_started.cleanup()
+    await never_started.cleanup()
+    with pytest.raises(EngineShutdown):
+        await never_started.start()
+
+    engine = await make_engine(n_parallel=1)
+    running = asyncio.ensure_future(collect(engine, request(token_ids[0], 480)))
+    queued = asyncio.ensure_future(collect(engine, request(token_ids[1], 8)))
+    await asyncio.sleep(0.01)
+    await engine.cleanup()
+    await engine.cleanup()
+    assert (await running)[-1].finish_reason in ("cancelled", "length")
+    with pytest.raises(EngineShutdown):
+        await queued
+    with pytest.raises(EngineShutdown):
+        await collect(engine, request(token_ids[0], 4))
+
+
+async def test_vocab_mismatch_and_bad_gguf(tiny_model: Path, tmp_path: Path) -> None:
+    engine = LlamaCppEngine(tiny_model / GGUF_NAME, tokenizer_vocab_size=5000)
+    with pytest.raises(LlamaCppError, match="vocabulary has 2048 tokens but the tokenizer has 5000"):
+        await engine.start()
+    await engine.cleanup()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF not really")
+    engine = LlamaCppEngine(bad)
+    with pytest.raises(LlamaCppError, match="could not load"):
+        await engine.start()
+    await engine.cleanup()
+
+
+# ---- building from the command line's settings -----------------------------------------------------
+
+
+def test_from_config_reads_the_folder_gguf_and_settings(tiny_model: Path, tmp_path: Path) -> None:
+    assert get_engine_spec("llamacpp").needs_model
+    extra = tmp_path / "args.json"
+    extra.write_text(json.dumps({"n_parallel": 2, "n_threads": 1, "seed": 7}))
+    model = resolve_model(str(tiny_model))
+    engine = create_engine("llamacpp", RunConfig(context_length=256, extra_engine_args=extra), model)
+    assert isinstance(engine, LlamaCppEngine)
+    assert engine.gguf_path == tiny_model / GGUF_NAME
+    assert (engine.n_ctx, engine.args.n_parallel, engine.args.seed) == (256, 2, 7)
+    assert engine.args.llama_kwargs == {"n_threads": 1, "seed": 7}
+    # A .gguf file as the model works the same; the model's own context length is the default.
+    engine = create_engine("llamacpp", RunConfig(), resolve_model(str(tiny_model / GGUF_NAME)))
+    assert isinstance(engine, LlamaCppEngine) and engine.n_ctx == 512
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"n_paralel": 2}, "unknown llamacpp option 'n_paralel'; known options: n_parallel, n_ctx"),
+        ({"n_parallel": 0}, "n_parallel must be at least 1"),
+        ({"n_threads": "4"}, "n_threads must be an integer"),
+        ({"use_mmap": 1}, "use_mmap must be true or false"),
+        ({"n_ctx": 128}, "--context-length 256 conflicts with n_ctx=128"),
+    ],
+)
+def test_bad_engine_args(tiny_model: Path, tmp_path: Path, args: dict[str, Any], message: str) -> None:
+    extra = tmp_path / "args.json"
+    extra.write_text(json.dumps(args))
+    cfg = RunConfig(context_length=256, extra_engine_args=extra)
+    with pytest.raises(RunConfigError, match=message):
+        create_engine("llamacpp", cfg, resolve_model(str(tiny_model)))
+
+
+def _hf_only_copy(tiny_model: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "hf-only"
+    folder.mkdir()
+    for f in tiny_model.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_a_folder_without_gguf_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    folder = _hf_only_copy(tiny_model, tmp_path)
+    with pytest.raises(LlamaCppError, match=r"holds no \.gguf file"):
+        create_engine("llamacpp", RunConfig(), resolve_model(str(folder)))
+    # ... and the CLI says so as an error, not a traceback.
+    result = run_cli(["run", "in=none", "out=llamacpp", str(folder)], timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "holds no .gguf file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_llama_cpp_says_how_to_install(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
+    with pytest.raises(RunConfigError, match=r"pip install 'dyngraph\[llamacpp\]'") as err:
+        create_engine("llamacpp", RunConfig(), resolve_model(str(tiny_model)))
+    assert str(err.value).startswith(INSTALL_HINT)
+
+
+def test_importing_dyngraph_does_not_import_llama_cpp() -> None:
+    code = "import sys, dynamo_graph.engines, dynamo_graph.cli.main; print('llama_cpp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# ---- the whole stack: dyngraph run in=http out=llamacpp, with the openai client ------------------
+
+
+@pytest.fixture(scope="module")
+def llama_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        ["out=llamacpp", "--model-path", str(tiny_model)], log_dir=tmp_path_factory.mktemp("llamacpp")
+    )
+    try:
+        server.wait_ready(timeout=60)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_http_chat_completions_with_the_openai_client(llama_server: ServerProcess, tiny_model: Path) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{llama_server.base_url}/v1", api_key="unused", max_retries=0)
+    model = tiny_model.name
+    messages = [{"role": "user", "content": "Tell me a story about a fox."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content
+    assert full.usage is not None and full.usage.completion_tokens == 20 and full.usage.prompt_tokens > 5
+    prompt_tokens = full.usage.prompt_tokens
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text == choice.message.content  # greedy: streaming and not give the same answer
+    assert finish == "length"
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 20)
+    # The second identical prompt came from the context's cache (all but its last token).
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == prompt_tokens - 1
+
+
+def test_http_completion_equals_llama_generate(
+    llama_server: ServerProcess, tiny_model: Path, token_ids: list[list[int]], reference: Any
+) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{llama_server.base_url}/v1", api_key="unused", max_retries=0)
+    tok = resolve_model(str(tiny_model)).load_tokenizer()
+    prompt = token_ids[2]
+    resp = client.completions.create(model=tiny_model.name, prompt=prompt, max_tokens=16, temperature=0)
+    assert resp.choices[0].text == tok.decode(reference(prompt, 16), skip_special_tokens=False)
+    assert resp.usage is not None and (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (
+        len(prompt),
+        16,
+    )
+    # A prompt that leaves no room in the context is the client's 400.
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=tiny_model.name, prompt=[7] * 600, max_tokens=4)
