@@ -27,6 +27,17 @@ def test_routes_to_the_worker_whose_cache_holds_the_prefix():
     router.free("r1")
 
 
+def test_a_burst_sharing_a_new_prefix_meets_on_one_worker():
+    """No KV event has arrived yet: the in-flight booking is what shows where the prefix will be."""
+    router = KvRouter(BS, seed=0)
+    prefix = list(range(1000, 1000 + 64 * BS))  # 64 blocks nobody has cached yet
+    choices = [router.route(f"r{i}", [*prefix, i, i + 1], [1, 2, 3, 4]) for i in range(3)]
+    assert len({c.key for c in choices}) == 1, choices
+    assert [c.prefill_tokens for c in choices] == [1026, 2, 2]
+    # An unrelated prompt goes elsewhere: that worker carries the burst's queued prefill.
+    assert router.route("x", list(range(5000, 5000 + 64 * BS)), [1, 2, 3, 4]).key != choices[0].key
+
+
 def test_load_spreads_prompts_without_shared_prefixes():
     router = KvRouter(BS, seed=0)
     keys = [router.route(f"r{i}", [i * 100_000 + t for t in range(320)], [1, 2, 3, 4]).key for i in range(8)]

@@ -64,10 +64,11 @@ def test_overlap_lowers_prefill_and_decode_cost():
     prompt = list(range(32))  # 8 blocks
     choices = score_workers([(0, 0), (1, 0)], seq_of(prompt), 32, BS, {(1, 0): 6}, seqs, 1.0)
     by_key = {c.key: c for c in choices}
-    assert by_key[(0, 0)].logit == 8 + 8  # everything to compute, 8 new blocks
-    assert by_key[(1, 0)].prefill_tokens == 8 and by_key[(1, 0)].logit == 2 + 8
+    # Tokens to compute count twice (own wait + delay to others), blocks to hold once.
+    assert by_key[(0, 0)].logit == 2 * 8 + 8  # everything to compute, 8 new blocks
+    assert by_key[(1, 0)].prefill_tokens == 8 and by_key[(1, 0)].logit == 2 * 2 + 8
     heavier = score_workers([(0, 0), (1, 0)], seq_of(prompt), 32, BS, {(1, 0): 6}, seqs, 3.0)
-    assert {c.key: c.logit for c in heavier} == {(0, 0): 32.0, (1, 0): 14.0}
+    assert {c.key: c.logit for c in heavier} == {(0, 0): 56.0, (1, 0): 20.0}
 
 
 def test_in_flight_prefix_counts_as_overlap():
@@ -77,8 +78,8 @@ def test_in_flight_prefix_counts_as_overlap():
     seqs.add("first", (0, 0), seq_of(prompt), prefill_tokens=32)
     choices = {c.key: c for c in score_workers([(0, 0), (1, 0)], seq_of(prompt), 32, BS, {}, seqs, 1.0)}
     assert choices[(0, 0)].overlap_blocks == 8 and choices[(0, 0)].prefill_tokens == 0
-    # worker 0: 32 queued tokens (8 blocks) + 8 held blocks + 0 new; worker 1: 8 + 8
-    assert choices[(0, 0)].logit == 16 and choices[(1, 0)].logit == 16
+    # worker 0: 32 queued tokens (8 blocks) + 8 held blocks + 0 new; worker 1: 2 * 8 + 8 new
+    assert choices[(0, 0)].logit == 16 and choices[(1, 0)].logit == 24
 
 
 def test_ties_go_to_the_smallest_cache_then_at_random():

@@ -10,6 +10,7 @@ events and in the router's bookkeeping.
 from __future__ import annotations
 
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ from xxhash import xxh3_64_intdigest
 
 HASH_SEED = 1337
 _U32 = 4
+_SWAP = sys.byteorder != "little"  # the hash is over little-endian u32s on every machine
+assert array("I").itemsize == _U32, "array('I') must hold 32-bit unsigned ints here"
 _pair = struct.Struct("<QQ").pack
 
 
@@ -27,7 +30,10 @@ def local_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     full = len(token_ids) // block_size
     if not full:
         return []
-    data = memoryview(array("I", token_ids[: full * block_size]).tobytes())
+    words = array("I", token_ids)  # the trailing partial block is simply not read
+    if _SWAP:
+        words.byteswap()
+    data = memoryview(words).cast("B")
     step = block_size * _U32
     return [xxh3_64_intdigest(data[i : i + step], HASH_SEED) for i in range(0, full * step, step)]
 
