@@ -9,8 +9,10 @@ their own templating) receive the OpenAI request and put text in their chunks.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Literal
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -24,6 +26,47 @@ if TYPE_CHECKING:
     from dynamo_graph.router.kv.publisher import KvEventSink
 
 ModelInput = Literal["tokens", "text"]
+log = logging.getLogger(__name__)
+
+# The finish reasons that travel on the wire; engines may say more (normalize_finish_reason).
+WIRE_FINISH_REASONS = frozenset({"stop", "length", "cancelled", "error"})
+_FINISH_ALIASES = {
+    "eos": "stop",
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "stop_token": "stop",
+    "end_turn": "stop",
+    "tool_calls": "stop",
+    "function_call": "stop",
+    "content_filter": "stop",
+    "length": "length",
+    "max_tokens": "length",
+    "max_length": "length",
+    "model_length": "length",
+    "cancelled": "cancelled",
+    "canceled": "cancelled",
+    "cancel": "cancelled",
+    "abort": "cancelled",
+    "aborted": "cancelled",
+    "error": "error",
+    "failed": "error",
+}
+_warned_reasons: set[str] = set()
+
+
+def normalize_finish_reason(reason: str | None) -> str | None:
+    """An engine's finish reason as one of stop / length / cancelled / error ("eos", "abort",
+    "max_tokens", ... as vLLM, SGLang, TRT-LLM and OpenAI spell them); unknown ones are "stop"
+    (the engine ended the sequence itself), with a warning once per spelling."""
+    if reason is None:
+        return None
+    mapped = _FINISH_ALIASES.get(reason) or _FINISH_ALIASES.get(str(reason).lower())
+    if mapped is None:
+        if reason not in _warned_reasons:
+            _warned_reasons.add(reason)
+            log.warning("engine finish reason %r is not known: sent as 'stop'", reason)
+        return "stop"
+    return mapped
 
 
 class EngineConfig(msgspec.Struct, omit_defaults=True):
@@ -38,6 +81,40 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     max_num_batched_tokens: int | None = None
     # Ranks the engine schedules independently; the kv router treats each as its own target.
     data_parallel_size: int = 1
+    # The OpenAI endpoints served ("chat", "completions"); None: both. A text engine that takes
+    # only chat requests (out=pystr:FILE) says ["chat"].
+    model_type: list[str] | None = None
+
+
+DEFAULT_WORKER_ENDPOINT = "dyn://dynamo.backend.generate"
+
+
+@dataclass
+class WorkerConfig:
+    """What serving an engine as a worker needs besides the engine: where to serve, which model
+    to publish, and the rest of the dynamo-run flags (`settings`, a RunConfig)."""
+
+    endpoint: str
+    settings: RunConfig
+    model: LocalModel | None = None
+    # Arguments after `--` on the command line, for the engine's own parser.
+    engine_args: Sequence[str] = ()
+
+    @property
+    def model_path(self) -> str | None:
+        return self.settings.model_path
+
+    @property
+    def model_name(self) -> str | None:
+        return self.settings.model_name
+
+    @property
+    def migration_limit(self) -> int:
+        return self.settings.migration_limit
+
+    @property
+    def static(self) -> bool:
+        return self.settings.static_worker
 
 
 class LLMEngine(abc.ABC):
@@ -50,6 +127,40 @@ class LLMEngine(abc.ABC):
     def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
         """Build the engine from the command line's settings and the resolved model."""
         return cls()
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> tuple[LLMEngine, WorkerConfig]:
+        """Build the engine from a dynamo-run style command line (`sys.argv[1:]` by default):
+        `[in=dyn://ns.comp.ep | --endpoint dyn://ns.comp.ep] [MODEL | --model-path P] [--flags]
+        [-- ENGINE ARGS]`. Resolves the model, then calls `from_config`. Override to parse
+        flags of your own (e.g. those after `--`, in `WorkerConfig.engine_args`)."""
+        from dynamo_graph.inputs.config import parse_worker_args
+        from dynamo_graph.llm.model_source import resolve_model
+
+        worker = parse_worker_args(argv)
+        cfg = worker.settings
+        if cfg.model_path:
+            worker.model = resolve_model(
+                cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name
+            )
+        return cls.from_config(cfg, worker.model), worker
+
+    def health_check_request(self, config: EngineConfig) -> dict[str, Any] | None:
+        """A tiny request (in wire form) that proves the engine serves: the worker publishes it
+        in its model card (`user_data.health_check_payload`) and, with DYN_HEALTH_CHECK_ENABLED,
+        runs it once before registering. None: no health check."""
+        if config.model_input == "tokens":
+            return {
+                "model": config.served_model_name or "health_check",
+                "token_ids": [1],
+                "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
+                "sampling_options": {"temperature": 0.0},
+            }
+        return {
+            "model": config.served_model_name or "health_check",
+            "messages": [{"role": "user", "content": "ping"}],
+            "max_tokens": 1,
+        }
 
     @abc.abstractmethod
     async def start(self, worker_id: int = 0) -> EngineConfig:

@@ -230,10 +230,22 @@ def version_command() -> None:
     print(__version__)
 
 
+def _run_fast(args: list[str]) -> None:
+    """`dyngraph run` with a plain command line skips typer (cli/run.py says why)."""
+    from dynamo_graph.cli.run import main_fast
+
+    code = main_fast(args)
+    if code is not None:
+        sys.exit(code)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["run"]:
+        _run_fast(sys.argv[2:])
     app()
 
 
 def dynamo_run_main() -> None:
     """`dynamo-run ...` is `dyngraph run ...`."""
+    _run_fast(sys.argv[1:])
     app(args=["run", *sys.argv[1:]], prog_name="dynamo-run")

@@ -93,7 +93,8 @@ def _convert(kind: type, value: str) -> Any:
 
 
 def parse_fast(args: list[str]) -> tuple[list[str], dict[str, Any], set[str]] | None:
-    """`run`'s arguments as (words, parameters, names given explicitly), or None for typer."""
+    """`run`'s arguments as (words, parameters, names given explicitly), or None for typer.
+    Arguments after `--` go to the engine, as `engine_argv` in the parameters."""
     words: list[str] = []
     params = dict(RUN_DEFAULTS)
     explicit: set[str] = set()
@@ -101,6 +102,9 @@ def parse_fast(args: list[str]) -> tuple[list[str], dict[str, Any], set[str]] | 
     while i < len(args):
         arg = args[i]
         i += 1
+        if arg == "--":  # the rest is the engine's own (a python engine file's sys.argv)
+            params["engine_argv"] = args[i:]
+            break
         if not arg.startswith("-"):
             words.append(arg)
             explicit.add("words")
@@ -139,39 +143,19 @@ def fail(message: str) -> int:
 def execute(words: list[str] | None, params: dict[str, Any], explicit: set[str]) -> int:
     """Run `dyngraph run` with parsed arguments; returns the exit code."""
     from dynamo_graph.engines import UnknownEngineError
-    from dynamo_graph.inputs.config import RunConfig, RunConfigError, parse_input, validate
+    from dynamo_graph.inputs.config import RunConfigError, run_config_from_args, validate
     from dynamo_graph.inputs.launch import run
     from dynamo_graph.llm.model_source import ModelResolutionError
     from dynamo_graph.log import LogSpecError, setup_logging
 
     params = dict(params)
-    verbose = params.pop("verbose")
-    use_kv_events = params.pop("use_kv_events")
+    engine_argv = params.pop("engine_argv", ())
     try:
-        setup_logging(verbose)
+        setup_logging(params["verbose"])
     except LogSpecError as e:
         return fail(str(e))
-    if use_kv_events.lower() not in BOOL_WORDS:
-        return fail(f"--use-kv-events takes true or false, not {use_kv_events!r}")
-    cfg = RunConfig(
-        **params,
-        use_kv_events=BOOL_WORDS[use_kv_events.lower()],
-        verbosity=verbose,
-        explicit=explicit,
-    )
-    input_given = False
     try:
-        for word in words or []:
-            key, sep, value = word.partition("=")
-            if sep and key == "in":
-                cfg.input, cfg.input_arg = parse_input(value)
-                input_given = True
-            elif sep and key == "out":
-                cfg.output = value
-            elif cfg.model_path is None and not sep:
-                cfg.model_path = word
-            else:
-                raise RunConfigError(f"unexpected argument {word!r} (expected in=..., out=... and one MODEL)")
+        cfg, input_given = run_config_from_args(words, params, explicit, engine_argv=engine_argv)
         if cfg.input == "text" and not sys.stdin.isatty():
             # dynamo-run: a piped prompt is answered once, then the process exits.
             cfg.input = "stdin"

@@ -21,6 +21,8 @@ class EngineSpec:
     target: str  # "module:EngineClass", built with EngineClass.from_config(cfg, model)
     needs_model: bool
     description: str
+    # Built from a python file named in `out=` (pystr:FILE, pytok:FILE, FILE.py), not from target.
+    from_file: bool = False
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -56,11 +58,49 @@ ENGINES: dict[str, EngineSpec] = {
             True,
             "runs an HF safetensors folder or a GGUF with mistral.rs in-process (needs mistralrs)",
         ),
+        EngineSpec(
+            "sglang",
+            "dynamo_graph.engines.sglang:SglangEngine",
+            True,
+            "runs an HF model with SGLang's offline engine (needs sglang and a CUDA GPU)",
+        ),
+        EngineSpec(
+            "trtllm",
+            "dynamo_graph.engines.trtllm:TrtllmEngine",
+            True,
+            "runs an HF model with TensorRT-LLM's LLM API (needs tensorrt-llm and a CUDA GPU)",
+        ),
     )
 }
 
+# `out=pystr:FILE` / `out=pytok:FILE` (dynamo-run's python engine files) and `out=FILE.py` (a file
+# defining an LLMEngine class, what a graph's `engine: x.py` compiles to); engines/pyfile.py.
+FILE_ENGINES: dict[str, EngineSpec] = {
+    "pystr": EngineSpec(
+        "pystr",
+        "dynamo_graph.engines.pyfile:PythonFileEngine",
+        False,
+        "pystr:FILE, a python file's `async def generate(request)`: OpenAI chat request in, chunks out",
+        from_file=True,
+    ),
+    "pytok": EngineSpec(
+        "pytok",
+        "dynamo_graph.engines.pyfile:PythonFileEngine",
+        True,
+        "pytok:FILE, a python file's `async def generate(request)`: token ids in and out",
+        from_file=True,
+    ),
+    ".py": EngineSpec(
+        ".py",
+        "dynamo_graph.engines.pyfile:load_engine_class",
+        False,
+        "FILE.py, a python file that defines an LLMEngine subclass",
+        from_file=True,
+    ),
+}
+
 # Named by dynamo-run and planned here; not built yet, so choosing one says so plainly.
-PLANNED_ENGINES = ("vllm", "sglang", "trtllm")
+PLANNED_ENGINES = ("vllm",)
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 # The package each of those needs, to tell "installed" without importing it.
@@ -79,7 +119,15 @@ def get_engine_spec(name: str) -> EngineSpec:
     spec = ENGINES.get(name)
     if spec is not None:
         return spec
+    kind, sep, path = name.partition(":")
+    if kind in ("pystr", "pytok"):
+        if not sep or not path:
+            raise UnknownEngineError(f"out={kind} needs a python file: out={kind}:FILE")
+        return FILE_ENGINES[kind]
+    if name.endswith(".py"):
+        return FILE_ENGINES[".py"]
     available = ", ".join(f"{n} ({ENGINES[n].description})" for n in engine_names())
+    available += "; " + "; ".join(spec.description for spec in FILE_ENGINES.values())
     if name in PLANNED_ENGINES:
         raise UnknownEngineError(
             f"engine {name!r} is not available in this version of dyngraph yet; "
@@ -91,7 +139,12 @@ def get_engine_spec(name: str) -> EngineSpec:
 
 
 def create_engine(name: str, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
-    module_name, _, attr = get_engine_spec(name).target.partition(":")
+    spec = get_engine_spec(name)
+    if spec.from_file:
+        from dynamo_graph.engines.pyfile import create_file_engine
+
+        return create_file_engine(name, cfg, model)
+    module_name, _, attr = spec.target.partition(":")
     engine_class: type[LLMEngine] = getattr(importlib.import_module(module_name), attr)
     return engine_class.from_config(cfg, model)
 

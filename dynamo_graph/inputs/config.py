@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from dynamo_graph.backend.engine import WorkerConfig
 
 InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 ROUTER_MODES = ("random", "round-robin", "kv")
@@ -51,23 +55,34 @@ class RunConfig:
     verbosity: int = 0
     # Flags given explicitly on the command line (so we can say which ones an engine ignores).
     explicit: set[str] = field(default_factory=set)
+    # Arguments after `--`: passed on to the engine (a python engine file's sys.argv).
+    engine_argv: list[str] = field(default_factory=list)
 
     def engine_args(self) -> dict[str, Any]:
-        """The JSON object of --extra-engine-args, read and checked once."""
+        """The object in the --extra-engine-args file: JSON, or YAML for a .yaml/.yml file (the
+        form TensorRT-LLM users write)."""
         if self.extra_engine_args is None:
             return {}
+        path = self.extra_engine_args
+        is_yaml = path.suffix.lower() in (".yaml", ".yml")
+        if is_yaml:
+            import yaml
+
+            parse, bad_syntax = yaml.safe_load, yaml.YAMLError
+        else:
+            parse, bad_syntax = json.loads, json.JSONDecodeError
         try:
-            data = json.loads(self.extra_engine_args.read_text())
+            data = parse(path.read_text())
         except OSError as err:
+            raise RunConfigError(f"--extra-engine-args: cannot read {path}: {err}") from None
+        except bad_syntax as err:
             raise RunConfigError(
-                f"--extra-engine-args: cannot read {self.extra_engine_args}: {err}"
+                f"--extra-engine-args: {path} is not valid {'YAML' if is_yaml else 'JSON'}: {err}"
             ) from None
-        except json.JSONDecodeError as err:
-            raise RunConfigError(
-                f"--extra-engine-args: {self.extra_engine_args} is not valid JSON: {err}"
-            ) from None
+        if data is None:  # an empty file
+            return {}
         if not isinstance(data, dict):
-            raise RunConfigError(f"--extra-engine-args: {self.extra_engine_args} must hold a JSON object")
+            raise RunConfigError(f"--extra-engine-args: {path} must hold a mapping of engine options")
         return data
 
 
@@ -141,3 +156,96 @@ def apply_runtime_settings(cfg: RunConfig) -> None:
         event_plane_kind()
     except (ValueError, discovery.DiscoveryError) as err:
         raise RunConfigError(str(err)) from None
+
+
+def run_config_from_args(
+    words: Sequence[str] | None,
+    params: dict[str, Any],
+    explicit: set[str],
+    *,
+    engine_argv: Sequence[str] = (),
+) -> tuple[RunConfig, bool]:
+    """`dyngraph run`'s parsed command line (cli/run.py `parse_fast` or typer) as a RunConfig:
+    `in=...`, `out=...` and one MODEL among the words. Returns (config, whether in= was given).
+    Not validated yet (`validate`)."""
+    from dynamo_graph.cli.run import BOOL_WORDS
+
+    params = dict(params)
+    verbose = params.pop("verbose", 0)
+    use_kv_events = str(params.pop("use_kv_events", "true"))
+    if use_kv_events.lower() not in BOOL_WORDS:
+        raise RunConfigError(f"--use-kv-events takes true or false, not {use_kv_events!r}")
+    cfg = RunConfig(
+        **params,
+        use_kv_events=BOOL_WORDS[use_kv_events.lower()],
+        verbosity=verbose,
+        explicit=set(explicit),
+        engine_argv=list(engine_argv),
+    )
+    input_given = False
+    for word in words or []:
+        key, sep, value = word.partition("=")
+        if sep and key == "in":
+            cfg.input, cfg.input_arg = parse_input(value)
+            input_given = True
+        elif sep and key == "out":
+            cfg.output = value
+        elif cfg.model_path is None and not sep:
+            cfg.model_path = word
+        else:
+            raise RunConfigError(f"unexpected argument {word!r} (expected in=..., out=... and one MODEL)")
+    return cfg, input_given
+
+
+def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerConfig:
+    """A worker's command line, as `dynamo_graph.backend.run` takes it: dynamo-run's flags and
+    words (`in=dyn://ns.comp.ep` or `--endpoint dyn://ns.comp.ep`, default
+    dyn://dynamo.backend.generate; MODEL or --model-path), then `--` and the engine's own args."""
+    import sys
+
+    from dynamo_graph.backend.engine import DEFAULT_WORKER_ENDPOINT, WorkerConfig
+    from dynamo_graph.cli.run import parse_fast
+    from dynamo_graph.runtime.names import EndpointName, NameError_
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    engine_argv: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, engine_argv = args[:cut], args[cut + 1 :]
+    endpoint: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--endpoint" and i + 1 < len(args):
+            endpoint, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--endpoint="):
+            endpoint = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+        i += 1
+    parsed = parse_fast(rest)
+    if parsed is None:
+        bad = next((a for a in rest if a.startswith("-")), None)
+        raise RunConfigError(
+            f"cannot parse the worker's command line at {bad!r}: it takes dynamo-run's flags "
+            "(see `dyngraph run --help`), --endpoint dyn://ns.comp.ep, and the engine's own "
+            "arguments after `--`"
+        )
+    words, params, explicit = parsed
+    cfg, input_given = run_config_from_args(words, params, explicit, engine_argv=engine_argv)
+    if input_given and cfg.input != "dyn":
+        raise RunConfigError(f"a worker serves a dyn:// endpoint, not in={cfg.input}")
+    if cfg.output is not None:
+        raise RunConfigError(f"out={cfg.output}: a worker started with backend.run serves its own engine")
+    if input_given and endpoint is not None and endpoint != cfg.input_arg:
+        raise RunConfigError(f"two endpoints given: in={cfg.input_arg} and --endpoint {endpoint}")
+    endpoint = cfg.input_arg if input_given else endpoint or DEFAULT_WORKER_ENDPOINT
+    try:
+        name = EndpointName.parse(endpoint)
+    except NameError_ as err:
+        raise RunConfigError(str(err)) from None
+    cfg.input, cfg.input_arg = "dyn", str(name)
+    validate(cfg)
+    return WorkerConfig(endpoint=str(name), settings=cfg, engine_args=engine_argv)

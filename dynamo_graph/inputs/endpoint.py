@@ -16,14 +16,19 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from rich.console import Console
 
-from dynamo_graph.backend.engine import LLMEngine
-from dynamo_graph.backend.errors import InvalidArgument
+from dynamo_graph.backend.engine import (
+    WIRE_FINISH_REASONS,
+    EngineConfig,
+    LLMEngine,
+    normalize_finish_reason,
+)
+from dynamo_graph.backend.errors import EngineError, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.inputs.launch import StartedEngine, start_engine
@@ -31,7 +36,7 @@ from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, Completio
 from dynamo_graph.llm.register import publish_card
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.names import EndpointName
-from dynamo_graph.runtime.runtime import DistributedRuntime
+from dynamo_graph.runtime.runtime import DistributedRuntime, Endpoint
 
 if TYPE_CHECKING:
     from dynamo_graph.router.kv.publisher import KvEventPublisher
@@ -41,14 +46,64 @@ console = Console(stderr=True, soft_wrap=True)
 SHUTDOWN_GRACE_S = 10.0
 
 
+def _watches_cancellation(engine: LLMEngine) -> bool:
+    """Engines that implement `abort` hear of a cancelled request as soon as it is cancelled;
+    for the others (the no-op default) no watcher task is spent per request."""
+    return type(engine).abort is not LLMEngine.abort
+
+
+async def _abort_when_stopped(engine: LLMEngine, context: Context) -> None:
+    await context.stopped()
+    try:
+        await engine.abort(context)
+    except Exception:
+        log.exception("engine.abort failed for request %s", context.id)
+
+
+def _watch(engine: LLMEngine, context: Context, enabled: bool) -> asyncio.Task[None] | None:
+    if not enabled:
+        return None
+    return asyncio.get_running_loop().create_task(_abort_when_stopped(engine, context))
+
+
+async def _unwatch(watcher: asyncio.Task[None] | None, context: Context) -> None:
+    """The stream is over: a cancelled request's abort runs to its end (exactly once), else the
+    watcher goes."""
+    if watcher is None:
+        return
+    if context.is_stopped():
+        with contextlib.suppress(Exception):
+            await watcher
+    else:
+        watcher.cancel()
+
+
+def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
+    """The wire's finish reasons only; an error chunk becomes the stream's error frame."""
+    reason = out.finish_reason
+    if reason is not None and reason not in WIRE_FINISH_REASONS:
+        out.finish_reason = normalize_finish_reason(reason)  # type: ignore[assignment]
+    if out.error is not None or out.finish_reason == "error":
+        raise EngineError(out.error or "the engine failed the request")
+    return out
+
+
 def tokens_handler(engine: LLMEngine):
+    """The request-plane handler of a Tokens-input engine: finish reasons normalised, exactly
+    one final chunk (the stream is closed after it), error chunks as error frames, and
+    `engine.abort(context)` called once when the caller cancels."""
+    watch = _watches_cancellation(engine)
+
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        watcher = _watch(engine, context, watch)
         try:
             async for out in engine.generate(request, context):
+                out = _checked(out)
                 yield out
+                if out.finish_reason is not None:
+                    return
         finally:
-            if context.is_stopped():
-                await engine.abort(context)
+            await _unwatch(watcher, context)
 
     return generate
 
@@ -88,15 +143,21 @@ def _chunk(request: AnyRequest, rid: str, created: int, out: LLMEngineOutput) ->
 
 
 def text_handler(engine: LLMEngine):
+    """As `tokens_handler`, for a Text-input engine: OpenAI request in, OpenAI chunks out."""
+    watch = _watches_cancellation(engine)
+
     async def generate(raw: Any, context: Context) -> AsyncIterator[dict[str, Any]]:
         request = _openai_request(raw)
         rid, created = uuid.uuid4().hex, int(time.time())
+        watcher = _watch(engine, context, watch)
         try:
             async for out in engine.generate(request, context):
+                out = _checked(out)
                 yield _chunk(request, rid, created, out)
+                if out.finish_reason is not None:
+                    return
         finally:
-            if context.is_stopped():
-                await engine.abort(context)
+            await _unwatch(watcher, context)
 
     return generate
 
@@ -110,10 +171,30 @@ def check_static_worker_settings() -> None:
         raise RunConfigError("--static-worker needs a fixed port for frontends to dial: set DYN_TCP_PORT")
 
 
+# Starts the engine under the given instance id, calling the hook (which connects the KV event
+# publisher) after the engine exists and before its start().
+EngineStarter = Callable[[int, Callable[[LLMEngine], Awaitable[None]]], Awaitable[StartedEngine]]
+
+
 async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
-    """Start the runtime, then the engine under this instance's id (so its KV events name it),
-    serve until told to stop, and shut down in order: unregister, let requests in flight finish
-    (grace period), release the engine, withdraw the event publisher."""
+    """`dyngraph run in=dyn://... out=ENGINE`: build the engine named by `out=` and serve it."""
+
+    async def start(worker_id: int, before_start: Callable[[LLMEngine], Awaitable[None]]) -> StartedEngine:
+        return await start_engine(cfg, worker_id=worker_id, before_start=before_start)
+
+    return await serve_engine(cfg, name, start)
+
+
+async def serve_engine(
+    cfg: RunConfig, name: EndpointName, start: EngineStarter, *, grace_s: float = SHUTDOWN_GRACE_S
+) -> int:
+    """Serve one engine as a worker; shared by `dyngraph run in=dyn://` and `backend.run`.
+
+    The runtime first, then the engine under this instance's id (so its KV events name it; the
+    event publisher is connected before the engine starts), then the endpoint and the model card.
+    Serve until SIGINT/SIGTERM, then shut down in order: unregister (no new requests), let the
+    engine drain and streams in flight finish (one grace period for both), close the runtime
+    (lease), release the engine, withdraw the event publisher."""
     if cfg.static_worker:
         check_static_worker_settings()
     runtime = await DistributedRuntime.create(static=cfg.static_worker)
@@ -129,9 +210,15 @@ async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
             engine.kv_event_sink = events
 
     started: StartedEngine | None = None
+    endpoint: Endpoint | None = None
     try:
-        started = await start_engine(cfg, worker_id=runtime.instance_id, before_start=connect_kv_events)
+        started = await start(runtime.instance_id, connect_kv_events)
         engine, card = started.engine, started.card
+        payload = engine.health_check_request(started.config)
+        if payload is not None:
+            card.user_data = {**(card.user_data or {}), "health_check_payload": payload}
+            if health_check_enabled():
+                await run_health_check(engine, started.config, payload)
         endpoint = runtime.namespace(name.namespace).component(name.component).endpoint(name.endpoint)
         if started.config.model_input == "tokens":
             await endpoint.start_serving(tokens_handler(engine), request_type=PreprocessedRequest)
@@ -144,18 +231,68 @@ async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
             f"{', KV events' if events is not None else ''})"
         )
         await runtime.wait_for_shutdown()
-        log.info("shutting down: unregistering, then up to %.0fs for requests in flight", SHUTDOWN_GRACE_S)
+        log.info("shutting down: unregistering, then up to %.0fs for requests in flight", grace_s)
         return 0
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await runtime.close(SHUTDOWN_GRACE_S)
-        if started is not None:
-            with contextlib.suppress(Exception):
-                await started.engine.cleanup()
-        if events is not None:
-            with contextlib.suppress(Exception):
-                await events.close()
+        await _shut_down(runtime, endpoint, started, events, grace_s)
+
+
+async def _shut_down(
+    runtime: DistributedRuntime,
+    endpoint: Endpoint | None,
+    started: StartedEngine | None,
+    events: KvEventPublisher | None,
+    grace_s: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if endpoint is not None:
+        try:
+            await endpoint.unregister()
+        except Exception:
+            log.exception("unregistering %s failed", endpoint.name)
+    if started is not None:
+        try:
+            await asyncio.wait_for(started.engine.drain(), grace_s)
+        except TimeoutError:
+            log.warning("the engine did not drain within %.0fs", grace_s)
+        except Exception:
+            log.exception("engine.drain failed")
+    await runtime.close(max(deadline - loop.time(), 0.0))
+    if started is not None:
+        with contextlib.suppress(Exception):
+            await started.engine.cleanup()
+    if events is not None:
+        with contextlib.suppress(Exception):
+            await events.close()
+
+
+def health_check_enabled() -> bool:
+    return (os.environ.get("DYN_HEALTH_CHECK_ENABLED") or "").lower() in ("1", "true", "yes", "on")
+
+
+async def run_health_check(
+    engine: LLMEngine, config: EngineConfig, payload: dict[str, Any], timeout_s: float = 60.0
+) -> None:
+    """Send the health-check request through the engine; raise EngineError unless it completes."""
+    request: PreprocessedRequest | AnyRequest
+    if config.model_input == "tokens":
+        request = msgspec.convert(payload, PreprocessedRequest)
+    else:
+        request = _openai_request(payload)
+    context = Context("health-check")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for out in engine.generate(request, context):
+                if out.error is not None or out.finish_reason == "error":
+                    raise EngineError(f"health check failed: {out.error or 'error'}")
+                if out.finish_reason is not None:
+                    return
+    except TimeoutError:
+        raise EngineError(f"health check did not complete within {timeout_s:.0f}s") from None
+    raise EngineError("health check failed: the engine ended the stream without a finish reason")
 
 
 async def _kv_event_publisher(runtime: DistributedRuntime, name: EndpointName) -> KvEventPublisher | None:

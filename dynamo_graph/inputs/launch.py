@@ -98,15 +98,20 @@ def _card(
 ) -> ModelDeploymentCard:
     context_length = cfg.context_length or config.context_length
     if model is None:
-        return ModelDeploymentCard.without_files(cfg.model_name or engine_name, context_length=context_length)
-    card = ModelDeploymentCard.from_local_model(
-        model,
-        model_input=config.model_input,
-        context_length=context_length or model.context_length,
-        kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
-        migration_limit=cfg.migration_limit,
-    )
-    card.runtime_config = _runtime_config(config)
+        name = cfg.model_name or config.served_model_name or engine_name
+        card = ModelDeploymentCard.without_files(name, context_length=context_length)
+        card.migration_limit = cfg.migration_limit
+    else:
+        card = ModelDeploymentCard.from_local_model(
+            model,
+            model_input=config.model_input,
+            context_length=context_length or model.context_length,
+            kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
+            migration_limit=cfg.migration_limit,
+        )
+        card.runtime_config = _runtime_config(config)
+    if config.model_type:
+        card.model_type = list(config.model_type)  # type: ignore[arg-type]
     return card
 
 
@@ -141,6 +146,22 @@ async def start_engine(
     if cfg.model_path:
         model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
     engine = create_engine(engine_name, cfg, model)
+    return await start_built_engine(
+        engine, cfg, model, engine_name=engine_name, worker_id=worker_id, before_start=before_start
+    )
+
+
+async def start_built_engine(
+    engine: LLMEngine,
+    cfg: RunConfig,
+    model: LocalModel | None,
+    *,
+    engine_name: str,
+    worker_id: int = 0,
+    before_start: Callable[[LLMEngine], Awaitable[None]] | None = None,
+) -> StartedEngine:
+    """Start an engine that is built already (by `start_engine`, or by `LLMEngine.from_args` for
+    `backend.run`) and make its card; the engine is cleaned up if this fails."""
     try:
         if before_start is not None:
             await before_start(engine)

@@ -47,7 +47,7 @@ def test_extra_engine_args_must_be_a_json_object(tmp_path: Path) -> None:
     bad.write_text("[1, 2]")
     result = run_cli(["run", "in=http", "out=echo_full", "--extra-engine-args", str(bad)])
     assert result.returncode == 2
-    assert "JSON object" in result.stderr
+    assert "must hold a mapping" in result.stderr
 
 
 def test_unknown_input_and_missing_batch_file() -> None:

@@ -102,7 +102,6 @@ def test_fast_parse_agrees_with_typer(args: list[str], monkeypatch: pytest.Monke
         ["--bogus", "1"],
         ["--model-name", "-x"],
         ["--router-temperature", "1e-3"],
-        ["--", "in=http"],
     ],
 )
 def test_unusual_command_lines_go_to_typer(args: list[str]) -> None:
@@ -116,3 +115,11 @@ def test_typed_values() -> None:
     assert params["http_port"] == 9000
     assert params["extra_engine_args"] == Path("a.json")
     assert explicit == {"http_port", "extra_engine_args"}
+
+
+def test_arguments_after_a_double_dash_go_to_the_engine() -> None:
+    parsed = cli_run.parse_fast(["in=dyn://a.b.c", "out=pytok:e.py", "--", "--delay-ms", "5", "x"])
+    assert parsed is not None
+    words, params, _ = parsed
+    assert words == ["in=dyn://a.b.c", "out=pytok:e.py"]
+    assert params["engine_argv"] == ["--delay-ms", "5", "x"]

@@ -1,0 +1,628 @@
+"""out=sglang with `sglang.Engine` replaced at its API boundary (sglang cannot be installed here).
+
+The fake implements what the adapter uses of the real Engine, in the shapes SGLang returns:
+`async_generate(input_ids=..., sampling_params=..., stream=True, rid=...)` giving an async iterator
+of `{"output_ids", "meta_info"}` dicts (cumulative ids sharing one growing list, or incremental
+ids, as SGLang's `incremental_streaming_output` / `stream_output` setting decides),
+`tokenizer_manager.abort_request(rid=..., abort_all=False)`, `get_server_info()` and `shutdown()`;
+its KV events travel over a real ZMQ PUB socket as msgpack arrays in SGLang's wire layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from dynamo_graph.backend.conformance import conformance_tests
+from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
+from dynamo_graph.backend.protocol import (
+    LLMEngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
+from dynamo_graph.engines.sglang import (
+    DEFAULT_PAGE_SIZE,
+    SglangEngine,
+    SglangError,
+    SglangKvEventBridge,
+    import_sglang,
+    sampling_params,
+    server_args_from_run_config,
+)
+from dynamo_graph.inputs.config import RunConfig, RunConfigError
+from dynamo_graph.llm.model_source import LocalModel
+from dynamo_graph.router.kv.hashing import local_block_hashes
+from dynamo_graph.router.kv.protocols import StoredBlock
+from dynamo_graph.runtime.context import Context
+
+EOS = [4, 1]
+FIELDS = {
+    "model_path",
+    "skip_tokenizer_init",
+    "tp_size",
+    "base_gpu_id",
+    "page_size",
+    "context_length",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
+    "kv_events_config",
+    "mem_fraction_static",
+    "dp_size",
+    "enable_dp_attention",
+    "disable_radix_cache",
+}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> LocalModel:
+    (tmp_path / "config.json").write_text("{}")
+    return LocalModel(
+        source=str(tmp_path),
+        kind="hf",
+        root=tmp_path,
+        display_name="tiny",
+        config_json=tmp_path / "config.json",
+        eos_token_ids=list(EOS),
+        context_length=4096,
+    )
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stored(self, parent_hash, blocks, dp_rank=0) -> None:
+        self.events.append(("stored", parent_hash, list(blocks), dp_rank))
+
+    def removed(self, block_hashes, dp_rank=0) -> None:
+        self.events.append(("removed", list(block_hashes), dp_rank))
+
+    def cleared(self, dp_rank=0) -> None:
+        self.events.append(("cleared", dp_rank))
+
+    def load(self, metrics) -> None:
+        self.events.append(("load", metrics))
+
+
+# ---- the fake sglang.Engine ---------------------------------------------------------------------
+
+
+class FakeTokenizerManager:
+    def __init__(self, engine: FakeSglang) -> None:
+        self.engine = engine
+        self.context_len = 4096
+        self.aborted: list[str] = []
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborted.append(rid)
+        self.engine.abort_flags.add(rid)
+
+
+class FakeSglang:
+    """Streams ids 100, 101, ... like SGLang with skip_tokenizer_init (see the module docstring)."""
+
+    def __init__(self, server_args: dict[str, Any], *, delay: float = 0.0, cached: int = 0) -> None:
+        self.server_args = server_args
+        self.incremental = bool(
+            server_args.get("incremental_streaming_output") or server_args.get("stream_output")
+        )
+        self.tokenizer_manager = FakeTokenizerManager(self)
+        self.delay = delay
+        self.cached = cached
+        self.calls: list[dict[str, Any]] = []
+        self.abort_flags: set[str] = set()
+        self.shutdowns = 0
+        self.per_step = 1  # tokens per streamed chunk
+        self.abort_status: int | None = None  # make the engine refuse the request itself
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"max_total_num_tokens": 8192, "max_running_requests": 48}
+
+    async def async_generate(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self._stream(**kwargs)
+
+    async def _stream(self, input_ids, sampling_params, stream, rid, **_: Any):
+        assert stream is True
+        stop_ids = set(sampling_params.get("stop_token_ids") or ())
+        limit = sampling_params.get("max_new_tokens", 128)
+        output: list[int] = []  # SGLang's state.output_ids: one list, appended to in place
+        sent = 0
+
+        def meta(finish: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(output),
+                "cached_tokens": self.cached,
+            }
+
+        def chunk(finish: Any = None) -> dict[str, Any]:
+            nonlocal sent
+            if self.incremental:
+                ids, sent = output[sent:], len(output)
+                return {"output_ids": ids, "meta_info": meta(finish)}
+            return {"output_ids": output if finish is None else list(output), "meta_info": meta(finish)}
+
+        if self.abort_status is not None:
+            yield chunk({"type": "abort", "message": "input too long", "status_code": self.abort_status})
+            return
+        while True:
+            await asyncio.sleep(self.delay)
+            if rid in self.abort_flags:
+                yield chunk({"type": "abort", "message": "Abort in waiting queue"})
+                return
+            finish = None
+            for _ in range(self.per_step):
+                token = 100 + len(output)
+                output.append(token)
+                if token in stop_ids:
+                    finish = {"type": "stop", "matched": token}
+                    break
+                if len(output) >= limit:
+                    finish = {"type": "length", "length": limit}
+                    break
+            yield chunk(finish)
+            if finish is not None:
+                return
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+class FakeSglangEngine(SglangEngine):
+    fields: set[str] = FIELDS | {"incremental_streaming_output"}
+    fake_options: dict[str, Any] = {}  # noqa: RUF012 - set per test on the subclass
+
+    def _server_args_fields(self) -> set[str]:
+        return self.fields
+
+    def _create_backend(self, server_args: dict[str, Any]) -> FakeSglang:
+        self.fake = FakeSglang(server_args, **self.fake_options)
+        return self.fake
+
+
+def make_engine(fields: set[str] | None = None, **server_args: Any) -> FakeSglangEngine:
+    engine = FakeSglangEngine(
+        {"model_path": "/m", "skip_tokenizer_init": True, "page_size": 4, **server_args},
+        default_context_length=4096,
+    )
+    if fields is not None:
+        engine.fields = fields
+    return engine
+
+
+def request(n: int = 5, **stop: Any) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        model="tiny",
+        token_ids=[0, 10, 11, 12],
+        stop_conditions=StopConditions(max_tokens=n, **stop),
+        eos_token_ids=list(EOS),
+    )
+
+
+async def collect(
+    engine: SglangEngine, req: PreprocessedRequest, ctx: Context | None = None
+) -> list[LLMEngineOutput]:
+    return [out async for out in engine.generate(req, ctx or Context())]
+
+
+def tokens(outs: list[LLMEngineOutput]) -> list[int]:
+    return [t for out in outs for t in out.token_ids]
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+
+def test_flags_map_to_server_args(model: LocalModel, tmp_path: Path) -> None:
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"mem_fraction_static": 0.8, "kv_events_config": {"publisher": "zmq"}}))
+    cfg = RunConfig(
+        tensor_parallel_size=2,
+        base_gpu_id=1,
+        kv_cache_block_size=32,
+        context_length=1024,
+        num_nodes=2,
+        node_rank=1,
+        leader_addr="10.0.0.1:5000",
+        extra_engine_args=extra,
+    )
+    assert server_args_from_run_config(cfg, model) == {
+        "model_path": str(model.root),
+        "skip_tokenizer_init": True,
+        "tp_size": 2,
+        "base_gpu_id": 1,
+        "page_size": 32,
+        "context_length": 1024,
+        "nnodes": 2,
+        "node_rank": 1,
+        "dist_init_addr": "10.0.0.1:5000",
+        "mem_fraction_static": 0.8,
+        "kv_events_config": '{"publisher": "zmq"}',
+    }
+    defaults = server_args_from_run_config(RunConfig(), model)
+    assert defaults == {
+        "model_path": str(model.root),
+        "skip_tokenizer_init": True,
+        "tp_size": 1,
+        "base_gpu_id": 0,
+        "page_size": DEFAULT_PAGE_SIZE,
+    }
+
+
+def test_extra_args_override_defaults_but_not_given_flags(model: LocalModel, tmp_path: Path) -> None:
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"tp_size": 4, "page_size": 64}))
+    args = server_args_from_run_config(RunConfig(extra_engine_args=extra), model)
+    assert (args["tp_size"], args["page_size"]) == (4, 64)
+    with pytest.raises(SglangError, match=r"--tensor-parallel-size 2 conflicts with tp_size=4"):
+        server_args_from_run_config(RunConfig(tensor_parallel_size=2, extra_engine_args=extra), model)
+
+
+async def test_unknown_server_args_are_refused_with_the_valid_ones() -> None:
+    engine = make_engine(tp=2)
+    with pytest.raises(SglangError) as err:
+        await engine.start()
+    assert "'tp'" in str(err.value) and "did you mean tp_size" in str(err.value)
+    assert "valid fields: " in str(err.value) and "mem_fraction_static" in str(err.value)
+    assert isinstance(err.value, RunConfigError)
+    await engine.cleanup()
+
+
+def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, model: LocalModel) -> None:
+    monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` raises ImportError
+    with pytest.raises(SglangError, match=r"pip install 'dyngraph\[sglang\]'.*CUDA"):
+        import_sglang()
+    engine = create_engine("sglang", RunConfig(), model)
+    assert isinstance(engine, SglangEngine)
+    with pytest.raises(RunConfigError, match=r"dyngraph\[sglang\]"):
+        asyncio.run(engine.start())
+
+
+def test_registered_engine() -> None:
+    assert get_engine_spec("sglang").target == "dynamo_graph.engines.sglang:SglangEngine"
+    assert "sglang" not in PLANNED_ENGINES and "trtllm" not in PLANNED_ENGINES
+
+
+def test_sampling_mapping() -> None:
+    req = PreprocessedRequest(
+        model="tiny",
+        token_ids=[0, 1, 2],
+        stop_conditions=StopConditions(
+            max_tokens=7, min_tokens=2, stop_token_ids=[9], stop_token_ids_hidden=[5]
+        ),
+        sampling_options=SamplingOptions(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=0,
+            min_p=0.05,
+            frequency_penalty=0.1,
+            presence_penalty=0.2,
+            repetition_penalty=1.1,
+            seed=42,
+            logit_bias={"7": -1.0},
+            guided_regex="a+",
+        ),
+        eos_token_ids=list(EOS),
+    )
+    assert sampling_params(req) == {
+        "max_new_tokens": 7,
+        "min_new_tokens": 2,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.05,
+        "frequency_penalty": 0.1,
+        "presence_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "sampling_seed": 42,
+        "logit_bias": {"7": -1.0},
+        "stop_token_ids": [1, 4, 5, 9],
+        "regex": "a+",
+    }
+    plain = PreprocessedRequest(
+        model="tiny",
+        token_ids=[0, 1, 2],
+        stop_conditions=StopConditions(ignore_eos=True, stop_token_ids=[9]),
+        sampling_options=SamplingOptions(guided_json={"type": "object"}),
+        eos_token_ids=list(EOS),
+    )
+    assert sampling_params(plain, context_length=10) == {
+        "max_new_tokens": 7,
+        "ignore_eos": True,
+        "stop_token_ids": [9],
+        "json_schema": '{"type": "object"}',
+    }
+    choice = PreprocessedRequest(
+        model="t", token_ids=[1], sampling_options=SamplingOptions(guided_choice=["a.b", "c"])
+    )
+    assert sampling_params(choice) == {"regex": r"(a\.b|c)"}
+    grammar = PreprocessedRequest(
+        model="t", token_ids=[1], sampling_options=SamplingOptions(guided_grammar="g")
+    )
+    assert sampling_params(grammar) == {"ebnf": "g"}
+    with pytest.raises(InvalidArgument):
+        sampling_params(PreprocessedRequest(model="t", token_ids=[1], sampling_options=SamplingOptions(n=2)))
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "extra", "incremental"),
+    [
+        (FIELDS | {"incremental_streaming_output"}, {}, True),  # newer SGLang: we turn it on
+        (FIELDS | {"stream_output"}, {}, True),  # SGLang <= 0.5.x: the older name
+        (FIELDS, {}, False),  # neither setting: cumulative ids
+        (FIELDS | {"incremental_streaming_output"}, {"incremental_streaming_output": False}, False),
+    ],
+)
+@pytest.mark.parametrize("per_step", [1, 3])
+async def test_streams_deltas_in_both_modes(
+    fields: set[str], extra: dict[str, Any], incremental: bool, per_step: int
+) -> None:
+    engine = make_engine(fields, **extra)
+    engine.fake_options = {"cached": 3}
+    config = await engine.start()
+    engine.fake.per_step = per_step
+    assert engine.incremental is incremental and engine.fake.incremental is incremental
+    assert config.kv_cache_block_size == 4 and config.total_kv_blocks == 2048 and config.max_num_seqs == 48
+    outs = await collect(engine, request(7))
+    assert tokens(outs) == [100, 101, 102, 103, 104, 105, 106]
+    assert all(out.token_ids for out in outs[:-1])
+    assert outs[0].cached_tokens == 3 and all(out.cached_tokens is None for out in outs[1:])
+    assert [out.finish_reason for out in outs] == [None] * (len(outs) - 1) + ["length"]
+    usage = outs[-1].completion_usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (
+        4,
+        7,
+        3,
+    )
+    call = engine.fake.calls[0]
+    assert call["input_ids"] == [0, 10, 11, 12] and call["stream"] is True and call["rid"]
+    assert call["sampling_params"] == {"max_new_tokens": 7, "stop_token_ids": [1, 4]}
+    await engine.cleanup()
+
+
+async def test_stop_token_ends_the_stream_with_stop() -> None:
+    engine = make_engine()
+    await engine.start()
+    outs = await collect(engine, request(10, stop_token_ids=[102]))
+    assert tokens(outs) == [100, 101, 102] and outs[-1].finish_reason == "stop"
+    await engine.cleanup()
+
+
+async def test_dp_rank_is_passed_on() -> None:
+    engine = make_engine()
+    await engine.start()
+    req = request(1)
+    req.dp_rank = 1
+    await collect(engine, req)
+    assert engine.fake.calls[0]["data_parallel_rank"] == 1
+    await engine.cleanup()
+
+
+@pytest.mark.parametrize(("status", "error"), [(400, InvalidArgument), (500, Exception)])
+async def test_an_abort_we_did_not_ask_for_is_an_error(status: int, error: type[Exception]) -> None:
+    engine = make_engine()
+    await engine.start()
+    engine.fake.abort_status = status
+    with pytest.raises(error, match="input too long"):
+        await collect(engine, request(3))
+    await engine.cleanup()
+
+
+# ---- cancellation and lifecycle -----------------------------------------------------------------
+
+
+async def test_cancellation_aborts_the_request_by_rid() -> None:
+    engine = make_engine()
+    engine.fake_options = {"delay": 0.01}
+    await engine.start()
+    ctx = Context("req-1")
+    outs = []
+    async for out in engine.generate(request(1000), ctx):
+        outs.append(out)
+        if len(outs) == 2:
+            ctx.stop_generating()
+    assert outs[-1].finish_reason == "cancelled" and len(tokens(outs)) < 1000
+    assert engine.fake.tokenizer_manager.aborted == ["req-1"]
+    assert not engine._active
+    await engine.drain()
+    await engine.cleanup()
+
+
+async def test_a_consumer_that_leaves_aborts_and_abort_hook_aborts() -> None:
+    engine = make_engine()
+    engine.fake_options = {"delay": 0.01}
+    await engine.start()
+    ctx = Context("gone")
+    gen = engine.generate(request(1000), ctx)
+    await gen.__anext__()
+    await gen.aclose()
+    assert engine.fake.tokenizer_manager.aborted == ["gone"]
+
+    ctx2 = Context("hooked")
+    gen2 = engine.generate(request(1000), ctx2)
+    await gen2.__anext__()
+    await engine.abort(ctx2)
+    rest = [out async for out in gen2]
+    assert rest[-1].finish_reason == "cancelled"
+    assert engine.fake.tokenizer_manager.aborted == ["gone", "hooked"]
+    await engine.cleanup()
+
+
+async def test_engine_level_abort_request_is_used_without_a_tokenizer_manager() -> None:
+    engine = make_engine()
+    engine.fake_options = {"delay": 0.01}
+    await engine.start()
+    seen: list[str] = []
+    fake = engine.fake
+
+    async def abort_request(rid: str = "", abort_all: bool = False) -> None:
+        seen.append(rid)
+        fake.abort_flags.add(rid)
+
+    del fake.tokenizer_manager
+    fake.abort_request = abort_request
+    ctx = Context("engine-abort")
+    outs = []
+    async for out in engine.generate(request(1000), ctx):
+        outs.append(out)
+        ctx.stop_generating()
+    assert outs[-1].finish_reason == "cancelled"
+    await asyncio.sleep(0)
+    assert seen == ["engine-abort"]
+    await engine.cleanup()
+
+
+async def test_stopped_before_it_starts() -> None:
+    engine = make_engine()
+    await engine.start()
+    ctx = Context()
+    ctx.stop_generating()
+    outs = await collect(engine, request(3), ctx)
+    assert [o.finish_reason for o in outs] == ["cancelled"] and engine.fake.calls == []
+    await engine.cleanup()
+
+
+async def test_cleanup_is_idempotent_and_safe_before_start() -> None:
+    await make_engine().cleanup()
+    engine = make_engine()
+    await engine.start()
+    fake = engine.fake
+    await engine.cleanup()
+    await engine.cleanup()
+    assert fake.shutdowns == 1
+    with pytest.raises(EngineShutdown):
+        await collect(engine, request(1))
+    with pytest.raises(EngineShutdown):
+        await engine.start()
+
+
+# ---- KV events ----------------------------------------------------------------------------------
+
+
+def test_kv_bridge_converts_sglang_batches() -> None:
+    from dynamo_graph.engines.sglang import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    sink = RecordingSink()
+    bridge = SglangKvEventBridge(sink, block_size=4)
+    toks = list(range(10))  # two full blocks and a partial one
+    bridge.handle_batch(
+        KVEventBatch(
+            ts=time.time(),
+            events=[
+                BlockStored(block_hashes=[11, 12, 13], parent_block_hash=-5, token_ids=toks, block_size=4),
+                BlockRemoved(block_hashes=[13, 12]),
+                AllBlocksCleared(),
+            ],
+        ),
+        dp_rank=1,
+    )
+    local = local_block_hashes(toks, 4)
+    assert sink.events == [
+        ("stored", (-5) & ((1 << 64) - 1), [StoredBlock(11, local[0]), StoredBlock(12, local[1])], 1),
+        ("removed", [12], 1),  # 13 was a partial block the router never saw
+        ("cleared", 1),
+    ]
+
+
+def _wire_batch(events: list[list[Any]]) -> bytes:
+    """A KVEventBatch as SGLang's publisher encodes it: msgpack arrays, tagged by class name."""
+    return msgspec.msgpack.encode([time.time(), events])
+
+
+async def test_kv_events_flow_from_sglangs_zmq_publisher() -> None:
+    import zmq
+    import zmq.asyncio
+
+    sink = RecordingSink()
+    engine = make_engine()
+    engine.kv_event_sink = sink
+    await engine.start()
+    config = json.loads(engine.launched_args["kv_events_config"])
+    assert config["publisher"] == "zmq" and config["endpoint"].startswith("tcp://127.0.0.1:")
+    # SGLang's publisher connects to a concrete tcp address (kv_events.py) and sends [topic, seq, payload].
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(config["endpoint"])
+    topic = config["topic"].encode()
+    try:
+        deadline = time.monotonic() + 5
+        while not sink.events and time.monotonic() < deadline:  # the ZMQ handshake takes a moment
+            await pub.send_multipart([topic, (0).to_bytes(8, "big"), _wire_batch([["AllBlocksCleared"]])])
+            await asyncio.sleep(0.02)
+        assert sink.events and sink.events[0] == ("cleared", 0)
+        toks = list(range(8))
+        stored = ["BlockStored", [7, 8], None, toks, 4, None, "GPU"]  # a newer trailing field is ignored
+        await pub.send_multipart(
+            [topic, (1).to_bytes(8, "big"), _wire_batch([stored, ["BlockRemoved", [7]]])]
+        )
+        for _ in range(500):
+            if len([e for e in sink.events if e[0] != "cleared"]) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        local = local_block_hashes(toks, 4)
+        others = [e for e in sink.events if e[0] != "cleared"]
+        assert others == [
+            ("stored", None, [StoredBlock(7, local[0]), StoredBlock(8, local[1])], 0),
+            ("removed", [7], 0),
+        ]
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+    sink.events.clear()
+    await engine.cleanup()
+    assert sink.events == [("cleared", 0)]
+
+
+async def test_kv_events_from_a_user_configured_binding_publisher(tmp_path: Path) -> None:
+    import zmq
+    import zmq.asyncio
+
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)  # SGLang binds ipc:// endpoints; we connect
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+    sink = RecordingSink()
+    engine = make_engine(
+        kv_events_config=json.dumps({"publisher": "zmq", "endpoint": endpoint, "topic": "t"})
+    )
+    engine.kv_event_sink = sink
+    try:
+        await engine.start()
+        deadline = time.monotonic() + 5
+        while not sink.events and time.monotonic() < deadline:
+            await pub.send_multipart([b"t", (0).to_bytes(8, "big"), _wire_batch([["AllBlocksCleared"]])])
+            await asyncio.sleep(0.02)
+        assert sink.events[0] == ("cleared", 0)
+    finally:
+        await engine.cleanup()
+        pub.close(linger=0)
+        ctx.term()
+
+
+# ---- the engine conformance kit -----------------------------------------------------------------
+
+
+def _conformance_engine() -> FakeSglangEngine:
+    engine = make_engine()
+    engine.fake_options = {"delay": 0.001}
+    return engine
+
+
+test_conformance = conformance_tests(_conformance_engine, request, concurrency=4)
