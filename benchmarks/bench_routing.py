@@ -46,14 +46,15 @@ model a forward pass costs 16.5 ms + decode (~15 ms at these loads) before any p
 with 2k-token documents a miss cost only ~1.7x a hit at c=8 (TTFT p50 ~25 vs ~14 ms), which
 bounds what any routing can gain there (measured: round-robin/kv TTFT p50 1.05, p90 1.28).
 
-Findings (c=8, defaults; benchmarks/results/routing.json): kv routing is close to
-cache-optimal (7.6% of requests miss, hit rate 0.90; 16 of 512 requests must compute a cold
-document) against round-robin's 31% (0.66). Round-robin/kv TTFT: mean 1.34x, p50 1.12x, p90
-1.87x; at c=32 (memory pressure) 2.3x p50. The p50 stays low because a round-robin request is
-still a hit more often than not, and a hit costs the same wherever it lands. Raising
---kv-overlap-score-weight to 4 halves kv's misses (3.5%) but unbalances the workers
-(160/147/104/101 requests) and leaves TTFT unchanged, so the cost's load/cache trade-off is not
-what limits the ratio.
+Findings (defaults; benchmarks/results/routing.json): at c=8 kv routing misses on 4.3% of
+requests (hit rate 0.93; 16 of 512 requests must compute a cold document) against round-robin's
+32% (0.66). Round-robin/kv TTFT at c=8: mean 1.44x, p50 1.12x, p90 1.98x; at c=32 (memory
+pressure) mean 2.95x, p50 2.83x; at c=1 mean 1.65x. The p50 at c=8 stays low because a
+round-robin request is still a hit more often than not, and a hit costs the same wherever it
+lands (a forward pass is >= 16.5 ms in the perf model). Raising --kv-overlap-score-weight to 4
+halves kv's misses but unbalances the workers (160/147/104/101 requests) and leaves TTFT
+unchanged; counting the tokens to compute twice in the cost (router/kv/scheduler.py) cut
+cold-prefix recomputation from 7.6% to 4.3% of requests and TTFT mean/p90 by 6%/18%.
 
 Measured per (mode, c): TTFT p50/p90 (first turns and follow-up turns apart too), ITL p50
 (gaps between streamed tokens), output tokens/s, requests, errors, cache hit rate =
