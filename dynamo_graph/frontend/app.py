@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
+import logging
 import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -20,25 +20,22 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
+from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import DEFAULT_BODY_LIMIT, OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import Response
 
+log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
 
-def body_limit_from_env() -> int:
-    """`DYN_HTTP_BODY_LIMIT_MB`, as Dynamo names it; 32 MiB by default."""
-    raw = os.environ.get("DYN_HTTP_BODY_LIMIT_MB")
-    try:
-        return int(float(raw) * 1024 * 1024) if raw else DEFAULT_BODY_LIMIT
-    except ValueError:
-        return DEFAULT_BODY_LIMIT
+__all__ = ["FrontendApp", "body_limit_from_env", "make_server"]
 
 
 def _error_response(status: int, message: str) -> Response:
@@ -73,24 +70,97 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         return _error_response(400, str(exc.errors()))
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", response_model=None)
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": models.list_models()}
 
-    @api.get("/health")
+    @api.get("/health", response_model=None)
     async def health() -> JSONResponse:
         status, body = health_body(models)
         return JSONResponse(body, status_code=status)
 
-    @api.get("/live")
+    @api.get("/live", response_model=None)
     async def live() -> dict[str, str]:
         return dict(LIVE_BODY)
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_model=None)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    default_openapi = api.openapi
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            api.openapi_schema = with_generation_routes(default_openapi())
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
     return api
+
+
+_OPENAI_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document with the two raw-ASGI generation routes, their request bodies' schemas
+    generated from the msgspec types the handlers decode into."""
+    import msgspec
+
+    from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
+
+    (chat, comp), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}"
+    )
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(components)
+    schemas["OpenAIError"] = _OPENAI_ERROR
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}
+    errors = {
+        str(code): {"description": text, "content": error}
+        for code, text in [
+            (400, "Invalid request; `param` names the field"),
+            (401, "Missing or wrong API key"),
+            (404, "Unknown model"),
+            (413, "Request body too large"),
+            (415, "Not JSON"),
+            (503, "At the concurrency limit; see Retry-After"),
+            (504, "Past the request time limit"),
+        ]
+    }
+    for path, schema, summary in [
+        ("/v1/chat/completions", chat, "Create a chat completion (OpenAI)"),
+        ("/v1/completions", comp, "Create a completion (OpenAI)"),
+    ]:
+        doc.setdefault("paths", {})[path] = {
+            "post": {
+                "summary": summary,
+                "operationId": path.strip("/").replace("/", "_"),
+                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                "responses": {
+                    "200": {
+                        "description": "A completion, or with `stream: true` server-sent events",
+                        "content": {"application/json": {}, "text/event-stream": {}},
+                    },
+                    **errors,
+                },
+            }
+        }
+    return doc
 
 
 async def _send_json(send: Send, status: int, content: Any) -> None:
@@ -105,15 +175,27 @@ async def _send_json(send: Send, status: int, content: Any) -> None:
 class FrontendApp:
     """ASGI entry point: the hot routes and the probes first, FastAPI (built lazily) for the rest."""
 
-    def __init__(self, models: ModelRegistry, *, body_limit: int | None = None) -> None:
-        body_limit = body_limit_from_env() if body_limit is None else body_limit
+    def __init__(
+        self,
+        models: ModelRegistry,
+        *,
+        body_limit: int | None = None,
+        limits: FrontendLimits | None = None,
+        api_keys: ApiKeys | None = None,
+    ) -> None:
+        if limits is None:
+            limits = FrontendLimits(body_limit=body_limit_from_env() if body_limit is None else body_limit)
         self.models = models
+        self.limits = limits
+        self.api_keys = api_keys if api_keys else None
         self.metrics = FrontendMetrics()
+        self.admission = Admission(limits)
+        self.metrics.registry.register(self.admission)
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, body_limit),
-            "/v1/completions": OpenAIHandler("completions", models, self.metrics, body_limit),
+            "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
+            "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)
@@ -133,6 +215,13 @@ class FrontendApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
+            keys = self.api_keys
+            if keys is not None and keys.protects(path) and not keys.check(scope["headers"]):
+                self.admission.count("unauthorized")
+                # Never the key or the Authorization header: only that the check failed.
+                log.debug("401 for %s %s from %s", scope["method"], path, scope.get("client"))
+                await send_unauthorized(send, scope["headers"])
+                return
             handler = self.routes.get(path.rstrip("/") or "/")
             if handler is not None:
                 await handler(scope, receive, send)
@@ -146,15 +235,53 @@ class FrontendApp:
         await (self._api or await self.api())(scope, receive, send)
 
 
+MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is a 431 and the connection closes
+_HEAD_TOO_LARGE = error_body(
+    431, f"Request line and headers are larger than {MAX_HEAD_BYTES} bytes", code="headers_too_large"
+)
+_HEAD_TOO_LARGE_RESPONSE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_HEAD_TOO_LARGE)
+) + _HEAD_TOO_LARGE
+
+
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     """Sets TCP_NODELAY on every accepted socket: without it small SSE writes on a kept-alive
-    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1, notes/DYNAMO.md)."""
+    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1, notes/DYNAMO.md).
+
+    Also bounds a request's head: httptools gathers the URL and each header in memory with no
+    limit of its own, so a client that keeps sending one would grow the frontend without end."""
 
     def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._in_head = True
+        self._message_ended = False
+        self._head_bytes = 0
         super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        was_in_head = self._in_head
+        self._message_ended = False
+        super().data_received(data)
+        # Count a chunk that began and ended inside one request's head (one that also ended a
+        # message may hold body bytes: not counted, so a head can pass the limit by one read).
+        if was_in_head and self._in_head and not self._message_ended:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.transport.write(_HEAD_TOO_LARGE_RESPONSE)
+                self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True  # the next request on this connection starts with its head
+        self._message_ended = True
+        super().on_message_complete()
 
 
 class GracefulServer(uvicorn.Server):
@@ -170,6 +297,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
+    cap = app.limits.max_concurrent
     config = uvicorn.Config(
         app,
         host=host,
@@ -181,5 +309,8 @@ def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
         log_config=None,
         log_level="warning",
         timeout_graceful_shutdown=30,
+        # Connections (and tasks) at once: well above the request cap, so excess requests still
+        # get the frontend's own 503, while a flood of idle connections stays bounded.
+        limit_concurrency=4 * cap + 256 if cap else None,
     )
     return GracefulServer(config)

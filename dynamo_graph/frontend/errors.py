@@ -16,9 +16,11 @@ _STATUS_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",
     415: "UnsupportedMediaType",
+    431: "RequestHeaderFieldsTooLarge",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -29,12 +31,21 @@ _STATUS_TYPES = {
 class HTTPError(Exception):
     """An error answered to the client with `status` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (Retry-After, ...)
 
     @classmethod
     def from_engine_error(cls, err: EngineError) -> HTTPError:
@@ -44,10 +55,19 @@ class HTTPError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
+def error_body(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+) -> bytes:
+    if error_type is None:
+        error_type = _STATUS_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
     error = {
         "message": message,
-        "type": _STATUS_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
+        "type": error_type,
         "param": param,
         "code": code if code is not None else status,
     }

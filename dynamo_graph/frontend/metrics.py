@@ -19,6 +19,17 @@ PREFIX = "dynamo_frontend"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
+# Request migrations, (model, "new_request" | "ongoing_request") -> count. Process-wide: the
+# migration operator sits in the model's pipeline, which is built before (and apart from) the
+# HTTP app whose FrontendMetrics exports them; one frontend per process.
+MIGRATIONS: dict[tuple[str, str], int] = {}
+
+
+def count_migration(model: str, kind: str) -> None:
+    """The migration operator's hook (router/migration.py): one request moved to another worker."""
+    key = (model, kind)
+    MIGRATIONS[key] = MIGRATIONS.get(key, 0) + 1
+
 
 class Histogram:
     __slots__ = ("bounds", "count", "counts", "sum")
@@ -83,6 +94,13 @@ class FrontendMetrics(Collector):
             f"{PREFIX}_requests", "Requests handled", labels=["model", "endpoint", "request_type", "status"]
         )
         inflight = GaugeMetricFamily(f"{PREFIX}_inflight_requests", "Requests in flight", labels=["model"])
+        migrations = CounterMetricFamily(
+            f"{PREFIX}_model_migration",
+            "Requests moved to another worker after theirs failed (new: before any token, or ongoing)",
+            labels=["model", "migration_type"],
+        )
+        for (model, kind), n in sorted(MIGRATIONS.items()):
+            migrations.add_metric([model, kind], n)
         histograms = {
             "ttft": (f"{PREFIX}_time_to_first_token_seconds", "Time to first token"),
             "itl": (f"{PREFIX}_inter_token_latency_seconds", "Time between streamed tokens"),
@@ -103,4 +121,5 @@ class FrontendMetrics(Collector):
                 family.add_metric([model], hist.buckets(), hist.sum)
         yield requests
         yield inflight
+        yield migrations
         yield from families.values()

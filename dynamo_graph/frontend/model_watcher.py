@@ -5,6 +5,10 @@ pipeline and a client for its endpoint; later cards of the same model must carry
 checksum, or that worker is refused (loudly) and never routed to; when the last card of a
 model goes, the model leaves /v1/models. With `--router-mode kv`, each tokens-input model gets
 its own KV router, subscribed to its workers' KV events.
+
+Tokens-input models get request migration around their router (router/migration.py): the
+frontend's `--migration-limit` when given explicitly, else the limit in the first worker's card.
+Text-input models do not migrate (their streams carry text, not the tokens a continuation needs).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from dynamo_graph.frontend.metrics import count_migration
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
 from dynamo_graph.llm.card import ModelDeploymentCard
@@ -21,6 +26,7 @@ from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.scheduler import KvRouterConfig
+from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
 from dynamo_graph.runtime.runtime import DistributedRuntime
@@ -40,9 +46,19 @@ class _Model:
     card_keys: set[str] = field(default_factory=set)
 
 
+def migration_limit_for(card: ModelDeploymentCard, frontend_limit: int | None) -> int:
+    """The frontend's limit when it set one, else the card's."""
+    return card.migration_limit if frontend_limit is None else frontend_limit
+
+
 def build_remote_pipeline(
-    card: ModelDeploymentCard, client: Client, router: KvRouter | None = None
+    card: ModelDeploymentCard,
+    client: Client,
+    router: KvRouter | None = None,
+    *,
+    migration_limit: int | None = None,
 ) -> ModelPipeline:
+    """`migration_limit`: the frontend's, or None to take the card's."""
     if card.model_input == "text":
         return TextPipeline(card, RemoteTextBackend(client))
     # The frontend tokenizes: it needs the model's tokenizer files, from the same path (one host,
@@ -55,7 +71,9 @@ def build_remote_pipeline(
         theirs, ours = card.files.get(name), local.files.get(name)
         if theirs is not None and ours is not None and theirs.checksum != ours.checksum:
             raise CardMismatch(f"{name} at {ours.path} differs from the worker's ({theirs.checksum})")
-    backend = RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
+    routed = RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
+    limit = migration_limit_for(card, migration_limit)
+    backend = Migration(routed, limit, model=card.display_name, on_migrate=count_migration)
     return tokens_pipeline(card, model, backend)
 
 
@@ -68,8 +86,10 @@ class ModelWatcher:
         router_mode: str = "round-robin",
         kv_config: KvRouterConfig | None = None,
         only_endpoint: EndpointName | None = None,
+        migration_limit: int | None = None,
     ) -> None:
         self.runtime = runtime
+        self.migration_limit = migration_limit  # None: each model's card says
         self.registry = registry
         self.router_mode = router_mode
         self.kv_config = kv_config
@@ -102,7 +122,7 @@ class ModelWatcher:
             client.allowed = set()
             router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
             try:
-                pipeline = build_remote_pipeline(card, client, router)
+                pipeline = build_remote_pipeline(card, client, router, migration_limit=self.migration_limit)
             except (ModelResolutionError, CardMismatch, OSError) as err:
                 log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
                 return
@@ -113,7 +133,13 @@ class ModelWatcher:
                 await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
             model = self._models[name] = _Model(checksum=card.mdcsum(), client=client, router=router)
             self.registry.add(pipeline, instances=client.report)
-            log.info("model %r added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
+            log.info(
+                "model %r added (endpoint %s, %s routing, migration limit %s)",
+                name,
+                endpoint,
+                self.router_mode,
+                migration_limit_for(card, self.migration_limit) if card.model_input == "tokens" else "n/a",
+            )
         elif card.mdcsum() != model.checksum:
             log.error(
                 "REFUSING worker %x for model %r: its model card checksum %s differs from %s "

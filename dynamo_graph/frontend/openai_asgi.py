@@ -13,17 +13,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
 
 from dynamo_graph.backend.errors import EngineError
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError, error_body, from_decode_error
+from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.responses import DONE, ChunkWriter, error_event, full_response
-from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
+from dynamo_graph.llm.openai import (
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    requested_max_tokens,
+)
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.runtime.context import Context
 
@@ -39,7 +45,16 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-DEFAULT_BODY_LIMIT = 32 * 1024 * 1024
+__all__ = ["DEFAULT_BODY_LIMIT", "OpenAIHandler"]
+MAX_N = 1  # choices per request: the pipelines produce one
+
+# Saturated: answered at once, never queued (a client retries after Retry-After).
+OVERLOADED_HEADERS = [*JSON_HEADERS, (b"retry-after", str(RETRY_AFTER_S).encode())]
+OVERLOADED_BODY = error_body(
+    503,
+    "The server is at its limit of concurrent requests; retry shortly",
+    code="overloaded",
+)
 
 _DECODERS = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
@@ -47,8 +62,11 @@ _DECODERS = {
 }
 
 
-async def send_json(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+async def send_json(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = JSON_HEADERS if headers is None else [*JSON_HEADERS, *headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -100,6 +118,8 @@ def _as_http_error(err: Exception) -> HTTPError:
         return err
     if isinstance(err, EngineError):
         return HTTPError.from_engine_error(err)
+    if isinstance(err, TimeoutError):  # the request's deadline (--request-timeout-s)
+        return HTTPError(504, "The request did not complete within the server's time limit", code="timeout")
     log.exception("request failed", exc_info=err)
     return HTTPError(500, f"Internal error: {err}", code="internal")
 
@@ -107,25 +127,64 @@ def _as_http_error(err: Exception) -> HTTPError:
 class OpenAIHandler:
     """Serves one OpenAI endpoint kind ("chat" or "completions") for every registered model."""
 
-    def __init__(self, kind: str, models: ModelRegistry, metrics: FrontendMetrics, body_limit: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        models: ModelRegistry,
+        metrics: FrontendMetrics,
+        limits: FrontendLimits | int,
+        admission: Admission | None = None,
+    ) -> None:
+        if isinstance(limits, int):  # a body limit alone
+            limits = FrontendLimits(body_limit=limits)
         self.kind = kind
         self.endpoint = "chat_completions" if kind == "chat" else "completions"
         self.models = models
         self.metrics = metrics
-        self.body_limit = body_limit
+        self.limits = limits
+        self.body_limit = limits.body_limit
+        self.timeout_s = limits.request_timeout_s
+        self.admission = Admission(limits) if admission is None else admission
         self.decoder = _DECODERS[kind]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             await send_json(send, 405, HTTPError(405, "Use POST for this endpoint").body())
             return
+        admission = self.admission
+        if not admission.try_acquire():
+            await send({"type": "http.response.start", "status": 503, "headers": OVERLOADED_HEADERS})
+            await send({"type": "http.response.body", "body": OVERLOADED_BODY})
+            return
+        try:
+            deadline = None
+            if self.timeout_s is not None:
+                deadline = asyncio.get_running_loop().time() + self.timeout_s
+            await self._handle(scope, receive, send, deadline)
+        finally:
+            admission.release()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
         try:
             _check_content_type(scope)
-            body = await read_body(receive, self.body_limit)
+            if deadline is None:
+                body = await read_body(receive, self.body_limit)
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        body = await read_body(receive, self.body_limit)
+                except TimeoutError:
+                    self.admission.count("timeout")
+                    raise HTTPError(
+                        408,
+                        "The request body was not received within the server's time limit",
+                        code="timeout",
+                    ) from None
             try:
                 request = self.decoder.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
                 raise from_decode_error(err) from None
+            _check_caps(request)
             pipeline = self.models.get(request.model)
             if pipeline is None:
                 raise HTTPError(
@@ -139,13 +198,25 @@ class OpenAIHandler:
                     param="model",
                     code="wrong_endpoint",
                 )
+            _check_context(pipeline, request)
             prepared = self._prepare(pipeline, request)
         except HTTPError as err:
+            if err.status == 413:
+                self.admission.count("body_too_large")
             await send_json(send, err.status, err.body())
             return
         except ConnectionResetError:
             return
-        await self._serve(pipeline, prepared, request, receive, send)
+        await self._serve(pipeline, prepared, request, receive, send, deadline)
+
+    async def _failure(self, err: Exception, context: Context, deltas: AsyncIterator[Any]) -> HTTPError:
+        if isinstance(err, TimeoutError):
+            # Cancel the generation: the engine (or the worker, through the request plane) stops.
+            context.stop_generating()
+            self.admission.count("timeout")
+            with contextlib.suppress(Exception):
+                await deltas.aclose()  # type: ignore[attr-defined]
+        return _as_http_error(err)
 
     @staticmethod
     def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
@@ -159,7 +230,13 @@ class OpenAIHandler:
             ) from None
 
     async def _serve(
-        self, pipeline: ModelPipeline, prepared: Prepared, request: AnyRequest, receive: Receive, send: Send
+        self,
+        pipeline: ModelPipeline,
+        prepared: Prepared,
+        request: AnyRequest,
+        receive: Receive,
+        send: Send,
+        deadline: float | None = None,
     ) -> None:
         metrics = self.metrics.model(pipeline.name)
         context = Context()
@@ -170,9 +247,9 @@ class OpenAIHandler:
         status = "error"
         try:
             if request.stream:
-                ok = await self._stream(pipeline, prepared, request, context, send, metrics, start)
+                ok = await self._stream(pipeline, prepared, request, context, send, metrics, start, deadline)
             else:
-                ok = await self._unary(pipeline, prepared, context, send, metrics, start)
+                ok = await self._unary(pipeline, prepared, context, send, metrics, start, deadline)
             disconnected = watcher.done() and not watcher.cancelled()
             status = "cancelled" if disconnected else ("success" if ok else "error")
         finally:
@@ -194,41 +271,44 @@ class OpenAIHandler:
         send: Send,
         metrics: ModelMetrics,
         start: float,
+        deadline: float | None,
     ) -> bool:
         writer = ChunkWriter(request.model, chat=self.kind == "chat")
         started = False
         first_content = True
         last = start
         itl = metrics.itl
+        deltas = pipeline.stream(prepared, context)
         try:
-            async for delta in pipeline.stream(prepared, context):
-                if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                    started = True
-                if delta.text:
-                    now = time.perf_counter()
-                    if first_content:
-                        metrics.ttft.observe(now - start)
-                    else:
-                        itl.observe(now - last)
-                    last = now
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": writer.content(delta.text, first_content),
-                            "more_body": True,
-                        }
-                    )
-                    first_content = False
-                if delta.finish_reason is not None:
-                    tail = writer.finish(delta.finish_reason)
-                    opts = request.stream_options
-                    if opts is not None and opts.include_usage:
-                        tail += writer.usage(prepared)
-                    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
-                    return True
+            async with asyncio.timeout_at(deadline):
+                async for delta in deltas:
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                        started = True
+                    if delta.text:
+                        now = time.perf_counter()
+                        if first_content:
+                            metrics.ttft.observe(now - start)
+                        else:
+                            itl.observe(now - last)
+                        last = now
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": writer.content(delta.text, first_content),
+                                "more_body": True,
+                            }
+                        )
+                        first_content = False
+                    if delta.finish_reason is not None:
+                        tail = writer.finish(delta.finish_reason)
+                        opts = request.stream_options
+                        if opts is not None and opts.include_usage:
+                            tail += writer.usage(prepared)
+                        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+                        return True
         except Exception as err:
-            http_err = _as_http_error(err)
+            http_err = await self._failure(err, context, deltas)
             if not started:
                 await send_json(send, http_err.status, http_err.body())
             else:
@@ -255,19 +335,22 @@ class OpenAIHandler:
         send: Send,
         metrics: ModelMetrics,
         start: float,
+        deadline: float | None,
     ) -> bool:
         parts: list[str] = []
         finish: str | None = None
+        deltas = pipeline.stream(prepared, context)
         try:
-            async for delta in pipeline.stream(prepared, context):
-                if delta.text:
-                    if not parts:
-                        metrics.ttft.observe(time.perf_counter() - start)
-                    parts.append(delta.text)
-                if delta.finish_reason is not None:
-                    finish = delta.finish_reason
+            async with asyncio.timeout_at(deadline):
+                async for delta in deltas:
+                    if delta.text:
+                        if not parts:
+                            metrics.ttft.observe(time.perf_counter() - start)
+                        parts.append(delta.text)
+                    if delta.finish_reason is not None:
+                        finish = delta.finish_reason
         except Exception as err:
-            http_err = _as_http_error(err)
+            http_err = await self._failure(err, context, deltas)
             await send_json(send, http_err.status, http_err.body())
             return False
         if finish is None:  # cancelled by the client: nobody is listening
@@ -277,3 +360,28 @@ class OpenAIHandler:
         )
         await send_json(send, 200, body)
         return True
+
+
+def _check_caps(request: AnyRequest) -> None:
+    """Caps that hold for every model: choices per request."""
+    if request.n is not None and request.n > MAX_N:
+        raise HTTPError(400, f"n must be at most {MAX_N}, not {request.n}", param="n", code="invalid_request")
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of > MAX_N:
+        raise HTTPError(
+            400, f"best_of must be at most {MAX_N}, not {best_of}", param="best_of", code="invalid_request"
+        )
+
+
+def _check_context(pipeline: ModelPipeline, request: AnyRequest) -> None:
+    """max_tokens never above the model's context; pipelines that tokenize also count the prompt."""
+    ctx = pipeline.card.context_length
+    max_tokens = requested_max_tokens(request)
+    if ctx and max_tokens is not None and max_tokens > ctx:
+        param = "max_tokens" if request.max_tokens == max_tokens else "max_completion_tokens"
+        raise HTTPError(
+            400,
+            f"This model's maximum context length is {ctx} tokens, but {param} is {max_tokens}",
+            param=param,
+            code="invalid_request",
+        )

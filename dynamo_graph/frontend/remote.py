@@ -3,6 +3,11 @@
 Tokens-input (Backend-type) workers speak the engine wire types directly. Text-input
 (Chat/Completion-type) workers take the OpenAI request and stream OpenAI chunks, which are
 turned back into engine outputs so the same pipeline code serves both.
+
+The tokens backends are routers (round-robin / random through the client's picker, or the KV
+router) that can leave instances out (`exclude`): request migration (router/migration.py) wraps
+them and re-sends a broken stream's continuation with the failed instances excluded. Text-input
+models are not migrated: their streams are text, whose tokens the frontend never sees.
 """
 
 from __future__ import annotations
@@ -24,26 +29,36 @@ class RemoteTokensBackend:
     def __init__(self, client: Client) -> None:
         self.client = client
 
-    def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
-        return self.client.generate(request, context=context, response_type=LLMEngineOutput)
+    def generate(
+        self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
+    ) -> AsyncIterator[LLMEngineOutput]:
+        return self.client.generate(request, context=context, response_type=LLMEngineOutput, exclude=exclude)
+
+    def instance_ids(self) -> list[int]:
+        return self.client.instance_ids()
 
 
 class KvRoutedTokensBackend:
     """Tokens-input workers chosen by the KV router: the request goes to the rank whose cache
     and load make it cheapest, and the router hears when its first token and its end arrive.
     A worker that cannot be reached is left out and the request routed again (nothing was
-    generated yet, so that is always safe)."""
+    generated yet, so that is always safe); so are the workers in `exclude` (those that failed a
+    migrated request). The router's booking is released whenever a stream ends, failed or not,
+    so a migrated request is booked afresh on the worker it moves to."""
 
     def __init__(self, client: Client, router: KvRouter) -> None:
         self.client = client
         self.router = router
 
+    def instance_ids(self) -> list[int]:
+        return self.client.instance_ids()
+
     async def generate(
-        self, request: PreprocessedRequest, context: Context
+        self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
     ) -> AsyncIterator[LLMEngineOutput]:
         router = self.router
         request_id = context.id
-        unreachable: set[int] = set()
+        unreachable: set[int] = set(exclude) if exclude else set()
         while True:
             instances = [i for i in self.client.instance_ids() if i not in unreachable]
             if not instances:

@@ -211,9 +211,17 @@ class _Compiler:
             f"{router.temperature:g}",
             "--use-kv-events",
             "true" if router.use_kv_events else "false",
-            "--migration-limit",
-            str(comp.migration_limit),
+            "--max-concurrent-requests",
+            str(comp.limits.max_concurrent_requests),
         ]
+        if comp.migration_limit is not None:
+            argv += ["--migration-limit", str(comp.migration_limit)]
+        if comp.limits.request_timeout_s is not None:
+            argv += ["--request-timeout-s", f"{comp.limits.request_timeout_s:g}"]
+        if comp.limits.body_limit_mb is not None:
+            argv += ["--http-body-limit-mb", f"{comp.limits.body_limit_mb:g}"]
+        # Keys reach the frontend only through its environment: the plan names the variables.
+        auth_env = {"DYN_API_KEY_ENV": ",".join(comp.api_key_env)} if comp.api_key_env else {}
         depends_on, restart = self._common(name)
         probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
         # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
@@ -225,7 +233,7 @@ class _Compiler:
             replica=0,
             host=comp.host,
             argv=argv,
-            env={**self.planes_env(), **dict(sorted(comp.env.items()))},
+            env={**self.planes_env(), **dict(sorted(comp.env.items())), **auth_env},
             workdir=self._workdir(comp.host),
             ports={"http": comp.http.port},
             depends_on=depends_on,
@@ -295,6 +303,9 @@ class _Compiler:
                 **self.planes_env(),
                 **self._host_env(host),
                 **self._gpu_env(worker, slot),
+                # In-flight requests get the grace, minus time to end the rest (so they migrate)
+                # before the supervisor's SIGKILL at shutdown_grace_s.
+                "DYN_SHUTDOWN_GRACE_S": f"{max(worker.shutdown_grace_s - 3.0, 0.0):g}",
                 **dict(sorted(worker.env.items())),
             }
             ports: dict[str, int | str] = {}

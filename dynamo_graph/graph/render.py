@@ -2,6 +2,11 @@
 
 All four are deterministic text (a test renders twice and compares bytes), so they can be
 committed, diffed in review and used as a dry run of `dyngraph up`.
+
+Secrets never appear in them: values of environment variables and options whose names look
+secret (KEY, TOKEN, SECRET, PASSWORD, CREDENTIAL, ...) and the user-info part of URLs
+(`nats://user:password@host`) are replaced by `***`. API keys reach a frontend only through its
+environment (`api_key_env` names the variables), so the plan holds no key of its own.
 """
 
 from __future__ import annotations
@@ -16,13 +21,61 @@ import yaml
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
+from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
 FORMATS = ("yaml", "json", "shell", "mermaid")
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: REDACTED if is_secret_name(k) and v else redact_url(v) for k, v in env.items()}
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    secret_next = False
+    for arg in argv:
+        if secret_next:
+            out.append(REDACTED)
+            secret_next = False
+            continue
+        flag, sep, _ = arg.partition("=")
+        if arg.startswith("--") and is_secret_name(flag):
+            if sep:
+                out.append(f"{flag}={REDACTED}")
+            else:
+                out.append(arg)
+                secret_next = True
+            continue
+        out.append(redact_url(arg))
+    return out
+
+
+def redact(value: Any) -> Any:
+    """A JSON-like document with secrets replaced (see the module's docstring)."""
+    if isinstance(value, dict):
+        return {
+            k: REDACTED if isinstance(v, str) and v and is_secret_name(str(k)) else redact(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return redact_argv(value)
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return redact_url(value)
+    return value
+
+
+def redact_plan(plan: Plan) -> Plan:
+    processes = [
+        msgspec.structs.replace(p, argv=redact_argv(p.argv), env=redact_env(p.env)) for p in plan.processes
+    ]
+    files = {path: redact_url(text) for path, text in plan.files.items()}
+    return msgspec.structs.replace(plan, processes=processes, files=files)
+
 
 def _document(graph: Graph, plan: Plan) -> dict[str, Any]:
-    return {"graph": graph.model_dump(mode="json"), "plan": msgspec.to_builtins(plan)}
+    return redact({"graph": graph.model_dump(mode="json"), "plan": msgspec.to_builtins(plan)})
 
 
 def render_yaml(graph: Graph, plan: Plan) -> str:
@@ -38,7 +91,9 @@ def _shell_var(name: str) -> str:
 
 
 def render_shell(graph: Graph, plan: Plan) -> str:
-    """The commands a person could run by hand, in dependency order, auto ports picked first."""
+    """The commands a person could run by hand, in dependency order, auto ports picked first.
+    Secrets show as `***`: set them before running it."""
+    plan = redact_plan(plan)
     lines = [
         "#!/usr/bin/env bash",
         f"# dyngraph plan for graph {plan.graph!r} ({plan.graph_file})",

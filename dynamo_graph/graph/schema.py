@@ -311,6 +311,19 @@ class Router(_Model):
     (--use-kv-events)."""
 
 
+class Limits(_Model):
+    """What the frontend lets requests use; past a limit a client gets an OpenAI error body."""
+
+    max_concurrent_requests: int = Field(1024, ge=0)
+    """Generation requests in flight at once; more are answered 503 with `Retry-After` at once,
+    never queued (--max-concurrent-requests; 0 = unlimited)."""
+    request_timeout_s: float | None = Field(None, gt=0)
+    """Cancel a request's generation after this many seconds: 504, or an error event mid-stream
+    (--request-timeout-s); default none."""
+    body_limit_mb: float | None = Field(None, gt=0)
+    """Largest request body in MiB; larger is 413 (--http-body-limit-mb); default 32."""
+
+
 class Frontend(_Component):
     """The OpenAI-compatible HTTP frontend with pre/post-processing and the router
     (`dyngraph run in=http out=auto`)."""
@@ -322,10 +335,15 @@ class Frontend(_Component):
     """HTTP listener."""
     router: Router = Router()
     """Routing to worker instances."""
-    migration_limit: int = Field(0, ge=0)
-    """Times a request whose stream breaks is moved to another worker (--migration-limit)."""
+    migration_limit: int | None = Field(None, ge=0)
+    """Times a request whose stream breaks is moved to another worker (--migration-limit);
+    unset: what the workers' model cards say (their `migration_limit`)."""
+    limits: Limits = Limits()
+    """Concurrency, time and body-size limits of the HTTP frontend."""
     api_key_env: list[Annotated[str, AfterValidator(_api_key_env_name)]] = []
-    """Names of environment variables holding accepted API keys (never the keys themselves)."""
+    """Names of environment variables holding accepted API keys (never the keys themselves); set
+    them in the environment `dyngraph up` runs in. With any, every /v1 route needs
+    `Authorization: Bearer KEY`; /health, /live and /metrics stay open."""
     models: list[str] | None = None
     """Keys of `models` this frontend serves; default all."""
 

@@ -34,6 +34,11 @@ class RunConfig:
     model_config: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8080
+    # Frontend limits and auth (frontend/limits.py, frontend/auth.py).
+    http_body_limit_mb: float | None = None  # None: DYN_HTTP_BODY_LIMIT_MB, else 32
+    max_concurrent_requests: int = 1024  # 0: unlimited
+    request_timeout_s: float | None = None  # None: no limit
+    api_key: str | None = None  # KEY[,KEY...]; also DYN_API_KEY and DYN_API_KEY_ENV
     context_length: int | None = None
     kv_cache_block_size: int | None = None
     tensor_parallel_size: int = 1
@@ -119,6 +124,7 @@ def validate(cfg: RunConfig) -> None:
         ("--node-rank", cfg.node_rank, 0),
         ("--base-gpu-id", cfg.base_gpu_id, 0),
         ("--migration-limit", cfg.migration_limit, 0),
+        ("--max-concurrent-requests", cfg.max_concurrent_requests, 0),
     ]
     for flag, value, minimum in checks:
         if value is not None and value < minimum:
@@ -127,6 +133,14 @@ def validate(cfg: RunConfig) -> None:
         raise RunConfigError(f"--node-rank {cfg.node_rank} must be below --num-nodes {cfg.num_nodes}")
     if cfg.num_nodes > 1 and not cfg.leader_addr:
         raise RunConfigError("--num-nodes > 1 needs --leader-addr HOST:PORT")
+    for flag, fvalue in (
+        ("--request-timeout-s", cfg.request_timeout_s),
+        ("--http-body-limit-mb", cfg.http_body_limit_mb),
+    ):
+        if fvalue is not None and not fvalue > 0:
+            raise RunConfigError(f"{flag} must be above 0, not {fvalue:g}")
+    if cfg.api_key is not None and not [k for k in cfg.api_key.split(",") if k.strip()]:
+        raise RunConfigError("--api-key needs a key (or a comma list of keys)")  # never echo a key
     if cfg.router_temperature < 0:
         raise RunConfigError(f"--router-temperature must be >= 0, not {cfg.router_temperature}")
     if cfg.extra_engine_args is not None:

@@ -1,8 +1,10 @@
 """`dyngraph run in=dyn://ns.comp.ep out=ENGINE MODEL`: serve an engine as a distributed worker.
 
 The worker registers its endpoint instance and model card in discovery and serves requests
-from the request plane until SIGINT/SIGTERM, then unregisters, lets streams in flight finish
-(a grace period) and releases its lease. Tokens-input engines receive `PreprocessedRequest`s;
+from the request plane until SIGINT/SIGTERM, then unregisters at once (no new requests), lets
+streams in flight finish for a grace period (DYN_SHUTDOWN_GRACE_S, default 10 s), ends those
+still running with EngineShutdown (the frontend migrates them to another worker when its
+migration limit allows) and releases its lease. Tokens-input engines receive `PreprocessedRequest`s;
 text-input engines receive the OpenAI request and answer with OpenAI chunks, as Dynamo's
 Chat/Completion-type workers do.
 """
@@ -28,7 +30,7 @@ from dynamo_graph.backend.engine import (
     LLMEngine,
     normalize_finish_reason,
 )
-from dynamo_graph.backend.errors import EngineError, InvalidArgument
+from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.inputs.launch import StartedEngine, start_engine
@@ -44,6 +46,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 console = Console(stderr=True, soft_wrap=True)
 SHUTDOWN_GRACE_S = 10.0
+# After the grace period: how long streams get to send their EngineShutdown error frame.
+SHUTDOWN_END_S = 2.0
+
+
+def shutdown_grace_from_env(default: float = SHUTDOWN_GRACE_S) -> float:
+    """DYN_SHUTDOWN_GRACE_S: seconds a stopping worker lets requests in flight finish."""
+    raw = (os.environ.get("DYN_SHUTDOWN_GRACE_S") or "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RunConfigError(f"DYN_SHUTDOWN_GRACE_S must be a number of seconds, not {raw!r}") from None
+    if value < 0:
+        raise RunConfigError(f"DYN_SHUTDOWN_GRACE_S must be >= 0, not {raw!r}")
+    return value
+
+
+class Closing:
+    """Set when a stopping worker's grace period is over: handlers then end their streams with
+    EngineShutdown at the next output (one attribute test per output on the hot path)."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = False
+
+
+_SHUTDOWN_MESSAGE = "the worker is shutting down (its grace period ended)"
 
 
 def _watches_cancellation(engine: LLMEngine) -> bool:
@@ -88,16 +119,20 @@ def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
     return out
 
 
-def tokens_handler(engine: LLMEngine):
+def tokens_handler(engine: LLMEngine, closing: Closing | None = None):
     """The request-plane handler of a Tokens-input engine: finish reasons normalised, exactly
     one final chunk (the stream is closed after it), error chunks as error frames, and
-    `engine.abort(context)` called once when the caller cancels."""
+    `engine.abort(context)` called once when the caller cancels. Once `closing.ended`, streams
+    end with EngineShutdown (so they migrate) instead of going on."""
     watch = _watches_cancellation(engine)
+    closing = closing or Closing()
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         watcher = _watch(engine, context, watch)
         try:
             async for out in engine.generate(request, context):
+                if closing.ended:
+                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
                 out = _checked(out)
                 yield out
                 if out.finish_reason is not None:
@@ -142,9 +177,10 @@ def _chunk(request: AnyRequest, rid: str, created: int, out: LLMEngineOutput) ->
     return chunk
 
 
-def text_handler(engine: LLMEngine):
+def text_handler(engine: LLMEngine, closing: Closing | None = None):
     """As `tokens_handler`, for a Text-input engine: OpenAI request in, OpenAI chunks out."""
     watch = _watches_cancellation(engine)
+    closing = closing or Closing()
 
     async def generate(raw: Any, context: Context) -> AsyncIterator[dict[str, Any]]:
         request = _openai_request(raw)
@@ -152,6 +188,8 @@ def text_handler(engine: LLMEngine):
         watcher = _watch(engine, context, watch)
         try:
             async for out in engine.generate(request, context):
+                if closing.ended:
+                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
                 out = _checked(out)
                 yield _chunk(request, rid, created, out)
                 if out.finish_reason is not None:
@@ -186,7 +224,7 @@ async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
 
 
 async def serve_engine(
-    cfg: RunConfig, name: EndpointName, start: EngineStarter, *, grace_s: float = SHUTDOWN_GRACE_S
+    cfg: RunConfig, name: EndpointName, start: EngineStarter, *, grace_s: float | None = None
 ) -> int:
     """Serve one engine as a worker; shared by `dyngraph run in=dyn://` and `backend.run`.
 
@@ -194,9 +232,12 @@ async def serve_engine(
     event publisher is connected before the engine starts), then the endpoint and the model card.
     Serve until SIGINT/SIGTERM, then shut down in order: unregister (no new requests), let the
     engine drain and streams in flight finish (one grace period for both), close the runtime
-    (lease), release the engine, withdraw the event publisher."""
+    (lease), release the engine, withdraw the event publisher. `grace_s`: DYN_SHUTDOWN_GRACE_S
+    or SHUTDOWN_GRACE_S unless given."""
     if cfg.static_worker:
         check_static_worker_settings()
+    grace_s = shutdown_grace_from_env() if grace_s is None else grace_s
+    closing = Closing()
     runtime = await DistributedRuntime.create(static=cfg.static_worker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -221,9 +262,9 @@ async def serve_engine(
                 await run_health_check(engine, started.config, payload)
         endpoint = runtime.namespace(name.namespace).component(name.component).endpoint(name.endpoint)
         if started.config.model_input == "tokens":
-            await endpoint.start_serving(tokens_handler(engine), request_type=PreprocessedRequest)
+            await endpoint.start_serving(tokens_handler(engine, closing), request_type=PreprocessedRequest)
         else:
-            await endpoint.start_serving(text_handler(engine))
+            await endpoint.start_serving(text_handler(engine, closing))
         await publish_card(endpoint, card)
         console.print(
             f"[bold green]dyngraph[/] worker {name} instance {endpoint.instance_id:x} serving "
@@ -236,7 +277,7 @@ async def serve_engine(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await _shut_down(runtime, endpoint, started, events, grace_s)
+        await _shut_down(runtime, endpoint, started, events, grace_s, closing)
 
 
 async def _shut_down(
@@ -245,7 +286,13 @@ async def _shut_down(
     started: StartedEngine | None,
     events: KvEventPublisher | None,
     grace_s: float,
+    closing: Closing | None = None,
 ) -> None:
+    """Unregister at once (discovery and the request plane: callers go elsewhere), give the
+    requests in flight `grace_s` to finish, then end the rest with EngineShutdown: handlers stop
+    at their next output and the engine is cleaned up (the mocker ends its open streams with
+    EngineShutdown). Their error frames get SHUTDOWN_END_S to leave before the runtime closes
+    (what is left then is cancelled: its caller sees a broken stream, which migrates too)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     if endpoint is not None:
@@ -253,14 +300,31 @@ async def _shut_down(
             await endpoint.unregister()
         except Exception:
             log.exception("unregistering %s failed", endpoint.name)
+
+    async def end_the_rest() -> None:
+        log.warning("grace period of %.0fs over: ending the requests still in flight", grace_s)
+        if closing is not None:
+            closing.ended = True
+        if started is not None:
+            with contextlib.suppress(Exception):
+                await started.engine.cleanup()
+
     if started is not None:
         try:
             await asyncio.wait_for(started.engine.drain(), grace_s)
         except TimeoutError:
-            log.warning("the engine did not drain within %.0fs", grace_s)
+            pass
         except Exception:
             log.exception("engine.drain failed")
-    await runtime.close(max(deadline - loop.time(), 0.0))
+    # The engine is idle or the grace is over; the request plane may still be sending frames.
+    ending: list[asyncio.Task[None]] = []
+    remaining = max(deadline - loop.time(), 0.0)
+    timer = loop.call_later(remaining, lambda: ending.append(asyncio.ensure_future(end_the_rest())))
+    await runtime.close(remaining + SHUTDOWN_END_S)
+    timer.cancel()
+    for task in ending:
+        with contextlib.suppress(Exception):
+            await task
     if started is not None:
         with contextlib.suppress(Exception):
             await started.engine.cleanup()

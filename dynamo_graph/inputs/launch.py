@@ -25,6 +25,7 @@ from dynamo_graph.llm.model_source import LocalModel, resolve_model
 from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
+    from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.llm.pipeline import ModelPipeline
     from dynamo_graph.router.kv.scheduler import KvRouterConfig
@@ -52,6 +53,13 @@ _ENGINE_FLAGS = {
 }
 
 
+# The HTTP frontend's own settings: nothing to apply them to without in=http.
+_HTTP_FLAGS = {
+    "http_body_limit_mb": "--http-body-limit-mb",
+    "max_concurrent_requests": "--max-concurrent-requests",
+    "request_timeout_s": "--request-timeout-s",
+    "api_key": "--api-key",
+}
 # A worker publishes these in its model card / registration; the router flags stay unused.
 _WORKER_FLAGS = {"migration_limit", "static_worker"}
 
@@ -66,6 +74,8 @@ def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
     ]
     if engine_name.startswith("echo"):
         unused += [flag for key, flag in _ENGINE_FLAGS.items() if key in cfg.explicit]
+    if cfg.input != "http":
+        unused += [flag for key, flag in _HTTP_FLAGS.items() if key in cfg.explicit]
     if unused:
         log.warning(
             "%s: no effect with in=%s out=%s (no router in this process)",
@@ -190,15 +200,40 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _serve_http(cfg: RunConfig, registry: ModelRegistry) -> None:
-    from dynamo_graph.frontend.app import FrontendApp, make_server
+def frontend_app(cfg: RunConfig, registry: ModelRegistry) -> FrontendApp:
+    """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV)."""
+    from dynamo_graph.frontend.app import FrontendApp
+    from dynamo_graph.frontend.auth import ApiKeys, keys_from_settings
+    from dynamo_graph.frontend.limits import FrontendLimits
 
-    server = make_server(FrontendApp(registry), cfg.http_host, cfg.http_port)
+    limits = FrontendLimits.from_settings(
+        body_limit_mb=cfg.http_body_limit_mb,
+        max_concurrent=cfg.max_concurrent_requests,
+        request_timeout_s=cfg.request_timeout_s,
+    )
+    try:
+        keys = ApiKeys(keys_from_settings(cfg.api_key))
+    except ValueError as err:
+        raise RunConfigError(str(err)) from None
+    return FrontendApp(registry, limits=limits, api_keys=keys)
+
+
+async def _serve_http(cfg: RunConfig, registry: ModelRegistry) -> None:
+    from dynamo_graph.frontend.app import make_server
+
+    app = frontend_app(cfg, registry)
+    server = make_server(app, cfg.http_host, cfg.http_port)
     names = ", ".join(registry.names()) or "models as workers appear"
+    auth = "API key required" if app.api_keys else "no API key"
     console.print(
         f"[bold green]dyngraph[/] serving {names} on http://{cfg.http_host}:{cfg.http_port}/v1"
-        " (Ctrl-C to stop)"
+        f" ({auth}; Ctrl-C to stop)"
     )
+    if not app.api_keys and cfg.http_host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
+            cfg.http_host,
+        )
     await server.serve()
 
 
@@ -252,10 +287,12 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     """No discovery: the model comes from --model-path (a Backend-type model) and the workers
     from DYN_STATIC_WORKERS; requests go round the listed addresses (or, with --router-mode kv,
     where the router predicts their prefix is cached: give --kv-cache-block-size as the workers')."""
+    from dynamo_graph.frontend.metrics import count_migration
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
     from dynamo_graph.llm.pipeline import tokens_pipeline
     from dynamo_graph.router.kv.router import KvRouter
+    from dynamo_graph.router.migration import Migration
     from dynamo_graph.runtime.client import Client
     from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord, static_subject
 
@@ -283,7 +320,8 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
         router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
         backend = KvRoutedTokensBackend(client, router)
-    registry.add(tokens_pipeline(card, model, backend), instances=client.report)
+    migrating = Migration(backend, cfg.migration_limit, model=card.display_name, on_migrate=count_migration)
+    registry.add(tokens_pipeline(card, model, migrating), instances=client.report)
     try:
         if cfg.input == "http":
             await _serve_http(cfg, registry)
@@ -308,7 +346,13 @@ async def _run_frontend(cfg: RunConfig) -> int:
     runtime = await DistributedRuntime.create()
     registry = ModelRegistry()
     watcher = ModelWatcher(
-        runtime, registry, router_mode=cfg.router_mode, kv_config=kv_router_config(cfg), only_endpoint=only
+        runtime,
+        registry,
+        router_mode=cfg.router_mode,
+        kv_config=kv_router_config(cfg),
+        only_endpoint=only,
+        # The frontend's --migration-limit wins when given; else each worker's card says.
+        migration_limit=cfg.migration_limit if "migration_limit" in cfg.explicit else None,
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     try:

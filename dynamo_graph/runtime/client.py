@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.backend.errors import EngineError, EngineShutdown
 from dynamo_graph.router.push import InstancePicker
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
@@ -165,15 +165,19 @@ class Client:
         context: Context | None = None,
         response_type: type | None = None,
         timeout_s: float | None = None,
+        exclude: set[int] | None = None,
     ) -> AsyncIterator[Any]:
-        """Send `request` to one instance (the picker's choice, or `instance_id`) and stream its
-        responses. An instance that cannot be reached leaves routing; if the picker chose it, the
-        request goes to another instance (nothing was generated yet, so that is always safe).
-        A stream that breaks midway raises StreamBroken: resuming it is request migration's job."""
+        """Send `request` to one instance (the picker's choice among those not in `exclude`, or
+        `instance_id`) and stream its responses. An instance that cannot be reached leaves
+        routing; if the picker chose it, the request goes to another instance (nothing was
+        generated yet, so that is always safe). A stream that breaks midway raises StreamBroken:
+        resuming it is request migration's job. Errors raised from an instance's stream carry
+        its id as `err.instance_id`; one that broke, or whose engine is shutting down, leaves
+        routing for DOWN_COOLOFF_S (or until discovery announces it again)."""
         decode = _decoder(response_type)
         payload = _encode(request)
         ctx = context or Context()
-        tried: set[int] = set()
+        tried: set[int] = set(exclude) if exclude else set()
         while True:
             target = self.pick(exclude=tried) if instance_id is None else instance_id
             record = self.instances.get(target)
@@ -187,13 +191,16 @@ class Client:
                 async for item in stream:
                     yield decode(item)
                 return
-            except CannotConnect:
+            except CannotConnect as err:
                 self.report_instance_down(target)
                 if instance_id is not None:
+                    err.instance_id = target  # type: ignore[attr-defined]
                     raise
                 tried.add(target)
-            except StreamBroken:
-                self.report_instance_down(target)
+            except EngineError as err:
+                if isinstance(err, (StreamBroken, EngineShutdown)):
+                    self.report_instance_down(target)
+                err.instance_id = target  # type: ignore[attr-defined]
                 raise
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]

@@ -20,10 +20,10 @@ def test_unknown_engine_lists_engines() -> None:
     assert "echo_core" in result.stderr and "echo_full" in result.stderr
 
 
-def test_planned_engine_says_not_available_yet() -> None:
+def test_vllm_without_a_model_says_so() -> None:
     result = run_cli(["run", "in=http", "out=vllm", "--model-name", "x"])
     assert result.returncode == 2
-    assert "not available in this version" in result.stderr
+    assert "out=vllm needs a model" in result.stderr
 
 
 def test_bad_flag_values_are_named(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from dynamo_graph.redact import redact_url
 from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError, WatchEvent
 
 BACKENDS = ("file", "etcd")
@@ -54,7 +55,9 @@ def _endpoints(endpoints: list[str] | str | None) -> tuple[list[str], str]:
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     cleaned = [e.strip() for e in items if e.strip()]
     if not cleaned:
-        raise DiscoveryError(f"{source}={endpoints!r}: expected http://host:port[,http://host:port...]")
+        raise DiscoveryError(
+            f"{source}={redact_url(endpoints)!r}: expected http://host:port[,http://host:port...]"
+        )
     return cleaned, source
 
 

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from dynamo_graph.redact import redact_url
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
 from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
 
@@ -66,7 +67,9 @@ async def _connect(nats_url: str, name: str, error_cb: ErrorCallback = _log_erro
         )
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         await nc.close()
-        raise ConnectionError(f"event plane: cannot connect to NATS at {nats_url}: {exc!r}") from exc
+        raise ConnectionError(
+            f"event plane: cannot connect to NATS at {redact_url(nats_url)}: {exc!r}"
+        ) from exc
     return nc
 
 

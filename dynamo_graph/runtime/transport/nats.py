@@ -47,6 +47,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from dynamo_graph.redact import redact_url
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import (
     CannotConnect,
@@ -98,7 +99,7 @@ async def _connect(url: str, name: str, **options: Any) -> NatsClient:
             url, name=name, connect_timeout=2, reconnect_time_wait=0.5, max_reconnect_attempts=1, **options
         )
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise CannotConnect(f"cannot connect to NATS at {url}: {exc!r}") from exc
+        raise CannotConnect(f"cannot connect to NATS at {redact_url(url)}: {exc!r}") from exc
     nc.options["max_reconnect_attempts"] = -1
     return nc
 

