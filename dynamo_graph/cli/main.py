@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from dynamo_graph import __version__
 
@@ -28,7 +29,9 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    from dynamo_graph.cli.run import fail
+
+    fail(message)
     return typer.Exit(code)
 
 
@@ -102,6 +105,28 @@ def run_command(
     router_temperature: Annotated[float, typer.Option("--router-temperature")] = 0.0,
     use_kv_events: Annotated[str, typer.Option("--use-kv-events", help="true | false")] = "true",
     migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
+    health_check_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            "--health-check-interval-s",
+            help="frontend: health-check an instance silent this long (env DYN_HEALTH_CHECK_INTERVAL_S; "
+            "5; 0: off)",
+        ),
+    ] = None,
+    health_check_timeout_s: Annotated[
+        float | None,
+        typer.Option(
+            "--health-check-timeout-s",
+            help="frontend: a health check unanswered this long makes the instance unhealthy "
+            "(env DYN_HEALTH_CHECK_TIMEOUT_S; 3)",
+        ),
+    ] = None,
+    max_inflight: Annotated[
+        int,
+        typer.Option(
+            "--max-inflight", help="worker: requests in flight; more are answered overloaded (0: unlimited)"
+        ),
+    ] = 1024,
     static_worker: Annotated[bool, typer.Option("--static-worker")] = False,
     discovery_backend: Annotated[
         str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
@@ -139,6 +164,9 @@ def run_command(
         "router_temperature": router_temperature,
         "use_kv_events": use_kv_events,
         "migration_limit": migration_limit,
+        "health_check_interval_s": health_check_interval_s,
+        "health_check_timeout_s": health_check_timeout_s,
+        "max_inflight": max_inflight,
         "static_worker": static_worker,
         "discovery_backend": discovery_backend,
         "request_plane": request_plane,
@@ -157,7 +185,7 @@ def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a 
         return build(graph_file, overrides or [])
     except GraphError as e:
         for problem in e.problems:
-            err.print(f"[bold red]error:[/] {problem}", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
         count = len(e.problems)
         err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
         raise typer.Exit(2) from None

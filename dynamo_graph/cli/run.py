@@ -39,6 +39,9 @@ RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "--router-temperature": ("router_temperature", float),
     "--use-kv-events": ("use_kv_events", str),
     "--migration-limit": ("migration_limit", int),
+    "--health-check-interval-s": ("health_check_interval_s", float),
+    "--health-check-timeout-s": ("health_check_timeout_s", float),
+    "--max-inflight": ("max_inflight", int),
     "--discovery-backend": ("discovery_backend", str),
     "--request-plane": ("request_plane", str),
     "--event-plane": ("event_plane", str),
@@ -67,6 +70,9 @@ RUN_DEFAULTS: dict[str, Any] = {
     "router_temperature": 0.0,
     "use_kv_events": "true",
     "migration_limit": 0,
+    "health_check_interval_s": None,
+    "health_check_timeout_s": None,
+    "max_inflight": 1024,
     "static_worker": False,
     "discovery_backend": None,
     "request_plane": None,
@@ -141,10 +147,12 @@ def parse_fast(args: list[str]) -> tuple[list[str], dict[str, Any], set[str]] | 
 
 
 def fail(message: str) -> int:
-    """Print an error as the CLI does; returns the usage-error exit code."""
+    """Print an error as the CLI does; returns the usage-error exit code. The message is plain
+    text: `pip install 'dyngraph[vllm]'` must not be read as rich markup."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return 2
 
 
