@@ -45,10 +45,17 @@ def _error_response(status: int, message: str) -> Response:
 
 
 def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
-    """`GET /health`: 200 once a model is listed, else 503."""
+    """`GET /health`: 200 while some listed model has an instance that can take requests (an
+    in-process model always can), else 503 — so a load balancer stops sending here when every
+    worker is wedged, not only when none is registered."""
     names = models.names()
-    status = "healthy" if names else "unhealthy"
-    return (200 if names else 503), {"status": status, "models": names, "details": models.health()}
+    details = models.health()
+    serving = any(d.get("status") == "healthy" for d in details.values())
+    return (200 if serving else 503), {
+        "status": "healthy" if serving else "unhealthy",
+        "models": names,
+        "details": details,
+    }
 
 
 LIVE_BODY = {"status": "live", "message": "Service is live"}

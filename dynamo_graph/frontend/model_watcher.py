@@ -9,12 +9,18 @@ its own KV router, subscribed to its workers' KV events.
 Tokens-input models get request migration around their router (router/migration.py): the
 frontend's `--migration-limit` when given explicitly, else the limit in the first worker's card.
 Text-input models do not migrate (their streams carry text, not the tokens a continuation needs).
+
+Each model's instances are health-checked (runtime/health.py) with the payload each worker's
+card carries (`user_data.health_check_payload`): one that fails a check leaves routing until it
+passes one. Refused workers are listed in /health as `refused`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -28,6 +34,7 @@ from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.scheduler import KvRouterConfig
 from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime.client import Client
+from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
 from dynamo_graph.runtime.runtime import DistributedRuntime
 
@@ -43,6 +50,7 @@ class _Model:
     checksum: str
     client: Client
     router: KvRouter | None = None
+    checker: HealthChecker | None = None
     card_keys: set[str] = field(default_factory=set)
 
 
@@ -87,8 +95,12 @@ class ModelWatcher:
         kv_config: KvRouterConfig | None = None,
         only_endpoint: EndpointName | None = None,
         migration_limit: int | None = None,
+        health: HealthSettings | None = None,
     ) -> None:
+        """`health`: the instances' health checks; None: from the environment
+        (DYN_HEALTH_CHECK_INTERVAL_S / DYN_HEALTH_CHECK_TIMEOUT_S, which --health-check-* set)."""
         self.runtime = runtime
+        self.health = HealthSettings.from_env() if health is None else health
         self.migration_limit = migration_limit  # None: each model's card says
         self.registry = registry
         self.router_mode = router_mode
@@ -96,6 +108,7 @@ class ModelWatcher:
         self.prefix = f"{MDC_ROOT}/{only_endpoint.path}/" if only_endpoint else f"{MDC_ROOT}/"
         self._models: dict[str, _Model] = {}
         self._model_of_key: dict[str, str] = {}
+        self._refused: dict[str, str] = {}  # card key -> model name
 
     async def run(self) -> None:
         discovery = self.runtime.discovery
@@ -131,8 +144,15 @@ class ModelWatcher:
             await client.start()
             if router is not None:
                 await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
-            model = self._models[name] = _Model(checksum=card.mdcsum(), client=client, router=router)
-            self.registry.add(pipeline, instances=client.report)
+            checker = None
+            if self.health.enabled:
+                fallback = default_payload(name, card.model_input, card.bos_token_id)
+                checker = HealthChecker(client, self.health, fallback)
+                checker.start()
+            model = self._models[name] = _Model(
+                checksum=card.mdcsum(), client=client, router=router, checker=checker
+            )
+            self.registry.add(pipeline, instances=client.health_report)
             log.info(
                 "model %r added (endpoint %s, %s routing, migration limit %s)",
                 name,
@@ -149,15 +169,25 @@ class ModelWatcher:
                 card.mdcsum(),
                 model.checksum,
             )
+            model.client.refused[instance_id] = (
+                time.time(),
+                f"model card checksum {card.mdcsum()} differs from the model's {model.checksum}",
+            )
+            self._refused[key] = name
             return
         model.card_keys.add(key)
         self._model_of_key[key] = name
         if model.router is not None:
             model.router.dp_sizes[instance_id] = int((card.runtime_config or {}).get("data_parallel_size", 1))
+        if model.checker is not None:
+            model.checker.payloads[instance_id] = _health_payload(card)
         assert model.client.allowed is not None
         model.client.allowed.add(instance_id)
 
     async def _removed(self, key: str) -> None:
+        refused = self._refused.pop(key, None)
+        if refused is not None and refused in self._models:
+            self._models[refused].client.refused.pop(instance_id_from_key(key), None)
         name = self._model_of_key.pop(key, None)
         if name is None:
             return
@@ -165,11 +195,15 @@ class ModelWatcher:
         model.card_keys.discard(key)
         assert model.client.allowed is not None
         model.client.allowed.discard(instance_id_from_key(key))
+        if model.checker is not None:
+            model.checker.forget(instance_id_from_key(key))
         if model.router is not None:
             model.router.remove_worker(instance_id_from_key(key))
         if not model.card_keys:
             del self._models[name]
             self.registry.remove(name)
+            if model.checker is not None:
+                await model.checker.close()
             await model.client.close()
             if model.router is not None:
                 await model.router.close()
@@ -177,7 +211,17 @@ class ModelWatcher:
 
     async def close(self) -> None:
         for model in self._models.values():
+            if model.checker is not None:
+                await model.checker.close()
             await model.client.close()
             if model.router is not None:
                 await model.router.close()
         self._models.clear()
+
+
+def _health_payload(card: ModelDeploymentCard) -> dict[str, Any]:
+    """The worker's own health-check request from its card, else the tiniest generate."""
+    payload = (card.user_data or {}).get("health_check_payload")
+    if isinstance(payload, dict):
+        return payload
+    return default_payload(card.display_name, card.model_input, card.bos_token_id)

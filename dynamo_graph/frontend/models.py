@@ -1,14 +1,23 @@
-"""The models a frontend serves, by the name clients put in `model`."""
+"""The models a frontend serves, by the name clients put in `model`.
+
+`/health` (frontend/app.py) reports, per model, `status` (`healthy` while requests have an
+instance to go to), `instances` (the routable ones, each with `state: healthy`, the requests
+sent to it and its last health check) and `unavailable` (known instances left out of routing:
+`unhealthy` with the failed check's reason, `cooling_off` after a failed connection, `refused`
+for a model card mismatch; each with `since`). In-process models have `instances: "in-process"`.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from dynamo_graph.llm.pipeline import ModelPipeline
 
-# Describes the worker instances behind a model, for /health: [{"instance_id": hex, ...}].
-InstancesReport = Callable[[], list[dict]]
+# Describes the worker instances behind a model, for /health: the routable ones as
+# [{"instance_id": hex, ...}], or {"instances": [...], "unavailable": [...]} (Client.health_report).
+InstancesReport = Callable[[], list[dict] | dict[str, Any]]
 
 
 class ModelRegistry:
@@ -29,11 +38,16 @@ class ModelRegistry:
         self._instances.pop(name, None)
 
     def health(self) -> dict[str, dict]:
-        """Per model: where it runs and, for remote models, its worker instances."""
-        report = {}
+        """Per model: its status, where it runs and, for remote models, its worker instances."""
+        report: dict[str, dict] = {}
         for name in self.names():
             instances = self._instances.get(name)
-            report[name] = {"instances": instances()} if instances else {"instances": "in-process"}
+            if instances is None:
+                report[name] = {"status": "healthy", "instances": "in-process"}
+                continue
+            found = instances()
+            entry = dict(found) if isinstance(found, dict) else {"instances": found}
+            report[name] = {"status": "healthy" if entry.get("instances") else "unhealthy", **entry}
         return report
 
     def get(self, name: str) -> ModelPipeline | None:

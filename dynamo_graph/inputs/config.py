@@ -53,6 +53,13 @@ class RunConfig:
     use_kv_events: bool = True
     migration_limit: int = 0
     static_worker: bool = False
+    # Frontend health checks of worker instances (runtime/health.py); None: the environment's
+    # DYN_HEALTH_CHECK_INTERVAL_S / DYN_HEALTH_CHECK_TIMEOUT_S, else 5 s / 3 s. Interval 0: off.
+    health_check_interval_s: float | None = None
+    health_check_timeout_s: float | None = None
+    # A worker's cap on requests in flight; beyond it, requests are answered `overloaded` (503,
+    # and the frontend tries another instance). 0: unlimited.
+    max_inflight: int = 1024
     # Runtime planes; None leaves the environment (DYN_DISCOVERY_BACKEND, ...) in charge.
     discovery_backend: str | None = None
     request_plane: str | None = None
@@ -125,6 +132,7 @@ def validate(cfg: RunConfig) -> None:
         ("--base-gpu-id", cfg.base_gpu_id, 0),
         ("--migration-limit", cfg.migration_limit, 0),
         ("--max-concurrent-requests", cfg.max_concurrent_requests, 0),
+        ("--max-inflight", cfg.max_inflight, 0),
     ]
     for flag, value, minimum in checks:
         if value is not None and value < minimum:
@@ -136,9 +144,13 @@ def validate(cfg: RunConfig) -> None:
     for flag, fvalue in (
         ("--request-timeout-s", cfg.request_timeout_s),
         ("--http-body-limit-mb", cfg.http_body_limit_mb),
+        ("--health-check-timeout-s", cfg.health_check_timeout_s),
     ):
         if fvalue is not None and not fvalue > 0:
             raise RunConfigError(f"{flag} must be above 0, not {fvalue:g}")
+    interval = cfg.health_check_interval_s
+    if interval is not None and not interval >= 0:
+        raise RunConfigError(f"--health-check-interval-s must be >= 0 (0: no checks), not {interval:g}")
     if cfg.api_key is not None and not [k for k in cfg.api_key.split(",") if k.strip()]:
         raise RunConfigError("--api-key needs a key (or a comma list of keys)")  # never echo a key
     if cfg.router_temperature < 0:
@@ -152,6 +164,11 @@ _PLANE_ENV = {
     "request_plane": "DYN_REQUEST_PLANE",
     "event_plane": "DYN_EVENT_PLANE",
 }
+# The frontend's health-check settings, read by the model watcher (runtime/health.py).
+_HEALTH_ENV = {
+    "health_check_interval_s": "DYN_HEALTH_CHECK_INTERVAL_S",
+    "health_check_timeout_s": "DYN_HEALTH_CHECK_TIMEOUT_S",
+}
 
 
 def apply_runtime_settings(cfg: RunConfig) -> None:
@@ -159,15 +176,21 @@ def apply_runtime_settings(cfg: RunConfig) -> None:
     process, sees one configuration), then check all runtime settings before connecting."""
     from dynamo_graph.runtime import discovery, transport
     from dynamo_graph.runtime.events import event_plane_kind
+    from dynamo_graph.runtime.health import HealthSettings
 
     for attr, env in _PLANE_ENV.items():
         value = getattr(cfg, attr)
         if value is not None:
             os.environ[env] = value
+    for attr, env in _HEALTH_ENV.items():
+        value = getattr(cfg, attr)
+        if value is not None:
+            os.environ[env] = f"{value:g}"
     try:
         discovery.check_settings()
         transport.check_settings()
         event_plane_kind()
+        HealthSettings.from_env()
     except (ValueError, discovery.DiscoveryError) as err:
         raise RunConfigError(str(err)) from None
 

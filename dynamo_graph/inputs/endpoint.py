@@ -7,6 +7,11 @@ still running with EngineShutdown (the frontend migrates them to another worker 
 migration limit allows) and releases its lease. Tokens-input engines receive `PreprocessedRequest`s;
 text-input engines receive the OpenAI request and answer with OpenAI chunks, as Dynamo's
 Chat/Completion-type workers do.
+
+`--max-inflight N` (default 1024; 0: unlimited) caps the requests a worker has in flight: one
+more is answered at once with EngineOverloaded (`overloaded`, 503, before any output), and the
+frontend's client sends it to another instance (runtime/client.py), so no worker queues without
+bound behind the engine.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dynamo_graph.backend.engine import (
     LLMEngine,
     normalize_finish_reason,
 )
-from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.inputs.launch import StartedEngine, start_engine
@@ -77,6 +82,27 @@ class Closing:
 _SHUTDOWN_MESSAGE = "the worker is shutting down (its grace period ended)"
 
 
+class InflightCap:
+    """Requests a worker's handler has in flight, and its cap (0: none). `enter` raises
+    EngineOverloaded when the cap is reached; every successful `enter` is matched by `leave`."""
+
+    __slots__ = ("inflight", "limit", "refused")
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = max(int(limit), 0)
+        self.inflight = 0
+        self.refused = 0
+
+    def enter(self) -> None:
+        if self.limit and self.inflight >= self.limit:
+            self.refused += 1
+            raise EngineOverloaded(f"the worker is at its limit of {self.limit} requests in flight")
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+
+
 def _watches_cancellation(engine: LLMEngine) -> bool:
     """Engines that implement `abort` hear of a cancelled request as soon as it is cancelled;
     for the others (the no-op default) no watcher task is spent per request."""
@@ -119,15 +145,18 @@ def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
     return out
 
 
-def tokens_handler(engine: LLMEngine, closing: Closing | None = None):
+def tokens_handler(engine: LLMEngine, closing: Closing | None = None, cap: InflightCap | None = None):
     """The request-plane handler of a Tokens-input engine: finish reasons normalised, exactly
     one final chunk (the stream is closed after it), error chunks as error frames, and
     `engine.abort(context)` called once when the caller cancels. Once `closing.ended`, streams
-    end with EngineShutdown (so they migrate) instead of going on."""
+    end with EngineShutdown (so they migrate) instead of going on. Past `cap`, requests are
+    answered EngineOverloaded before anything else."""
     watch = _watches_cancellation(engine)
     closing = closing or Closing()
+    cap = cap or InflightCap()
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        cap.enter()
         watcher = _watch(engine, context, watch)
         try:
             async for out in engine.generate(request, context):
@@ -138,6 +167,7 @@ def tokens_handler(engine: LLMEngine, closing: Closing | None = None):
                 if out.finish_reason is not None:
                     return
         finally:
+            cap.leave()
             await _unwatch(watcher, context)
 
     return generate
@@ -177,13 +207,19 @@ def _chunk(request: AnyRequest, rid: str, created: int, out: LLMEngineOutput) ->
     return chunk
 
 
-def text_handler(engine: LLMEngine, closing: Closing | None = None):
+def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: InflightCap | None = None):
     """As `tokens_handler`, for a Text-input engine: OpenAI request in, OpenAI chunks out."""
     watch = _watches_cancellation(engine)
     closing = closing or Closing()
+    cap = cap or InflightCap()
 
     async def generate(raw: Any, context: Context) -> AsyncIterator[dict[str, Any]]:
-        request = _openai_request(raw)
+        cap.enter()
+        try:
+            request = _openai_request(raw)
+        except BaseException:
+            cap.leave()
+            raise
         rid, created = uuid.uuid4().hex, int(time.time())
         watcher = _watch(engine, context, watch)
         try:
@@ -195,6 +231,7 @@ def text_handler(engine: LLMEngine, closing: Closing | None = None):
                 if out.finish_reason is not None:
                     return
         finally:
+            cap.leave()
             await _unwatch(watcher, context)
 
     return generate
@@ -261,10 +298,13 @@ async def serve_engine(
             if health_check_enabled():
                 await run_health_check(engine, started.config, payload)
         endpoint = runtime.namespace(name.namespace).component(name.component).endpoint(name.endpoint)
+        cap = InflightCap(cfg.max_inflight)
         if started.config.model_input == "tokens":
-            await endpoint.start_serving(tokens_handler(engine, closing), request_type=PreprocessedRequest)
+            await endpoint.start_serving(
+                tokens_handler(engine, closing, cap), request_type=PreprocessedRequest
+            )
         else:
-            await endpoint.start_serving(text_handler(engine, closing))
+            await endpoint.start_serving(text_handler(engine, closing, cap))
         await publish_card(endpoint, card)
         console.print(
             f"[bold green]dyngraph[/] worker {name} instance {endpoint.instance_id:x} serving "

@@ -1,7 +1,11 @@
 """Calling an endpoint's instances: discovery keeps the instance list, a picker spreads requests.
 
 An instance that fails to connect or breaks a stream is dropped from routing at once (before
-its lease expires) and comes back only when discovery announces it again.
+its lease expires) for DOWN_COOLOFF_S, or until discovery announces it again. One that fails its
+health check (runtime/health.py) stays out of routing until it passes one. One that answers
+`overloaded` before its first response (a worker at its `--max-inflight`) is skipped for that
+request only: the request goes to another instance, as after a failed connection, without a
+cool-off and without counting as a migration.
 """
 
 from __future__ import annotations
@@ -11,14 +15,16 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError, EngineShutdown
+from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown
 from dynamo_graph.router.push import InstancePicker
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
@@ -42,6 +48,19 @@ class NoInstances(EngineError):
     http_status = 503
 
 
+class InstanceOverloaded(CannotConnect):
+    """An instance asked by id answered `overloaded` before any response: a CannotConnect, so
+    the routers that pick instances themselves (the KV router) try another, as they do after a
+    failed connection; nothing was generated."""
+
+    code = "overloaded"
+    http_status = 503
+
+
+def _when(wall: float | None) -> float | None:
+    return None if wall is None else round(wall, 3)
+
+
 class Client:
     def __init__(
         self, runtime: DistributedRuntime, name: EndpointName, *, router_mode: str = "round-robin"
@@ -61,8 +80,13 @@ class Client:
         self.sent: dict[int, int] = {}
         # Instances that failed us, left out of routing until this (monotonic) time.
         self._down_until: dict[int, float] = {}
+        self._down_since: dict[int, tuple[float, str]] = {}  # (wall clock, why), for /health
+        # Instances whose model card was refused (frontend/model_watcher.py): instance -> why.
+        self.refused: dict[int, tuple[float, str]] = {}
         self._ordered: list[int] = []
         self._changed = asyncio.Event()
+        # Health-check state (runtime/health.py); unhealthy instances are left out of routing.
+        self.health = HealthTable(on_change=self._changed.set, name=str(name))
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -92,11 +116,15 @@ class Client:
     def _set(self, instance_id: int, record: InstanceRecord) -> None:
         self.instances[instance_id] = record
         self._down_until.pop(instance_id, None)  # (re-)registered: routable again at once
+        self._down_since.pop(instance_id, None)
+        self.health.add(instance_id)  # health is kept: re-registering does not prove it
         self._ordered = sorted(self.instances)
         self._changed.set()
 
     def _drop(self, instance_id: int) -> None:
         self._down_until.pop(instance_id, None)
+        self._down_since.pop(instance_id, None)
+        self.health.remove(instance_id)
         if self.instances.pop(instance_id, None) is not None:
             self._ordered = sorted(self.instances)
             self._changed.set()
@@ -105,41 +133,96 @@ class Client:
         allowed = self.allowed
         if allowed is not None and instance_id not in allowed:
             return False
+        if instance_id in self.health.unhealthy:
+            return False
+        return not self._cooling_off(instance_id)
+
+    def _cooling_off(self, instance_id: int) -> bool:
         until = self._down_until.get(instance_id)
         if until is None:
-            return True
-        if time.monotonic() < until:
             return False
+        if time.monotonic() < until:
+            return True
         del self._down_until[instance_id]  # cooled off: try it again
-        return True
+        self._down_since.pop(instance_id, None)
+        return False
 
     def instance_ids(self) -> list[int]:
         """The instances requests may go to now."""
         return [i for i in self._ordered if self._routable(i)]
 
-    def report(self) -> list[dict[str, Any]]:
-        """The routable instances, where they are, and how many requests each was sent."""
-        return [
-            {
-                "instance_id": f"{i:x}",
-                "transport": self.instances[i].transport,
-                "requests": self.sent.get(i, 0),
+    def checkable_ids(self) -> list[int]:
+        """The instances to health-check: known, accepted, not cooling off after a failure."""
+        allowed = self.allowed
+        return [i for i in self._ordered if (allowed is None or i in allowed) and not self._cooling_off(i)]
+
+    def _describe(self, instance_id: int, state: str, since: float | None, reason: str | None) -> dict:
+        record = self.instances.get(instance_id)
+        entry = self.health.entries.get(instance_id)
+        info: dict[str, Any] = {
+            "instance_id": f"{instance_id:x}",
+            "transport": None if record is None else record.transport,
+            "requests": self.sent.get(instance_id, 0),
+            "state": state,
+            "since": _when(since),
+        }
+        if reason is not None:
+            info["reason"] = reason
+        if entry is not None and entry.checks:
+            latency = entry.last_check_latency_s
+            info["last_check"] = {
+                "at": _when(entry.last_check),
+                "ok": entry.last_check_ok,
+                "latency_ms": None if latency is None else round(latency * 1000, 1),
+                "checks": entry.checks,
+                "failed": entry.failed_checks,
             }
+        return info
+
+    def report(self) -> list[dict[str, Any]]:
+        """The routable instances: where they are, how many requests each was sent, their state
+        (`healthy`) and their last health check."""
+        entries = self.health.entries
+        return [
+            self._describe(i, HEALTHY, entries[i].since if i in entries else None, None)
             for i in self.instance_ids()
         ]
 
-    def report_instance_down(self, instance_id: int) -> None:
+    def unavailable(self) -> list[dict[str, Any]]:
+        """Known instances left out of routing, with why: `unhealthy` (a failed health check),
+        `cooling_off` (a failed connection or broken stream) or `refused` (model card mismatch)."""
+        out = []
+        for i in self._ordered:
+            if i in self.refused or (self.allowed is not None and i not in self.allowed):
+                continue  # refused ones are listed below; others may serve another model
+            entry = self.health.entries.get(i)
+            if entry is not None and entry.unhealthy:
+                out.append(self._describe(i, UNHEALTHY, entry.since, entry.reason))
+            elif self._cooling_off(i):
+                since, why = self._down_since.get(i, (None, "unreachable"))
+                out.append(self._describe(i, COOLING_OFF, since, why))
+        for i, (since, why) in sorted(self.refused.items()):
+            out.append(self._describe(i, REFUSED, since, why))
+        return out
+
+    def health_report(self) -> dict[str, Any]:
+        """For /health: the routable `instances` and the `unavailable` ones."""
+        return {"instances": self.report(), "unavailable": self.unavailable()}
+
+    def report_instance_down(self, instance_id: int, reason: str = "unreachable") -> None:
         """Leave an instance that failed us out of routing for DOWN_COOLOFF_S. A dead worker is
         gone from discovery by then (its lease expires); a live one that had a passing fault
         (or a static one, which discovery cannot vouch for) gets traffic again."""
         if instance_id in self.instances:
             log.warning(
-                "%s: instance %x is unreachable, leaving it out of routing for %.0fs",
+                "%s: instance %x is %s, leaving it out of routing for %.0fs",
                 self.name,
                 instance_id,
+                reason,
                 DOWN_COOLOFF_S,
             )
             self._down_until[instance_id] = time.monotonic() + DOWN_COOLOFF_S
+            self._down_since[instance_id] = (time.time(), reason)
             self._changed.set()
 
     async def wait_for_instances(self, timeout_s: float | None = None) -> list[int]:
@@ -170,7 +253,10 @@ class Client:
         """Send `request` to one instance (the picker's choice among those not in `exclude`, or
         `instance_id`) and stream its responses. An instance that cannot be reached leaves
         routing; if the picker chose it, the request goes to another instance (nothing was
-        generated yet, so that is always safe). A stream that breaks midway raises StreamBroken:
+        generated yet, so that is always safe). So does one that answers `overloaded` before
+        any response (no cool-off: it is only busy); asked by id, that raises
+        InstanceOverloaded (a CannotConnect). When every instance was overloaded the last
+        EngineOverloaded is raised (503). A stream that breaks midway raises StreamBroken:
         resuming it is request migration's job. Errors raised from an instance's stream carry
         its id as `err.instance_id`; one that broke, or whose engine is shutting down, leaves
         routing for DOWN_COOLOFF_S (or until discovery announces it again)."""
@@ -178,8 +264,19 @@ class Client:
         payload = _encode(request)
         ctx = context or Context()
         tried: set[int] = set(exclude) if exclude else set()
+        seen = self.health.last_response
+        now = time.monotonic
+        overloaded: EngineOverloaded | None = None
         while True:
-            target = self.pick(exclude=tried) if instance_id is None else instance_id
+            if instance_id is None:
+                try:
+                    target = self.pick(exclude=tried)
+                except NoInstances:
+                    if overloaded is not None:
+                        raise overloaded from None
+                    raise
+            else:
+                target = instance_id
             record = self.instances.get(target)
             if record is None:
                 raise NoInstances(f"instance {target:x} of {self.name} is not known")
@@ -187,15 +284,31 @@ class Client:
             stream = self.runtime.client_for(record.transport).stream(
                 record.transport, record.subject, payload, {}, ctx, timeout_s
             )
+            started = False
             try:
                 async for item in stream:
+                    started = True
+                    seen[target] = now()  # an answer: proof of health (runtime/health.py)
                     yield decode(item)
+                seen[target] = now()
                 return
             except CannotConnect as err:
                 self.report_instance_down(target)
                 if instance_id is not None:
                     err.instance_id = target  # type: ignore[attr-defined]
                     raise
+                tried.add(target)
+            except EngineOverloaded as err:
+                seen[target] = now()  # it answered at once: alive, only busy
+                if started:
+                    err.instance_id = target  # type: ignore[attr-defined]
+                    raise
+                log.debug("%s: instance %x is overloaded; trying another", self.name, target)
+                if instance_id is not None:
+                    busy = InstanceOverloaded(err.message)
+                    busy.instance_id = target  # type: ignore[attr-defined]
+                    raise busy from None
+                overloaded = err
                 tried.add(target)
             except EngineError as err:
                 if isinstance(err, (StreamBroken, EngineShutdown)):
@@ -204,6 +317,27 @@ class Client:
                 raise
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
+
+    async def probe(self, instance_id: int, request: Any, timeout_s: float) -> None:
+        """A health check: send `request` to one instance and read its stream to the end within
+        `timeout_s` (else TimeoutError, and the request is cancelled). Not counted in `sent`,
+        never retried, never routed; errors propagate as they came."""
+        record = self.instances.get(instance_id)
+        if record is None:
+            raise NoInstances(f"instance {instance_id:x} of {self.name} is not known")
+        ctx = Context(f"health-check-{uuid.uuid4().hex[:16]}")
+        stream = self.runtime.client_for(record.transport).stream(
+            record.transport, record.subject, _encode(request), {}, ctx, None
+        )
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in stream:
+                    pass
+        except TimeoutError:
+            ctx.stop_generating()
+            raise
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     # Dynamo's Python client spells routing choices as methods returning a stream.
     async def random(self, request: Any, context: Context | None = None) -> AsyncIterator[Any]:
