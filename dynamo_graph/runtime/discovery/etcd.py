@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import grpc
 from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
 
+from dynamo_graph.runtime.credentials import CredentialsError, etcd_credentials
 from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,12 @@ _CHANNEL_OPTIONS: list[tuple[str, int]] = [
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """`http://host:port` or `host:port` -> (host, port). TLS (https) is not supported yet."""
+    """`http://host:port`, `https://host:port` or `host:port` -> (host, port). TLS itself comes
+    from ETCD_AUTH_CA (runtime/credentials.py): https without it is an error there."""
     text = endpoint.strip()
     parts = urlsplit(text if "://" in text else f"http://{text}")
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        raise DiscoveryError(
-            f"etcd endpoint {endpoint!r}: expected http://host:port or host:port (https is not supported)"
-        )
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise DiscoveryError(f"etcd endpoint {endpoint!r}: expected http(s)://host:port or host:port")
     try:
         port = parts.port or 2379
     except ValueError as exc:
@@ -91,6 +91,7 @@ class EtcdDiscovery(Discovery):
         if ttl_s < 1:
             raise DiscoveryError(f"etcd lease TTL must be at least 1 s, got {ttl_s}")
         self._endpoints = [parse_endpoint(e) for e in endpoints]
+        self._tls = any(e.strip().lower().startswith("https://") for e in endpoints)
         self._ttl_s = int(ttl_s)
         self._client: Etcd3Client | None = None
         self._lease: int | None = None
@@ -122,14 +123,32 @@ class EtcdDiscovery(Discovery):
             except OSError as exc:
                 raise DiscoveryError(f"etcd endpoint {host}:{port}: cannot resolve ({exc})") from exc
             targets.append(f"{infos[0][4][0]}:{port}")
+        try:
+            creds = etcd_credentials()
+        except CredentialsError as exc:
+            raise DiscoveryError(str(exc)) from None
+        if self._tls and not creds.channel:
+            raise DiscoveryError("https etcd endpoints need ETCD_AUTH_CA (the CA certificate file)")
         client = Etcd3Client(
-            targets, watch_reconnect_backoff_seconds=0.1, watch_max_reconnect_backoff_seconds=1.0
+            targets,
+            watch_reconnect_backoff_seconds=0.1,
+            watch_max_reconnect_backoff_seconds=1.0,
+            tls_server_name=creds.tls_server_name or (self._endpoints[0][0] if creds.channel else None),
+            **dict(creds.channel),
         )
         manager = getattr(client, "_manager", None)
         if manager is not None:
             manager.grpc_options += _CHANNEL_OPTIONS
         await client.connect()
         self._client = client
+        if creds.username is not None:
+            try:
+                reply = await client.auth.authenticate(creds.username, creds.password)
+            except (EtcdError, grpc.aio.AioRpcError) as exc:
+                await client.close()
+                self._client = None
+                raise DiscoveryError(f"etcd: authentication as {creds.username!r} failed: {exc}") from None
+            client.set_token(reply.token)
         try:
             self._lease = await self._retry("grant a lease", self._grant)
         except DiscoveryError:

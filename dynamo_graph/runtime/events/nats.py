@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo_graph.redact import redact_url
+from dynamo_graph.runtime.credentials import nats_connect_options
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
 from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
 
@@ -61,7 +62,12 @@ async def _connect(nats_url: str, name: str, error_cb: ErrorCallback = _log_erro
     try:
         await asyncio.wait_for(
             nc.connect(
-                nats_url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=error_cb
+                nats_url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=error_cb,
+                **nats_connect_options(),
             ),
             CONNECT_TIMEOUT_S,
         )

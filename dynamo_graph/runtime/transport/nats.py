@@ -49,6 +49,7 @@ from nats.aio.subscription import Subscription
 
 from dynamo_graph.redact import redact_url
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.credentials import nats_connect_options
 from dynamo_graph.runtime.transport.base import (
     CannotConnect,
     Handler,
@@ -96,7 +97,13 @@ async def _connect(url: str, name: str, **options: Any) -> NatsClient:
     forever once connected (nats-py applies one attempt limit to both phases)."""
     try:
         nc = await nats.connect(
-            url, name=name, connect_timeout=2, reconnect_time_wait=0.5, max_reconnect_attempts=1, **options
+            url,
+            name=name,
+            connect_timeout=2,
+            reconnect_time_wait=0.5,
+            max_reconnect_attempts=1,
+            **nats_connect_options(),
+            **options,
         )
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         raise CannotConnect(f"cannot connect to NATS at {redact_url(url)}: {exc!r}") from exc
