@@ -220,6 +220,10 @@ class _Compiler:
             argv += ["--request-timeout-s", f"{comp.limits.request_timeout_s:g}"]
         if comp.limits.body_limit_mb is not None:
             argv += ["--http-body-limit-mb", f"{comp.limits.body_limit_mb:g}"]
+        if comp.limits.health_check_interval_s is not None:
+            argv += ["--health-check-interval-s", f"{comp.limits.health_check_interval_s:g}"]
+        if comp.limits.health_check_timeout_s is not None:
+            argv += ["--health-check-timeout-s", f"{comp.limits.health_check_timeout_s:g}"]
         # Keys reach the frontend only through its environment: the plan names the variables.
         auth_env = {"DYN_API_KEY_ENV": ",".join(comp.api_key_env)} if comp.api_key_env else {}
         depends_on, restart = self._common(name)
@@ -292,6 +296,8 @@ class _Compiler:
             argv += ["--tensor-parallel-size", str(worker.gpus.tensor_parallel_size)]
         if worker.migration_limit:
             argv += ["--migration-limit", str(worker.migration_limit)]
+        if worker.max_inflight is not None:
+            argv += ["--max-inflight", str(worker.max_inflight)]
         if worker.static:
             argv += ["--static-worker"]
         depends_on, restart = self._common(name)

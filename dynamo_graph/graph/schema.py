@@ -322,6 +322,12 @@ class Limits(_Model):
     (--request-timeout-s); default none."""
     body_limit_mb: float | None = Field(None, gt=0)
     """Largest request body in MiB; larger is 413 (--http-body-limit-mb); default 32."""
+    health_check_interval_s: float | None = Field(None, ge=0)
+    """Probe a worker instance that has been silent this long (--health-check-interval-s;
+    default 5, 0 = no health checks)."""
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    """A probe not answered within this takes the instance out of routing until one passes
+    (--health-check-timeout-s; default 3)."""
 
 
 class Frontend(_Component):
@@ -410,6 +416,9 @@ class Worker(_Component):
     Default: a free port."""
     migration_limit: int = Field(0, ge=0)
     """Migration limit advertised in the model card (--migration-limit)."""
+    max_inflight: int | None = Field(None, ge=0)
+    """Requests one replica takes at once; more are answered `overloaded` and go to another
+    replica (--max-inflight; default 1024, 0 = unlimited)."""
 
     @field_validator("engine")
     @classmethod

@@ -134,3 +134,27 @@ def test_cli_validate_and_render(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"{bad}:" in result.stderr and "components.backend.replicaz" in result.stderr
     assert "replicas" in result.stderr  # did-you-mean
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_fault_tolerance_settings_become_flags_and_env(tmp_path: Path) -> None:
+    text = BASE.replace(
+        "    http: {port: 18555}\n",
+        "    http: {port: 18555}\n    migration_limit: 2\n    api_key_env: [DEMO_KEY]\n"
+        "    limits: {request_timeout_s: 30, health_check_interval_s: 2, health_check_timeout_s: 1}\n",
+    ) + "    max_inflight: 16\n    shutdown_grace_s: 8\n"
+    worker, frontend = build(_write(tmp_path, text)).plan.processes
+    assert _flag(frontend.argv, "--migration-limit") == "2"
+    assert _flag(frontend.argv, "--request-timeout-s") == "30"
+    assert _flag(frontend.argv, "--health-check-interval-s") == "2"
+    assert _flag(frontend.argv, "--health-check-timeout-s") == "1"
+    assert _flag(frontend.argv, "--max-concurrent-requests") == "1024"
+    assert frontend.env["DYN_API_KEY_ENV"] == "DEMO_KEY"  # the variable's name, never a key
+    assert _flag(worker.argv, "--max-inflight") == "16"
+    assert worker.env["DYN_SHUTDOWN_GRACE_S"] == "5"  # drained before the supervisor's SIGKILL at 8 s
+    # Left unset, the frontend lets the workers' cards decide the migration limit.
+    _, plain = build(_write(tmp_path, BASE)).plan.processes
+    assert "--migration-limit" not in plain.argv and "--health-check-interval-s" not in plain.argv
