@@ -16,6 +16,16 @@ import httpx
 DYNGRAPH = [sys.executable, "-m", "dynamo_graph"]
 
 
+def embedded_planes_env(tmp_path: Path, *, zmq_events: bool = False) -> dict[str, str]:
+    """The environment that puts frontends and workers on the embedded planes in `tmp_path`: file
+    discovery, the tcp request plane (and zmq KV events), a 2 s lease."""
+    env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "kv"), "DYN_REQUEST_PLANE": "tcp"}
+    if zmq_events:
+        env["DYN_EVENT_PLANE"] = "zmq"
+    env["DYN_LEASE_TTL"] = "2"
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -92,6 +92,7 @@ from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.llm.detokenizer import BYTE_LEVEL_CHAR_TO_BYTE
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -204,27 +205,13 @@ class MistralrsArgs:
 # ---- token bytes -> ids ------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
 class TokenBytes:
     """Maps a token's raw bytes (as mistral.rs reports them in logprobs) back to its id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
         byte_level = "ByteLevel" in json.dumps(decoder)
-        u2b = {c: b for b, c in _bytes_to_unicode().items()}
+        u2b = BYTE_LEVEL_CHAR_TO_BYTE
         added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self.ids: dict[bytes, int] = {}
         self.ambiguous: dict[bytes, list[int]] = {}

@@ -78,11 +78,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import inspect
 import json
 import logging
-import random
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -91,16 +89,13 @@ import msgspec
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import (
-    CompletionUsage,
-    FinishReason,
-    LLMEngineOutput,
-    PreprocessedRequest,
-)
+from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
+from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
+from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber, offset_endpoint
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
-from dynamo_graph.router.kv.hashing import local_block_hashes
-from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
@@ -118,7 +113,6 @@ DEFAULT_PAGE_SIZE = 16  # dynamo-run's default --kv-block-size for sglang
 KV_TOPIC = "kv-events"
 # ServerArgs fields that make async_generate stream disjoint (incremental) output_ids, newest first.
 STREAMING_FIELDS = ("incremental_streaming_output", "stream_output")
-_U64 = (1 << 64) - 1
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # SamplingOptions passed to SGLang under the same name.
 _PASSED_THROUGH = (
@@ -136,20 +130,10 @@ class SglangError(RunConfigError):
 
 
 def import_sglang() -> Any:
-    try:
-        import sglang
-    except Exception as err:  # ImportError, or a broken install (e.g. a CUDA torchvision on CPU)
-        raise SglangError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
-    return sglang
+    return import_engine_package("sglang", INSTALL_HINT, SglangError)
 
 
 # ---- settings ----------------------------------------------------------------------------------
-
-_FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-
-
-def _given(cfg: RunConfig, name: str) -> bool:
-    return name in cfg.explicit or getattr(cfg, name) != _FLAG_DEFAULTS[name]
 
 
 def server_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[str, Any]:
@@ -183,11 +167,7 @@ def server_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dic
         if cfg.leader_addr:
             kwargs["dist_init_addr"] = cfg.leader_addr
     extra = cfg.engine_args()
-    for attr, (flag, key) in flags.items():
-        if key in extra and key in kwargs and _given(cfg, attr) and extra[key] != kwargs[key]:
-            raise SglangError(
-                f"{flag} {getattr(cfg, attr)} conflicts with {key}={extra[key]!r} in {SOURCE}; give one"
-            )
+    refuse_flag_conflicts(cfg, flags, kwargs, extra, SglangError)
     kv_config = extra.get("kv_events_config")
     if isinstance(kv_config, Mapping):  # ServerArgs takes it as a JSON string
         extra = {**extra, "kv_events_config": json.dumps(dict(kv_config))}
@@ -199,18 +179,7 @@ def server_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dic
 
 def check_server_args(kwargs: Mapping[str, Any], fields: Iterable[str]) -> None:
     """Refuse keys that are not ServerArgs fields, naming the closest and all valid ones."""
-    valid = sorted(set(fields))
-    unknown = [key for key in kwargs if key not in valid]
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = [v for v in valid if v.startswith(key)][:3] or difflib.get_close_matches(key, valid, n=3)
-        hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    raise SglangError(
-        f"{SOURCE}: unknown SGLang ServerArgs field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-        f"valid fields: {', '.join(valid)}"
-    )
+    refuse_unknown_keys(kwargs, fields, what="SGLang ServerArgs", noun="field", error=SglangError)
 
 
 def enable_incremental_output(kwargs: dict[str, Any], fields: Iterable[str] | None) -> bool:
@@ -317,14 +286,13 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 _decode_batch = msgspec.msgpack.Decoder(KVEventBatch).decode
 
 
-class SglangKvEventBridge:
+class SglangKvEventBridge(KvBlockBridge):
     """SGLang's KV event batches -> our `KvEventSink` (stored / removed / cleared per DP rank)."""
 
+    engine = "sglang"
+
     def __init__(self, sink: KvEventSink, block_size: int) -> None:
-        self.sink = sink
-        self.block_size = block_size
-        self._partial: dict[int, set[int]] = {}  # per rank: hashes of partial blocks we did not report
-        self._warned_size = False
+        super().__init__(sink, block_size)
 
     def handle_payload(self, payload: bytes, dp_rank: int = 0) -> None:
         self.handle_batch(_decode_batch(payload), dp_rank)
@@ -332,143 +300,22 @@ class SglangKvEventBridge:
     def handle_batch(self, batch: KVEventBatch, dp_rank: int = 0) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._stored(event, dp_rank)
+                size = self.event_block_size(event.block_size)
+                parent = None if event.parent_block_hash is None else event.parent_block_hash & U64
+                hashes = [h & U64 for h in event.block_hashes]
+                self.store(parent, hashes, event.token_ids, size, dp_rank)
             elif isinstance(event, BlockRemoved):
-                partial = self._partial.get(dp_rank, set())
-                hashes = [h for h in (x & _U64 for x in event.block_hashes) if h not in partial]
-                partial.difference_update(x & _U64 for x in event.block_hashes)
-                if hashes:
-                    self.sink.removed(hashes, dp_rank)
+                self.remove((h & U64 for h in event.block_hashes), dp_rank)
             else:
-                self._partial.pop(dp_rank, None)
-                self.sink.cleared(dp_rank)
-
-    def _stored(self, event: BlockStored, dp_rank: int) -> None:
-        size = event.block_size or self.block_size
-        if size != self.block_size and not self._warned_size:
-            self._warned_size = True
-            log.warning(
-                "sglang: KV events use block size %d, the card says %d; routing will not match",
-                size,
-                self.block_size,
-            )
-        blocks: list[StoredBlock] = []
-        tokens = event.token_ids
-        for i, raw in enumerate(event.block_hashes):
-            chunk = tokens[i * size : (i + 1) * size]
-            if len(chunk) < size:  # a partial block: the router only knows full ones
-                self._partial.setdefault(dp_rank, set()).add(raw & _U64)
-                continue
-            blocks.append(StoredBlock(raw & _U64, local_block_hashes(chunk, size)[0]))
-        if blocks:
-            parent = None if event.parent_block_hash is None else event.parent_block_hash & _U64
-            self.sink.stored(parent, blocks, dp_rank)
-
-
-def _binds(endpoint: str) -> bool:
-    """SGLang's publisher binds these endpoints and connects to any other (kv_events.py)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+                self.clear(dp_rank)
 
 
 def offset_endpoint_port(endpoint: str, dp_rank: int) -> str:
     """SGLang's rule: rank r publishes on the base port + r (tcp), or `_dp{r}` (inproc)."""
-    if dp_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{dp_rank}"
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + dp_rank}"
-
-
-class _KvSubscriber:
-    """SUB sockets (one per local DP rank) feeding a `SglangKvEventBridge` from a task."""
-
-    def __init__(self, bridge: SglangKvEventBridge) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self._zmq = zmq
-        self.bridge = bridge
-        self.ctx = zmq.asyncio.Context()
-        self.sockets: list[tuple[Any, int]] = []
-        self.task: asyncio.Task[None] | None = None
-
-    def _sub(self, topic: str) -> Any:
-        sock = self.ctx.socket(self._zmq.SUB)
-        sock.setsockopt(self._zmq.LINGER, 0)
-        sock.setsockopt(self._zmq.SUBSCRIBE, topic.encode())
-        return sock
-
-    def bind_loopback(self, ranks: list[int], topic: str = KV_TOPIC, attempts: int = 20) -> str:
-        """Bind one SUB per rank on 127.0.0.1 at base + rank; returns the base endpoint."""
-        top = max(ranks)
-        for _ in range(attempts):
-            base = random.randrange(20_000, 60_000 - top)
-            socks = []
-            try:
-                for rank in ranks:
-                    sock = self._sub(topic)
-                    socks.append((sock, rank))
-                    sock.bind(f"tcp://127.0.0.1:{base + rank}")
-            except self._zmq.ZMQError:
-                for sock, _ in socks:
-                    sock.close(linger=0)
-                continue
-            self.sockets.extend(socks)
-            return f"tcp://127.0.0.1:{base}"
-        raise SglangError("sglang: could not bind a local port for KV events")
-
-    def attach(self, endpoint: str, ranks: list[int], topic: str) -> None:
-        """Subscribe to an endpoint the user configured for SGLang's publisher."""
-        for rank in ranks:
-            address = offset_endpoint_port(endpoint, rank)
-            sock = self._sub(topic)
-            if _binds(endpoint):
-                sock.connect(address.replace("*", "127.0.0.1"))
-            else:
-                sock.bind(address)
-            self.sockets.append((sock, rank))
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name="sglang kv events")
-
-    async def _run(self) -> None:
-        poller = self._zmq.asyncio.Poller()
-        ranks = {}
-        for sock, rank in self.sockets:
-            poller.register(sock, self._zmq.POLLIN)
-            ranks[sock] = rank
-        while True:
-            for sock, _ in await poller.poll():
-                frames = await sock.recv_multipart()
-                try:
-                    self.bridge.handle_payload(frames[-1], ranks[sock])
-                except Exception as err:  # a bad batch must not stop the bridge
-                    log.warning("sglang: dropping a KV event batch: %s", err)
-
-    async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-            self.task = None
-        for sock, _ in self.sockets:
-            sock.close(linger=0)
-        self.sockets.clear()
-        self.ctx.term()
+    return offset_endpoint(endpoint, dp_rank, SglangError)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-
-
-class _Active:
-    __slots__ = ("aborted", "context", "finished", "rid")
-
-    def __init__(self, rid: str, context: Context) -> None:
-        self.rid = rid
-        self.context = context
-        self.aborted = False
-        self.finished = False
 
 
 class SglangEngine(LLMEngine):
@@ -485,12 +332,10 @@ class SglangEngine(LLMEngine):
         self.context_length: int | None = None
         self._backend: Any = None
         self._config: EngineConfig | None = None
-        self._kv: _KvSubscriber | None = None
-        self._active: dict[Context, _Active] = {}
+        self._kv: ZmqKvSubscriber | None = None
+        self._active = InFlight()
         self._rids: set[str] = set()
         self._aborts: set[asyncio.Future[Any]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._closed = False
 
     @classmethod
@@ -579,11 +424,12 @@ class SglangEngine(LLMEngine):
         first = int(kwargs.get("node_rank") or 0) * local
         return list(range(first, first + local))
 
-    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> _KvSubscriber | None:
+    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> ZmqKvSubscriber | None:
         if kwargs.get("disable_radix_cache"):
             log.warning("sglang: disable_radix_cache is set, so SGLang reports no KV events")
             return None
-        subscriber = _KvSubscriber(SglangKvEventBridge(sink, int(kwargs.get("page_size") or 1)))
+        bridge = SglangKvEventBridge(sink, int(kwargs.get("page_size") or 1))
+        subscriber = ZmqKvSubscriber(bridge.handle_payload, engine="sglang", error=SglangError)
         ranks = self._local_ranks(kwargs)
         try:
             given = kwargs.get("kv_events_config")
@@ -591,23 +437,21 @@ class SglangEngine(LLMEngine):
                 config = json.loads(given)
                 if config.get("publisher", "null") != "zmq":
                     log.warning("sglang: kv_events_config publisher is not zmq; KV events are not bridged")
-                    subscriber.ctx.term()
+                    subscriber.discard()
                     return None
                 endpoint = config.get("endpoint", "tcp://*:5557")
                 if endpoint.startswith("inproc://"):
                     log.warning("sglang: an inproc:// KV event endpoint cannot be read from this process")
-                    subscriber.ctx.term()
+                    subscriber.discard()
                     return None
                 subscriber.attach(endpoint, ranks, config.get("topic", ""))
             else:
-                endpoint = subscriber.bind_loopback(ranks)
+                endpoint = subscriber.bind_loopback(ranks, KV_TOPIC)
                 kwargs["kv_events_config"] = json.dumps(
                     {"publisher": "zmq", "endpoint": endpoint, "topic": KV_TOPIC}
                 )
         except Exception:
-            for sock, _ in subscriber.sockets:
-                sock.close(linger=0)
-            subscriber.ctx.term()
+            subscriber.discard()
             raise
         return subscriber
 
@@ -617,13 +461,13 @@ class SglangEngine(LLMEngine):
             await kv.close()
 
     async def drain(self) -> None:
-        await self._idle.wait()
+        await self._active.wait_idle()
 
     async def cleanup(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for active in list(self._active.values()):
+        for active in self._active.values():
             self._abort(active)
         await self._close_kv()
         backend, self._backend = self._backend, None
@@ -639,11 +483,9 @@ class SglangEngine(LLMEngine):
                 log.warning("sglang: shutdown failed: %s", err)
 
     async def abort(self, context: Context) -> None:
-        active = self._active.get(context)
-        if active is not None:
-            self._abort(active)
+        await self._active.abort(context, self._abort)
 
-    def _abort(self, active: _Active) -> None:
+    def _abort(self, active: ActiveRequest) -> None:
         if active.aborted or active.finished or self._backend is None:
             return
         active.aborted = True
@@ -672,28 +514,20 @@ class SglangEngine(LLMEngine):
     async def generate(  # type: ignore[override]
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        if not isinstance(request, PreprocessedRequest):
-            raise InvalidArgument("out=sglang takes pre-processed requests (token ids)", param="model")
-        if self._closed:
-            raise EngineShutdown("the sglang engine shut down")
-        if self._backend is None:
-            raise EngineError("the sglang engine is not started")
-        prompt = list(request.token_ids)
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed", param="prompt")
+        prompt = checked_prompt(request, "sglang", closed=self._closed, started=self._backend is not None)
+        assert isinstance(request, PreprocessedRequest)
         params = sampling_params(request, context_length=self.context_length)
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
         rid = self._rid(context)
-        active = _Active(rid, context)
-        self._active[context] = active
-        self._idle.clear()
+        active = ActiveRequest(context, rid)
+        self._active.add(active)
         self._rids.add(rid)
         kwargs: dict[str, Any] = {"input_ids": prompt, "sampling_params": params, "stream": True, "rid": rid}
         if request.dp_rank is not None:
             kwargs["data_parallel_rank"] = request.dp_rank
-        watcher = asyncio.ensure_future(self._watch(active))
+        watcher = self._active.watch(active, self._abort)
         stream: Any = None
         ids = _OutputIds(self.incremental)
         first = True
@@ -742,16 +576,9 @@ class SglangEngine(LLMEngine):
                 with contextlib.suppress(Exception):
                     await stream.aclose()
             self._rids.discard(rid)
-            if self._active.get(context) is active:
-                del self._active[context]
-            if not self._active:
-                self._idle.set()
+            self._active.remove(active)
 
-    async def _watch(self, active: _Active) -> None:
-        await active.context.stopped()
-        self._abort(active)
-
-    def _finish(self, active: _Active, finish: Any) -> FinishReason:
+    def _finish(self, active: ActiveRequest, finish: Any) -> FinishReason:
         if active.context.is_stopped() or active.aborted:
             return "cancelled"
         kind = finish.get("type") if isinstance(finish, Mapping) else str(finish)

@@ -82,8 +82,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
-import difflib
 import logging
 import os
 import re
@@ -93,6 +91,9 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
+from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.router.kv.hashing import local_block_hashes
@@ -114,7 +115,6 @@ DEFAULT_TOKENS_PER_BLOCK = 32  # TensorRT-LLM's KvCacheConfig default
 DEFAULT_EVENT_BUFFER = 1024  # dynamo-run's trtllm default when publishing KV events
 KV_POLL_TIMEOUT_S = 0.5
 KV_IDLE_S = 0.05
-_U64 = (1 << 64) - 1
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
@@ -123,20 +123,10 @@ class TrtllmError(RunConfigError):
 
 
 def import_tensorrt_llm() -> Any:
-    try:
-        import tensorrt_llm
-    except Exception as err:  # ImportError, or an install that cannot load its CUDA libraries
-        raise TrtllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
-    return tensorrt_llm
+    return import_engine_package("tensorrt_llm", INSTALL_HINT, TrtllmError)
 
 
 # ---- settings ----------------------------------------------------------------------------------
-
-_FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-
-
-def _given(cfg: RunConfig, name: str) -> bool:
-    return name in cfg.explicit or getattr(cfg, name) != _FLAG_DEFAULTS[name]
 
 
 def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -193,37 +183,26 @@ def llm_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[s
     kv_extra = extra.get("kv_cache_config")
     if kv_extra is not None and not isinstance(kv_extra, Mapping):
         raise TrtllmError(f"{SOURCE}: kv_cache_config must be a mapping, not {kv_extra!r}")
-    checks = [
-        ("tensor_parallel_size", "--tensor-parallel-size", extra.get("tensor_parallel_size"), "the same key"),
-        ("context_length", "--context-length", extra.get("max_seq_len"), "max_seq_len"),
-        (
-            "kv_cache_block_size",
-            "--kv-cache-block-size",
-            (kv_extra or {}).get("tokens_per_block"),
-            "kv_cache_config.tokens_per_block",
-        ),
-    ]
-    for attr, flag, value, key in checks:
-        if value is not None and _given(cfg, attr) and value != getattr(cfg, attr):
-            raise TrtllmError(
-                f"{flag} {getattr(cfg, attr)} conflicts with {key}={value!r} in {SOURCE}; give one"
-            )
+    # The flags' values as LLM kwargs (a nested key by its dotted path), against the extra ones.
+    flags = {
+        "tensor_parallel_size": ("--tensor-parallel-size", "tensor_parallel_size"),
+        "context_length": ("--context-length", "max_seq_len"),
+        "kv_cache_block_size": ("--kv-cache-block-size", "kv_cache_config.tokens_per_block"),
+    }
+    ours = {key: getattr(cfg, attr) for attr, (_, key) in flags.items()}
+    theirs = {
+        "tensor_parallel_size": extra.get("tensor_parallel_size"),
+        "max_seq_len": extra.get("max_seq_len"),
+        "kv_cache_config.tokens_per_block": (kv_extra or {}).get("tokens_per_block"),
+    }
+    theirs = {key: value for key, value in theirs.items() if value is not None}
+    refuse_flag_conflicts(cfg, flags, ours, theirs, TrtllmError)
     return deep_merge(kwargs, extra)
 
 
 def check_llm_args(kwargs: Mapping[str, Any], names: Iterable[str]) -> None:
-    valid = sorted(set(names))
-    unknown = [key for key in kwargs if key not in valid]
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = [v for v in valid if v.startswith(key)][:3] or difflib.get_close_matches(key, valid, n=3)
-        hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    raise TrtllmError(
-        f"{SOURCE}: unknown TensorRT-LLM LLM argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-        f"valid arguments: {', '.join(valid)}"
-    )
+    """Refuse keys that are not LLM arguments, naming the closest and all valid ones."""
+    refuse_unknown_keys(kwargs, names, what="TensorRT-LLM LLM", noun="argument", error=TrtllmError)
 
 
 def sampling_kwargs(request: PreprocessedRequest, *, context_length: int | None = None) -> dict[str, Any]:
@@ -287,13 +266,13 @@ def _token_id(token: Any) -> int:
     return int(token["token_id"]) if isinstance(token, Mapping) else int(token)
 
 
-class TrtllmKvEventBridge:
+class TrtllmKvEventBridge(KvBlockBridge):
     """TensorRT-LLM's KV cache event dicts -> our `KvEventSink` (stored / removed per DP rank)."""
 
+    engine = "trtllm"
+
     def __init__(self, sink: KvEventSink, block_size: int) -> None:
-        self.sink = sink
-        self.block_size = block_size
-        self._partial: dict[int, set[int]] = {}
+        super().__init__(sink, block_size)
 
     def handle(self, event: Mapping[str, Any]) -> None:
         rank = int(event.get("attention_dp_rank") or 0)
@@ -302,20 +281,12 @@ class TrtllmKvEventBridge:
         if kind == "stored":
             self._stored(data, rank)
         elif kind == "removed":
-            partial = self._partial.get(rank, set())
-            removed = []
-            for raw in data.get("block_hashes") or ():
-                h = int(raw) & _U64
-                if h in partial:
-                    partial.discard(h)
-                else:
-                    removed.append(h)
-            if removed:
-                self.sink.removed(removed, rank)
+            self.remove((int(raw) & U64 for raw in data.get("block_hashes") or ()), rank)
         # "created" / "updated" say nothing the router uses
 
     def _stored(self, data: Mapping[str, Any], rank: int) -> None:
-        size = self.block_size
+        # Each block carries its own tokens (not one list for the event, as vLLM and SGLang send).
+        size = int(self.block_size or 0)
         blocks: list[StoredBlock] = []
         for block in data.get("blocks") or ():
             raw = block.get("block_hash")
@@ -326,25 +297,14 @@ class TrtllmKvEventBridge:
                 log.error("trtllm: a KV block of %d tokens, more than tokens_per_block %d", len(tokens), size)
                 return
             if len(tokens) < size:  # a partial block: unknown to the router, as is its removal
-                self._partial.setdefault(rank, set()).add(int(raw) & _U64)
+                self.mark_partial(int(raw) & U64, rank)
                 break
-            blocks.append(StoredBlock(int(raw) & _U64, local_block_hashes(tokens, size)[0]))
-        if blocks:
-            parent = data.get("parent_hash")
-            self.sink.stored(None if parent is None else int(parent) & _U64, blocks, rank)
+            blocks.append(StoredBlock(int(raw) & U64, local_block_hashes(tokens, size)[0]))
+        parent = data.get("parent_hash")
+        self.store_blocks(None if parent is None else int(parent) & U64, blocks, rank)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-
-
-class _Active:
-    __slots__ = ("aborted", "context", "finished", "result")
-
-    def __init__(self, context: Context) -> None:
-        self.context = context
-        self.result: Any = None
-        self.aborted = False
-        self.finished = False
 
 
 class TrtllmEngine(LLMEngine):
@@ -369,9 +329,7 @@ class TrtllmEngine(LLMEngine):
         self._config: EngineConfig | None = None
         self._bridge: TrtllmKvEventBridge | None = None
         self._kv_task: asyncio.Task[None] | None = None
-        self._active: dict[Context, _Active] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._active = InFlight()
         self._closed = False
 
     @classmethod
@@ -494,13 +452,13 @@ class TrtllmEngine(LLMEngine):
                 await asyncio.sleep(KV_IDLE_S)
 
     async def drain(self) -> None:
-        await self._idle.wait()
+        await self._active.wait_idle()
 
     async def cleanup(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for active in list(self._active.values()):
+        for active in self._active.values():
             self._abort(active)
         if self._kv_task is not None:
             self._kv_task.cancel()
@@ -519,11 +477,9 @@ class TrtllmEngine(LLMEngine):
                 log.warning("trtllm: shutdown failed: %s", err)
 
     async def abort(self, context: Context) -> None:
-        active = self._active.get(context)
-        if active is not None:
-            self._abort(active)
+        await self._active.abort(context, self._abort)
 
-    def _abort(self, active: _Active) -> None:
+    def _abort(self, active: ActiveRequest) -> None:
         if active.aborted or active.finished or active.result is None:
             return
         active.aborted = True
@@ -537,15 +493,8 @@ class TrtllmEngine(LLMEngine):
     async def generate(  # type: ignore[override]
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        if not isinstance(request, PreprocessedRequest):
-            raise InvalidArgument("out=trtllm takes pre-processed requests (token ids)", param="model")
-        if self._closed:
-            raise EngineShutdown("the trtllm engine shut down")
-        if self._backend is None:
-            raise EngineError("the trtllm engine is not started")
-        prompt = list(request.token_ids)
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed", param="prompt")
+        prompt = checked_prompt(request, "trtllm", closed=self._closed, started=self._backend is not None)
+        assert isinstance(request, PreprocessedRequest)
         try:
             params = self._make_sampling_params(sampling_kwargs(request, context_length=self.context_length))
         except EngineError:
@@ -555,9 +504,8 @@ class TrtllmEngine(LLMEngine):
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
-        active = _Active(context)
-        self._active[context] = active
-        self._idle.clear()
+        active = ActiveRequest(context)
+        self._active.add(active)
         watcher: asyncio.Future[None] | None = None
         sent = 0
         first = True
@@ -566,7 +514,7 @@ class TrtllmEngine(LLMEngine):
                 active.result = self._backend.generate_async(
                     inputs=prompt, sampling_params=params, streaming=True
                 )
-                watcher = asyncio.ensure_future(self._watch(active))
+                watcher = self._active.watch(active, self._abort)
                 if context.is_stopped():
                     self._abort(active)
                 async for res in active.result:
@@ -609,16 +557,9 @@ class TrtllmEngine(LLMEngine):
                 watcher.cancel()
             if not active.finished:  # our consumer went away: free the engine's slot
                 self._abort(active)
-            if self._active.get(context) is active:
-                del self._active[context]
-            if not self._active:
-                self._idle.set()
+            self._active.remove(active)
 
-    async def _watch(self, active: _Active) -> None:
-        await active.context.stopped()
-        self._abort(active)
-
-    def _finish(self, active: _Active, finish: Any) -> FinishReason:
+    def _finish(self, active: ActiveRequest, finish: Any) -> FinishReason:
         if active.context.is_stopped() or active.aborted:
             return "cancelled"
         if finish is None:

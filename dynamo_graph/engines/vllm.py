@@ -90,12 +90,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import itertools
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -103,16 +101,13 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import (
-    CompletionUsage,
-    FinishReason,
-    LLMEngineOutput,
-    PreprocessedRequest,
-)
+from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
+from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
+from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
-from dynamo_graph.router.kv.hashing import local_block_hashes
-from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
@@ -134,7 +129,6 @@ ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
 }
 ABORT_WAIT_S = 5.0
-_U64 = (1 << 64) - 1
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -163,20 +157,10 @@ class VllmError(RunConfigError):
 def import_vllm() -> Any:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    try:
-        import vllm
-    except Exception as err:  # ImportError, or a broken install (e.g. a CUDA torchvision on CPU)
-        raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
-    return vllm
+    return import_engine_package("vllm", INSTALL_HINT, VllmError)
 
 
 # ---- settings ----------------------------------------------------------------------------------
-
-_FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-
-
-def _given(cfg: RunConfig, name: str) -> bool:
-    return name in cfg.explicit or getattr(cfg, name) != _FLAG_DEFAULTS[name]
 
 
 def split_leader_addr(addr: str) -> tuple[str, int]:
@@ -221,29 +205,14 @@ def engine_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dic
         "node_rank": ("--node-rank", "node_rank"),
     }
     extra = cfg.engine_args()
-    for attr, (flag, key) in flags.items():
-        if key in extra and key in kwargs and _given(cfg, attr) and extra[key] != kwargs[key]:
-            raise VllmError(
-                f"{flag} {getattr(cfg, attr)} conflicts with {key}={extra[key]!r} in {SOURCE}; give one"
-            )
+    refuse_flag_conflicts(cfg, flags, kwargs, extra, VllmError)
     kwargs.update(extra)
     return kwargs
 
 
 def check_engine_args(kwargs: Mapping[str, Any], fields: Iterable[str]) -> None:
     """Refuse keys that are not AsyncEngineArgs fields, naming the closest and all valid ones."""
-    valid = sorted(set(fields))
-    unknown = [key for key in kwargs if key not in valid]
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, valid, n=3)
-        hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    raise VllmError(
-        f"{SOURCE}: unknown vLLM AsyncEngineArgs field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-        f"valid fields: {', '.join(valid)}"
-    )
+    refuse_unknown_keys(kwargs, fields, what="vLLM AsyncEngineArgs", noun="field", error=VllmError)
 
 
 def sampling_kwargs(
@@ -308,22 +277,14 @@ def sampling_kwargs(
 def block_hash_u64(value: int | bytes) -> int:
     """vLLM's block hash (an int, or sha256 bytes) as a stable u64; see the module docstring."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return int.from_bytes(bytes(value), "big") & _U64
-    return int(value) & _U64
+        return int.from_bytes(bytes(value), "big") & U64
+    return int(value) & U64
 
 
-class VllmKvEventBridge:
+class VllmKvEventBridge(KvBlockBridge):
     """vLLM's KV event batches -> our `KvEventSink` (stored / removed / cleared per DP rank)."""
 
-    def __init__(self, sink: KvEventSink, block_size: int | None = None) -> None:
-        self.sink = sink
-        self.block_size = block_size
-        self._warned: set[str] = set()
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message, *args)
+    engine = "vllm"
 
     def handle_batch(self, batch: Any, dp_rank: int = 0) -> None:
         rank = getattr(batch, "data_parallel_rank", None)
@@ -337,129 +298,24 @@ class VllmKvEventBridge:
             if kind == "BlockStored":
                 self._stored(event, rank)
             elif kind == "BlockRemoved":
-                hashes = [block_hash_u64(h) for h in event.block_hashes]
-                if hashes:
-                    self.sink.removed(hashes, rank)
+                self.remove([block_hash_u64(h) for h in event.block_hashes], rank)
             elif kind == "AllBlocksCleared":
-                self.sink.cleared(rank)
+                self.clear(rank)
             else:
-                self._warn_once(kind, "vllm: ignoring unknown KV event %s", kind)
+                self.warn_once(kind, "ignoring unknown KV event %s", kind)
 
     def _stored(self, event: Any, rank: int) -> None:
-        size = int(event.block_size or self.block_size or 0)
+        size = self.event_block_size(event.block_size)
         if size <= 0:
             return
-        if self.block_size and size != self.block_size:
-            self._warn_once(
-                "size",
-                "vllm: KV events use block size %d, the card says %d; routing will not match",
-                size,
-                self.block_size,
-            )
-        tokens = list(event.token_ids)
-        locals_ = local_block_hashes(tokens, size)
-        blocks = [
-            StoredBlock(block_hash_u64(raw), local)
-            for raw, local in zip(event.block_hashes, locals_, strict=False)
-        ]
-        if len(blocks) < len(event.block_hashes):
-            self._warn_once("partial", "vllm: a BlockStored event without the tokens of all its blocks")
-        if blocks:
-            parent = event.parent_block_hash
-            self.sink.stored(None if parent is None else block_hash_u64(parent), blocks, rank)
-
-
-class _KvSubscriber:
-    """SUB socket(s) on vLLM's ZMQ KV event publisher, feeding a `VllmKvEventBridge` from a task."""
-
-    def __init__(self, bridge: VllmKvEventBridge, decoder: Any) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self._zmq = zmq
-        self.bridge = bridge
-        self.decode = decoder
-        self.ctx = zmq.asyncio.Context()
-        self.sockets: list[tuple[Any, int]] = []
-        self.task: asyncio.Task[None] | None = None
-
-    def _sub(self, topic: str) -> Any:
-        sock = self.ctx.socket(self._zmq.SUB)
-        sock.setsockopt(self._zmq.LINGER, 0)
-        sock.setsockopt(self._zmq.SUBSCRIBE, topic.encode())
-        return sock
-
-    def connect(self, endpoint: str, topic: str, rank: int = 0) -> None:
-        """vLLM binds `endpoint` (ipc://, or a wildcard tcp one): connect to it."""
-        sock = self._sub(topic)
-        sock.connect(endpoint.replace("*", "127.0.0.1"))
-        self.sockets.append((sock, rank))
-
-    def bind(self, address: str, topic: str, rank: int) -> None:
-        """vLLM connects to a concrete tcp address: bind it."""
-        sock = self._sub(topic)
-        sock.bind(address)
-        self.sockets.append((sock, rank))
-
-    def bind_loopback(self, ranks: list[int], topic: str, attempts: int = 20) -> str:
-        """One SUB per rank on 127.0.0.1, ports base + rank (vLLM's rule); returns the base endpoint."""
-        top = max(ranks)
-        for _ in range(attempts):
-            base = random.randrange(20_000, 60_000 - top)
-            bound: list[tuple[Any, int]] = []
-            try:
-                for rank in ranks:
-                    sock = self._sub(topic)
-                    bound.append((sock, rank))
-                    sock.bind(f"tcp://127.0.0.1:{base + rank}")
-            except self._zmq.ZMQError:
-                for sock, _ in bound:
-                    sock.close(linger=0)
-                continue
-            self.sockets.extend(bound)
-            return f"tcp://127.0.0.1:{base}"
-        raise VllmError("vllm: could not bind a local port for KV events")
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name="vllm kv events")
-
-    async def _run(self) -> None:
-        poller = self._zmq.asyncio.Poller()
-        ranks = {}
-        for sock, rank in self.sockets:
-            poller.register(sock, self._zmq.POLLIN)
-            ranks[sock] = rank
-        while True:
-            for sock, _ in await poller.poll():
-                frames = await sock.recv_multipart()
-                try:
-                    self.bridge.handle_batch(self.decode(frames[-1]), ranks[sock])
-                except Exception as err:  # a bad batch must not stop the bridge
-                    log.warning("vllm: dropping a KV event batch: %s", err)
-
-    async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-            self.task = None
-        for sock, _ in self.sockets:
-            sock.close(linger=0)
-        self.sockets.clear()
-        self.ctx.term()
+        parent = event.parent_block_hash
+        hashes = [block_hash_u64(h) for h in event.block_hashes]
+        parent_u64 = None if parent is None else block_hash_u64(parent)
+        if self.store(parent_u64, hashes, list(event.token_ids), size, rank):
+            self.warn_once("partial", "a BlockStored event without the tokens of all its blocks")
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-
-
-class _Active:
-    __slots__ = ("aborted", "context", "finished", "rid")
-
-    def __init__(self, rid: str, context: Context) -> None:
-        self.rid = rid
-        self.context = context
-        self.aborted = False
-        self.finished = False
 
 
 class VllmEngine(LLMEngine):
@@ -478,12 +334,11 @@ class VllmEngine(LLMEngine):
         self._vllm: dict[str, Any] = {}
         self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
         self._config: EngineConfig | None = None
-        self._kv: _KvSubscriber | None = None
+        self._kv: ZmqKvSubscriber | None = None
+        self._kv_bridge: VllmKvEventBridge | None = None
         self._tmpdir: str | None = None
-        self._active: dict[Context, _Active] = {}
+        self._active = InFlight()
         self._ids = itertools.count(1)
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._closed = False
 
     @classmethod
@@ -574,8 +429,8 @@ class VllmEngine(LLMEngine):
             raise VllmError(f"vLLM failed to start: {type(err).__name__}: {err}") from err
         self.launched_args = kwargs
         self._config = self._engine_config()
-        if self._kv is not None:
-            self._kv.bridge.block_size = self._config.kv_cache_block_size
+        if self._kv is not None and self._kv_bridge is not None:
+            self._kv_bridge.block_size = self._config.kv_cache_block_size
             self._kv.start()
         return self._config
 
@@ -598,27 +453,24 @@ class VllmEngine(LLMEngine):
             data_parallel_size=int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1),
         )
 
-    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> _KvSubscriber:
-        decoder = __import__("msgspec").msgpack.Decoder(type=self._vllm["KVEventBatch"]).decode
-        subscriber = _KvSubscriber(VllmKvEventBridge(sink), decoder)
+    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> ZmqKvSubscriber | None:
+        decode = __import__("msgspec").msgpack.Decoder(type=self._vllm["KVEventBatch"]).decode
+        bridge = self._kv_bridge = VllmKvEventBridge(sink)
+        subscriber = ZmqKvSubscriber(
+            lambda payload, rank: bridge.handle_batch(decode(payload), rank), engine="vllm", error=VllmError
+        )
         ranks = list(range(int(kwargs.get("data_parallel_size") or 1)))
         try:
             given = kwargs.get("kv_events_config")
             if given is not None:
                 if not (given.enable_kv_cache_events and given.publisher == "zmq"):
                     log.warning("vllm: kv_events_config does not publish over zmq; KV events are not bridged")
-                    subscriber.ctx.term()
-                    return None  # type: ignore[return-value]
+                    subscriber.discard()
+                    return None
                 endpoint, topic = given.endpoint, given.topic
                 if endpoint.startswith("inproc://"):
                     raise VllmError("vllm: an inproc:// KV event endpoint cannot be read from this process")
-                binds = "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
-                for rank in ranks:
-                    address = _offset_endpoint(endpoint, rank)
-                    if binds:
-                        subscriber.connect(address, topic, rank)
-                    else:
-                        subscriber.bind(address, topic, rank)
+                subscriber.attach(endpoint, ranks, topic)
             else:
                 if len(ranks) > 1:
                     endpoint = subscriber.bind_loopback(ranks, KV_TOPIC)
@@ -630,10 +482,7 @@ class VllmEngine(LLMEngine):
                     enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=KV_TOPIC
                 )
         except Exception:
-            for sock, _ in subscriber.sockets:
-                sock.close(linger=0)
-            subscriber.sockets.clear()
-            subscriber.ctx.term()
+            subscriber.discard()
             raise
         return subscriber
 
@@ -646,7 +495,7 @@ class VllmEngine(LLMEngine):
             self._tmpdir = None
 
     async def drain(self) -> None:
-        await self._idle.wait()
+        await self._active.wait_idle()
 
     async def cleanup(self) -> None:
         if self._closed:
@@ -659,7 +508,7 @@ class VllmEngine(LLMEngine):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(llm.abort([a.rid for a in running]), ABORT_WAIT_S)
             with contextlib.suppress(TimeoutError):  # let their streams end with "cancelled"
-                await asyncio.wait_for(self._idle.wait(), 1.0)
+                await asyncio.wait_for(self._active.wait_idle(), 1.0)
         had_kv = self._kv is not None
         await self._close_kv()
         if llm is not None and had_kv and self.kv_event_sink is not None:
@@ -674,11 +523,9 @@ class VllmEngine(LLMEngine):
                 log.warning("vllm: shutdown failed: %s", err)
 
     async def abort(self, context: Context) -> None:
-        active = self._active.get(context)
-        if active is not None:
-            await self._abort(active)
+        await self._active.abort(context, self._abort)
 
-    async def _abort(self, active: _Active) -> None:
+    async def _abort(self, active: ActiveRequest) -> None:
         if active.aborted or active.finished or self._llm is None:
             return
         active.aborted = True
@@ -702,15 +549,8 @@ class VllmEngine(LLMEngine):
     async def generate(  # type: ignore[override]
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        if not isinstance(request, PreprocessedRequest):
-            raise InvalidArgument("out=vllm takes pre-processed requests (token ids)", param="model")
-        if self._closed:
-            raise EngineShutdown("the vllm engine shut down")
-        if self._llm is None:
-            raise EngineError("the vllm engine is not started")
-        prompt = list(request.token_ids)
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed", param="prompt")
+        prompt = checked_prompt(request, "vllm", closed=self._closed, started=self._llm is not None)
+        assert isinstance(request, PreprocessedRequest)
         if self.context_length is not None and len(prompt) >= self.context_length:
             raise InvalidArgument(
                 f"This model's maximum context length is {self.context_length} tokens. However, the prompt "
@@ -722,10 +562,9 @@ class VllmEngine(LLMEngine):
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
-        active = _Active(f"{context.id}-{next(self._ids)}", context)
-        self._active[context] = active
-        self._idle.clear()
-        watcher = asyncio.ensure_future(self._watch(active))
+        active = ActiveRequest(context, f"{context.id}-{next(self._ids)}")
+        self._active.add(active)
+        watcher = self._active.watch(active, self._abort)
         llm = self._llm
         stream: Any = None
         sent, cached, first = 0, None, True
@@ -780,16 +619,9 @@ class VllmEngine(LLMEngine):
                 # Closing vLLM's stream of an unfinished request aborts it inside vLLM.
                 with contextlib.suppress(Exception):
                     await stream.aclose()
-            if self._active.get(context) is active:
-                del self._active[context]
-            if not self._active:
-                self._idle.set()
+            self._active.remove(active)
 
-    async def _watch(self, active: _Active) -> None:
-        await active.context.stopped()
-        await self._abort(active)
-
-    def _finish(self, active: _Active, reason: Any) -> FinishReason:
+    def _finish(self, active: ActiveRequest, reason: Any) -> FinishReason:
         if active.aborted or active.context.is_stopped():
             return "cancelled"
         mapped = _FINISH.get(str(reason)) if reason is not None else None
@@ -797,13 +629,3 @@ class VllmEngine(LLMEngine):
             log.warning("vllm: unknown finish reason %r, reporting stop", reason)
             return "stop"
         return mapped
-
-
-def _offset_endpoint(endpoint: str, rank: int) -> str:
-    """vLLM's rule for DP rank r's publisher: tcp port + r, inproc `_dp{r}`."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        head, _, port = endpoint.rpartition(":")
-        return f"{head}:{int(port) + rank}"
-    raise VllmError(f"vllm: KV event endpoint {endpoint!r} cannot serve {rank + 1} data-parallel ranks")

@@ -45,14 +45,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# A byte-level BPE vocabulary's characters -> the bytes they stand for (also used by engines/mistralrs.py).
+BYTE_LEVEL_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _byte_level_bytes(token: str) -> bytes:
     """A token's bytes as tokenizers' ByteLevel decoder computes them: the mapped bytes when
     every character is in the byte map, else the token's own UTF-8 (added tokens like "a b")."""
     try:
-        return bytes(_CHAR_TO_BYTE[c] for c in token)
+        return bytes(BYTE_LEVEL_CHAR_TO_BYTE[c] for c in token)
     except KeyError:
         return token.encode("utf-8")
 

@@ -22,7 +22,7 @@ from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, 
 from dynamo_graph.inputs.config import RunConfigError, parse_worker_args
 from dynamo_graph.inputs.endpoint import tokens_handler
 from dynamo_graph.runtime.context import Context
-from tests.procs import ServerProcess, WorkerProcess
+from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_engine.py"
 
@@ -148,12 +148,7 @@ async def test_custom_engine_example_conforms() -> None:
 
 @pytest.fixture
 def planes(tmp_path: Path) -> dict[str, str]:
-    return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_LEASE_TTL": "2",
-    }
+    return embedded_planes_env(tmp_path)
 
 
 @pytest.fixture

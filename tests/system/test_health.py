@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.test_distributed import wait_for
 
 ENDPOINT = "dyn://health.pytok.generate"
@@ -25,12 +25,7 @@ INTERVAL_S, TIMEOUT_S = 1.0, 1.0
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_LEASE_TTL": "2",
-    }
+    return embedded_planes_env(tmp_path)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.test_distributed import instances, wait_for
 
 ENDPOINT = "dyn://kv.mocker.generate"
@@ -23,13 +23,7 @@ SYSTEM = (
 
 @pytest.fixture
 def planes(tmp_path: Path) -> dict[str, str]:
-    return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_LEASE_TTL": "2",
-    }
+    return embedded_planes_env(tmp_path, zmq_events=True)
 
 
 @pytest.fixture

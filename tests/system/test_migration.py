@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.test_distributed import instances, wait_for
 
 ENDPOINT = "dyn://mig.mocker.generate"
@@ -29,13 +29,7 @@ INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
 
 
 def planes_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_LEASE_TTL": "2",
-    }
+    return embedded_planes_env(tmp_path, zmq_events=True)
 
 
 def mocker_args(tmp_path: Path, speedup: float) -> Path:

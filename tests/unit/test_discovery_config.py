@@ -79,8 +79,8 @@ def test_bad_env_values(monkeypatch: pytest.MonkeyPatch, env: str, value: str, m
 
 
 def test_bad_etcd_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ETCD_ENDPOINTS", "https://secure:2379")
-    with pytest.raises(DiscoveryError, match=r"ETCD_ENDPOINTS: .*https is not supported"):
+    monkeypatch.setenv("ETCD_ENDPOINTS", "ftp://secure:2379")
+    with pytest.raises(DiscoveryError, match=r"ETCD_ENDPOINTS: .*expected http\(s\)://host:port"):
         create_discovery("etcd")
     monkeypatch.setenv("ETCD_ENDPOINTS", " , ")
     with pytest.raises(DiscoveryError, match=r"ETCD_ENDPOINTS=' , ': expected http://host:port"):

@@ -195,6 +195,7 @@ class WorkerBlockIndex:
         """Drop all the worker's blocks (it stays known, with its bit)."""
         index = self._index
         keep = ~worker.bit
+        # `_unset` inlined on purpose: this loop runs per block on the event hot path.
         for seq in self._worker_seqs(worker):
             held = index.get(seq)
             if held is not None:
@@ -339,6 +340,7 @@ class KvIndexer(WorkerBlockIndex):
         index = self._index
         keep = ~worker.bit
         missing = 0
+        # `_unset` inlined on purpose: this loop runs per block on the event hot path.
         for block_hash in block_hashes:
             seq = pop(block_hash, None)
             if seq is None:
