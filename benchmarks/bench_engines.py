@@ -17,7 +17,8 @@ server also needs `pip install sse-starlette starlette-context pydantic-settings
 
 Last figures (2-core machine): vllm (`--requests 160 --max-seconds 30`) — dyngraph/native
 tokens/s 1.18x at c=1 (398 vs 338), 1.15x at c=8 (1771 vs 1534); TTFT p50 6.1 vs 9.1 ms and
-20 vs 31 ms. (32-request runs of ~1.2 s gave 1.09x / 0.98x: too short to tell at c=8.) llamacpp — 2405 vs 585 tokens/s at c=1 (4.1x; llama.cpp itself
+20 vs 31 ms. (32-request runs of ~1.2 s gave 1.09x / 0.98x: too short to tell at c=8.)
+llamacpp — 2405 vs 585 tokens/s at c=1 (4.1x; llama.cpp itself
 decodes ~2.6k tokens/s here, its server adds ~60 ms per request), TTFT p50 3.9 vs 5.9 ms; at c=8
 llama_cpp.server fails 47 of 48 concurrent streams ("ASGI callable returned without completing
 response") while dyngraph serves them at 2681 tokens/s (n_parallel 1: requests take turns).

@@ -95,7 +95,7 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import percentile  # noqa: E402
+from loadgen import percentile, write_result  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 ENDPOINT = "dyn://bench.mocker.generate"
@@ -738,10 +738,7 @@ def main() -> int:
         "ratios": ratio_rows,
         "router_overhead": overhead,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -8,9 +8,11 @@ the end of the chunked body. Bounded by request count and wall time.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -122,3 +124,12 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def write_result(out: str | Path, result: dict) -> Path:
+    """Write a benchmark's result as indented JSON to `out` (making its folder) and say so."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

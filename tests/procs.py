@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -75,6 +76,24 @@ class ServerProcess:
                 self.proc.wait(timeout=5)
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_server(
+    args: Sequence[str], *, log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """A ready `ServerProcess` for a fixture to yield; afterwards it must stop cleanly (exit status 0)."""
+    proc = ServerProcess(args, env=env, log_dir=log_dir)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+def echo_core_args(model_path: Path, model_name: str, *extra: str) -> list[str]:
+    """`dyngraph run in=http` arguments serving `model_path` as `model_name` with the echo_core engine."""
+    return ["out=echo_core", "--model-path", str(model_path), "--model-name", model_name, *extra]
 
 
 def run_cli(

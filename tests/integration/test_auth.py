@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import ServerProcess, run_cli
+from tests.procs import ServerProcess, echo_core_args, run_cli, running_server
 
 FLAG_KEYS = ("sk-flag-1f2e3d4c5b6a", "sk-flag-second-99887766")
 ENV_KEY = "sk-env-0a1b2c3d4e5f"  # via DYN_API_KEY_ENV=MY_FRONTEND_KEY, as a graph passes it
@@ -22,25 +22,16 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        [
-            "out=echo_core",
-            "--model-path",
-            str(tiny_model),
-            "--model-name",
-            "tiny",
-            "--api-key",
-            ",".join(FLAG_KEYS),
-            "-vv",  # the most verbose logging: still no keys
-        ],
-        env={"DYN_API_KEY_ENV": "MY_FRONTEND_KEY", "MY_FRONTEND_KEY": ENV_KEY},
-        log_dir=tmp_path_factory.mktemp("logs"),
+    args = echo_core_args(
+        tiny_model,
+        "tiny",
+        "--api-key",
+        ",".join(FLAG_KEYS),
+        "-vv",  # the most verbose logging: still no keys
     )
-    try:
-        proc.wait_ready()
+    env = {"DYN_API_KEY_ENV": "MY_FRONTEND_KEY", "MY_FRONTEND_KEY": ENV_KEY}
+    with running_server(args, env=env, log_dir=tmp_path_factory.mktemp("logs")) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()
 
 
 def _chat(server: ServerProcess, headers: dict[str, str]) -> httpx.Response:

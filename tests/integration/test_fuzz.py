@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, echo_core_args, running_server
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
@@ -31,27 +31,10 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        [
-            "out=echo_core",
-            "--model-path",
-            str(tiny_model),
-            "--model-name",
-            MODEL,
-            "--context-length",
-            "128",
-            "--http-body-limit-mb",
-            "0.0625",
-            "--request-timeout-s",
-            "10",
-        ],
-        log_dir=tmp_path_factory.mktemp("logs"),
-    )
-    try:
-        proc.wait_ready()
+    limits = ["--context-length", "128", "--http-body-limit-mb", "0.0625", "--request-timeout-s", "10"]
+    args = echo_core_args(tiny_model, MODEL, *limits)
+    with running_server(args, log_dir=tmp_path_factory.mktemp("logs")) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()
 
 
 # ---- JSON Schema -> hypothesis strategy (the subset msgspec emits) --------------------------

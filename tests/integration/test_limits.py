@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, echo_core_args, running_server
 
 MSG = [{"role": "user", "content": "What is the capital of Tuvalu?"}]
 CHAT = "/v1/chat/completions"
@@ -39,26 +39,12 @@ def _rss_kb(pid: int) -> int:
 @pytest.fixture(scope="module")
 def capped(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Concurrency cap 4, a 16 KiB body limit, 80 ms per echoed token (a request takes ~1 s)."""
-    proc = ServerProcess(
-        [
-            "out=echo_core",
-            "--model-path",
-            str(tiny_model),
-            "--model-name",
-            "tiny",
-            "--max-concurrent-requests",
-            str(CAP),
-            "--http-body-limit-mb",
-            "0.015625",
-        ],
-        env={"DYN_TOKEN_ECHO_DELAY_MS": "80"},
-        log_dir=tmp_path_factory.mktemp("logs"),
+    args = echo_core_args(
+        tiny_model, "tiny", "--max-concurrent-requests", str(CAP), "--http-body-limit-mb", "0.015625"
     )
-    try:
-        proc.wait_ready()
+    env = {"DYN_TOKEN_ECHO_DELAY_MS": "80"}
+    with running_server(args, env=env, log_dir=tmp_path_factory.mktemp("logs")) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()
 
 
 def test_body_over_the_flag_limit_is_413(capped: ServerProcess) -> None:
@@ -168,16 +154,9 @@ def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc
     engine = tmp / "slow_engine.py"
     engine.write_text(SLOW_ENGINE)
     marker = tmp / "cancelled"
-    proc = ServerProcess(
-        [f"out=pystr:{engine}", "--model-name", "slow", "--request-timeout-s", "1"],
-        env={"CANCEL_MARKER": str(marker)},
-        log_dir=tmp,
-    )
-    try:
-        proc.wait_ready()
+    args = [f"out=pystr:{engine}", "--model-name", "slow", "--request-timeout-s", "1"]
+    with running_server(args, env={"CANCEL_MARKER": str(marker)}, log_dir=tmp) as proc:
         yield proc, marker
-    finally:
-        assert proc.stop() == 0, proc.log()
 
 
 def _wait_for(path: Path, timeout: float = 5.0) -> bool:

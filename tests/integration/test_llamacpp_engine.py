@@ -4,6 +4,7 @@ the whole `dyngraph run in=http` stack with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -16,18 +17,14 @@ from typing import Any
 import pytest
 
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import (
-    LLMEngineOutput,
-    PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
-)
+from dynamo_graph.backend.protocol import LLMEngineOutput, SamplingOptions
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.llamacpp import INSTALL_HINT, LlamaCppArgs, LlamaCppEngine, LlamaCppError
 from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.runtime.context import Context
+from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
 from tests.procs import ServerProcess, run_cli
 
 if os.environ.get("CI"):
@@ -52,19 +49,8 @@ def token_ids(tiny_model: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]]]:
     """llama.cpp's own greedy `Llama.generate` (fresh state each call)."""
-    llm = llama_cpp.Llama(model_path=str(tiny_model / GGUF_NAME), n_ctx=512, verbose=False)
-
-    def generate(prompt: list[int], n: int) -> list[int]:
-        llm.reset()
-        out: list[int] = []
-        for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
-            out.append(tok)
-            if len(out) == n:
-                break
-        return out
-
-    yield generate
-    llm.close()
+    with llama_greedy_reference(tiny_model / GGUF_NAME) as generate:
+        yield generate
 
 
 @pytest.fixture
@@ -84,25 +70,7 @@ async def make_engine(tiny_model: Path) -> AsyncIterator[Callable[..., Awaitable
         await engine.cleanup()
 
 
-def request(prompt: list[int], max_tokens: int | None = 16, **kw: Any) -> PreprocessedRequest:
-    sampling = kw.pop("sampling", SamplingOptions(temperature=0.0))
-    return PreprocessedRequest(
-        model="tiny",
-        token_ids=prompt,
-        stop_conditions=StopConditions(max_tokens=max_tokens, **kw),
-        sampling_options=sampling,
-        eos_token_ids=[4],
-    )
-
-
-async def collect(
-    engine: LlamaCppEngine, req: PreprocessedRequest, ctx: Context | None = None
-) -> list[LLMEngineOutput]:
-    return [out async for out in engine.generate(req, ctx or Context())]
-
-
-def ids(outs: list[LLMEngineOutput]) -> list[int]:
-    return [t for out in outs for t in out.token_ids]
+request = functools.partial(greedy_request, eos_token_ids=[4])
 
 
 # ---- the engine directly -------------------------------------------------------------------------
@@ -422,21 +390,7 @@ def test_http_chat_completions_with_the_openai_client(llama_server: ServerProces
     assert full.usage is not None and full.usage.completion_tokens == 20 and full.usage.prompt_tokens > 5
     prompt_tokens = full.usage.prompt_tokens
 
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=20,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, finish, usage = "", None, None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-        if chunk.usage is not None:
-            usage = chunk.usage
+    text, finish, usage = stream_chat(client, model, messages, 20)
     assert text == choice.message.content  # greedy: streaming and not give the same answer
     assert finish == "length"
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 20)

@@ -6,6 +6,7 @@ without importing vLLM."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -28,7 +29,6 @@ from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
     SamplingOptions,
-    StopConditions,
 )
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
@@ -38,6 +38,7 @@ from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
+from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
 from tests.procs import ServerProcess
 
 pytestmark = pytest.mark.vllm
@@ -92,21 +93,8 @@ def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]
     """Greedy ids from llama.cpp (`Llama.generate`, fresh state) when llama-cpp-python is installed
     (`make vllm` installs it), else from transformers in fp32; ENGINES.md: they agree on this model."""
     if importlib.util.find_spec("llama_cpp") is not None:
-        import llama_cpp
-
-        llm = llama_cpp.Llama(model_path=str(tiny_model / GGUF_NAME), n_ctx=512, verbose=False)
-
-        def generate(prompt: list[int], n: int) -> list[int]:
-            llm.reset()
-            out: list[int] = []
-            for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
-                out.append(tok)
-                if len(out) == n:
-                    break
-            return out
-
-        yield generate
-        llm.close()
+        with llama_greedy_reference(tiny_model / GGUF_NAME) as generate:
+            yield generate
         return
     import torch
     from transformers import AutoModelForCausalLM
@@ -155,25 +143,7 @@ async def engine(tiny_model: Path) -> AsyncIterator[VllmEngine]:
     await eng.cleanup()
 
 
-def request(prompt: list[int], max_tokens: int | None = 16, **kw: Any) -> PreprocessedRequest:
-    sampling = kw.pop("sampling", SamplingOptions(temperature=0.0))
-    return PreprocessedRequest(
-        model="tiny",
-        token_ids=prompt,
-        stop_conditions=StopConditions(max_tokens=max_tokens, **kw),
-        sampling_options=sampling,
-        eos_token_ids=[4, 1],
-    )
-
-
-async def collect(
-    engine: VllmEngine, req: PreprocessedRequest, ctx: Context | None = None
-) -> list[LLMEngineOutput]:
-    return [out async for out in engine.generate(req, ctx or Context())]
-
-
-def ids(outs: list[LLMEngineOutput]) -> list[int]:
-    return [t for out in outs for t in out.token_ids]
+request = functools.partial(greedy_request, eos_token_ids=[4, 1])
 
 
 def sink_of(engine: VllmEngine) -> Sink:
@@ -479,20 +449,7 @@ def test_http_with_the_openai_client(
     assert choice.finish_reason == "length" and choice.message.content
     assert full.usage is not None and full.usage.completion_tokens == 20
     prompt_tokens = full.usage.prompt_tokens
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=20,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, usage = "", None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        if chunk.usage is not None:
-            usage = chunk.usage
+    text, _, usage = stream_chat(client, model, messages, 20)
     assert text == choice.message.content
     assert usage is not None and usage.prompt_tokens == prompt_tokens
     # The same prompt again: vLLM's prefix cache served its whole blocks.

@@ -15,9 +15,8 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,23 +27,8 @@ from tests.system.test_migration import (
     Cluster,
     StreamResult,
     completion_body,
-    start_cluster,
     stream_completion,
 )
-
-
-@pytest.fixture
-def make_cluster(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    made: list[Cluster] = []
-
-    def make(**kw: Any) -> Cluster:
-        cluster = start_cluster(tmp_path, tiny_model, **kw)
-        made.append(cluster)
-        return cluster
-
-    yield make
-    for cluster in made:
-        cluster.stop()
 
 
 @dataclass

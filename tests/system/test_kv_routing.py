@@ -4,21 +4,17 @@ each its own process, over the embedded planes (file discovery, tcp, zmq events)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.system.routing_helpers import opening_messages, served_by
 from tests.system.test_distributed import instances, wait_for
 
 ENDPOINT = "dyn://kv.mocker.generate"
-SYSTEM = (
-    "You are a careful assistant for a shipping company. Answer in short sentences, quote the "
-    "relevant policy section, and never promise delivery dates that the tracking system has not "
-    "confirmed. Customers may write in any language; answer in theirs."
-)
 
 
 @pytest.fixture
@@ -52,19 +48,6 @@ def kv_graph(
             worker.stop()
 
 
-def _requests_per_instance(frontend: ServerProcess, model: str) -> dict[str, int]:
-    return {i["instance_id"]: i["requests"] for i in instances(frontend, model)}
-
-
-def _served_by(frontend: ServerProcess, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
-    before = _requests_per_instance(frontend, model)
-    body = send()
-    after = _requests_per_instance(frontend, model)
-    changed = [i for i in after if after[i] != before.get(i, 0)]
-    assert len(changed) == 1, (before, after)
-    return changed[0], body
-
-
 @pytest.mark.parametrize("kv_graph", [True, False], ids=["kv-events", "approximate"], indirect=True)
 def test_follow_up_turns_go_to_the_worker_holding_the_conversation(
     kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path
@@ -81,17 +64,13 @@ def test_follow_up_turns_go_to_the_worker_holding_the_conversation(
 
     homes: dict[int, str] = {}
     for conv in range(6):
-        # Each conversation has its own long opening, so that only its own history is shared.
-        messages = [
-            {"role": "system", "content": f"Conversation {conv}. {SYSTEM} Ticket {conv * 7919}."},
-            {"role": "user", "content": f"Where is parcel {conv}? It left the depot {conv + 2} days ago."},
-        ]
-        home, first = _served_by(frontend, model, lambda m=messages: chat(m))
+        messages = opening_messages(conv)
+        home, first = served_by(frontend, model, lambda m=messages: chat(m))
         homes[conv] = home
         messages.append(first["choices"][0]["message"])
         for turn in range(2):
             messages.append({"role": "user", "content": f"Follow-up {turn}: can you check again?"})
-            served, body = _served_by(frontend, model, lambda m=messages: chat(m))
+            served, body = served_by(frontend, model, lambda m=messages: chat(m))
             assert served == home, f"conversation {conv} turn {turn + 2} left its worker"
             usage = body["usage"]
             cached = usage["prompt_tokens_details"]["cached_tokens"]

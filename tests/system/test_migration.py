@@ -10,7 +10,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,20 +136,6 @@ def start_cluster(
         cluster.stop()
         raise
     return cluster
-
-
-@pytest.fixture
-def make_cluster(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    made: list[Cluster] = []
-
-    def make(**kw: Any) -> Cluster:
-        cluster = start_cluster(tmp_path, tiny_model, **kw)
-        made.append(cluster)
-        return cluster
-
-    yield make
-    for cluster in made:
-        cluster.stop()
 
 
 # ---- a streaming client that records everything a test checks -------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,29 +16,19 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.system.routing_helpers import opening_messages, served_by
 from tests.system.test_distributed import instances, wait_for
 
 pytestmark = pytest.mark.vllm
 
 ENDPOINT = "dyn://kv.vllm.generate"
 BLOCK = 32
-SYSTEM = (
-    "You are a careful assistant for a shipping company. Answer in short sentences, quote the "
-    "relevant policy section, and never promise delivery dates that the tracking system has not "
-    "confirmed. Customers may write in any language; answer in theirs."
-)
 
 
 @pytest.fixture
 def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, list[WorkerProcess]]]:
-    planes = {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_LEASE_TTL": "5",
-    }
+    planes = {**embedded_planes_env(tmp_path, zmq_events=True), "DYN_LEASE_TTL": "5"}
     args = tmp_path / "engine.json"
     args.write_text(json.dumps({"dtype": "float32", "enforce_eager": True}))
     argv = [
@@ -76,19 +66,6 @@ def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProc
             worker.stop()
 
 
-def _requests_per_instance(frontend: ServerProcess, model: str) -> dict[str, int]:
-    return {i["instance_id"]: i["requests"] for i in instances(frontend, model)}
-
-
-def _served_by(frontend: ServerProcess, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
-    before = _requests_per_instance(frontend, model)
-    body = send()
-    after = _requests_per_instance(frontend, model)
-    changed = [i for i in after if after[i] != before.get(i, 0)]
-    assert len(changed) == 1, (before, after)
-    return changed[0], body
-
-
 def test_follow_ups_land_on_the_vllm_worker_that_cached_the_prefix(
     vllm_kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path
 ) -> None:
@@ -104,16 +81,13 @@ def test_follow_ups_land_on_the_vllm_worker_that_cached_the_prefix(
 
     homes: dict[int, str] = {}
     for conv in range(4):
-        messages = [
-            {"role": "system", "content": f"Conversation {conv}. {SYSTEM} Ticket {conv * 7919}."},
-            {"role": "user", "content": f"Where is parcel {conv}? It left the depot {conv + 2} days ago."},
-        ]
-        home, first = _served_by(frontend, model, lambda m=messages: chat(m))
+        messages = opening_messages(conv)
+        home, first = served_by(frontend, model, lambda m=messages: chat(m))
         homes[conv] = home
         assert first["usage"]["prompt_tokens"] > 2 * BLOCK
         messages.append(first["choices"][0]["message"])
         messages.append({"role": "user", "content": "Can you check again?"})
-        served, body = _served_by(frontend, model, lambda m=messages: chat(m))
+        served, body = served_by(frontend, model, lambda m=messages: chat(m))
         assert served == home, f"conversation {conv}'s follow-up left the worker that cached it"
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         # vLLM served the previous turn's whole blocks from its prefix cache.

@@ -23,7 +23,6 @@ import pytest
 from dynamo_graph.backend.conformance import conformance_tests
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import (
-    LLMEngineOutput,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
@@ -43,8 +42,8 @@ from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
+from tests.unit.engine_adapter_helpers import EOS, RecordingSink, collect, request, tiny_local_model, tokens
 
-EOS = [4, 1]
 FIELDS = {
     "model_path",
     "skip_tokenizer_init",
@@ -65,33 +64,7 @@ FIELDS = {
 
 @pytest.fixture
 def model(tmp_path: Path) -> LocalModel:
-    (tmp_path / "config.json").write_text("{}")
-    return LocalModel(
-        source=str(tmp_path),
-        kind="hf",
-        root=tmp_path,
-        display_name="tiny",
-        config_json=tmp_path / "config.json",
-        eos_token_ids=list(EOS),
-        context_length=4096,
-    )
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def stored(self, parent_hash, blocks, dp_rank=0) -> None:
-        self.events.append(("stored", parent_hash, list(blocks), dp_rank))
-
-    def removed(self, block_hashes, dp_rank=0) -> None:
-        self.events.append(("removed", list(block_hashes), dp_rank))
-
-    def cleared(self, dp_rank=0) -> None:
-        self.events.append(("cleared", dp_rank))
-
-    def load(self, metrics) -> None:
-        self.events.append(("load", metrics))
+    return tiny_local_model(tmp_path)
 
 
 # ---- the fake sglang.Engine ---------------------------------------------------------------------
@@ -201,25 +174,6 @@ def make_engine(fields: set[str] | None = None, **server_args: Any) -> FakeSglan
     if fields is not None:
         engine.fields = fields
     return engine
-
-
-def request(n: int = 5, **stop: Any) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        model="tiny",
-        token_ids=[0, 10, 11, 12],
-        stop_conditions=StopConditions(max_tokens=n, **stop),
-        eos_token_ids=list(EOS),
-    )
-
-
-async def collect(
-    engine: SglangEngine, req: PreprocessedRequest, ctx: Context | None = None
-) -> list[LLMEngineOutput]:
-    return [out async for out in engine.generate(req, ctx or Context())]
-
-
-def tokens(outs: list[LLMEngineOutput]) -> list[int]:
-    return [t for out in outs for t in out.token_ids]
 
 
 # ---- settings -----------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import pytest
 from dynamo_graph.backend.conformance import conformance_tests
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import (
-    LLMEngineOutput,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
@@ -44,8 +43,8 @@ from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
+from tests.unit.engine_adapter_helpers import EOS, RecordingSink, collect, request, tiny_local_model, tokens
 
-EOS = [4, 1]
 NAMES = {
     "model",
     "backend",
@@ -61,33 +60,7 @@ NAMES = {
 
 @pytest.fixture
 def model(tmp_path: Path) -> LocalModel:
-    (tmp_path / "config.json").write_text("{}")
-    return LocalModel(
-        source=str(tmp_path),
-        kind="hf",
-        root=tmp_path,
-        display_name="tiny",
-        config_json=tmp_path / "config.json",
-        eos_token_ids=list(EOS),
-        context_length=4096,
-    )
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def stored(self, parent_hash, blocks, dp_rank=0) -> None:
-        self.events.append(("stored", parent_hash, list(blocks), dp_rank))
-
-    def removed(self, block_hashes, dp_rank=0) -> None:
-        self.events.append(("removed", list(block_hashes), dp_rank))
-
-    def cleared(self, dp_rank=0) -> None:
-        self.events.append(("cleared", dp_rank))
-
-    def load(self, metrics) -> None:
-        self.events.append(("load", metrics))
+    return tiny_local_model(tmp_path)
 
 
 # ---- the fake tensorrt_llm.LLM ------------------------------------------------------------------
@@ -196,25 +169,6 @@ def make_engine(**llm_args: Any) -> FakeTrtllmEngine:
         {"model": "/m", "backend": "pytorch", "tensor_parallel_size": 1, **llm_args},
         default_context_length=4096,
     )
-
-
-def request(n: int | None = 5, **stop: Any) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        model="tiny",
-        token_ids=[0, 10, 11, 12],
-        stop_conditions=StopConditions(max_tokens=n, **stop),
-        eos_token_ids=list(EOS),
-    )
-
-
-async def collect(
-    engine: TrtllmEngine, req: PreprocessedRequest, ctx: Context | None = None
-) -> list[LLMEngineOutput]:
-    return [out async for out in engine.generate(req, ctx or Context())]
-
-
-def tokens(outs: list[LLMEngineOutput]) -> list[int]:
-    return [t for out in outs for t in out.token_ids]
 
 
 # ---- settings -----------------------------------------------------------------------------------
