@@ -26,6 +26,7 @@ from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 FORMATS = ("yaml", "json", "shell", "mermaid")
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
+
 def redact_env(env: dict[str, str]) -> dict[str, str]:
     return {k: REDACTED if is_secret_name(k) and v else redact_url(v) for k, v in env.items()}
 

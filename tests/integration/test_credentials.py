@@ -37,7 +37,7 @@ async def test_etcd_discovery_authenticates_from_the_environment(
     await anonymous.start()  # etcd grants leases to anyone
     try:
         with pytest.raises(DiscoveryError):
-            await anonymous.put("v1/test/key", b"{\"a\": 1}")  # but writing needs a user now
+            await anonymous.put("v1/test/key", b'{"a": 1}')  # but writing needs a user now
     finally:
         await anonymous.close()
 
@@ -51,8 +51,8 @@ async def test_etcd_discovery_authenticates_from_the_environment(
     discovery = EtcdDiscovery([etcd_fresh.url], ttl_s=2)
     await discovery.start()
     try:
-        await discovery.put("v1/test/key", b"{\"a\": 1}")
-        assert await discovery.get_prefix("v1/test/") == {"v1/test/key": b"{\"a\": 1}"}
+        await discovery.put("v1/test/key", b'{"a": 1}')
+        assert await discovery.get_prefix("v1/test/") == {"v1/test/key": b'{"a": 1}'}
     finally:
         await discovery.close()
     assert PASSWORD not in repr(etcd_credentials())

@@ -141,11 +141,14 @@ def _flag(argv: list[str], flag: str) -> str | None:
 
 
 def test_fault_tolerance_settings_become_flags_and_env(tmp_path: Path) -> None:
-    text = BASE.replace(
-        "    http: {port: 18555}\n",
-        "    http: {port: 18555}\n    migration_limit: 2\n    api_key_env: [DEMO_KEY]\n"
-        "    limits: {request_timeout_s: 30, health_check_interval_s: 2, health_check_timeout_s: 1}\n",
-    ) + "    max_inflight: 16\n    shutdown_grace_s: 8\n"
+    text = (
+        BASE.replace(
+            "    http: {port: 18555}\n",
+            "    http: {port: 18555}\n    migration_limit: 2\n    api_key_env: [DEMO_KEY]\n"
+            "    limits: {request_timeout_s: 30, health_check_interval_s: 2, health_check_timeout_s: 1}\n",
+        )
+        + "    max_inflight: 16\n    shutdown_grace_s: 8\n"
+    )
     worker, frontend = build(_write(tmp_path, text)).plan.processes
     assert _flag(frontend.argv, "--migration-limit") == "2"
     assert _flag(frontend.argv, "--request-timeout-s") == "30"
