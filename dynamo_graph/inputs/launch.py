@@ -294,6 +294,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.router.migration import Migration
     from dynamo_graph.runtime.client import Client
+    from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
     from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord, static_subject
 
     addresses = _static_addresses()
@@ -321,7 +322,12 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
         router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
         backend = KvRoutedTokensBackend(client, router)
     migrating = Migration(backend, cfg.migration_limit, model=card.display_name, on_migrate=count_migration)
-    registry.add(tokens_pipeline(card, model, migrating), instances=client.report)
+    registry.add(tokens_pipeline(card, model, migrating), instances=client.health_report)
+    # Discovery cannot vouch for static workers: health checks are all that notices a wedged one.
+    checker = HealthChecker(
+        client, HealthSettings.from_env(), default_payload(card.display_name, "tokens", card.bos_token_id)
+    )
+    checker.start()
     try:
         if cfg.input == "http":
             await _serve_http(cfg, registry)
@@ -330,6 +336,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
         assert pipeline is not None
         return await _drive_input(cfg, pipeline, echo=False)
     finally:
+        await checker.close()
         await runtime.close()
 
 

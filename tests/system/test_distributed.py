@@ -324,7 +324,7 @@ def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path
     )
     front = ServerProcess(
         ["out=dyn://static.backend.generate", "--model-path", str(tiny_model), "--model-name", "tiny-static"],
-        env={"DYN_STATIC_WORKERS": f"127.0.0.1:{port}"},
+        env={"DYN_STATIC_WORKERS": f"127.0.0.1:{port}", "DYN_HEALTH_CHECK_INTERVAL_S": "0.3"},
         log_dir=tmp_path,
     )
     try:
@@ -333,6 +333,12 @@ def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path
         resp = chat(front.base_url, "tiny-static", "static hello")
         assert resp.status_code == 200, resp.text
         assert "static hello" in resp.json()["choices"][0]["message"]["content"]
+        # Discovery cannot vouch for a static worker: health checks keep its state.
+        def checked() -> bool:
+            (inst,) = instances(front, "tiny-static")
+            return inst["state"] == "healthy" and bool((inst.get("last_check") or {}).get("ok"))
+
+        wait_for(checked, 10, "a passing health check of the static worker")
     finally:
         front.stop()
         worker.stop()
