@@ -45,6 +45,7 @@ services:
 
 test: setup llamacpp services
 	$(BIN)/ruff check dynamo_graph tests benchmarks
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 test-all: setup
@@ -53,6 +54,7 @@ test-all: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 bench: setup $(MODEL_DIR)/tokenizer.json
 	$(BIN)/python benchmarks/bench_frontend.py --model $(MODEL_DIR)

@@ -11,17 +11,17 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.run_config import WorkerConfig
+from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
     from dynamo_graph.llm.model_source import LocalModel
     from dynamo_graph.router.kv.publisher import KvEventSink
 
@@ -86,37 +86,6 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     model_type: list[str] | None = None
 
 
-DEFAULT_WORKER_ENDPOINT = "dyn://dynamo.backend.generate"
-
-
-@dataclass
-class WorkerConfig:
-    """What serving an engine as a worker needs besides the engine: where to serve, which model
-    to publish, and the rest of the dynamo-run flags (`settings`, a RunConfig)."""
-
-    endpoint: str
-    settings: RunConfig
-    model: LocalModel | None = None
-    # Arguments after `--` on the command line, for the engine's own parser.
-    engine_args: Sequence[str] = ()
-
-    @property
-    def model_path(self) -> str | None:
-        return self.settings.model_path
-
-    @property
-    def model_name(self) -> str | None:
-        return self.settings.model_name
-
-    @property
-    def migration_limit(self) -> int:
-        return self.settings.migration_limit
-
-    @property
-    def static(self) -> bool:
-        return self.settings.static_worker
-
-
 class LLMEngine(abc.ABC):
     # Engines that report their KV cache (for kv routing) say so; the process serving them then
     # sets `kv_event_sink` before `start()`. It stays None when nobody listens (e.g. in=http).
@@ -124,8 +93,9 @@ class LLMEngine(abc.ABC):
     kv_event_sink: KvEventSink | None = None
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
-        """Build the engine from the command line's settings and the resolved model."""
+    def from_config(cls, settings: EngineSettings, model: LocalModel | None) -> LLMEngine:
+        """Build the engine from its settings (model, lengths, parallelism, engine args, the
+        arguments after `--`) and the resolved model."""
         return cls()
 
     @classmethod
@@ -134,7 +104,7 @@ class LLMEngine(abc.ABC):
         `[in=dyn://ns.comp.ep | --endpoint dyn://ns.comp.ep] [MODEL | --model-path P] [--flags]
         [-- ENGINE ARGS]`. Resolves the model, then calls `from_config`. Override to parse
         flags of your own (e.g. those after `--`, in `WorkerConfig.engine_args`)."""
-        from dynamo_graph.inputs.config import parse_worker_args
+        from dynamo_graph.backend.run_config import parse_worker_args
         from dynamo_graph.llm.model_source import resolve_model
 
         worker = parse_worker_args(argv)
@@ -143,7 +113,7 @@ class LLMEngine(abc.ABC):
             worker.model = resolve_model(
                 cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name
             )
-        return cls.from_config(cfg, worker.model), worker
+        return cls.from_config(cfg.engine_settings(), worker.model), worker
 
     def health_check_request(self, config: EngineConfig) -> dict[str, Any] | None:
         """A tiny request (in wire form) that proves the engine serves: the worker publishes it

@@ -12,7 +12,7 @@ and is started like any worker:
 
 `run` parses the command line with `MyEngine.from_args(argv)` (the default reads dynamo-run's
 flags with the same parser as `dyngraph run` and calls `from_config`), then hands the engine
-to the very code that serves `dyngraph run in=dyn://... out=ENGINE` (inputs/endpoint.py,
+to the very code that serves `dyngraph run in=dyn://... out=ENGINE` (backend/worker.py,
 `serve_engine`): the runtime and its lease, signals, the KV event publisher (connected before
 `start()` for engines with `publishes_kv_events`), `start(worker_id=instance id)`, the model
 card (with the engine's health-check payload in `user_data.health_check_payload`; with
@@ -41,9 +41,8 @@ from dynamo_graph.backend.engine import LLMEngine, WorkerConfig
 
 async def serve(engine: LLMEngine, worker: WorkerConfig) -> int:
     """Serve an engine that is built but not started; returns the exit code once shut down."""
-    from dynamo_graph.inputs.config import apply_runtime_settings
-    from dynamo_graph.inputs.endpoint import serve_engine
-    from dynamo_graph.inputs.launch import StartedEngine, start_built_engine
+    from dynamo_graph.backend.run_config import apply_runtime_settings
+    from dynamo_graph.backend.worker import StartedEngine, serve_engine, start_built_engine
     from dynamo_graph.runtime.names import EndpointName
 
     cfg = worker.settings
@@ -65,15 +64,14 @@ async def serve(engine: LLMEngine, worker: WorkerConfig) -> int:
 
 async def run_async(engine_class: type[LLMEngine], argv: Sequence[str] | None = None) -> int:
     """`run` without leaving the process: parse, serve, return the exit code."""
-    from dynamo_graph.cli.run import fail
-    from dynamo_graph.engines import UnknownEngineError
-    from dynamo_graph.inputs.config import RunConfigError
+    from dynamo_graph.backend.command_line import fail
+    from dynamo_graph.backend.settings import RunConfigError
     from dynamo_graph.llm.model_source import ModelResolutionError
     from dynamo_graph.log import LogSpecError, setup_logging
 
     try:
         engine, worker = engine_class.from_args(argv)
-    except (RunConfigError, UnknownEngineError, ModelResolutionError) as err:
+    except (RunConfigError, ModelResolutionError) as err:
         return fail(str(err))
     try:
         setup_logging(worker.settings.verbosity)
@@ -81,7 +79,7 @@ async def run_async(engine_class: type[LLMEngine], argv: Sequence[str] | None = 
         return fail(str(err))
     try:
         return await serve(engine, worker)
-    except (RunConfigError, UnknownEngineError, ModelResolutionError) as err:
+    except (RunConfigError, ModelResolutionError) as err:
         return fail(str(err))
 
 

@@ -286,7 +286,7 @@ def version_command() -> None:
 
 
 def _run_fast(args: list[str]) -> None:
-    """`dyngraph run` with a plain command line skips typer (cli/run.py says why)."""
+    """`dyngraph run` with a plain command line skips typer (backend/command_line.py says why)."""
     from dynamo_graph.cli.run import main_fast
 
     code = main_fast(args)

@@ -9,16 +9,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynamo_graph.backend.engine import LLMEngine
+from dynamo_graph.backend.settings import RunConfigError
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
-    target: str  # "module:EngineClass", built with EngineClass.from_config(cfg, model)
+    target: str  # "module:EngineClass", built with EngineClass.from_config(settings, model)
     needs_model: bool
     description: str
     # Built from a python file named in `out=` (pystr:FILE, pytok:FILE, FILE.py), not from target.
@@ -113,8 +114,8 @@ DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 ENGINE_PACKAGES = {"mistralrs": "mistralrs", "llamacpp": "llama_cpp", "vllm": "vllm"}
 
 
-class UnknownEngineError(ValueError):
-    pass
+class UnknownEngineError(RunConfigError):
+    """`out=` names no engine: reported like any bad flag."""
 
 
 def engine_names() -> list[str]:
@@ -144,7 +145,7 @@ def get_engine_spec(name: str) -> EngineSpec:
     )
 
 
-def create_engine(name: str, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
+def create_engine(name: str, cfg: EngineSettings, model: LocalModel | None) -> LLMEngine:
     spec = get_engine_spec(name)
     if spec.from_file:
         from dynamo_graph.engines.pyfile import create_file_engine

@@ -8,17 +8,14 @@ both, and an unknown key lists the closest and all valid names.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dynamo_graph.inputs.config import RunConfig
+from dynamo_graph.backend.settings import EngineSettings
 
 SOURCE = "--extra-engine-args"
-
-_FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
 
 def import_engine_package(name: str, hint: str, error: type[Exception]) -> Any:
@@ -29,13 +26,8 @@ def import_engine_package(name: str, hint: str, error: type[Exception]) -> Any:
         raise error(f"{hint} ({type(err).__name__}: {err})") from None
 
 
-def flag_given(cfg: RunConfig, name: str) -> bool:
-    """Whether flag attribute `name` was given on the command line (or differs from its default)."""
-    return name in cfg.explicit or getattr(cfg, name) != _FLAG_DEFAULTS[name]
-
-
 def refuse_flag_conflicts(
-    cfg: RunConfig,
+    cfg: EngineSettings,
     flags: Mapping[str, tuple[str, str]],
     ours: Mapping[str, Any],
     theirs: Mapping[str, Any],
@@ -46,7 +38,7 @@ def refuse_flag_conflicts(
     `flags`: flag attribute -> (flag name, engine key); `ours`: the engine keys the flags set;
     `theirs`: the engine keys of `--extra-engine-args`."""
     for attr, (flag, key) in flags.items():
-        if key in theirs and key in ours and flag_given(cfg, attr) and theirs[key] != ours[key]:
+        if key in theirs and key in ours and cfg.flag_given(attr) and theirs[key] != ours[key]:
             raise error(
                 f"{flag} {getattr(cfg, attr)} conflicts with {key}={theirs[key]!r} in {SOURCE}; give one"
             )

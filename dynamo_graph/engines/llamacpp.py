@@ -77,12 +77,12 @@ from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
     SamplingOptions,
 )
-from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def _check(key: str, value: Any) -> None:
         raise LlamaCppError(f"{SOURCE}: {key} must be at least {minimum}, not {value}")
 
 
-def args_from_run_config(cfg: RunConfig) -> LlamaCppArgs:
+def args_from_settings(cfg: EngineSettings) -> LlamaCppArgs:
     data = cfg.engine_args()
     args = LlamaCppArgs.from_dict(data)
     if cfg.context_length is not None:
@@ -368,9 +368,9 @@ class LlamaCppEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> LlamaCppEngine:
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> LlamaCppEngine:
         import_llama_cpp()  # say it is missing before anything else
-        args = args_from_run_config(cfg)
+        args = args_from_settings(cfg)
         if model is None:
             raise LlamaCppError(
                 "out=llamacpp needs a model: pass --model-path FILE.gguf or a folder with one"

@@ -91,7 +91,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
-from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.detokenizer import BYTE_LEVEL_CHAR_TO_BYTE
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
@@ -99,7 +99,7 @@ from dynamo_graph.runtime.context import Context
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 log = logging.getLogger(__name__)
@@ -566,7 +566,7 @@ class MistralrsEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> MistralrsEngine:
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> MistralrsEngine:
         if model is None:
             raise MistralrsError("out=mistralrs needs a model: pass --model-path DIR|FILE.gguf")
         args = MistralrsArgs.from_mapping(cfg.engine_args())

@@ -71,12 +71,12 @@ from dynamo_graph.backend.engine import (
 )
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
-from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_max_tokens
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def split_file_engine(output: str) -> tuple[str, Path]:
     return kind, Path(path).expanduser()
 
 
-def file_argv(path: Path, cfg: RunConfig | None, model: LocalModel | None = None) -> list[str]:
+def file_argv(path: Path, cfg: EngineSettings | None, model: LocalModel | None = None) -> list[str]:
     """The `sys.argv` a python engine file sees, as dynamo-run builds it."""
     argv = [str(path)]
     if cfg is None:
@@ -287,8 +287,8 @@ class PythonFileEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> PythonFileEngine:
-        kind, path = split_file_engine(cfg.output or "")
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> PythonFileEngine:
+        kind, path = split_file_engine(cfg.engine or "")
         if not path.is_file():
             raise PythonEngineError(f"out={kind}:{path}: no such file")
         return cls(
@@ -568,10 +568,10 @@ def load_engine_class(path: str | Path) -> type[LLMEngine]:
     raise PythonEngineError(f"engine file {path} defines several engines ({names}): set ENGINE = TheOne")
 
 
-def create_file_engine(output: str, cfg: RunConfig, model: LocalModel | None) -> LLMEngine:
+def create_file_engine(output: str, cfg: EngineSettings, model: LocalModel | None) -> LLMEngine:
     """The engine of `out=pystr:FILE`, `out=pytok:FILE` or `out=FILE.py`."""
     kind, sep, _ = output.partition(":")
     if sep and kind in FILE_ENGINE_KINDS:
-        settings = cfg if cfg.output == output else replace(cfg, output=output)
+        settings = cfg if cfg.engine == output else replace(cfg, engine=output)
         return PythonFileEngine.from_config(settings, model)
     return load_engine_class(output).from_config(cfg, model)

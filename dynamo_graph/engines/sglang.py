@@ -90,11 +90,11 @@ import msgspec
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber, offset_endpoint
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -136,7 +136,7 @@ def import_sglang() -> Any:
 # ---- settings ----------------------------------------------------------------------------------
 
 
-def server_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[str, Any]:
+def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> dict[str, Any]:
     """The keyword arguments `sglang.Engine(**kwargs)` receives (ServerArgs fields)."""
     if model is None:
         raise SglangError("out=sglang needs a model: pass --model-path DIR (an HF folder) or org/name")
@@ -339,9 +339,9 @@ class SglangEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> SglangEngine:
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> SglangEngine:
         return cls(
-            server_args_from_run_config(cfg, model),
+            server_args_from_settings(cfg, model),
             default_context_length=model.context_length if model is not None else None,
         )
 

@@ -91,10 +91,10 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -155,7 +155,7 @@ def visible_devices(base_gpu_id: int, count: int, current: str | None) -> str | 
     return ",".join(str(i) for i in range(base_gpu_id, base_gpu_id + count))
 
 
-def llm_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[str, Any]:
+def llm_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> dict[str, Any]:
     """The keyword arguments `tensorrt_llm.LLM(**kwargs)` receives."""
     if model is None:
         raise TrtllmError("out=trtllm needs a model: pass --model-path DIR (an HF folder) or org/name")
@@ -333,9 +333,9 @@ class TrtllmEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> TrtllmEngine:
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> TrtllmEngine:
         return cls(
-            llm_args_from_run_config(cfg, model),
+            llm_args_from_settings(cfg, model),
             base_gpu_id=cfg.base_gpu_id,
             default_context_length=model.context_length if model is not None else None,
         )

@@ -102,11 +102,11 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -172,7 +172,7 @@ def split_leader_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def engine_args_from_run_config(cfg: RunConfig, model: LocalModel | None) -> dict[str, Any]:
+def engine_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> dict[str, Any]:
     """The keyword arguments of `AsyncEngineArgs(**kwargs)` (see the module docstring)."""
     if model is None:
         raise VllmError("out=vllm needs a model: pass --model-path DIR (an HF folder) or org/name")
@@ -342,8 +342,8 @@ class VllmEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> VllmEngine:
-        return cls(engine_args_from_run_config(cfg, model), base_gpu_id=cfg.base_gpu_id)
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> VllmEngine:
+        return cls(engine_args_from_settings(cfg, model), base_gpu_id=cfg.base_gpu_id)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

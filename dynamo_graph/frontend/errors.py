@@ -10,7 +10,7 @@ import re
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.runtime.errors import RequestError
 
 _STATUS_TYPES = {
     400: "BadRequestError",
@@ -48,7 +48,7 @@ class HTTPError(Exception):
         self.headers = headers  # extra response headers (Retry-After, ...)
 
     @classmethod
-    def from_engine_error(cls, err: EngineError) -> HTTPError:
+    def from_engine_error(cls, err: RequestError) -> HTTPError:
         return cls(err.http_status, err.message, param=err.param, code=err.code)
 
     def body(self) -> bytes:

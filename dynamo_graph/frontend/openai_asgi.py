@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.frontend.errors import HTTPError, error_body, from_decode_error
 from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
@@ -32,6 +31,7 @@ from dynamo_graph.llm.openai import (
 )
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ async def _watch_disconnect(receive: Receive, context: Context) -> None:
 def _as_http_error(err: Exception) -> HTTPError:
     if isinstance(err, HTTPError):
         return err
-    if isinstance(err, EngineError):
+    if isinstance(err, RequestError):
         return HTTPError.from_engine_error(err)
     if isinstance(err, TimeoutError):  # the request's deadline (--request-timeout-s)
         return HTTPError(504, "The request did not complete within the server's time limit", code="timeout")
@@ -222,7 +222,7 @@ class OpenAIHandler:
     def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
         try:
             return pipeline.prepare(request)
-        except EngineError as err:
+        except RequestError as err:
             raise HTTPError.from_engine_error(err) from None
         except ValueError as err:  # the preprocessor's and chat template's input errors
             raise HTTPError(

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.llm.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.client import Client, NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import CannotConnect

@@ -12,16 +12,16 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.run_config import RunConfig, RunConfigError, apply_runtime_settings
+from dynamo_graph.backend.worker import StartedEngine, make_card, serve_engine, start_built_engine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
-from dynamo_graph.inputs.config import RunConfig, RunConfigError, apply_runtime_settings
-from dynamo_graph.llm.card import ModelDeploymentCard
-from dynamo_graph.llm.model_source import LocalModel, resolve_model
+from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
@@ -85,57 +85,6 @@ def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
         )
 
 
-@dataclass
-class StartedEngine:
-    """An engine started for one model, with the card it serves under."""
-
-    engine: LLMEngine
-    config: EngineConfig
-    card: ModelDeploymentCard
-    model: LocalModel | None
-
-    def pipeline(self) -> ModelPipeline:
-        from dynamo_graph.llm.pipeline import TextPipeline, tokens_pipeline  # a worker needs none
-
-        if self.config.model_input == "tokens":
-            assert self.model is not None
-            return tokens_pipeline(self.card, self.model, self.engine)
-        return TextPipeline(self.card, self.engine)
-
-
-def _card(
-    cfg: RunConfig, engine_name: str, config: EngineConfig, model: LocalModel | None
-) -> ModelDeploymentCard:
-    context_length = cfg.context_length or config.context_length
-    if model is None:
-        name = cfg.model_name or config.served_model_name or engine_name
-        card = ModelDeploymentCard.without_files(name, context_length=context_length)
-        card.migration_limit = cfg.migration_limit
-    else:
-        card = ModelDeploymentCard.from_local_model(
-            model,
-            model_input=config.model_input,
-            context_length=context_length or model.context_length,
-            kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
-            migration_limit=cfg.migration_limit,
-        )
-        card.runtime_config = _runtime_config(config)
-    if config.model_type:
-        card.model_type = list(config.model_type)  # type: ignore[arg-type]
-    return card
-
-
-def _runtime_config(config: EngineConfig) -> dict[str, int] | None:
-    """What routers want to know of this worker's capacity (may differ between workers)."""
-    fields = {
-        "total_kv_blocks": config.total_kv_blocks,
-        "max_num_seqs": config.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "data_parallel_size": config.data_parallel_size,
-    }
-    return {k: v for k, v in fields.items() if v is not None} or None
-
-
 async def start_engine(
     cfg: RunConfig,
     *,
@@ -155,31 +104,20 @@ async def start_engine(
     model = None
     if cfg.model_path:
         model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
-    engine = create_engine(engine_name, cfg, model)
+    engine = create_engine(engine_name, cfg.engine_settings(), model)
     return await start_built_engine(
         engine, cfg, model, engine_name=engine_name, worker_id=worker_id, before_start=before_start
     )
 
 
-async def start_built_engine(
-    engine: LLMEngine,
-    cfg: RunConfig,
-    model: LocalModel | None,
-    *,
-    engine_name: str,
-    worker_id: int = 0,
-    before_start: Callable[[LLMEngine], Awaitable[None]] | None = None,
-) -> StartedEngine:
-    """Start an engine that is built already (by `start_engine`, or by `LLMEngine.from_args` for
-    `backend.run`) and make its card; the engine is cleaned up if this fails."""
-    try:
-        if before_start is not None:
-            await before_start(engine)
-        config = await engine.start(worker_id)
-        return StartedEngine(engine, config, _card(cfg, engine_name, config, model), model)
-    except BaseException:
-        await engine.cleanup()
-        raise
+async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
+    """`dyngraph run in=dyn://... out=ENGINE`: build the engine named by `out=` and serve it as
+    `backend.run` serves a custom one."""
+
+    async def start(worker_id: int, before_start: Callable[[LLMEngine], Awaitable[None]]) -> StartedEngine:
+        return await start_engine(cfg, worker_id=worker_id, before_start=before_start)
+
+    return await serve_engine(cfg, name, start)
 
 
 def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
@@ -300,7 +238,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     addresses = _static_addresses()
     assert cfg.model_path is not None
     model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
-    card = _card(cfg, "static", EngineConfig(model_input="tokens"), model)
+    card = make_card(cfg, "static", EngineConfig(model_input="tokens"), model)
     runtime = await DistributedRuntime.create(static=True)
     kv = cfg.router_mode == "kv"
     client = Client(runtime, name, router_mode="round-robin" if kv else cfg.router_mode)
@@ -383,8 +321,6 @@ async def run_async(cfg: RunConfig) -> int:
             raise RunConfigError(
                 f"in={cfg.input_arg} serves an engine: give out=ENGINE, not out={cfg.output}"
             )
-        from dynamo_graph.inputs.endpoint import serve_worker
-
         assert cfg.input_arg is not None
         return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
     if _discovers_workers(cfg):

@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dynamo_graph.backend.errors import EngineError
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.detokenizer import DetokenizerFactory
@@ -24,7 +22,9 @@ from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
 from dynamo_graph.llm.postprocessor import Postprocessor
 from dynamo_graph.llm.preprocessor import Preprocessor
+from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
 
 
 class Backend(Protocol):
@@ -66,8 +66,8 @@ class ModelPipeline(abc.ABC):
         """Run the request; the last delta carries the finish reason."""
 
 
-def _engine_failure(out: LLMEngineOutput) -> EngineError:
-    return EngineError(out.error or f"engine ended the stream with {out.finish_reason!r}")
+def _engine_failure(out: LLMEngineOutput) -> RequestError:
+    return RequestError(out.error or f"engine ended the stream with {out.finish_reason!r}")
 
 
 class TokensPipeline(ModelPipeline):
@@ -109,7 +109,7 @@ class TokensPipeline(ModelPipeline):
                     return
                 if text:
                     yield Delta(text)
-            raise EngineError("engine stream ended before generation completed")
+            raise RequestError("engine stream ended before generation completed")
         finally:
             if not context.is_stopped():
                 # We stopped reading early (a stop condition, or our consumer went away).
@@ -156,7 +156,7 @@ class TextPipeline(ModelPipeline):
                     return
                 if out.text:
                     yield Delta(out.text)
-            raise EngineError("engine stream ended before generation completed")
+            raise RequestError("engine stream ended before generation completed")
         finally:
             if not context.is_stopped():
                 context.stop_generating()

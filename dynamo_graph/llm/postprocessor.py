@@ -21,8 +21,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from functools import lru_cache
 
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 from dynamo_graph.llm.detokenizer import DetokenizerFactory, IncrementalDetokenizer
+from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 
 _ENGINE_FINISH = {
     "eos": "stop",

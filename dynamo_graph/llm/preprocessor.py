@@ -12,12 +12,6 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from dynamo_graph.backend.protocol import (
-    OutputOptions,
-    PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
-)
 from dynamo_graph.llm.chat_template import (
     RESERVED_TEMPLATE_KWARGS,
     ChatTemplate,
@@ -31,6 +25,12 @@ from dynamo_graph.llm.openai import (
     requested_max_tokens,
     stop_strings,
     wants_ignore_eos,
+)
+from dynamo_graph.llm.protocol import (
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
 )
 
 # OpenAI allows 4 stop sequences, vLLM any number. 16 strings of up to 1024 characters cover

@@ -13,7 +13,7 @@ with the generated tokens appended to the prompt, max_tokens (and min_tokens) re
 many, and every failed instance excluded; the consumer sees one continuous stream.
 
 - Migratable: `StreamBroken` (the worker died or the connection was lost mid-stream),
-  `CannotConnect` (it vanished before the stream opened), `EngineShutdown` (its grace period
+  `CannotConnect` (it vanished before the stream opened), `ShuttingDown` (its grace period
   ended). Never: cancellation (the request's Context is stopped), or any other error.
 - Never migrated: guided decoding (the grammar's state cannot be replayed as a prompt).
 - Past the limit the last error propagates, so the frontend answers it as usual: a 503 with an
@@ -32,15 +32,15 @@ from typing import Protocol
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError, EngineShutdown
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, SamplingOptions
+from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingOptions
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError, ShuttingDown
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
 log = logging.getLogger(__name__)
 
-MIGRATABLE: tuple[type[EngineError], ...] = (StreamBroken, CannotConnect, EngineShutdown)
+MIGRATABLE: tuple[type[RequestError], ...] = (StreamBroken, CannotConnect, ShuttingDown)
 # How long a migration waits for an instance to route to (e.g. every worker restarting).
 WAIT_FOR_INSTANCE_S = 10.0
 # When only excluded instances are left, how long to wait for another before trying them again.
@@ -87,7 +87,7 @@ def continuation(request: PreprocessedRequest, generated: list[int]) -> Preproce
     )
 
 
-def _exhausted(err: EngineError, limit: int) -> EngineError:
+def _exhausted(err: RequestError, limit: int) -> RequestError:
     """The last error, saying that migration gave up (same type: same code and HTTP status)."""
     exhausted = type(err)(f"{err.message} (migration limit of {limit} reached)", param=err.param)
     exhausted.instance_id = failed_instance(err)  # type: ignore[attr-defined]

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown
-from dynamo_graph.router.push import InstancePicker
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import Overloaded, RequestError, ShuttingDown
 from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
+from dynamo_graph.runtime.push import InstancePicker
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def _decoder(response_type: type | None) -> Callable[[bytes], Any]:
     return msgspec.msgpack.Decoder(response_type).decode if response_type else _decode_any.decode
 
 
-class NoInstances(EngineError):
+class NoInstances(RequestError):
     code = "no_instances"
     http_status = 503
 
@@ -92,7 +92,7 @@ class Client:
     async def start(self) -> None:
         discovery = self.runtime.discovery
         if discovery is None:
-            raise EngineError(
+            raise RequestError(
                 f"{self.name}: a static runtime has no discovery; use a static endpoint address"
             )
         self._watch_task = asyncio.create_task(self._watch(), name=f"watch {self.name}")
@@ -256,7 +256,7 @@ class Client:
         generated yet, so that is always safe). So does one that answers `overloaded` before
         any response (no cool-off: it is only busy); asked by id, that raises
         InstanceOverloaded (a CannotConnect). When every instance was overloaded the last
-        EngineOverloaded is raised (503). A stream that breaks midway raises StreamBroken:
+        Overloaded is raised (503). A stream that breaks midway raises StreamBroken:
         resuming it is request migration's job. Errors raised from an instance's stream carry
         its id as `err.instance_id`; one that broke, or whose engine is shutting down, leaves
         routing for DOWN_COOLOFF_S (or until discovery announces it again)."""
@@ -266,7 +266,7 @@ class Client:
         tried: set[int] = set(exclude) if exclude else set()
         seen = self.health.last_response
         now = time.monotonic
-        overloaded: EngineOverloaded | None = None
+        overloaded: Overloaded | None = None
         while True:
             if instance_id is None:
                 try:
@@ -298,7 +298,7 @@ class Client:
                     err.instance_id = target  # type: ignore[attr-defined]
                     raise
                 tried.add(target)
-            except EngineOverloaded as err:
+            except Overloaded as err:
                 seen[target] = now()  # it answered at once: alive, only busy
                 if started:
                     err.instance_id = target  # type: ignore[attr-defined]
@@ -310,8 +310,8 @@ class Client:
                     raise busy from None
                 overloaded = err
                 tried.add(target)
-            except EngineError as err:
-                if isinstance(err, (StreamBroken, EngineShutdown)):
+            except RequestError as err:
+                if isinstance(err, (StreamBroken, ShuttingDown)):
                     self.report_instance_down(target)
                 err.instance_id = target  # type: ignore[attr-defined]
                 raise

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.errors import EngineError, EngineOverloaded, InvalidArgument
+from dynamo_graph.runtime.errors import InvalidArgument, Overloaded, RequestError
 
 if TYPE_CHECKING:
     from dynamo_graph.runtime.client import Client
@@ -57,7 +57,7 @@ MAX_CONCURRENT_CHECKS = 8
 INTERVAL_ENV = "DYN_HEALTH_CHECK_INTERVAL_S"
 TIMEOUT_ENV = "DYN_HEALTH_CHECK_TIMEOUT_S"
 # Answers that prove the worker is alive although the check did not generate.
-RESPONSIVE_ERRORS: tuple[type[EngineError], ...] = (EngineOverloaded, InvalidArgument)
+RESPONSIVE_ERRORS: tuple[type[RequestError], ...] = (Overloaded, InvalidArgument)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -274,7 +274,7 @@ class HealthChecker:
             ok, reason = False, f"no answer within {timeout:g}s"
         except RESPONSIVE_ERRORS as err:
             log.debug("%s: instance %x answered its health check with %s", self.client.name, instance_id, err)
-        except EngineError as err:
+        except RequestError as err:
             ok, reason = False, f"{err.code}: {err.message}"
         except asyncio.CancelledError:
             table.probe_aborted(instance_id)  # stopped (the instance left, or shutdown), not failed

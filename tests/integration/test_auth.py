@@ -127,15 +127,15 @@ def test_model_cards_carry_no_key(tiny_model: Path) -> None:
     import msgspec
 
     from dynamo_graph.backend.engine import EngineConfig
-    from dynamo_graph.inputs.config import RunConfig
-    from dynamo_graph.inputs.launch import _card
+    from dynamo_graph.backend.run_config import RunConfig
+    from dynamo_graph.backend.worker import make_card
     from dynamo_graph.llm.model_source import resolve_model
 
     cfg = RunConfig(model_path=str(tiny_model), api_key=FLAG_KEYS[0])
     model = resolve_model(str(tiny_model))
     for card in (
-        _card(cfg, "echo_core", EngineConfig(model_input="tokens"), model),
-        _card(cfg, "echo_core", EngineConfig(model_input="text"), None),
+        make_card(cfg, "echo_core", EngineConfig(model_input="tokens"), model),
+        make_card(cfg, "echo_core", EngineConfig(model_input="text"), None),
     ):
         assert FLAG_KEYS[0] not in msgspec.json.encode(card).decode()
 

@@ -18,9 +18,9 @@ import pytest
 from dynamo_graph.backend.conformance import check_engine
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine, normalize_finish_reason
 from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.backend.handlers import tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
-from dynamo_graph.inputs.config import RunConfigError, parse_worker_args
-from dynamo_graph.inputs.endpoint import tokens_handler
+from dynamo_graph.backend.run_config import RunConfigError, parse_worker_args
 from dynamo_graph.runtime.context import Context
 from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
 
@@ -230,8 +230,8 @@ def test_a_bad_worker_command_line_exits_2(tmp_path: Path) -> None:
 
 
 async def test_health_check_payload_runs_through_the_engine() -> None:
+    from dynamo_graph.backend.handlers import run_health_check
     from dynamo_graph.engines.echo import EchoCoreEngine, EchoFullEngine
-    from dynamo_graph.inputs.endpoint import run_health_check
 
     for engine in (EchoCoreEngine(delay_s=0), EchoFullEngine(delay_s=0)):
         config = await engine.start()

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from dynamo_graph.backend.protocol import LLMEngineOutput
+from dynamo_graph.backend.run_config import RunConfig
 from dynamo_graph.engines.echo import EchoFullEngine
 from dynamo_graph.inputs.batch import run_batch
-from dynamo_graph.inputs.config import RunConfig
 from dynamo_graph.inputs.launch import start_engine
 from dynamo_graph.inputs.stdin import run_stdin
 from dynamo_graph.llm.card import ModelDeploymentCard

@@ -18,10 +18,10 @@ import pytest
 
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, SamplingOptions
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.llamacpp import INSTALL_HINT, LlamaCppArgs, LlamaCppEngine, LlamaCppError
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.runtime.context import Context
 from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
@@ -303,13 +303,13 @@ def test_from_config_reads_the_folder_gguf_and_settings(tiny_model: Path, tmp_pa
     extra = tmp_path / "args.json"
     extra.write_text(json.dumps({"n_parallel": 2, "n_threads": 1, "seed": 7}))
     model = resolve_model(str(tiny_model))
-    engine = create_engine("llamacpp", RunConfig(context_length=256, extra_engine_args=extra), model)
+    engine = create_engine("llamacpp", EngineSettings(context_length=256, extra_engine_args=extra), model)
     assert isinstance(engine, LlamaCppEngine)
     assert engine.gguf_path == tiny_model / GGUF_NAME
     assert (engine.n_ctx, engine.args.n_parallel, engine.args.seed) == (256, 2, 7)
     assert engine.args.llama_kwargs == {"n_threads": 1, "seed": 7}
     # A .gguf file as the model works the same; the model's own context length is the default.
-    engine = create_engine("llamacpp", RunConfig(), resolve_model(str(tiny_model / GGUF_NAME)))
+    engine = create_engine("llamacpp", EngineSettings(), resolve_model(str(tiny_model / GGUF_NAME)))
     assert isinstance(engine, LlamaCppEngine) and engine.n_ctx == 512
 
 
@@ -326,7 +326,7 @@ def test_from_config_reads_the_folder_gguf_and_settings(tiny_model: Path, tmp_pa
 def test_bad_engine_args(tiny_model: Path, tmp_path: Path, args: dict[str, Any], message: str) -> None:
     extra = tmp_path / "args.json"
     extra.write_text(json.dumps(args))
-    cfg = RunConfig(context_length=256, extra_engine_args=extra)
+    cfg = EngineSettings(context_length=256, extra_engine_args=extra)
     with pytest.raises(RunConfigError, match=message):
         create_engine("llamacpp", cfg, resolve_model(str(tiny_model)))
 
@@ -343,7 +343,7 @@ def _hf_only_copy(tiny_model: Path, tmp_path: Path) -> Path:
 def test_a_folder_without_gguf_is_refused(tiny_model: Path, tmp_path: Path) -> None:
     folder = _hf_only_copy(tiny_model, tmp_path)
     with pytest.raises(LlamaCppError, match=r"holds no \.gguf file"):
-        create_engine("llamacpp", RunConfig(), resolve_model(str(folder)))
+        create_engine("llamacpp", EngineSettings(), resolve_model(str(folder)))
     # ... and the CLI says so as an error, not a traceback.
     result = run_cli(["run", "in=none", "out=llamacpp", str(folder)], timeout=60)
     assert result.returncode == 2, result.stderr
@@ -353,7 +353,7 @@ def test_a_folder_without_gguf_is_refused(tiny_model: Path, tmp_path: Path) -> N
 def test_missing_llama_cpp_says_how_to_install(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
     with pytest.raises(RunConfigError, match=r"pip install 'dyngraph\[llamacpp\]'") as err:
-        create_engine("llamacpp", RunConfig(), resolve_model(str(tiny_model)))
+        create_engine("llamacpp", EngineSettings(), resolve_model(str(tiny_model)))
     assert str(err.value).startswith(INSTALL_HINT)
 
 

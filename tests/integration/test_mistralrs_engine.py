@@ -22,8 +22,8 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     StopConditions,
 )
+from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.dev.tiny_model import GGUF_NAME
-from dynamo_graph.inputs.config import RunConfig
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
 from dynamo_graph.runtime.context import Context
 from tests.procs import ServerProcess, run_cli
@@ -233,7 +233,7 @@ def test_extra_engine_args_are_checked(model: LocalModel, tmp_path: Path) -> Non
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"max_seqs": 2, "bogus": 1}))
     with pytest.raises(MistralrsError, match=r"unknown mistralrs setting.*bogus.*known: dtype, max_seqs"):
-        MistralrsEngine.from_config(RunConfig(extra_engine_args=args_file), model)
+        MistralrsEngine.from_config(EngineSettings(extra_engine_args=args_file), model)
     with pytest.raises(MistralrsError, match="dtype must be one of"):
         MistralrsArgs.from_mapping({"dtype": "f64"})
     with pytest.raises(MistralrsError, match="arch 'nope'"):

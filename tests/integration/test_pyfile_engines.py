@@ -14,9 +14,9 @@ import pytest
 from dynamo_graph.backend.conformance import check_engine
 from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import PreprocessedRequest, StopConditions
+from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.pyfile import PythonEngineError, PythonFileEngine
-from dynamo_graph.inputs.config import RunConfig
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.runtime.context import Context
 from tests.procs import ServerProcess, run_cli
@@ -102,8 +102,8 @@ async def test_file_runs_as_main_with_dynamo_run_argv_and_initialize(tmp_path: P
             yield {"token_ids": [len(SEEN["main_argv"]), len(SEEN["init_argv"])], "finish_reason": "stop"}
         """,
     )
-    cfg = RunConfig(output=f"pytok:{path}", model_name="m", http_port=9001, engine_argv=["-n", "1"])
-    engine = create_engine(cfg.output, cfg, None)
+    cfg = EngineSettings(engine=f"pytok:{path}", model_name="m", http_port=9001, engine_argv=["-n", "1"])
+    engine = create_engine(cfg.engine, cfg, None)
     assert isinstance(engine, PythonFileEngine)
     assert engine.argv == [
         str(path),
@@ -171,7 +171,9 @@ async def test_file_errors_are_clear(tmp_path: Path, source: str, message: str) 
 
 def test_missing_file_and_missing_path() -> None:
     with pytest.raises(PythonEngineError, match="no such file"):
-        create_engine("pystr:/nonexistent/engine.py", RunConfig(output="pystr:/nonexistent/engine.py"), None)
+        create_engine(
+            "pystr:/nonexistent/engine.py", EngineSettings(engine="pystr:/nonexistent/engine.py"), None
+        )
     with pytest.raises(Exception, match=r"out=pytok needs a python file: out=pytok:FILE"):
         get_engine_spec("pytok")
     assert get_engine_spec("pytok:x.py").needs_model and not get_engine_spec("pystr:x.py").needs_model
@@ -213,8 +215,8 @@ async def test_typed_errors_keep_their_type(tmp_path: Path) -> None:
 
 
 async def test_out_file_py_loads_an_engine_class() -> None:
-    cfg = RunConfig(output=str(EXAMPLES / "custom_engine.py"), engine_argv=["--max-prompt-tokens", "2"])
-    engine = create_engine(cfg.output, cfg, None)
+    cfg = EngineSettings(engine=str(EXAMPLES / "custom_engine.py"), engine_argv=["--max-prompt-tokens", "2"])
+    engine = create_engine(cfg.engine, cfg, None)
     assert type(engine).__name__ == "ReverseEngine"
     await engine.start()
     with pytest.raises(InvalidArgument, match="at most 2"):
@@ -225,7 +227,7 @@ async def test_out_file_py_loads_an_engine_class() -> None:
 async def test_out_file_py_without_an_engine_class_suggests_pystr(tmp_path: Path) -> None:
     path = write(tmp_path, PYSTR, "plain.py")
     with pytest.raises(PythonEngineError, match="out=pystr:FILE"):
-        create_engine(str(path), RunConfig(output=str(path)), None)
+        create_engine(str(path), EngineSettings(engine=str(path)), None)
 
 
 # ---- the whole stack ---------------------------------------------------------------------------

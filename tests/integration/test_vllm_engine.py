@@ -30,10 +30,10 @@ from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
     SamplingOptions,
 )
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.vllm import VllmEngine, VllmError, block_hash_u64, engine_args_from_run_config
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
+from dynamo_graph.engines.vllm import VllmEngine, VllmError, block_hash_u64, engine_args_from_settings
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
@@ -322,7 +322,7 @@ def test_flags_map_to_engine_args(tiny_model: Path, tmp_path: Path) -> None:
     extra = tmp_path / "args.json"
     extra.write_text(json.dumps({"enforce_eager": True, "kv_events_config": {"publisher": "null"}}))
     model = resolve_model(str(tiny_model))
-    cfg = RunConfig(
+    cfg = EngineSettings(
         context_length=256,
         kv_cache_block_size=64,
         tensor_parallel_size=2,
@@ -335,8 +335,8 @@ def test_flags_map_to_engine_args(tiny_model: Path, tmp_path: Path) -> None:
     assert args["model"] == str(tiny_model) and args["enable_prefix_caching"] is True
     assert (args["max_model_len"], args["block_size"], args["tensor_parallel_size"]) == (256, 64, 2)
     assert args["enforce_eager"] is True and "nnodes" not in args
-    multi = RunConfig(num_nodes=2, node_rank=0, leader_addr="10.0.0.1:5555")
-    args = engine_args_from_run_config(multi, model)
+    multi = EngineSettings(num_nodes=2, node_rank=0, leader_addr="10.0.0.1:5555")
+    args = engine_args_from_settings(multi, model)
     assert (args["nnodes"], args["node_rank"], args["master_addr"], args["master_port"]) == (
         2,
         0,
@@ -361,7 +361,7 @@ def test_flags_map_to_engine_args(tiny_model: Path, tmp_path: Path) -> None:
 async def test_bad_engine_args(tiny_model: Path, tmp_path: Path, args: dict[str, Any], message: str) -> None:
     extra = tmp_path / "args.json"
     extra.write_text(json.dumps(args))
-    cfg = RunConfig(kv_cache_block_size=32, extra_engine_args=extra)
+    cfg = EngineSettings(kv_cache_block_size=32, extra_engine_args=extra)
     with pytest.raises(RunConfigError, match=message):
         engine = create_engine("vllm", cfg, resolve_model(str(tiny_model)))
         try:
@@ -372,7 +372,7 @@ async def test_bad_engine_args(tiny_model: Path, tmp_path: Path, args: dict[str,
 
 @in_module_loop
 async def test_secondary_node_is_refused_and_cleanup_is_idempotent(tiny_model: Path) -> None:
-    cfg = RunConfig(num_nodes=2, node_rank=1, leader_addr="127.0.0.1:29501")
+    cfg = EngineSettings(num_nodes=2, node_rank=1, leader_addr="127.0.0.1:29501")
     engine = create_engine("vllm", cfg, resolve_model(str(tiny_model)))
     with pytest.raises(VllmError, match="headless"):
         await engine.start()

@@ -333,6 +333,7 @@ def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path
         resp = chat(front.base_url, "tiny-static", "static hello")
         assert resp.status_code == 200, resp.text
         assert "static hello" in resp.json()["choices"][0]["message"]["content"]
+
         # Discovery cannot vouch for a static worker: health checks keep its state.
         def checked() -> bool:
             (inst,) = instances(front, "tiny-static")

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, InvalidArgument
+from dynamo_graph.backend.handlers import InflightCap, tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.run_config import RunConfig, RunConfigError, validate
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.inputs.config import RunConfig, RunConfigError, validate
-from dynamo_graph.inputs.endpoint import InflightCap, tokens_handler
 from dynamo_graph.runtime.client import Client, InstanceOverloaded, NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.health import (

@@ -13,6 +13,7 @@ import pytest
 
 from dynamo_graph.backend.engine import LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.handlers import Closing, tokens_handler
 from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
@@ -22,7 +23,6 @@ from dynamo_graph.backend.protocol import (
 from dynamo_graph.frontend import metrics as metrics_module
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.remote import KvRoutedTokensBackend
-from dynamo_graph.inputs.endpoint import Closing, tokens_handler
 from dynamo_graph.router import migration as migration_module
 from dynamo_graph.router.migration import Migration, continuation
 from dynamo_graph.runtime.client import NoInstances

@@ -18,12 +18,12 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     StopConditions,
 )
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_run_config
+from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
 from dynamo_graph.engines.mocker.engine import MockerEngine
 from dynamo_graph.engines.mocker.perf_model import PolynomialPerfModel
 from dynamo_graph.engines.mocker.scheduler import mock_token_ids
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
@@ -120,12 +120,12 @@ def test_bad_values_are_named_by_key(data: dict, needle: str) -> None:
 def test_flags_and_extra_engine_args_combine_but_must_not_conflict(tmp_path: Path) -> None:
     path = tmp_path / "mocker.json"
     path.write_text(json.dumps({"num_gpu_blocks": 100, "block_size": 16, "speedup_ratio": 5}))
-    args = args_from_run_config(RunConfig(extra_engine_args=path, context_length=256))
+    args = args_from_settings(EngineSettings(extra_engine_args=path, context_length=256))
     assert (args.num_gpu_blocks, args.block_size, args.speedup_ratio, args.max_model_len) == (100, 16, 5, 256)
-    assert args_from_run_config(RunConfig(extra_engine_args=path, kv_cache_block_size=16)).block_size == 16
-    assert args_from_run_config(RunConfig(kv_cache_block_size=32)).block_size == 32
+    assert args_from_settings(EngineSettings(extra_engine_args=path, kv_cache_block_size=16)).block_size == 16
+    assert args_from_settings(EngineSettings(kv_cache_block_size=32)).block_size == 32
     with pytest.raises(MockerArgsError, match="--kv-cache-block-size 32 conflicts with block_size=16"):
-        args_from_run_config(RunConfig(extra_engine_args=path, kv_cache_block_size=32))
+        args_from_settings(EngineSettings(extra_engine_args=path, kv_cache_block_size=32))
 
 
 def test_max_model_len_must_fit_the_kv_cache() -> None:
@@ -145,7 +145,7 @@ async def test_from_config_uses_the_model_and_reports_the_engine_config(
 ) -> None:
     path = tmp_path / "mocker.json"
     path.write_text(json.dumps({"num_gpu_blocks": 64, "block_size": 16, "dp_size": 2, "speedup_ratio": FAST}))
-    cfg = RunConfig(output="mocker", model_path=str(tiny_model), extra_engine_args=path)
+    cfg = EngineSettings(engine="mocker", model_path=str(tiny_model), extra_engine_args=path)
     model = resolve_model(str(tiny_model))
     assert get_engine_spec("mocker").needs_model
     engine = create_engine("mocker", cfg, model)

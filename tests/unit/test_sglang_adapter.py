@@ -27,6 +27,7 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     StopConditions,
 )
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
 from dynamo_graph.engines.sglang import (
     DEFAULT_PAGE_SIZE,
@@ -35,9 +36,8 @@ from dynamo_graph.engines.sglang import (
     SglangKvEventBridge,
     import_sglang,
     sampling_params,
-    server_args_from_run_config,
+    server_args_from_settings,
 )
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -182,7 +182,7 @@ def make_engine(fields: set[str] | None = None, **server_args: Any) -> FakeSglan
 def test_flags_map_to_server_args(model: LocalModel, tmp_path: Path) -> None:
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({"mem_fraction_static": 0.8, "kv_events_config": {"publisher": "zmq"}}))
-    cfg = RunConfig(
+    cfg = EngineSettings(
         tensor_parallel_size=2,
         base_gpu_id=1,
         kv_cache_block_size=32,
@@ -192,7 +192,7 @@ def test_flags_map_to_server_args(model: LocalModel, tmp_path: Path) -> None:
         leader_addr="10.0.0.1:5000",
         extra_engine_args=extra,
     )
-    assert server_args_from_run_config(cfg, model) == {
+    assert server_args_from_settings(cfg, model) == {
         "model_path": str(model.root),
         "skip_tokenizer_init": True,
         "tp_size": 2,
@@ -205,7 +205,7 @@ def test_flags_map_to_server_args(model: LocalModel, tmp_path: Path) -> None:
         "mem_fraction_static": 0.8,
         "kv_events_config": '{"publisher": "zmq"}',
     }
-    defaults = server_args_from_run_config(RunConfig(), model)
+    defaults = server_args_from_settings(EngineSettings(), model)
     assert defaults == {
         "model_path": str(model.root),
         "skip_tokenizer_init": True,
@@ -218,10 +218,10 @@ def test_flags_map_to_server_args(model: LocalModel, tmp_path: Path) -> None:
 def test_extra_args_override_defaults_but_not_given_flags(model: LocalModel, tmp_path: Path) -> None:
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({"tp_size": 4, "page_size": 64}))
-    args = server_args_from_run_config(RunConfig(extra_engine_args=extra), model)
+    args = server_args_from_settings(EngineSettings(extra_engine_args=extra), model)
     assert (args["tp_size"], args["page_size"]) == (4, 64)
     with pytest.raises(SglangError, match=r"--tensor-parallel-size 2 conflicts with tp_size=4"):
-        server_args_from_run_config(RunConfig(tensor_parallel_size=2, extra_engine_args=extra), model)
+        server_args_from_settings(EngineSettings(tensor_parallel_size=2, extra_engine_args=extra), model)
 
 
 async def test_unknown_server_args_are_refused_with_the_valid_ones() -> None:
@@ -238,7 +238,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` raises ImportError
     with pytest.raises(SglangError, match=r"pip install 'dyngraph\[sglang\]'.*CUDA"):
         import_sglang()
-    engine = create_engine("sglang", RunConfig(), model)
+    engine = create_engine("sglang", EngineSettings(), model)
     assert isinstance(engine, SglangEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[sglang\]"):
         asyncio.run(engine.start())

@@ -27,6 +27,7 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     StopConditions,
 )
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.trtllm import (
     DEFAULT_EVENT_BUFFER,
@@ -34,11 +35,10 @@ from dynamo_graph.engines.trtllm import (
     TrtllmError,
     TrtllmKvEventBridge,
     import_tensorrt_llm,
-    llm_args_from_run_config,
+    llm_args_from_settings,
     sampling_kwargs,
     visible_devices,
 )
-from dynamo_graph.inputs.config import RunConfig, RunConfigError
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -180,10 +180,10 @@ def test_flags_and_yaml_map_to_llm_kwargs(model: LocalModel, tmp_path: Path) -> 
         "max_batch_size: 8\nkv_cache_config:\n  free_gpu_memory_fraction: 0.5\n  enable_block_reuse: true\n"
         "guided_decoding_backend: xgrammar\n"
     )
-    cfg = RunConfig(
+    cfg = EngineSettings(
         tensor_parallel_size=2, kv_cache_block_size=64, context_length=2048, extra_engine_args=extra
     )
-    assert llm_args_from_run_config(cfg, model) == {
+    assert llm_args_from_settings(cfg, model) == {
         "model": str(model.root),
         "backend": "pytorch",
         "tensor_parallel_size": 2,
@@ -196,7 +196,7 @@ def test_flags_and_yaml_map_to_llm_kwargs(model: LocalModel, tmp_path: Path) -> 
         "max_batch_size": 8,
         "guided_decoding_backend": "xgrammar",
     }
-    assert llm_args_from_run_config(RunConfig(), model) == {
+    assert llm_args_from_settings(EngineSettings(), model) == {
         "model": str(model.root),
         "backend": "pytorch",
         "tensor_parallel_size": 1,
@@ -204,7 +204,7 @@ def test_flags_and_yaml_map_to_llm_kwargs(model: LocalModel, tmp_path: Path) -> 
     }
     as_json = tmp_path / "extra.json"  # JSON is YAML too
     as_json.write_text(json.dumps({"kv_cache_config": {"tokens_per_block": 16}}))
-    args = llm_args_from_run_config(RunConfig(extra_engine_args=as_json), model)
+    args = llm_args_from_settings(EngineSettings(extra_engine_args=as_json), model)
     assert args["kv_cache_config"] == {"tokens_per_block": 16}
 
 
@@ -214,22 +214,22 @@ def test_bad_settings_are_refused(model: LocalModel, tmp_path: Path) -> None:
     with pytest.raises(
         TrtllmError, match=r"--kv-cache-block-size 64 conflicts with kv_cache_config.tokens_per_block"
     ):
-        llm_args_from_run_config(RunConfig(kv_cache_block_size=64, extra_engine_args=conflict), model)
+        llm_args_from_settings(EngineSettings(kv_cache_block_size=64, extra_engine_args=conflict), model)
     listing = tmp_path / "l.yaml"
     listing.write_text("- a\n- b\n")
     with pytest.raises(RunConfigError, match="must hold a mapping"):
-        llm_args_from_run_config(RunConfig(extra_engine_args=listing), model)
+        llm_args_from_settings(EngineSettings(extra_engine_args=listing), model)
     broken = tmp_path / "b.yaml"
     broken.write_text("a: [1, 2\n")
     with pytest.raises(RunConfigError, match="not valid YAML"):
-        llm_args_from_run_config(RunConfig(extra_engine_args=broken), model)
+        llm_args_from_settings(EngineSettings(extra_engine_args=broken), model)
     with pytest.raises(TrtllmError, match=r"MPI job.*trtllm-llmapi-launch"):
-        llm_args_from_run_config(RunConfig(num_nodes=2, leader_addr="10.0.0.1:5000"), model)
+        llm_args_from_settings(EngineSettings(num_nodes=2, leader_addr="10.0.0.1:5000"), model)
     gguf = LocalModel(
         source="m.gguf", kind="gguf", root=tmp_path, display_name="m", gguf_path=tmp_path / "m.gguf"
     )
     with pytest.raises(TrtllmError, match="GGUF"):
-        llm_args_from_run_config(RunConfig(), gguf)
+        llm_args_from_settings(EngineSettings(), gguf)
 
 
 def test_base_gpu_id_selects_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,7 +264,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
     with pytest.raises(TrtllmError, match=r"pip install 'dyngraph\[trtllm\]'.*CUDA"):
         import_tensorrt_llm()
-    engine = create_engine("trtllm", RunConfig(), model)
+    engine = create_engine("trtllm", EngineSettings(), model)
     assert isinstance(engine, TrtllmEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[trtllm\]"):
         asyncio.run(engine.start())

@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.inputs.config import RunConfigError
+from dynamo_graph.backend.settings import RunConfigError
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
 
 SOURCE = "--extra-engine-args"
 
@@ -108,7 +108,7 @@ _FLAGS = (
 )
 
 
-def args_from_run_config(cfg: RunConfig) -> MockerArgs:
+def args_from_settings(cfg: EngineSettings) -> MockerArgs:
     """`--extra-engine-args` plus the flags that name the same settings (they must not conflict)."""
     data = cfg.engine_args()
     args = MockerArgs.from_dict(data)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
-from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_run_config
+from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
 from dynamo_graph.engines.mocker.perf_model import PerfModel
 from dynamo_graph.engines.mocker.scheduler import (
     MockSequence,
@@ -53,7 +53,7 @@ from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
-    from dynamo_graph.inputs.config import RunConfig
+    from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class MockerEngine(LLMEngine):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: LocalModel | None) -> MockerEngine:
-        args = args_from_run_config(cfg)
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> MockerEngine:
+        args = args_from_settings(cfg)
         if model is None:
             return cls(args)
         tokenizer = model.load_tokenizer()

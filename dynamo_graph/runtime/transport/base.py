@@ -13,15 +13,15 @@ import abc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
 
 # A served endpoint: (payload bytes, headers, context) -> async iterator of response payloads.
-# Raising an EngineError sends its code and message as the terminal error frame.
+# Raising an RequestError sends its code and message as the terminal error frame.
 Handler = Callable[[bytes, dict[str, str], Context], AsyncIterator[bytes]]
 
 
-class TransportError(EngineError):
+class TransportError(RequestError):
     """The request plane failed (not the engine); these are what request migration retries."""
 
     code = "transport"
@@ -80,7 +80,7 @@ class RequestPlaneClient(abc.ABC):
     ) -> AsyncIterator[bytes]:
         """Send one request and yield its response payloads. `context.stop_generating()` sends a
         cancel frame to the worker. Raises CannotConnect / StreamBroken / RequestTimeout, or the
-        worker's EngineError (rebuilt from its code)."""
+        worker's RequestError (rebuilt from its code)."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError, error_from_code
+from dynamo_graph.runtime.errors import RequestError, error_from_code
 from dynamo_graph.runtime.transport.base import CannotConnect, RequestTimeout, StreamBroken
 
 
@@ -86,12 +86,12 @@ class EndpointNotFound(CannotConnect):
     code = "not_found"
 
 
-_TRANSPORT_ERRORS: dict[str, type[EngineError]] = {
+_TRANSPORT_ERRORS: dict[str, type[RequestError]] = {
     cls.code: cls for cls in (CannotConnect, StreamBroken, RequestTimeout, EndpointNotFound)
 }
 
 
-def error_from_frame(frame: Error) -> EngineError:
+def error_from_frame(frame: Error) -> RequestError:
     """Rebuild the typed error the worker sent (engine errors and transport errors alike)."""
     cls = _TRANSPORT_ERRORS.get(frame.code)
     if cls is not None:
@@ -101,7 +101,7 @@ def error_from_frame(frame: Error) -> EngineError:
 
 def error_frame(stream_id: int, exc: BaseException) -> Error:
     """The terminal frame for a handler that raised: its code if typed, else "internal"."""
-    if isinstance(exc, EngineError):
+    if isinstance(exc, RequestError):
         return Error(stream_id, exc.code, exc.message, exc.param)
     return Error(stream_id, "internal", f"{type(exc).__name__}: {exc}")
 

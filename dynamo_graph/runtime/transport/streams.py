@@ -14,8 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
 from dynamo_graph.runtime.transport.base import Handler
 from dynamo_graph.runtime.transport.frames import Data, End, Frame, Request, error_frame
 
@@ -73,7 +73,7 @@ async def run_handler(stream: ServerStream, handler: Handler, request: Request, 
             aclose = getattr(responses, "aclose", None)
             if aclose is not None:
                 await aclose()
-    except EngineError as exc:
+    except RequestError as exc:
         terminal = error_frame(sid, exc)
     except Exception as exc:
         log.exception("handler for %r failed", request.subject)
@@ -126,14 +126,14 @@ class ClientStream:
     def __init__(self) -> None:
         self.frames: collections.deque[Frame] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.failure: EngineError | None = None
+        self.failure: RequestError | None = None
 
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def fail(self, error: EngineError) -> None:
+    def fail(self, error: RequestError) -> None:
         """Record the first failure; the consumer raises it once the frames before it are read."""
         if self.failure is None:
             self.failure = error

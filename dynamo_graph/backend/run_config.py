@@ -1,27 +1,27 @@
 """The settings of one `dyngraph run`: which input, which output engine, and dynamo-run's flags.
 
-Parsed by the CLI, consumed by inputs/launch.py. Flags that only matter to later parts of the
-system (routing, multi-node, migration) are kept here and passed on, never dropped.
+Parsed from the command line (backend/command_line.py) by the CLI and by `backend.run`'s
+workers, consumed by the worker (backend/worker.py) and by inputs/launch.py. Flags that only
+matter to other parts of the system (routing, multi-node, migration) are kept here and passed
+on, never dropped. An engine gets only its part of them (`engine_settings()`).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError, read_engine_args_file
+
 if TYPE_CHECKING:
-    from dynamo_graph.backend.engine import WorkerConfig
+    from dynamo_graph.llm.model_source import LocalModel
 
 InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 ROUTER_MODES = ("random", "round-robin", "kv")
-
-
-class RunConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -70,32 +70,44 @@ class RunConfig:
     # Arguments after `--`: passed on to the engine (a python engine file's sys.argv).
     engine_argv: list[str] = field(default_factory=list)
 
-    def engine_args(self) -> dict[str, Any]:
-        """The object in the --extra-engine-args file: JSON, or YAML for a .yaml/.yml file (the
-        form TensorRT-LLM users write)."""
-        if self.extra_engine_args is None:
-            return {}
-        path = self.extra_engine_args
-        is_yaml = path.suffix.lower() in (".yaml", ".yml")
-        if is_yaml:
-            import yaml
+    def engine_settings(self) -> EngineSettings:
+        """The part of these settings an engine is built from."""
+        values = {name: getattr(self, name) for name in _ENGINE_FIELDS if name != "engine"}
+        return EngineSettings(engine=self.output, **values)
 
-            parse, bad_syntax = yaml.safe_load, yaml.YAMLError
-        else:
-            parse, bad_syntax = json.loads, json.JSONDecodeError
-        try:
-            data = parse(path.read_text())
-        except OSError as err:
-            raise RunConfigError(f"--extra-engine-args: cannot read {path}: {err}") from None
-        except bad_syntax as err:
-            raise RunConfigError(
-                f"--extra-engine-args: {path} is not valid {'YAML' if is_yaml else 'JSON'}: {err}"
-            ) from None
-        if data is None:  # an empty file
-            return {}
-        if not isinstance(data, dict):
-            raise RunConfigError(f"--extra-engine-args: {path} must hold a mapping of engine options")
-        return data
+
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings))
+
+
+DEFAULT_WORKER_ENDPOINT = "dyn://dynamo.backend.generate"
+
+
+@dataclass
+class WorkerConfig:
+    """What serving an engine as a worker needs besides the engine: where to serve, which model
+    to publish, and the rest of the dynamo-run flags (`settings`, a RunConfig)."""
+
+    endpoint: str
+    settings: RunConfig
+    model: LocalModel | None = None
+    # Arguments after `--` on the command line, for the engine's own parser.
+    engine_args: Sequence[str] = ()
+
+    @property
+    def model_path(self) -> str | None:
+        return self.settings.model_path
+
+    @property
+    def model_name(self) -> str | None:
+        return self.settings.model_name
+
+    @property
+    def migration_limit(self) -> int:
+        return self.settings.migration_limit
+
+    @property
+    def static(self) -> bool:
+        return self.settings.static_worker
 
 
 def parse_input(word: str) -> tuple[InputKind, str | None]:
@@ -156,7 +168,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.router_temperature < 0:
         raise RunConfigError(f"--router-temperature must be >= 0, not {cfg.router_temperature}")
     if cfg.extra_engine_args is not None:
-        cfg.engine_args()  # fail now, with the file named, rather than after the model loads
+        read_engine_args_file(cfg.extra_engine_args)  # fail now, with the file named, not after loading
 
 
 _PLANE_ENV = {
@@ -202,10 +214,10 @@ def run_config_from_args(
     *,
     engine_argv: Sequence[str] = (),
 ) -> tuple[RunConfig, bool]:
-    """`dyngraph run`'s parsed command line (cli/run.py `parse_fast` or typer) as a RunConfig:
+    """`dyngraph run`'s parsed command line (command_line.py `parse_fast` or typer) as a RunConfig:
     `in=...`, `out=...` and one MODEL among the words. Returns (config, whether in= was given).
     Not validated yet (`validate`)."""
-    from dynamo_graph.cli.run import BOOL_WORDS
+    from dynamo_graph.backend.command_line import BOOL_WORDS
 
     params = dict(params)
     verbose = params.pop("verbose", 0)
@@ -240,8 +252,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     dyn://dynamo.backend.generate; MODEL or --model-path), then `--` and the engine's own args."""
     import sys
 
-    from dynamo_graph.backend.engine import DEFAULT_WORKER_ENDPOINT, WorkerConfig
-    from dynamo_graph.cli.run import parse_fast
+    from dynamo_graph.backend.command_line import parse_fast
     from dynamo_graph.runtime.names import EndpointName, NameError_
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,231 @@
+"""The request-plane handlers that wrap an engine: what every worker does around `generate`.
+
+Whatever the engine, a worker's stream has the same shape (DESIGN.md, request plane): the wire's
+finish reasons only (`normalize_finish_reason`), exactly one final chunk, an engine's error chunk
+turned into the stream's error frame, `engine.abort(context)` called once when the caller
+cancels, streams ended with EngineShutdown once a stopping worker's grace is over (so they
+migrate), and a cap on requests in flight answered with EngineOverloaded before any output (the
+caller's client sends it to another instance, so no worker queues without bound behind its
+engine). Tokens-input engines take `PreprocessedRequest`s; text-input engines take the OpenAI
+request and answer with OpenAI chunks, as Dynamo's Chat/Completion-type workers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from dynamo_graph.backend.engine import (
+    WIRE_FINISH_REASONS,
+    EngineConfig,
+    LLMEngine,
+    normalize_finish_reason,
+)
+from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
+from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
+from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.runtime.context import Context
+
+log = logging.getLogger(__name__)
+
+
+class Closing:
+    """Set when a stopping worker's grace period is over: handlers then end their streams with
+    EngineShutdown at the next output (one attribute test per output on the hot path)."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = False
+
+
+_SHUTDOWN_MESSAGE = "the worker is shutting down (its grace period ended)"
+
+
+class InflightCap:
+    """Requests a worker's handler has in flight, and its cap (0: none). `enter` raises
+    EngineOverloaded when the cap is reached; every successful `enter` is matched by `leave`."""
+
+    __slots__ = ("inflight", "limit", "refused")
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = max(int(limit), 0)
+        self.inflight = 0
+        self.refused = 0
+
+    def enter(self) -> None:
+        if self.limit and self.inflight >= self.limit:
+            self.refused += 1
+            raise EngineOverloaded(f"the worker is at its limit of {self.limit} requests in flight")
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+
+
+def _watches_cancellation(engine: LLMEngine) -> bool:
+    """Engines that implement `abort` hear of a cancelled request as soon as it is cancelled;
+    for the others (the no-op default) no watcher task is spent per request."""
+    return type(engine).abort is not LLMEngine.abort
+
+
+async def _abort_when_stopped(engine: LLMEngine, context: Context) -> None:
+    await context.stopped()
+    try:
+        await engine.abort(context)
+    except Exception:
+        log.exception("engine.abort failed for request %s", context.id)
+
+
+def _watch(engine: LLMEngine, context: Context, enabled: bool) -> asyncio.Task[None] | None:
+    if not enabled:
+        return None
+    return asyncio.get_running_loop().create_task(_abort_when_stopped(engine, context))
+
+
+async def _unwatch(watcher: asyncio.Task[None] | None, context: Context) -> None:
+    """The stream is over: a cancelled request's abort runs to its end (exactly once), else the
+    watcher goes."""
+    if watcher is None:
+        return
+    if context.is_stopped():
+        with contextlib.suppress(Exception):
+            await watcher
+    else:
+        watcher.cancel()
+
+
+def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
+    """The wire's finish reasons only; an error chunk becomes the stream's error frame."""
+    reason = out.finish_reason
+    if reason is not None and reason not in WIRE_FINISH_REASONS:
+        out.finish_reason = normalize_finish_reason(reason)  # type: ignore[assignment]
+    if out.error is not None or out.finish_reason == "error":
+        raise EngineError(out.error or "the engine failed the request")
+    return out
+
+
+def tokens_handler(engine: LLMEngine, closing: Closing | None = None, cap: InflightCap | None = None):
+    """The request-plane handler of a Tokens-input engine: finish reasons normalised, exactly
+    one final chunk (the stream is closed after it), error chunks as error frames, and
+    `engine.abort(context)` called once when the caller cancels. Once `closing.ended`, streams
+    end with EngineShutdown (so they migrate) instead of going on. Past `cap`, requests are
+    answered EngineOverloaded before anything else."""
+    watch = _watches_cancellation(engine)
+    closing = closing or Closing()
+    cap = cap or InflightCap()
+
+    async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        cap.enter()
+        watcher = _watch(engine, context, watch)
+        try:
+            async for out in engine.generate(request, context):
+                if closing.ended:
+                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
+                out = _checked(out)
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            cap.leave()
+            await _unwatch(watcher, context)
+
+    return generate
+
+
+def _openai_request(raw: Any) -> AnyRequest:
+    try:
+        if isinstance(raw, dict) and "messages" in raw:
+            return msgspec.convert(raw, ChatCompletionRequest)
+        return msgspec.convert(raw, CompletionRequest)
+    except msgspec.ValidationError as err:
+        raise InvalidArgument(f"invalid request: {err}") from None
+
+
+def _chunk(request: AnyRequest, rid: str, created: int, out: LLMEngineOutput) -> dict[str, Any]:
+    if isinstance(request, ChatCompletionRequest):
+        delta = {"content": out.text} if out.text else {}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": out.finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": out.text or "", "finish_reason": out.finish_reason}
+        obj = "text_completion"
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": request.model,
+        "choices": [choice],
+    }
+    usage = out.completion_usage
+    if usage is not None:
+        chunk["usage"] = {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        }
+    return chunk
+
+
+def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: InflightCap | None = None):
+    """As `tokens_handler`, for a Text-input engine: OpenAI request in, OpenAI chunks out."""
+    watch = _watches_cancellation(engine)
+    closing = closing or Closing()
+    cap = cap or InflightCap()
+
+    async def generate(raw: Any, context: Context) -> AsyncIterator[dict[str, Any]]:
+        cap.enter()
+        try:
+            request = _openai_request(raw)
+        except BaseException:
+            cap.leave()
+            raise
+        rid, created = uuid.uuid4().hex, int(time.time())
+        watcher = _watch(engine, context, watch)
+        try:
+            async for out in engine.generate(request, context):
+                if closing.ended:
+                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
+                out = _checked(out)
+                yield _chunk(request, rid, created, out)
+                if out.finish_reason is not None:
+                    return
+        finally:
+            cap.leave()
+            await _unwatch(watcher, context)
+
+    return generate
+
+
+def health_check_enabled() -> bool:
+    return (os.environ.get("DYN_HEALTH_CHECK_ENABLED") or "").lower() in ("1", "true", "yes", "on")
+
+
+async def run_health_check(
+    engine: LLMEngine, config: EngineConfig, payload: dict[str, Any], timeout_s: float = 60.0
+) -> None:
+    """Send the health-check request through the engine; raise EngineError unless it completes."""
+    request: PreprocessedRequest | AnyRequest
+    if config.model_input == "tokens":
+        request = msgspec.convert(payload, PreprocessedRequest)
+    else:
+        request = _openai_request(payload)
+    context = Context("health-check")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for out in engine.generate(request, context):
+                if out.error is not None or out.finish_reason == "error":
+                    raise EngineError(f"health check failed: {out.error or 'error'}")
+                if out.finish_reason is not None:
+                    return
+    except TimeoutError:
+        raise EngineError(f"health check did not complete within {timeout_s:.0f}s") from None
+    raise EngineError("health check failed: the engine ended the stream without a finish reason")

@@ -1,0 +1,93 @@
+"""Wire types between the frontend's pre/post-processing and an engine (DESIGN.md, data flow).
+
+msgspec Structs: cheap to build on the hot path and msgpack-ready for the request plane.
+Field names follow Dynamo's PreprocessedRequest / LLMEngineOutput so real engines' adapters map
+one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "eos", "cancelled", "error"]
+
+
+class StopConditions(msgspec.Struct, omit_defaults=True):
+    """When generation ends. The postprocessor enforces all of these; engines should honour
+    max_tokens, stop token ids and ignore_eos themselves to avoid wasted work."""
+
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    # Token ids that end generation and are not shown (the model's eos ids), unless ignore_eos.
+    stop_token_ids_hidden: list[int] | None = None
+    # Token ids the request asked to stop on (OpenAI-ext `stop_token_ids`); also not shown.
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True):
+    n: int | None = None
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True):
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Dynamo shows special tokens by default (echo_core then returns the whole template).
+    skip_special_tokens: bool = False
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
+    """A tokenized request as an engine of a Tokens-input model receives it."""
+
+    model: str
+    token_ids: list[int]
+    stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    annotations: list[str] = msgspec.field(default_factory=list)
+    # The data-parallel rank the router chose (engines with several ranks); None: engine's choice.
+    dp_rank: int | None = None
+    # Free-form extras passed through to the engine (e.g. nvext fields it understands).
+    extra: dict[str, Any] | None = None
+
+
+class CompletionUsage(msgspec.Struct, omit_defaults=True):
+    """Token counts an engine reports on its final chunk (text-input engines need this)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
+    """One chunk of an engine's stream: new token ids, and on the last chunk a finish reason."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    # Engines that produce text themselves may send it; the postprocessor re-derives it from ids.
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    index: int | None = None
+    log_probs: list[float] | None = None
+    cum_log_probs: float | None = None
+    # Prompt tokens served from the engine's prefix cache (usage.prompt_tokens_details).
+    cached_tokens: int | None = None
+    completion_usage: CompletionUsage | None = None
+    error: str | None = None
