@@ -42,11 +42,19 @@ RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "--health-check-interval-s": ("health_check_interval_s", float),
     "--health-check-timeout-s": ("health_check_timeout_s", float),
     "--max-inflight": ("max_inflight", int),
+    "--disaggregation-mode": ("disaggregation_mode", str),
+    "--max-local-prefill-length": ("max_local_prefill_length", int),
     "--discovery-backend": ("discovery_backend", str),
     "--request-plane": ("request_plane", str),
     "--event-plane": ("event_plane", str),
 }
-RUN_FLAGS = {"--static-worker": "static_worker"}  # boolean flags
+RUN_FLAGS = {  # boolean flags
+    "--static-worker": "static_worker",
+    "--is-prefill-worker": "is_prefill_worker",
+    "--is-decode-worker": "is_decode_worker",
+    "--router-conditional-disagg": "router_conditional_disagg",
+    "--enforce-disagg": "enforce_disagg",
+}
 RUN_DEFAULTS: dict[str, Any] = {
     "model_path": None,
     "model_name": None,
@@ -74,6 +82,12 @@ RUN_DEFAULTS: dict[str, Any] = {
     "health_check_timeout_s": None,
     "max_inflight": 1024,
     "static_worker": False,
+    "disaggregation_mode": "agg",
+    "is_prefill_worker": False,
+    "is_decode_worker": False,
+    "router_conditional_disagg": False,
+    "max_local_prefill_length": 512,
+    "enforce_disagg": False,
     "discovery_backend": None,
     "request_plane": None,
     "event_plane": None,

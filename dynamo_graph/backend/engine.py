@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.run_config import WorkerConfig
 from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.llm.openai import AnyRequest
@@ -22,10 +23,18 @@ from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from dynamo_graph.backend.kv_transfer import KvHandoff
     from dynamo_graph.llm.model_source import LocalModel
     from dynamo_graph.router.kv.publisher import KvEventSink
 
 ModelInput = Literal["tokens", "text"]
+
+
+class KvImportError(EngineError):
+    """A KV handoff the engine cannot load (format, size, a sequence too long): the decode
+    worker prefills the request locally instead."""
+
+
 log = logging.getLogger(__name__)
 
 # The finish reasons that travel on the wire; engines may say more (normalize_finish_reason).
@@ -91,6 +100,9 @@ class LLMEngine(abc.ABC):
     # sets `kv_event_sink` before `start()`. It stays None when nobody listens (e.g. in=http).
     publishes_kv_events: bool = False
     kv_event_sink: KvEventSink | None = None
+    # Engines that can hand a prompt's KV cache over (disaggregated prefill/decode) implement
+    # `prefill` and `generate_from_kv` and say so; only they run as prefill or decode workers.
+    kv_transfer: bool = False
 
     @classmethod
     def from_config(cls, settings: EngineSettings, model: LocalModel | None) -> LLMEngine:
@@ -141,6 +153,24 @@ class LLMEngine(abc.ABC):
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
         """Stream chunks for one request; stop early once `context.is_stopped()`."""
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """A prefill worker's request: evaluate the prompt, sample the first token, and return
+        that token's chunk with the prompt's KV state. The chunk carries a finish reason when the
+        request ends at that token (eos, a stop id, max_tokens 1); the handoff is then None.
+        Only engines with `kv_transfer` are asked (backend/kv_transfer.py)."""
+        raise EngineError(f"{type(self).__name__} cannot run as a prefill worker (no KV transfer)")
+
+    def generate_from_kv(
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """A decode worker's request: load `handoff` (the KV of the first `handoff.num_tokens`
+        of `request.token_ids`, computed by a prefill worker), evaluate only the tokens after
+        them, and stream the rest as `generate` does. Raise `KvImportError` when the handoff
+        cannot be loaded before anything was generated: the worker then prefills locally."""
+        raise EngineError(f"{type(self).__name__} cannot run as a decode worker (no KV transfer)")
 
     async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook
         """Release engine resources of a request the caller cancelled."""

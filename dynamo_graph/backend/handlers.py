@@ -26,13 +26,16 @@ import msgspec
 from dynamo_graph.backend.engine import (
     WIRE_FINISH_REASONS,
     EngineConfig,
+    KvImportError,
     LLMEngine,
     normalize_finish_reason,
 )
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvFetcher, KvFetchError, KvStore
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
-from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.protocol import KvImportReport, KvTransferParams, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.names import EndpointName
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +116,18 @@ def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
     return out
 
 
-def tokens_handler(engine: LLMEngine, closing: Closing | None = None, cap: InflightCap | None = None):
+def tokens_handler(
+    engine: LLMEngine,
+    closing: Closing | None = None,
+    cap: InflightCap | None = None,
+    fetcher: KvFetcher | None = None,
+):
     """The request-plane handler of a Tokens-input engine: finish reasons normalised, exactly
     one final chunk (the stream is closed after it), error chunks as error frames, and
     `engine.abort(context)` called once when the caller cancels. Once `closing.ended`, streams
     end with EngineShutdown (so they migrate) instead of going on. Past `cap`, requests are
-    answered EngineOverloaded before anything else."""
+    answered EngineOverloaded before anything else. With a `fetcher` (a decode worker), a request
+    that brings `kv_transfer_params` continues from the KV a prefill worker computed."""
     watch = _watches_cancellation(engine)
     closing = closing or Closing()
     cap = cap or InflightCap()
@@ -127,13 +136,94 @@ def tokens_handler(engine: LLMEngine, closing: Closing | None = None, cap: Infli
         cap.enter()
         watcher = _watch(engine, context, watch)
         try:
-            async for out in engine.generate(request, context):
+            report: KvImportReport | None = None
+            if fetcher is not None and request.kv_transfer_params is not None:
+                stream, report = await _from_transfer(engine, fetcher, request, context)
+            else:
+                stream = engine.generate(request, context)
+            async for out in stream:
                 if closing.ended:
                     raise EngineShutdown(_SHUTDOWN_MESSAGE)
                 out = _checked(out)
+                if report is not None:
+                    out.kv_import, report = report, None
                 yield out
                 if out.finish_reason is not None:
                     return
+        finally:
+            cap.leave()
+            await _unwatch(watcher, context)
+
+    return generate
+
+
+async def _from_transfer(
+    engine: LLMEngine, fetcher: KvFetcher, request: PreprocessedRequest, context: Context
+) -> tuple[AsyncIterator[LLMEngineOutput], KvImportReport]:
+    """The engine's stream continuing from the transferred KV, or, when the KV cannot be had or
+    loaded, its ordinary stream (local prefill); with the report of which it was."""
+    params = request.kv_transfer_params
+    assert params is not None
+    try:
+        handoff, report = await fetcher.fetch(params)
+    except KvFetchError as err:
+        log.warning("request %s: KV transfer failed (%s: %s); prefilling locally", context.id, err.kind, err)
+        return engine.generate(request, context), KvImportReport(error=err.kind)
+    stream = engine.generate_from_kv(request, handoff, context)
+    try:
+        first = await anext(stream)
+    except KvImportError as err:
+        log.warning("request %s: KV import failed (%s); prefilling locally", context.id, err)
+        return engine.generate(request, context), KvImportReport(error="import_failed")
+    except StopAsyncIteration:
+        first = None
+
+    async def resumed() -> AsyncIterator[LLMEngineOutput]:
+        if first is not None:
+            yield first
+            async for out in stream:
+                yield out
+
+    return resumed(), report
+
+
+def prefill_handler(
+    engine: LLMEngine,
+    store: KvStore,
+    kv_endpoint: EndpointName,
+    instance_id: int,
+    closing: Closing | None = None,
+    cap: InflightCap | None = None,
+):
+    """A prefill worker's handler: the prompt is evaluated and its first token returned, with
+    `kv_transfer_params` naming where its KV waits (`store`, served on `kv_endpoint`); a request
+    that ends at its first token comes back finished, with nothing held."""
+    watch = _watches_cancellation(engine)
+    closing = closing or Closing()
+    cap = cap or InflightCap()
+
+    async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        cap.enter()
+        watcher = _watch(engine, context, watch)
+        try:
+            out, handoff = await engine.prefill(request, context)
+            if closing.ended:
+                raise EngineShutdown(_SHUTDOWN_MESSAGE)
+            out = _checked(out)
+            if out.finish_reason is None:
+                if handoff is None:
+                    raise EngineError("the engine's prefill returned no KV for an unfinished request")
+                out.kv_transfer_params = KvTransferParams(
+                    namespace=kv_endpoint.namespace,
+                    component=kv_endpoint.component,
+                    instance_id=instance_id,
+                    transfer_id=store.put(handoff),
+                    num_tokens=handoff.num_tokens,
+                    format=handoff.format,
+                    nbytes=handoff.size,
+                )
+                out.finish_reason = "length"  # this worker's part is done; the stream ends here
+            yield out
         finally:
             cap.leave()
             await _unwatch(watcher, context)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dynamo_graph.llm.protocol import (
     CompletionUsage,
     FinishReason,
+    KvImportReport,
+    KvTransferParams,
     LLMEngineOutput,
     OutputOptions,
     PreprocessedRequest,
@@ -19,6 +21,8 @@ from dynamo_graph.llm.protocol import (
 __all__ = [
     "CompletionUsage",
     "FinishReason",
+    "KvImportReport",
+    "KvTransferParams",
     "LLMEngineOutput",
     "OutputOptions",
     "PreprocessedRequest",

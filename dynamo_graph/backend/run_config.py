@@ -9,6 +9,7 @@ on, never dropped. An engine gets only its part of them (`engine_settings()`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 ROUTER_MODES = ("random", "round-robin", "kv")
+DISAGGREGATION_MODES = ("agg", "prefill", "decode")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +63,18 @@ class RunConfig:
     # A worker's cap on requests in flight; beyond it, requests are answered `overloaded` (503,
     # and the frontend tries another instance). 0: unlimited.
     max_inflight: int = 1024
+    # Disaggregated serving. A worker's part: whole requests (agg), or only prompts (prefill:
+    # it hands the KV over), or requests whose prompt a prefill worker computed (decode; it
+    # prefills locally when none did). --is-prefill-worker / --is-decode-worker: old spellings.
+    disaggregation_mode: str = "agg"
+    is_prefill_worker: bool = False
+    is_decode_worker: bool = False
+    # A frontend's part: prompts with fewer uncached tokens than max_local_prefill_length are
+    # prefilled on the decode worker (with router_conditional_disagg); enforce_disagg forbids
+    # local prefill altogether (no prefill worker: 503).
+    router_conditional_disagg: bool = False
+    max_local_prefill_length: int = 512
+    enforce_disagg: bool = False
     # Runtime planes; None leaves the environment (DYN_DISCOVERY_BACKEND, ...) in charge.
     discovery_backend: str | None = None
     request_plane: str | None = None
@@ -129,6 +144,7 @@ def parse_input(word: str) -> tuple[InputKind, str | None]:
 
 
 def validate(cfg: RunConfig) -> None:
+    _resolve_disaggregation_mode(cfg)
     if cfg.router_mode not in ROUTER_MODES:
         raise RunConfigError(
             f"--router-mode must be one of {', '.join(ROUTER_MODES)}, not {cfg.router_mode!r}"
@@ -145,6 +161,7 @@ def validate(cfg: RunConfig) -> None:
         ("--migration-limit", cfg.migration_limit, 0),
         ("--max-concurrent-requests", cfg.max_concurrent_requests, 0),
         ("--max-inflight", cfg.max_inflight, 0),
+        ("--max-local-prefill-length", cfg.max_local_prefill_length, 0),
     ]
     for flag, value, minimum in checks:
         if value is not None and value < minimum:
@@ -169,6 +186,28 @@ def validate(cfg: RunConfig) -> None:
         raise RunConfigError(f"--router-temperature must be >= 0, not {cfg.router_temperature}")
     if cfg.extra_engine_args is not None:
         read_engine_args_file(cfg.extra_engine_args)  # fail now, with the file named, not after loading
+
+
+def _resolve_disaggregation_mode(cfg: RunConfig) -> None:
+    """--disaggregation-mode, or the deprecated --is-prefill-worker / --is-decode-worker (with a
+    warning); given both ways, they must agree."""
+    if cfg.disaggregation_mode not in DISAGGREGATION_MODES:
+        raise RunConfigError(
+            f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+            f"not {cfg.disaggregation_mode!r}"
+        )
+    if cfg.is_prefill_worker and cfg.is_decode_worker:
+        raise RunConfigError("--is-prefill-worker and --is-decode-worker: a worker is one or the other")
+    for flag, mode, given in (
+        ("--is-prefill-worker", "prefill", cfg.is_prefill_worker),
+        ("--is-decode-worker", "decode", cfg.is_decode_worker),
+    ):
+        if not given:
+            continue
+        log.warning("%s is deprecated: use --disaggregation-mode %s", flag, mode)
+        if "disaggregation_mode" in cfg.explicit and cfg.disaggregation_mode != mode:
+            raise RunConfigError(f"{flag} conflicts with --disaggregation-mode {cfg.disaggregation_mode}")
+        cfg.disaggregation_mode = mode
 
 
 _PLANE_ENV = {

@@ -32,10 +32,12 @@ from dynamo_graph.backend.handlers import (
     Closing,
     InflightCap,
     health_check_enabled,
+    prefill_handler,
     run_health_check,
     text_handler,
     tokens_handler,
 )
+from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
 from dynamo_graph.backend.run_config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
@@ -184,6 +186,7 @@ async def serve_engine(
 
     started: StartedEngine | None = None
     endpoint: Endpoint | None = None
+    fetcher: KvFetcher | None = None
     try:
         started = await start(runtime.instance_id, connect_kv_events)
         engine, card = started.engine, started.card
@@ -194,17 +197,30 @@ async def serve_engine(
                 await run_health_check(engine, started.config, payload)
         endpoint = runtime.namespace(name.namespace).component(name.component).endpoint(name.endpoint)
         cap = InflightCap(cfg.max_inflight)
-        if started.config.model_input == "tokens":
-            await endpoint.start_serving(
-                tokens_handler(engine, closing, cap), request_type=PreprocessedRequest
-            )
+        mode = cfg.disaggregation_mode
+        if mode != "agg":
+            check_disaggregation(engine, started.config, mode)
+        if mode == "prefill":
+            store = KvStore()
+            kv_endpoint = runtime.namespace(name.namespace).component(name.component)
+            kv_endpoint = kv_endpoint.endpoint(KV_FETCH_ENDPOINT)
+            await kv_endpoint.start_serving(kv_fetch_handler(store))
+            handler = prefill_handler(engine, store, kv_endpoint.name, runtime.instance_id, closing, cap)
+            await endpoint.start_serving(handler, request_type=PreprocessedRequest)
+            card.model_type = ["prefill"]
+        elif started.config.model_input == "tokens":
+            if mode == "decode":
+                fetcher = KvFetcher(runtime)
+            handler = tokens_handler(engine, closing, cap, fetcher)
+            await endpoint.start_serving(handler, request_type=PreprocessedRequest)
         else:
             await endpoint.start_serving(text_handler(engine, closing, cap))
         await publish_card(endpoint, card)
+        role = "" if mode == "agg" else f", {mode} worker"
         console.print(
             f"[bold green]dyngraph[/] worker {name} instance {endpoint.instance_id:x} serving "
             f"model [bold]{card.display_name}[/] ({card.model_input} input"
-            f"{', KV events' if events is not None else ''})"
+            f"{', KV events' if events is not None else ''}{role})"
         )
         await runtime.wait_for_shutdown()
         log.info("shutting down: unregistering, then up to %.0fs for requests in flight", grace_s)
@@ -213,6 +229,23 @@ async def serve_engine(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await _shut_down(runtime, endpoint, started, events, grace_s, closing)
+        if fetcher is not None:
+            await fetcher.close()
+
+
+def check_disaggregation(engine: LLMEngine, config: EngineConfig, mode: str) -> None:
+    """A prefill or decode worker needs an engine that hands KV over, and token ids (the frontend
+    routes the two halves of a request by its tokens)."""
+    if config.model_input != "tokens":
+        raise RunConfigError(
+            f"--disaggregation-mode {mode}: {type(engine).__name__} takes text; disaggregation needs a "
+            "tokens-input engine"
+        )
+    if not engine.kv_transfer:
+        raise RunConfigError(
+            f"--disaggregation-mode {mode}: {type(engine).__name__} cannot hand a prompt's KV cache "
+            "over (engines that can: mocker, llamacpp)"
+        )
 
 
 async def _shut_down(

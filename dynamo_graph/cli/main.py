@@ -128,6 +128,37 @@ def run_command(
         ),
     ] = 1024,
     static_worker: Annotated[bool, typer.Option("--static-worker")] = False,
+    disaggregation_mode: Annotated[
+        str,
+        typer.Option(
+            "--disaggregation-mode",
+            help="worker: agg (whole requests) | prefill (prompts; hands the KV over) | decode",
+        ),
+    ] = "agg",
+    is_prefill_worker: Annotated[
+        bool, typer.Option("--is-prefill-worker", help="deprecated: --disaggregation-mode prefill")
+    ] = False,
+    is_decode_worker: Annotated[
+        bool, typer.Option("--is-decode-worker", help="deprecated: --disaggregation-mode decode")
+    ] = False,
+    router_conditional_disagg: Annotated[
+        bool,
+        typer.Option(
+            "--router-conditional-disagg",
+            help="frontend: prefill short prompts on the decode worker (see --max-local-prefill-length)",
+        ),
+    ] = False,
+    max_local_prefill_length: Annotated[
+        int,
+        typer.Option(
+            "--max-local-prefill-length",
+            help="frontend: with --router-conditional-disagg, uncached prompt tokens below this stay local",
+        ),
+    ] = 512,
+    enforce_disagg: Annotated[
+        bool,
+        typer.Option("--enforce-disagg", help="frontend: never prefill locally (no prefill worker: 503)"),
+    ] = False,
     discovery_backend: Annotated[
         str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
     ] = None,
@@ -168,6 +199,12 @@ def run_command(
         "health_check_timeout_s": health_check_timeout_s,
         "max_inflight": max_inflight,
         "static_worker": static_worker,
+        "disaggregation_mode": disaggregation_mode,
+        "is_prefill_worker": is_prefill_worker,
+        "is_decode_worker": is_decode_worker,
+        "router_conditional_disagg": router_conditional_disagg,
+        "max_local_prefill_length": max_local_prefill_length,
+        "enforce_disagg": enforce_disagg,
         "discovery_backend": discovery_backend,
         "request_plane": request_plane,
         "event_plane": event_plane,

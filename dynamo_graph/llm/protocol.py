@@ -53,6 +53,30 @@ class OutputOptions(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = False
 
 
+class KvTransferParams(msgspec.Struct, omit_defaults=True):
+    """Where a prompt's KV cache waits after a remote prefill, and how to fetch it: the prefill
+    worker's KV endpoint (`namespace.component.kv_fetch`, instance `instance_id`) holds it under
+    `transfer_id` until one decode worker fetches it or it expires (backend/kv_transfer.py)."""
+
+    namespace: str
+    component: str
+    instance_id: int
+    transfer_id: str
+    # Prompt tokens the KV covers, the engine's format tag, and the bytes it stands for.
+    num_tokens: int
+    format: str
+    nbytes: int = 0
+
+
+class KvImportReport(msgspec.Struct, omit_defaults=True):
+    """What a decode worker did with a request's KV transfer, on its first chunk: the bytes and
+    seconds of a fetch that worked, or why it prefilled locally instead (`error`)."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request as an engine of a Tokens-input model receives it."""
 
@@ -67,6 +91,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     dp_rank: int | None = None
     # Free-form extras passed through to the engine (e.g. nvext fields it understands).
     extra: dict[str, Any] | None = None
+    # Disaggregated serving: the prompt's KV was computed by a prefill worker; fetch it there.
+    kv_transfer_params: KvTransferParams | None = None
 
 
 class CompletionUsage(msgspec.Struct, omit_defaults=True):
@@ -91,3 +117,7 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
     completion_usage: CompletionUsage | None = None
     error: str | None = None
+    # A prefill worker's answer: the prompt's KV waits there for the decode worker.
+    kv_transfer_params: KvTransferParams | None = None
+    # A decode worker's first chunk of a request that came with kv_transfer_params.
+    kv_import: KvImportReport | None = None

@@ -225,11 +225,15 @@ class Client:
             self._down_since[instance_id] = (time.time(), reason)
             self._changed.set()
 
+    async def wait_for_change(self) -> None:
+        """Until the instances or their health change next."""
+        self._changed.clear()
+        await self._changed.wait()
+
     async def wait_for_instances(self, timeout_s: float | None = None) -> list[int]:
         async def wait() -> list[int]:
             while not self.instance_ids():
-                self._changed.clear()
-                await self._changed.wait()
+                await self.wait_for_change()
             return self.instance_ids()
 
         return await asyncio.wait_for(wait(), timeout_s)
