@@ -15,8 +15,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynamo_graph.llm.protocol import KvImportReport
+
 PREFIX = "dynamo_frontend"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BYTE_BUCKETS = tuple(float(1 << n) for n in range(10, 34, 2))  # 1 KiB .. 8 GiB
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 # Request migrations, (model, "new_request" | "ongoing_request") -> count. Process-wide: the
@@ -29,6 +32,62 @@ def count_migration(model: str, kind: str) -> None:
     """The migration operator's hook (router/migration.py): one request moved to another worker."""
     key = (model, kind)
     MIGRATIONS[key] = MIGRATIONS.get(key, 0) + 1
+
+
+class DisaggMetrics:
+    """Disaggregated serving's counts (router/disagg.py `DisaggHooks`), process-wide as
+    MIGRATIONS: where each request was prefilled and why, and what its KV transfer cost."""
+
+    def __init__(self) -> None:
+        self.prefills: dict[tuple[str, str, str], int] = {}  # (model, where, reason) -> n
+        self.import_failures: dict[tuple[str, str], int] = {}  # (model, kind) -> n
+        self.transfer_bytes: dict[str, Histogram] = {}
+        self.transfer_seconds: dict[str, Histogram] = {}
+
+    def prefill(self, model: str, where: str, reason: str) -> None:
+        key = (model, where, reason)
+        self.prefills[key] = self.prefills.get(key, 0) + 1
+
+    def kv_import(self, model: str, report: KvImportReport) -> None:
+        if report.error is not None:
+            key = (model, report.error)
+            self.import_failures[key] = self.import_failures.get(key, 0) + 1
+            return
+        if model not in self.transfer_bytes:
+            self.transfer_bytes[model] = Histogram(BYTE_BUCKETS)
+            self.transfer_seconds[model] = Histogram(LATENCY_BUCKETS)
+        self.transfer_bytes[model].observe(report.nbytes)
+        self.transfer_seconds[model].observe(report.seconds)
+
+    def collect(self) -> Iterator[Metric]:
+        prefills = CounterMetricFamily(
+            f"{PREFIX}_disagg_prefill",
+            "Requests of disaggregated models by where their prompt was computed (remote: a prefill "
+            "worker; local: the decode worker) and why",
+            labels=["model", "where", "reason"],
+        )
+        for (model, where, reason), n in sorted(self.prefills.items()):
+            prefills.add_metric([model, where, reason], n)
+        failures = CounterMetricFamily(
+            f"{PREFIX}_kv_transfer_failures",
+            "KV transfers a decode worker could not use (it prefilled locally), by kind",
+            labels=["model", "kind"],
+        )
+        for (model, kind), n in sorted(self.import_failures.items()):
+            failures.add_metric([model, kind], n)
+        sizes = HistogramMetricFamily(
+            f"{PREFIX}_kv_transfer_bytes", "KV bytes per transfer", labels=["model"]
+        )
+        times = HistogramMetricFamily(
+            f"{PREFIX}_kv_transfer_seconds",
+            "Time a decode worker spent fetching a transfer's KV",
+            labels=["model"],
+        )
+        for model, hist in self.transfer_bytes.items():
+            sizes.add_metric([model], hist.buckets(), hist.sum)
+            seconds = self.transfer_seconds[model]
+            times.add_metric([model], seconds.buckets(), seconds.sum)
+        yield from (prefills, failures, sizes, times)
 
 
 class Histogram:
@@ -123,3 +182,7 @@ class FrontendMetrics(Collector):
         yield inflight
         yield migrations
         yield from families.values()
+        yield from DISAGG.collect()
+
+
+DISAGG = DisaggMetrics()

@@ -10,6 +10,13 @@ Tokens-input models get request migration around their router (router/migration.
 frontend's `--migration-limit` when given explicitly, else the limit in the first worker's card.
 Text-input models do not migrate (their streams carry text, not the tokens a continuation needs).
 
+Disaggregated models: cards whose model type is `prefill` (workers started with
+`--disaggregation-mode prefill`) form the model's prefill pool — its own client and, with kv
+routing, its own KV router fed by the prefill workers' events — under the same checksum rule.
+Every tokens-input model's router sits inside a `DisaggRouter` (router/disagg.py) that sends
+prompts to that pool once it exists; until then requests pass straight through. A prefill pool
+may appear before the model's decode workers do: it waits, unserved, until they register.
+
 Each model's instances are health-checked (runtime/health.py) with the payload each worker's
 card carries (`user_data.health_check_payload`): one that fails a check leaves routing until it
 passes one. Refused workers are listed in /health as `refused`.
@@ -24,15 +31,17 @@ from typing import Any
 
 import msgspec
 
-from dynamo_graph.frontend.metrics import count_migration
+from dynamo_graph.frontend.metrics import DISAGG, count_migration
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
+from dynamo_graph.llm.protocol import PreprocessedRequest
+from dynamo_graph.router.disagg import DisaggConfig, DisaggRouter, UncachedTokens
 from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.scheduler import KvRouterConfig
-from dynamo_graph.router.migration import Migration
+from dynamo_graph.router.migration import Migration, RoutedBackend
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
@@ -47,16 +56,32 @@ class CardMismatch(ValueError):
 
 @dataclass
 class _Model:
+    """One pool of a model's workers: its decode (or aggregated) pool, or its prefill pool."""
+
     checksum: str
     client: Client
     router: KvRouter | None = None
     checker: HealthChecker | None = None
     card_keys: set[str] = field(default_factory=set)
+    # The decode pool's disaggregation router (tokens-input models), which a prefill pool joins.
+    disagg: DisaggRouter | None = None
+    routed: RoutedBackend | None = None
+
+    async def close(self) -> None:
+        if self.checker is not None:
+            await self.checker.close()
+        await self.client.close()
+        if self.router is not None:
+            await self.router.close()
 
 
 def migration_limit_for(card: ModelDeploymentCard, frontend_limit: int | None) -> int:
     """The frontend's limit when it set one, else the card's."""
     return card.migration_limit if frontend_limit is None else frontend_limit
+
+
+def routed_backend(client: Client, router: KvRouter | None) -> RoutedBackend:
+    return RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
 
 
 def build_remote_pipeline(
@@ -65,10 +90,12 @@ def build_remote_pipeline(
     router: KvRouter | None = None,
     *,
     migration_limit: int | None = None,
-) -> ModelPipeline:
-    """`migration_limit`: the frontend's, or None to take the card's."""
+    disagg: DisaggConfig | None = None,
+) -> tuple[ModelPipeline, DisaggRouter | None]:
+    """The model's pipeline, and for a tokens-input model the disaggregation router inside it.
+    `migration_limit`: the frontend's, or None to take the card's."""
     if card.model_input == "text":
-        return TextPipeline(card, RemoteTextBackend(client))
+        return TextPipeline(card, RemoteTextBackend(client)), None
     # The frontend tokenizes: it needs the model's tokenizer files, from the same path (one host,
     # or a shared disk) or the Hugging Face cache, and they must be the worker's exact files.
     model = resolve_model(card.source_path, model_name=card.display_name)
@@ -79,10 +106,23 @@ def build_remote_pipeline(
         theirs, ours = card.files.get(name), local.files.get(name)
         if theirs is not None and ours is not None and theirs.checksum != ours.checksum:
             raise CardMismatch(f"{name} at {ours.path} differs from the worker's ({theirs.checksum})")
-    routed = RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
+    uncached: UncachedTokens | None = None
+    if router is not None:
+        kv_router = router
+
+        def uncached(request: PreprocessedRequest, instance_ids: list[int]) -> int:
+            return kv_router.uncached_tokens(request.token_ids, instance_ids)
+
+    disagg_router = DisaggRouter(
+        routed_backend(client, router),
+        disagg,
+        model=card.display_name,
+        hooks=DISAGG,
+        decode_uncached=uncached,
+    )
     limit = migration_limit_for(card, migration_limit)
-    backend = Migration(routed, limit, model=card.display_name, on_migrate=count_migration)
-    return tokens_pipeline(card, model, backend)
+    backend = Migration(disagg_router, limit, model=card.display_name, on_migrate=count_migration)
+    return tokens_pipeline(card, model, backend), disagg_router
 
 
 class ModelWatcher:
@@ -96,6 +136,7 @@ class ModelWatcher:
         only_endpoint: EndpointName | None = None,
         migration_limit: int | None = None,
         health: HealthSettings | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         """`health`: the instances' health checks; None: from the environment
         (DYN_HEALTH_CHECK_INTERVAL_S / DYN_HEALTH_CHECK_TIMEOUT_S, which --health-check-* set)."""
@@ -105,10 +146,12 @@ class ModelWatcher:
         self.registry = registry
         self.router_mode = router_mode
         self.kv_config = kv_config
+        self.disagg = disagg
+        self._prefill: dict[str, _Model] = {}  # model name -> its prefill pool
         self.prefix = f"{MDC_ROOT}/{only_endpoint.path}/" if only_endpoint else f"{MDC_ROOT}/"
         self._models: dict[str, _Model] = {}
-        self._model_of_key: dict[str, str] = {}
-        self._refused: dict[str, str] = {}  # card key -> model name
+        self._model_of_key: dict[str, tuple[str, bool]] = {}  # card key -> (model, prefill pool?)
+        self._refused: dict[str, tuple[str, bool]] = {}
 
     async def run(self) -> None:
         discovery = self.runtime.discovery
@@ -128,42 +171,22 @@ class ModelWatcher:
             log.warning("ignoring malformed model card %s: %s", key, err)
             return
         name = card.display_name
-        model = self._models.get(name)
+        prefill = "prefill" in card.model_type
+        pools = self._prefill if prefill else self._models
+        model = pools.get(name)
         if model is None:
-            kv = self.router_mode == "kv" and card.model_input == "tokens"
-            client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
-            client.allowed = set()
-            router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
-            try:
-                pipeline = build_remote_pipeline(card, client, router, migration_limit=self.migration_limit)
-            except (ModelResolutionError, CardMismatch, OSError) as err:
-                log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
+            if prefill:
+                model = await self._new_prefill_pool(card, endpoint, instance_id)
+            else:
+                model = await self._new_model(card, endpoint, instance_id)
+            if model is None:
                 return
-            if self.router_mode == "kv" and not kv:
-                log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
-            await client.start()
-            if router is not None:
-                await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
-            checker = None
-            if self.health.enabled:
-                fallback = default_payload(name, card.model_input, card.bos_token_id)
-                checker = HealthChecker(client, self.health, fallback)
-                checker.start()
-            model = self._models[name] = _Model(
-                checksum=card.mdcsum(), client=client, router=router, checker=checker
-            )
-            self.registry.add(pipeline, instances=client.health_report)
-            log.info(
-                "model %r added (endpoint %s, %s routing, migration limit %s)",
-                name,
-                endpoint,
-                self.router_mode,
-                migration_limit_for(card, self.migration_limit) if card.model_input == "tokens" else "n/a",
-            )
+            pools[name] = model
         elif card.mdcsum() != model.checksum:
             log.error(
-                "REFUSING worker %x for model %r: its model card checksum %s differs from %s "
+                "REFUSING %sworker %x for model %r: its model card checksum %s differs from %s "
                 "(different files, template, context length or block size)",
+                "prefill " if prefill else "",
                 instance_id,
                 name,
                 card.mdcsum(),
@@ -173,10 +196,10 @@ class ModelWatcher:
                 time.time(),
                 f"model card checksum {card.mdcsum()} differs from the model's {model.checksum}",
             )
-            self._refused[key] = name
+            self._refused[key] = (name, prefill)
             return
         model.card_keys.add(key)
-        self._model_of_key[key] = name
+        self._model_of_key[key] = (name, prefill)
         if model.router is not None:
             model.router.dp_sizes[instance_id] = int((card.runtime_config or {}).get("data_parallel_size", 1))
         if model.checker is not None:
@@ -184,39 +207,138 @@ class ModelWatcher:
         assert model.client.allowed is not None
         model.client.allowed.add(instance_id)
 
+    def _start_checker(self, client: Client, card: ModelDeploymentCard) -> HealthChecker | None:
+        if not self.health.enabled:
+            return None
+        fallback = default_payload(card.display_name, card.model_input, card.bos_token_id)
+        checker = HealthChecker(client, self.health, fallback)
+        checker.start()
+        return checker
+
+    async def _new_model(
+        self, card: ModelDeploymentCard, endpoint: EndpointName, instance_id: int
+    ) -> _Model | None:
+        """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
+        name = card.display_name
+        kv = self.router_mode == "kv" and card.model_input == "tokens"
+        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
+        client.allowed = set()
+        router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+        try:
+            pipeline, disagg = build_remote_pipeline(
+                card, client, router, migration_limit=self.migration_limit, disagg=self.disagg
+            )
+        except (ModelResolutionError, CardMismatch, OSError) as err:
+            log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
+            return None
+        if self.router_mode == "kv" and not kv:
+            log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
+        await client.start()
+        if router is not None:
+            await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
+        model = _Model(
+            checksum=card.mdcsum(),
+            client=client,
+            router=router,
+            checker=self._start_checker(client, card),
+            disagg=disagg,
+        )
+        prefill = self._prefill.get(name)
+        if disagg is not None and prefill is not None:
+            disagg.prefill = prefill.routed
+        self.registry.add(pipeline, instances=lambda: self._health_report(name, client))
+        log.info(
+            "model %r added (endpoint %s, %s routing, migration limit %s%s)",
+            name,
+            endpoint,
+            self.router_mode,
+            migration_limit_for(card, self.migration_limit) if card.model_input == "tokens" else "n/a",
+            ", prefill workers up" if prefill is not None else "",
+        )
+        return model
+
+    def _health_report(self, name: str, client: Client) -> dict[str, Any]:
+        """/health for one model: its decode pool, and its prefill pool when it has one."""
+        report = client.health_report()
+        pool = self._prefill.get(name)
+        if pool is not None:
+            report["prefill_instances"] = pool.client.report()
+            report["prefill_unavailable"] = pool.client.unavailable()
+        return report
+
+    async def _new_prefill_pool(
+        self, card: ModelDeploymentCard, endpoint: EndpointName, instance_id: int
+    ) -> _Model | None:
+        """The model's prefill pool, joined to its decode pool's disaggregation router (now, or
+        when the decode pool appears)."""
+        name = card.display_name
+        main = self._models.get(name)
+        if main is not None and card.mdcsum() != main.checksum:
+            log.error(
+                "REFUSING prefill worker %x for model %r: its card checksum %s differs from the "
+                "decode workers' %s",
+                instance_id,
+                name,
+                card.mdcsum(),
+                main.checksum,
+            )
+            return None
+        if card.model_input != "tokens":
+            log.error(
+                "REFUSING prefill worker %x for model %r: prefill workers take tokens", instance_id, name
+            )
+            return None
+        kv = self.router_mode == "kv"
+        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
+        client.allowed = set()
+        router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+        await client.start()
+        if router is not None:
+            await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
+        pool = _Model(
+            checksum=card.mdcsum(),
+            client=client,
+            router=router,
+            checker=self._start_checker(client, card),
+            routed=routed_backend(client, router),
+        )
+        if main is not None and main.disagg is not None:
+            main.disagg.prefill = pool.routed
+        log.info("model %r: prefill pool added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
+        return pool
+
     async def _removed(self, key: str) -> None:
         refused = self._refused.pop(key, None)
-        if refused is not None and refused in self._models:
-            self._models[refused].client.refused.pop(instance_id_from_key(key), None)
-        name = self._model_of_key.pop(key, None)
-        if name is None:
+        if refused is not None:
+            pool = (self._prefill if refused[1] else self._models).get(refused[0])
+            if pool is not None:
+                pool.client.refused.pop(instance_id_from_key(key), None)
+        found = self._model_of_key.pop(key, None)
+        if found is None:
             return
-        model = self._models[name]
+        name, prefill = found
+        model = (self._prefill if prefill else self._models)[name]
+        instance_id = instance_id_from_key(key)
         model.card_keys.discard(key)
         assert model.client.allowed is not None
-        model.client.allowed.discard(instance_id_from_key(key))
+        model.client.allowed.discard(instance_id)
         if model.checker is not None:
-            model.checker.forget(instance_id_from_key(key))
+            model.checker.forget(instance_id)
         if model.router is not None:
-            model.router.remove_worker(instance_id_from_key(key))
-        if not model.card_keys:
-            del self._models[name]
-            self.registry.remove(name)
-            if model.checker is not None:
-                await model.checker.close()
-            await model.client.close()
-            if model.router is not None:
-                await model.router.close()
-            log.info("model %r removed: no workers left", name)
+            model.router.remove_worker(instance_id)
+        if prefill or model.card_keys:
+            # A prefill pool stays when empty: its router then counts the local prefills.
+            return
+        del self._models[name]
+        self.registry.remove(name)
+        await model.close()
+        log.info("model %r removed: no workers left", name)
 
     async def close(self) -> None:
-        for model in self._models.values():
-            if model.checker is not None:
-                await model.checker.close()
-            await model.client.close()
-            if model.router is not None:
-                await model.router.close()
+        for model in [*self._models.values(), *self._prefill.values()]:
+            await model.close()
         self._models.clear()
+        self._prefill.clear()
 
 
 def _health_payload(card: ModelDeploymentCard) -> dict[str, Any]:

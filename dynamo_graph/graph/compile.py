@@ -216,6 +216,11 @@ class _Compiler:
         ]
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]
+        if comp.disagg.conditional:
+            argv += ["--router-conditional-disagg"]
+            argv += ["--max-local-prefill-length", str(comp.disagg.max_local_prefill_length)]
+        if comp.disagg.enforce:
+            argv += ["--enforce-disagg"]
         if comp.limits.request_timeout_s is not None:
             argv += ["--request-timeout-s", f"{comp.limits.request_timeout_s:g}"]
         if comp.limits.body_limit_mb is not None:
@@ -300,6 +305,8 @@ class _Compiler:
             argv += ["--max-inflight", str(worker.max_inflight)]
         if worker.static:
             argv += ["--static-worker"]
+        if worker.role != "agg":
+            argv += ["--disaggregation-mode", worker.role]
         depends_on, restart = self._common(name)
         procs = []
         on_host: dict[str, int] = {}

@@ -155,9 +155,17 @@ def render_mermaid(graph: Graph, plan: Plan) -> str:
         out += [f'    {_node(r)}["{r}"]' for r in replicas.get(name, [])]
         out.append("  end")
         out += [f"  {ep_node} --> {_node(r)}" for r in replicas.get(name, [])]
+        step = {"prefill": "1 prefill, ", "decode": "2 decode, "}.get(worker.role, "")
         for fname, front in sorted(graph.frontends().items()):
             if front.models is None or worker.model in front.models:
-                out.append(f"  {_node(fname)} -->|{front.router.mode}| {ep_node}")
+                out.append(f"  {_node(fname)} -->|{step}{front.router.mode}| {ep_node}")
+    # Disaggregated models: prefill workers hand each prompt's KV cache to decode workers.
+    for pname, prefill in sorted(graph.workers().items()):
+        if prefill.role != "prefill":
+            continue
+        for dname, decode in sorted(graph.workers().items()):
+            if decode.role == "decode" and decode.model == prefill.model:
+                out.append(f"  {_node(pname)} -.->|KV cache| {_node(dname)}")
     for infra in ("etcd", "nats"):
         if infra in replicas:
             out.append(f"  {infra}[({infra})]")

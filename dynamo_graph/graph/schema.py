@@ -36,6 +36,9 @@ LOCAL = "local"
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 """Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
 
+KV_TRANSFER_ENGINES = frozenset({"mocker"})
+"""Engines that hand a prompt's KV cache from a prefill worker to a decode worker (role prefill/decode)."""
+
 ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
 
 # Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow
@@ -311,6 +314,19 @@ class Router(_Model):
     (--use-kv-events)."""
 
 
+class Disagg(_Model):
+    """Disaggregated prefill/decode at the frontend, for models with `role: prefill` workers."""
+
+    conditional: bool = False
+    """Prefill a prompt on the decode worker when fewer of its tokens than
+    `max_local_prefill_length` are uncached there (--router-conditional-disagg)."""
+    max_local_prefill_length: int = Field(512, ge=0)
+    """The threshold of `conditional`, in uncached prompt tokens (--max-local-prefill-length)."""
+    enforce: bool = False
+    """Never prefill on a decode worker: without a prefill worker requests get 503
+    (--enforce-disagg)."""
+
+
 class Limits(_Model):
     """What the frontend lets requests use; past a limit a client gets an OpenAI error body."""
 
@@ -346,6 +362,8 @@ class Frontend(_Component):
     unset: what the workers' model cards say (their `migration_limit`)."""
     limits: Limits = Limits()
     """Concurrency, time and body-size limits of the HTTP frontend."""
+    disagg: Disagg = Disagg()
+    """Disaggregated prefill/decode: when prompts stay on the decode worker."""
     api_key_env: list[Annotated[str, AfterValidator(_api_key_env_name)]] = []
     """Names of environment variables holding accepted API keys (never the keys themselves); set
     them in the environment `dyngraph up` runs in. With any, every /v1 route needs

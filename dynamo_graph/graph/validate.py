@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from dynamo_graph.graph.errors import GraphError, Location, Problem
-from dynamo_graph.graph.schema import KV_EVENT_ENGINES, LOCAL, Frontend, Graph, Worker
+from dynamo_graph.graph.schema import KV_EVENT_ENGINES, KV_TRANSFER_ENGINES, LOCAL, Frontend, Graph, Worker
 
 
 class SourceLocator(Protocol):
@@ -419,6 +419,18 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
     roles: dict[str, dict[str, str]] = defaultdict(dict)
     for key, worker in graph.workers().items():
         roles[worker.model].setdefault(worker.role, key)
+    for key, worker in graph.workers().items():
+        # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
+        if (
+            worker.role != "agg"
+            and worker.engine not in KV_TRANSFER_ENGINES
+            and not worker.engine.endswith(".py")
+        ):
+            yield Problem(
+                f"components.{key}.engine",
+                f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
+                f"decode workers ({', '.join(sorted(KV_TRANSFER_ENGINES))}); {worker.engine} cannot",
+            )
     for model, by_role in roles.items():
         for have, lack in (("prefill", "decode"), ("decode", "prefill")):
             if have in by_role and lack not in by_role:

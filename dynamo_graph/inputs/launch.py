@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.llm.pipeline import ModelPipeline
+    from dynamo_graph.router.disagg import DisaggConfig
     from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ _DISTRIBUTED_FLAGS = {
     "use_kv_events": "--use-kv-events",
     "migration_limit": "--migration-limit",
     "static_worker": "--static-worker",
+    "disaggregation_mode": "--disaggregation-mode",
+    "router_conditional_disagg": "--router-conditional-disagg",
+    "max_local_prefill_length": "--max-local-prefill-length",
+    "enforce_disagg": "--enforce-disagg",
 }
 _ENGINE_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size",
@@ -61,7 +66,7 @@ _HTTP_FLAGS = {
     "api_key": "--api-key",
 }
 # A worker publishes these in its model card / registration; the router flags stay unused.
-_WORKER_FLAGS = {"migration_limit", "static_worker"}
+_WORKER_FLAGS = {"migration_limit", "static_worker", "disaggregation_mode"}
 
 
 def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
@@ -118,6 +123,16 @@ async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
         return await start_engine(cfg, worker_id=worker_id, before_start=before_start)
 
     return await serve_engine(cfg, name, start)
+
+
+def disagg_config(cfg: RunConfig) -> DisaggConfig:
+    from dynamo_graph.router.disagg import DisaggConfig
+
+    return DisaggConfig(
+        conditional=cfg.router_conditional_disagg,
+        max_local_prefill_length=cfg.max_local_prefill_length,
+        enforce=cfg.enforce_disagg,
+    )
 
 
 def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
@@ -298,6 +313,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
         only_endpoint=only,
         # The frontend's --migration-limit wins when given; else each worker's card says.
         migration_limit=cfg.migration_limit if "migration_limit" in cfg.explicit else None,
+        disagg=disagg_config(cfg),
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     try:

@@ -161,3 +161,28 @@ def test_fault_tolerance_settings_become_flags_and_env(tmp_path: Path) -> None:
     # Left unset, the frontend lets the workers' cards decide the migration limit.
     _, plain = build(_write(tmp_path, BASE)).plan.processes
     assert "--migration-limit" not in plain.argv and "--health-check-interval-s" not in plain.argv
+
+
+def test_roles_and_the_frontend_disagg_block_become_flags(tmp_path: Path) -> None:
+    text = """
+name: pd
+models:
+  tiny: {path: ./model}
+components:
+  frontend:
+    kind: frontend
+    router: {mode: kv}
+    disagg: {conditional: true, max_local_prefill_length: 100, enforce: false}
+  prefill: {kind: worker, model: tiny, engine: mocker, role: prefill}
+  decode: {kind: worker, model: tiny, engine: mocker, role: decode, replicas: 2}
+"""
+    built = build(_write(tmp_path, text))
+    procs = {p.name: p for p in built.plan.processes}
+    assert _flag(procs["prefill-0"].argv, "--disaggregation-mode") == "prefill"
+    assert _flag(procs["decode-1"].argv, "--disaggregation-mode") == "decode"
+    frontend = procs["frontend-0"].argv
+    assert "--router-conditional-disagg" in frontend and "--enforce-disagg" not in frontend
+    assert _flag(frontend, "--max-local-prefill-length") == "100"
+    mermaid = render(built.graph, built.plan, "mermaid")
+    assert "prefill -.->|KV cache| decode" in mermaid
+    assert "frontend -->|1 prefill, kv| ep_dyn___pd_prefill_generate" in mermaid

@@ -199,6 +199,14 @@ components:
         "model 'tiny' has a prefill worker but no decode worker",
     ),
     (
+        "disagg-engine-without-kv-transfer",
+        HEAD
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: echo_core, role: prefill}\n"
+        + "  decode: {kind: worker, model: tiny, engine: mocker, role: decode}\n",
+        "components.prefill.engine",
+        "role prefill needs an engine that hands the prompt's KV cache",
+    ),
+    (
         "kv-router-without-events",
         MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}"),
         "components.frontend.router.mode",
@@ -471,7 +479,7 @@ components:
   prefill:
     kind: worker
     model: tiny
-    engine: vllm
+    engine: mocker
     role: prefill
     endpoint: prefill
     replicas: 2
@@ -479,7 +487,7 @@ components:
   decode:
     kind: worker
     model: tiny
-    engine: vllm
+    engine: mocker
     role: decode
     endpoint: dyn://other.decode.generate
     placement: [gpu1]

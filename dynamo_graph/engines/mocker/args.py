@@ -17,6 +17,8 @@ its key. The errors are `RunConfigError`s, so `dyngraph run` reports them like a
 | speedup_ratio | 1.0 | simulated time runs this much faster (> 0) |
 | dp_size | 1 | data-parallel ranks, each its own scheduler and KV cache |
 | max_model_len | null | longest sequence (prompt + output); null: the model's context length |
+| kv_bytes_per_token | 131072 | KV cache bytes one token stands for in a P/D transfer (an 8B fp16 model's) |
+| kv_transfer_gb_per_s | 25.0 | simulated KV transfer bandwidth between prefill and decode workers, GB/s |
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class MockerArgs:
     speedup_ratio: float = 1.0
     dp_size: int = 1
     max_model_len: int | None = None
+    kv_bytes_per_token: int = 131072
+    kv_transfer_gb_per_s: float = 25.0
 
     def __post_init__(self) -> None:
         for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "dp_size"):
@@ -62,6 +66,9 @@ class MockerArgs:
         watermark = _check_number("watermark", self.watermark)
         if not 0.0 <= watermark < 1.0:
             raise MockerArgsError(f"{SOURCE}: watermark must be within [0, 1), not {watermark!r}")
+        _check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=0)
+        if not _check_number("kv_transfer_gb_per_s", self.kv_transfer_gb_per_s) > 0.0:
+            raise MockerArgsError(f"{SOURCE}: kv_transfer_gb_per_s must be greater than 0")
         speedup = _check_number("speedup_ratio", self.speedup_ratio)
         if not speedup > 0.0:  # also rejects NaN
             raise MockerArgsError(f"{SOURCE}: speedup_ratio must be greater than 0, not {speedup!r}")

@@ -33,11 +33,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from array import array
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+import msgspec
+
+from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
 from dynamo_graph.engines.mocker.perf_model import PerfModel
@@ -81,6 +85,7 @@ class MockerEngine(LLMEngine):
     """A vLLM simulator; see the module docstring."""
 
     publishes_kv_events = True
+    kv_transfer = True
 
     def __init__(
         self,
@@ -194,7 +199,12 @@ class MockerEngine(LLMEngine):
             raise EngineShutdown("the mocker engine shut down")
         if not self._started:
             raise EngineError("the mocker engine is not started")
-        rank = self._choose_rank(request)
+        async for out in self._run(request, context, self._choose_rank(request)):
+            yield out
+
+    async def _run(
+        self, request: PreprocessedRequest, context: Context, rank: _Rank
+    ) -> AsyncIterator[LLMEngineOutput]:
         seq = self._sequence(request, context)
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=seq.usage())
@@ -224,6 +234,64 @@ class MockerEngine(LLMEngine):
                 del self._seqs[context]
             if not self._seqs:
                 self._idle.set()
+
+    # ---- disaggregated prefill/decode ----------------------------------------------------
+
+    @property
+    def kv_format(self) -> str:
+        return f"mocker/1:block_size={self.args.block_size}"
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """The prompt's prefill and first token, timed as any request's; the handoff carries the
+        prompt's token ids (so the decode side can check what it imports) and stands for
+        `kv_bytes_per_token` bytes per prompt token."""
+        sc = request.stop_conditions
+        first_only = msgspec.structs.replace(
+            sc, max_tokens=1, min_tokens=None if sc.min_tokens is None else min(sc.min_tokens, 1)
+        )
+        answer = LLMEngineOutput()
+        async for out in self.generate(msgspec.structs.replace(request, stop_conditions=first_only), context):
+            answer.token_ids.extend(out.token_ids)
+            if out.cached_tokens is not None:
+                answer.cached_tokens = out.cached_tokens
+            if out.finish_reason is not None:
+                answer.finish_reason = out.finish_reason
+                answer.completion_usage = out.completion_usage
+        if answer.finish_reason != "length" or sc.max_tokens == 1:
+            return answer, None  # the request ended at its first token (or was cancelled)
+        answer.finish_reason = None
+        answer.completion_usage = None
+        prompt = request.token_ids
+        handoff = KvHandoff(
+            self.kv_format,
+            len(prompt),
+            array("I", prompt).tobytes(),
+            nbytes=len(prompt) * self.args.kv_bytes_per_token,
+        )
+        return answer, handoff
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """Wait out the simulated transfer (`nbytes` at `kv_transfer_gb_per_s`), put the prompt's
+        blocks into the chosen rank's cache as computed (stored events published), then run the
+        request: only what follows the transferred prefix is computed."""
+        if handoff.format != self.kv_format:
+            raise KvImportError(f"a {handoff.format!r} handoff cannot be loaded by {self.kv_format!r}")
+        prefix = request.token_ids[: handoff.num_tokens]
+        if array("I", prefix).tobytes() != handoff.data:
+            raise KvImportError("the handoff's tokens are not this request's prompt")
+        if self._closed:
+            raise EngineShutdown("the mocker engine shut down")
+        rank = self._choose_rank(request)
+        seconds = handoff.size / (self.args.kv_transfer_gb_per_s * 1e9) / self.args.speedup_ratio
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        rank.scheduler.import_prefix(prefix)
+        async for out in self._run(request, context, rank):
+            yield out
 
     def _choose_rank(self, request: PreprocessedRequest) -> _Rank:
         ranks = self._ranks

@@ -322,6 +322,29 @@ class Scheduler:
             prefill_tokens += chunk
         return prefill_tokens
 
+    def import_prefix(self, tokens: Sequence[int]) -> int:
+        """The full blocks of `tokens`, computed by another worker (a KV transfer), become
+        cached blocks of this rank as if it had computed them, and are reported as stored; a
+        request for them then only computes what follows. Returns the blocks added (0 when the
+        cache has no room: the request then simply prefills)."""
+        if not self.prefix_caching:
+            return 0
+        bs, kv = self.block_size, self.kv
+        local = local_block_hashes(tokens, bs)
+        seq = sequence_hashes(local)
+        first = 0
+        while first < len(seq) and kv.is_cached(seq[first]):
+            first += 1
+        new = len(seq) - first
+        if new <= 0 or not kv.allocate(new):
+            return 0
+        for h in seq[first:]:
+            kv.promote(h)
+        kv.release(seq[first:], 0)
+        stored = [StoredBlock(seq[j], local[j]) for j in range(first, len(seq))]
+        self._events.append(("stored", seq[first - 1] if first else None, stored))
+        return new
+
     def _register_blocks(self, seq: MockSequence) -> None:
         """Blocks that became full and computed become cached blocks, and are reported."""
         first = seq.num_cached

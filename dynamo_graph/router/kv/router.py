@@ -121,6 +121,15 @@ class KvRouter:
             )
         return choice
 
+    def uncached_tokens(self, token_ids: Sequence[int], instance_ids: Iterable[int]) -> int:
+        """Prompt tokens the best-placed of these workers would still have to compute."""
+        local = local_block_hashes(token_ids, self.block_size)
+        if not local:
+            return len(token_ids)
+        overlaps = self.indexer.find_matches(local, sequence_hashes(local))
+        best = max((overlaps.get(key, 0) for key in self.targets(instance_ids)), default=0)
+        return len(token_ids) - best * self.block_size
+
     def prefill_completed(self, request_id: str) -> None:
         self.sequences.prefill_completed(request_id)
 

@@ -1,0 +1,267 @@
+"""Disaggregated prefill/decode end to end with mocker workers, each its own process, over the
+embedded planes: a frontend with kv routing, prefill workers that hand the prompt's KV over,
+decode workers that fetch it from them (worker to worker) and generate the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
+from tests.system.test_distributed import wait_for
+from tests.system.test_migration import StreamResult, completion_body, run_one, stream_completion
+
+INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
+LONG = "The quarterly report covers revenue, costs, hiring, the new office and the roadmap. " * 6
+
+
+@dataclass
+class DisaggCluster:
+    tmp_path: Path
+    model_path: Path
+    env: dict[str, str]
+    args_file: Path
+    frontend: ServerProcess
+    prefill: list[WorkerProcess] = field(default_factory=list)
+    decode: list[WorkerProcess] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.model_path.name
+
+    def start_worker(self, mode: str) -> WorkerProcess:
+        component = "prefill" if mode == "prefill" else "backend"
+        worker = WorkerProcess.dyngraph(
+            [
+                f"in=dyn://pd.{component}.generate",
+                "out=mocker",
+                str(self.model_path),
+                "--extra-engine-args",
+                str(self.args_file),
+                "--disaggregation-mode",
+                mode,
+            ],
+            env=self.env,
+            log_dir=self.tmp_path,
+            name=mode,
+        )
+        (self.prefill if mode == "prefill" else self.decode).append(worker)
+        return worker
+
+    def health(self) -> dict[str, Any]:
+        details = httpx.get(f"{self.frontend.base_url}/health", timeout=5).json().get("details", {})
+        return details.get(self.model) or {}
+
+    def sent(self, pool: str) -> dict[str, int]:
+        return {i["instance_id"]: i["requests"] for i in self.health().get(pool, [])}
+
+    def wait_pools(self, prefill: int, decode: int, timeout: float = 60.0) -> None:
+        wait_for(
+            lambda: len(self.sent("prefill_instances")) >= prefill and len(self.sent("instances")) >= decode,
+            timeout,
+            f"{prefill} prefill and {decode} decode workers routable",
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(f"{self.frontend.base_url}/metrics", timeout=10).text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def instance_of(self, worker: WorkerProcess) -> str | None:
+        found = INSTANCE_RE.search(worker.log())
+        return found.group(1) if found else None
+
+    def stop(self) -> None:
+        self.frontend.stop()
+        for worker in [*self.prefill, *self.decode]:
+            worker.stop()
+
+
+def start(
+    tmp_path: Path,
+    model_path: Path,
+    *,
+    prefill: int,
+    decode: int,
+    frontend_args: tuple[str, ...] = (),
+    speedup: float = 4.0,
+) -> DisaggCluster:
+    env = embedded_planes_env(tmp_path, zmq_events=True)
+    args_file = tmp_path / "mocker.json"
+    args_file.write_text(json.dumps({"block_size": 16, "speedup_ratio": speedup, "num_gpu_blocks": 4096}))
+    frontend = ServerProcess(
+        ["out=auto", "--router-mode", "kv", "--migration-limit", "3", *frontend_args],
+        env=env,
+        log_dir=tmp_path,
+    )
+    cluster = DisaggCluster(tmp_path, model_path, env, args_file, frontend)
+    try:
+        frontend.wait_ready(path="/live", timeout=60)
+        for _ in range(prefill):
+            cluster.start_worker("prefill")
+        for _ in range(decode):
+            cluster.start_worker("decode")
+        cluster.wait_pools(prefill, decode)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture
+def clusters(tmp_path: Path, tiny_model: Path):
+    made: list[DisaggCluster] = []
+
+    def make(**kw: Any) -> DisaggCluster:
+        cluster = start(tmp_path, tiny_model, **kw)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+def changed(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return [i for i in after if after[i] != before.get(i, 0)]
+
+
+def test_prompts_go_to_the_prefill_pool_by_kv_and_decode_fetches_their_kv(clusters) -> None:
+    cluster = clusters(prefill=2, decode=2)
+    base = cluster.frontend.base_url
+    # A long prompt is prefilled remotely; the same prefix again lands on the prefill worker
+    # that holds it (its KV events told the prefill pool's router).
+    before = cluster.sent("prefill_instances")
+    first = run_one(base, completion_body(cluster.model, LONG + "Question 0?", 12))
+    assert first.complete(12), first
+    (holder,) = changed(before, cluster.sent("prefill_instances"))
+    time.sleep(0.3)  # the prefill worker's stored events reach the frontend
+    for i in range(1, 4):
+        before = cluster.sent("prefill_instances")
+        again = run_one(base, completion_body(cluster.model, LONG + f"Question {i}?", 12))
+        assert again.complete(12), again
+        assert changed(before, cluster.sent("prefill_instances")) == [holder]
+    assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == 4
+    # Every remote prefill's KV was fetched by a decode worker (no local fallback).
+    assert cluster.metric("dynamo_frontend_kv_transfer_bytes_count") == 4
+    assert cluster.metric("dynamo_frontend_kv_transfer_failures_total") == 0
+    # Usage is the request's own: every completion token, the first (prefill's) included.
+    assert first.usage is not None and first.usage["completion_tokens"] == 12
+
+
+def test_conditional_disagg_keeps_what_the_decode_pool_has_cached_local(clusters) -> None:
+    cluster = clusters(
+        prefill=1, decode=1, frontend_args=("--router-conditional-disagg", "--max-local-prefill-length", "64")
+    )
+    base = cluster.frontend.base_url
+    long_prompt = run_one(base, completion_body(cluster.model, LONG + "Question 0?", 8))
+    assert long_prompt.complete(8), long_prompt
+    assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == 1
+    time.sleep(0.3)  # the decode worker's stored events (of the imported prompt) reach the frontend
+    # A short prompt, and a follow-up whose long prefix the decode worker now holds, stay local.
+    for prompt in ("Hi", LONG + "Question 1?"):
+        before = cluster.sent("prefill_instances")
+        result = run_one(base, completion_body(cluster.model, prompt, 8))
+        assert result.complete(8), result
+        assert changed(before, cluster.sent("prefill_instances")) == []
+    assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="local", reason="short_prompt") == 2
+
+
+def test_a_request_that_ends_at_its_first_token_needs_no_decode_worker(clusters) -> None:
+    cluster = clusters(prefill=1, decode=1)
+    before = cluster.sent("instances")
+    one = run_one(cluster.frontend.base_url, completion_body(cluster.model, LONG, 1))
+    assert one.complete(1), one
+    assert changed(before, cluster.sent("instances")) == []
+    assert cluster.metric("dynamo_frontend_kv_transfer_bytes_count") == 0
+
+
+async def _load(base: str, bodies: list[dict[str, Any]], during) -> list[StreamResult]:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(60.0), limits=httpx.Limits(max_connections=64)
+    ) as http:
+        sem = asyncio.Semaphore(8)
+
+        async def one(body: dict[str, Any]) -> StreamResult:
+            async with sem:
+                return await stream_completion(http, base, body)
+
+        tasks = [asyncio.create_task(one(b)) for b in bodies]
+        await during()
+        return await asyncio.gather(*tasks)
+
+
+def test_kill9_of_a_prefill_worker_under_load_loses_no_request(clusters) -> None:
+    # Slow mockers (~0.5 s a request, ~2.5 s for all): the kill lands mid-load.
+    cluster = clusters(prefill=2, decode=2, speedup=0.5)
+    bodies = [completion_body(cluster.model, LONG + f"Ticket {i}.", 24) for i in range(40)]
+    victim = cluster.prefill[0]
+    killed_at: list[float] = []
+
+    async def kill_soon() -> None:
+        await asyncio.sleep(0.5)
+        victim.kill9()
+        killed_at.append(time.perf_counter())
+
+    results = asyncio.run(_load(cluster.frontend.base_url, bodies, kill_soon))
+    ended_at = time.perf_counter()
+    bad = [r for r in results if not r.complete(24)]
+    assert not bad, bad[:3]
+    # The load went on well past the kill; every request was prefilled somewhere.
+    assert ended_at > killed_at[0] + 0.5
+    remote = cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote")
+    local = cluster.metric("dynamo_frontend_disagg_prefill_total", where="local")
+    assert remote + local == 40 and remote >= 1
+
+
+def test_without_prefill_workers_requests_are_local_and_enforce_says_503(
+    clusters, tmp_path: Path, tiny_model: Path
+) -> None:
+    cluster = clusters(prefill=1, decode=1)
+    enforcing = ServerProcess(
+        ["out=auto", "--router-mode", "kv", "--enforce-disagg"], env=cluster.env, log_dir=tmp_path
+    )
+    try:
+        enforcing.wait_ready(path="/live", timeout=60)
+        wait_for(
+            lambda: run_one(enforcing.base_url, completion_body(cluster.model, LONG, 4)).complete(4),
+            30,
+            "enforcing frontend serves",
+        )
+        # The prefill pool empties (its worker stops and leaves discovery).
+        (worker,) = cluster.prefill
+        assert worker.stop() == 0, worker.log()
+        wait_for(lambda: not cluster.sent("prefill_instances"), 30, "the prefill pool to empty")
+        local = run_one(cluster.frontend.base_url, completion_body(cluster.model, LONG, 8))
+        assert local.complete(8), local
+        assert (
+            cluster.metric("dynamo_frontend_disagg_prefill_total", where="local", reason="no_prefill_worker")
+            == 1
+        )
+
+        def refused() -> bool:
+            answer = run_one(enforcing.base_url, completion_body(cluster.model, LONG, 4))
+            return answer.status == 503 and "prefill" in answer.body
+
+        wait_for(refused, 30, "the enforcing frontend to refuse with 503")
+        body = httpx.post(
+            f"{enforcing.base_url}/v1/completions",
+            json={"model": cluster.model, "prompt": LONG, "max_tokens": 4},
+            timeout=30,
+        )
+        assert body.status_code == 503
+        assert "--enforce-disagg" in body.json()["error"]["message"]
+    finally:
+        enforcing.stop()
