@@ -255,7 +255,7 @@ def main() -> None:
         "points": points,
         "disagg_over_agg": ratios,
     }
-    print(f"wrote {write_result(args.out, result)}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
