@@ -106,6 +106,21 @@ async def _unwatch(watcher: asyncio.Task[None] | None, context: Context) -> None
         watcher.cancel()
 
 
+@contextlib.asynccontextmanager
+async def _in_flight(
+    engine: LLMEngine, context: Context, cap: InflightCap, watch: bool
+) -> AsyncIterator[None]:
+    """One request inside a handler: counted against the cap, and watched for cancellation
+    (engines with `abort`) until its stream is over."""
+    cap.enter()
+    watcher = _watch(engine, context, watch)
+    try:
+        yield
+    finally:
+        cap.leave()
+        await _unwatch(watcher, context)
+
+
 def _checked(out: LLMEngineOutput) -> LLMEngineOutput:
     """The wire's finish reasons only; an error chunk becomes the stream's error frame."""
     reason = out.finish_reason
@@ -133,9 +148,7 @@ def tokens_handler(
     cap = cap or InflightCap()
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
-        cap.enter()
-        watcher = _watch(engine, context, watch)
-        try:
+        async with _in_flight(engine, context, cap, watch):
             report: KvImportReport | None = None
             if fetcher is not None and request.kv_transfer_params is not None:
                 stream, report = await _from_transfer(engine, fetcher, request, context)
@@ -150,9 +163,6 @@ def tokens_handler(
                 yield out
                 if out.finish_reason is not None:
                     return
-        finally:
-            cap.leave()
-            await _unwatch(watcher, context)
 
     return generate
 
@@ -203,9 +213,7 @@ def prefill_handler(
     cap = cap or InflightCap()
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
-        cap.enter()
-        watcher = _watch(engine, context, watch)
-        try:
+        async with _in_flight(engine, context, cap, watch):
             out, handoff = await engine.prefill(request, context)
             if closing.ended:
                 raise EngineShutdown(_SHUTDOWN_MESSAGE)
@@ -224,9 +232,6 @@ def prefill_handler(
                 )
                 out.finish_reason = "length"  # this worker's part is done; the stream ends here
             yield out
-        finally:
-            cap.leave()
-            await _unwatch(watcher, context)
 
     return generate
 
@@ -272,15 +277,9 @@ def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: Infligh
     cap = cap or InflightCap()
 
     async def generate(raw: Any, context: Context) -> AsyncIterator[dict[str, Any]]:
-        cap.enter()
-        try:
+        async with _in_flight(engine, context, cap, watch):
             request = _openai_request(raw)
-        except BaseException:
-            cap.leave()
-            raise
-        rid, created = uuid.uuid4().hex, int(time.time())
-        watcher = _watch(engine, context, watch)
-        try:
+            rid, created = uuid.uuid4().hex, int(time.time())
             async for out in engine.generate(request, context):
                 if closing.ended:
                     raise EngineShutdown(_SHUTDOWN_MESSAGE)
@@ -288,9 +287,6 @@ def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: Infligh
                 yield _chunk(request, rid, created, out)
                 if out.finish_reason is not None:
                     return
-        finally:
-            cap.leave()
-            await _unwatch(watcher, context)
 
     return generate
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -37,6 +36,7 @@ import msgspec
 from dynamo_graph.backend.errors import EngineOverloaded, ModelNotFound
 from dynamo_graph.llm.protocol import KvImportReport, KvTransferParams
 from dynamo_graph.runtime.client import Client
+from dynamo_graph.runtime.env import env_float
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime
 
@@ -60,25 +60,14 @@ class KvHandoff(msgspec.Struct):
         return len(self.data) if self.nbytes is None else self.nbytes
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = (os.environ.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be above 0, not {raw!r}")
-    return value
-
-
 class KvStore:
     """Handoffs waiting for their decode worker: at most `max_bytes` held, each for `ttl_s`."""
 
     def __init__(self, max_bytes: int | None = None, ttl_s: float | None = None) -> None:
-        self.max_bytes = max_bytes or int(_env_float("DYN_KV_TRANSFER_MAX_MB", 1024) * (1 << 20))
-        self.ttl_s = ttl_s or _env_float("DYN_KV_TRANSFER_TTL_S", 30.0)
+        self.max_bytes = max_bytes or int(
+            env_float("DYN_KV_TRANSFER_MAX_MB", 1024, allow_zero=False) * (1 << 20)
+        )
+        self.ttl_s = ttl_s or env_float("DYN_KV_TRANSFER_TTL_S", 30.0, allow_zero=False)
         self._entries: OrderedDict[str, tuple[float, KvHandoff]] = OrderedDict()
         self.held_bytes = 0
         self.expired = 0
@@ -159,7 +148,7 @@ class KvFetcher:
 
     def __init__(self, runtime: DistributedRuntime, timeout_s: float | None = None) -> None:
         self.runtime = runtime
-        self.timeout_s = timeout_s or _env_float("DYN_KV_TRANSFER_TIMEOUT_S", 10.0)
+        self.timeout_s = timeout_s or env_float("DYN_KV_TRANSFER_TIMEOUT_S", 10.0, allow_zero=False)
         self._clients: dict[tuple[str, str], Client] = {}
 
     async def _client(self, params: KvTransferParams) -> Client:

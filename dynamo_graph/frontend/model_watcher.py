@@ -207,6 +207,25 @@ class ModelWatcher:
         assert model.client.allowed is not None
         model.client.allowed.add(instance_id)
 
+    def _client_and_router(
+        self, card: ModelDeploymentCard, endpoint: EndpointName, kv: bool
+    ) -> tuple[Client, KvRouter | None]:
+        """A pool's client (routing to the instances whose cards are accepted) and KV router."""
+        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
+        client.allowed = set()
+        return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+
+    async def _started_pool(
+        self, card: ModelDeploymentCard, endpoint: EndpointName, client: Client, router: KvRouter | None
+    ) -> _Model:
+        """The pool, its client watching discovery, its router hearing the pool's KV events."""
+        await client.start()
+        if router is not None:
+            await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
+        return _Model(
+            checksum=card.mdcsum(), client=client, router=router, checker=self._start_checker(client, card)
+        )
+
     def _start_checker(self, client: Client, card: ModelDeploymentCard) -> HealthChecker | None:
         if not self.health.enabled:
             return None
@@ -221,9 +240,7 @@ class ModelWatcher:
         """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
         name = card.display_name
         kv = self.router_mode == "kv" and card.model_input == "tokens"
-        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
-        client.allowed = set()
-        router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+        client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
                 card, client, router, migration_limit=self.migration_limit, disagg=self.disagg
@@ -233,16 +250,8 @@ class ModelWatcher:
             return None
         if self.router_mode == "kv" and not kv:
             log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
-        await client.start()
-        if router is not None:
-            await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
-        model = _Model(
-            checksum=card.mdcsum(),
-            client=client,
-            router=router,
-            checker=self._start_checker(client, card),
-            disagg=disagg,
-        )
+        model = await self._started_pool(card, endpoint, client, router)
+        model.disagg = disagg
         prefill = self._prefill.get(name)
         if disagg is not None and prefill is not None:
             disagg.prefill = prefill.routed
@@ -288,20 +297,9 @@ class ModelWatcher:
                 "REFUSING prefill worker %x for model %r: prefill workers take tokens", instance_id, name
             )
             return None
-        kv = self.router_mode == "kv"
-        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
-        client.allowed = set()
-        router = KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
-        await client.start()
-        if router is not None:
-            await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
-        pool = _Model(
-            checksum=card.mdcsum(),
-            client=client,
-            router=router,
-            checker=self._start_checker(client, card),
-            routed=routed_backend(client, router),
-        )
+        client, router = self._client_and_router(card, endpoint, self.router_mode == "kv")
+        pool = await self._started_pool(card, endpoint, client, router)
+        pool.routed = routed_backend(client, router)
         if main is not None and main.disagg is not None:
             main.disagg.prefill = pool.routed
         log.info("model %r: prefill pool added (endpoint %s, %s routing)", name, endpoint, self.router_mode)

@@ -33,12 +33,12 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dynamo_graph.runtime.env import env_float
 from dynamo_graph.runtime.errors import InvalidArgument, Overloaded, RequestError
 
 if TYPE_CHECKING:
@@ -60,19 +60,6 @@ TIMEOUT_ENV = "DYN_HEALTH_CHECK_TIMEOUT_S"
 RESPONSIVE_ERRORS: tuple[type[RequestError], ...] = (Overloaded, InvalidArgument)
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = (os.environ.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, not {raw!r}") from None
-    if not value >= 0 or math.isinf(value):
-        raise ValueError(f"{name} must be >= 0, not {raw!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class HealthSettings:
     interval_s: float = DEFAULT_INTERVAL_S  # 0: no health checks
@@ -85,8 +72,8 @@ class HealthSettings:
 
     @classmethod
     def from_env(cls) -> HealthSettings:
-        interval = _env_float(INTERVAL_ENV, DEFAULT_INTERVAL_S)
-        timeout = _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+        interval = env_float(INTERVAL_ENV, DEFAULT_INTERVAL_S)
+        timeout = env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
         return cls(interval_s=interval, timeout_s=timeout or DEFAULT_TIMEOUT_S)
 
 
