@@ -53,7 +53,9 @@ will not load (truncated, another KV layout, no room in the context) is a `KvImp
 any output, and the worker prefills locally. Greedy outputs equal the aggregated run's token for
 token; penalties see the first token as generated, as they did on the prefill worker; a seeded
 sampler starts afresh on the decode worker (as after migration), so sampled outputs differ from
-an aggregated run's. `prompt_tokens_evaluated` counts the prompt tokens the contexts evaluated.
+an aggregated run's. `prompt_tokens_evaluated` counts the prompt tokens the contexts evaluated;
+at debug level (DYN_LOG=info,dynamo_graph.engines.llamacpp=debug) each request logs how many
+prompt tokens came from the cache or a handoff and how many were evaluated.
 
 Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each token and
 between prefill batches; the stream then ends with finish_reason "cancelled". Every final chunk
@@ -627,6 +629,14 @@ class LlamaCppEngine(LLMEngine):
                 return None, "cancelled"
             llm.eval(prompt[i : i + n_batch])
             slot.evaluated += min(n_batch, len(prompt) - i)
+        log.debug(
+            "request %s: %d prompt tokens, %d from %s, %d evaluated",
+            job.context.id,
+            len(prompt),
+            reuse,
+            "a KV handoff" if job.handoff is not None else "the context's cache",
+            len(prompt) - reuse,
+        )
         sample, accept, samplers = self._samplers(llm, job)
         try:
             if job.handoff is not None:
