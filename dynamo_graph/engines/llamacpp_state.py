@@ -5,9 +5,10 @@ A prefill worker exports sequence 0 of the context that evaluated the prompt wit
 of a free context of its own with `llama_state_seq_set_data`. The sequence calls, not the
 whole-context `llama_state_get_data`: they carry that one sequence's KV cells and nothing else
 (no logits or output buffers, which the decode side recomputes anyway when it evaluates the first
-token), and the sequence is the unit a context serving several sequences would export. Both were
-verified on this llama-cpp-python (0.3.36): imported into another context, the KV gives the same
-logits and greedy tokens as the context that computed it.
+token), and the sequence is the unit a context serving several sequences would export. With
+llama-cpp-python 0.3.36, a prompt's state imported into another context continues with the same
+greedy tokens as the context that computed it (tests/integration/test_llamacpp_engine.py; on a
+GPU the logits were also compared, bit for bit: ../shared/notes/ENGINES.md).
 
 The handoff's bytes (format "llamacpp-state/1"): the prompt's token ids (u32 count, then u32 ids,
 little-endian) followed by the llama.cpp sequence state. llama.cpp's state does not say which
