@@ -59,8 +59,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(argv: list[str], port: int, delay_ms: float) -> subprocess.Popen:
-    env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": str(delay_ms), "DYN_LOG": "warn"}
+def start(argv: list[str], port: int, delay_ms: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": str(delay_ms), "DYN_LOG": "warn", **(env or {})}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -418,8 +418,9 @@ class Worker(_Component):
     """Engine arguments inline (written to a JSON file for --extra-engine-args)."""
     engine_args_file: str | None = None
     """JSON file of engine arguments (--extra-engine-args); instead of `engine_args`."""
-    replicas: int = Field(1, ge=1)
-    """Worker processes; replica i runs on `placement[i % len(placement)]`."""
+    replicas: int = Field(1, ge=0)
+    """Worker processes; replica i runs on `placement[i % len(placement)]`. 0 keeps the
+    component declared with nothing running (e.g. a prefill pool scaled down by a re-`up`)."""
     placement: list[str] = Field([LOCAL], min_length=1)
     """Hosts the replicas are spread over, round-robin (keys of `hosts`, or `local`)."""
     gpus: Gpus = Gpus()

@@ -1,9 +1,9 @@
 """OpenAI request -> PreprocessedRequest: chat template, tokenization, stop and sampling options.
 
-Runs in the frontend once per request, so it does one template render, one encode and cheap
-Struct building. Anything a client can get wrong raises `RequestValidationError` naming the
-OpenAI field, which the frontend turns into a 400 error body; nothing here trusts the engine to
-catch a bad request.
+Runs in the frontend once per request, so it does one template render, one encode (of only
+the prompt's new segments: segment_tokenizer.py) and cheap Struct building. Anything a client
+can get wrong raises `RequestValidationError` naming the OpenAI field, which the frontend turns
+into a 400 error body; nothing here trusts the engine to catch a bad request.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dynamo_graph.llm.protocol import (
     SamplingOptions,
     StopConditions,
 )
+from dynamo_graph.llm.segment_tokenizer import SegmentTokenizer
 
 # OpenAI allows 4 stop sequences, vLLM any number. 16 strings of up to 1024 characters cover
 # real clients while bounding the postprocessor's per-token scan and held-back text.
@@ -69,6 +70,7 @@ class Preprocessor:
         self.model_name = model_name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._encode = tokenizer.encode
+        self.segments = SegmentTokenizer(tokenizer)
 
     def preprocess_chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
         _check_unsupported(req)
@@ -94,7 +96,7 @@ class Preprocessor:
             )
         except ChatTemplateError as exc:
             raise RequestValidationError(str(exc), "messages") from exc
-        token_ids = self._encode(prompt, add_special_tokens=False).ids
+        token_ids = self.segments.encode(prompt)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(requested_max_tokens(req), len(token_ids), max_param, "messages", None)
         output = OutputOptions(

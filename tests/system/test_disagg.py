@@ -38,7 +38,7 @@ class DisaggCluster:
     def model(self) -> str:
         return self.model_path.name
 
-    def start_worker(self, mode: str) -> WorkerProcess:
+    def start_worker(self, mode: str, env: dict[str, str] | None = None) -> WorkerProcess:
         component = "prefill" if mode == "prefill" else "backend"
         worker = WorkerProcess.dyngraph(
             [
@@ -50,7 +50,7 @@ class DisaggCluster:
                 "--disaggregation-mode",
                 mode,
             ],
-            env=self.env,
+            env={**self.env, **(env or {})},
             log_dir=self.tmp_path,
             name=mode,
         )
@@ -98,6 +98,7 @@ def start(
     decode: int,
     frontend_args: tuple[str, ...] = (),
     speedup: float = 4.0,
+    prefill_env: dict[str, str] | None = None,
     engine: str = "mocker",
     engine_args: dict[str, Any] | None = None,
 ) -> DisaggCluster:
@@ -116,7 +117,7 @@ def start(
     try:
         frontend.wait_ready(path="/live", timeout=60)
         for _ in range(prefill):
-            cluster.start_worker("prefill")
+            cluster.start_worker("prefill", prefill_env)
         for _ in range(decode):
             cluster.start_worker("decode")
         cluster.wait_pools(prefill, decode)
@@ -271,3 +272,35 @@ def test_without_prefill_workers_requests_are_local_and_enforce_says_503(
         assert "--enforce-disagg" in body.json()["error"]["message"]
     finally:
         enforcing.stop()
+
+
+def test_a_kv_transfer_that_cannot_be_fetched_is_prefilled_locally(clusters) -> None:
+    # The prefill worker drops every handoff at once: the decode worker's fetch finds nothing.
+    cluster = clusters(prefill=1, decode=1, prefill_env={"DYN_KV_TRANSFER_TTL_S": "0.000001"})
+    result = run_one(cluster.frontend.base_url, completion_body(cluster.model, LONG, 10))
+    assert result.complete(10), result
+    assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == 1
+    assert cluster.metric("dynamo_frontend_kv_transfer_failures_total", kind="fetch_failed") == 1
+    assert cluster.metric("dynamo_frontend_kv_transfer_bytes_count") == 0
+    assert "prefilling locally" in cluster.decode[0].log()
+
+
+def test_kill9_of_the_decode_worker_mid_stream_migrates_through_prefill_again(clusters) -> None:
+    cluster = clusters(prefill=1, decode=2, speedup=0.5)
+    before = cluster.sent("instances")
+    killed: list[str] = []
+
+    def kill_serving_decode_worker(chunks: int) -> None:
+        if chunks == 5 and not killed:
+            (serving,) = changed(before, cluster.sent("instances"))
+            killed.append(serving)
+            victim = next(w for w in cluster.decode if cluster.instance_of(w) == serving)
+            victim.kill9()
+
+    result = run_one(
+        cluster.frontend.base_url, completion_body(cluster.model, LONG, 40), kill_serving_decode_worker
+    )
+    assert killed and result.complete(40), result
+    # The continuation was prefilled remotely again, then decoded by the surviving worker.
+    assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == 2
+    assert cluster.metric("dynamo_frontend_model_migration_total") == 1

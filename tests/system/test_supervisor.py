@@ -277,3 +277,29 @@ def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Cal
     down = graph.cli("down", timeout=90)
     assert down.returncode == 0, down.stdout + down.stderr
     assert_all_gone(pids, graph.ports())
+
+
+def _disagg_count(graph: Graph, where: str) -> float:
+    text = subprocess.run(
+        ["curl", "-s", f"http://127.0.0.1:{graph.port}/metrics"], capture_output=True, text=True, timeout=10
+    ).stdout
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dynamo_frontend_disagg_prefill_total{") and f'where="{where}"' in line
+    )
+
+
+def test_disaggregated_graph_and_its_prefill_pool_scaled_to_zero(make_graph: Callable[[str], Graph]) -> None:
+    graph = make_graph("mocker-disagg.yaml")
+    up = graph.up()
+    assert up.returncode == 0, up.stdout + up.stderr
+    wait_for(lambda: _answers(graph) and _disagg_count(graph, "remote") >= 1, 30, "a remote prefill")
+    # Re-up with no prefill replica: the decode worker prefills locally; nothing else restarts.
+    decode_pid = graph.processes()["decode-0"]["pid"]
+    scaled = graph.up("components.prefill.replicas=0")
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert "prefill-0" not in graph.processes()
+    assert graph.processes()["decode-0"]["pid"] == decode_pid
+    before = _disagg_count(graph, "local")
+    wait_for(lambda: _answers(graph) and _disagg_count(graph, "local") > before, 30, "a local prefill")

@@ -95,7 +95,7 @@ INVALID = [
         "negative-replicas",
         HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core, replicas: -1}\n",
         "components.backend.replicas",
-        "must be >= 1, got -1",
+        "must be >= 0, got -1",
     ),
     (
         "unknown-engine",
@@ -404,7 +404,7 @@ def test_several_schema_problems_at_once() -> None:
         HEAD
         + """\
 components:
-  backend: {kind: worker, model: tiny, engine: vlm, replicas: 0}
+  backend: {kind: worker, model: tiny, engine: vlm, replicas: -1}
   frontend: {kind: frontend, htpp: {port: 8080}}
 """
     )

@@ -412,3 +412,33 @@ async def test_drain_waits_for_in_flight_requests(make_engine) -> None:
     await asyncio.sleep(0.01)
     await asyncio.wait_for(engine.drain(), 2.0)
     assert task.done() and task.result()[-1].finish_reason == "length"
+
+
+async def test_prefill_hands_over_and_decode_continues_without_prefilling(make_engine) -> None:
+    """Disaggregated P/D on two mockers: the prefill engine returns the first token and a handoff
+    of the prompt; the decode engine imports the prompt's blocks (stored events) and computes
+    only the first token after them, as one decode step."""
+    from dynamo_graph.backend.engine import KvImportError
+    from dynamo_graph.backend.kv_transfer import KvHandoff
+
+    sink = RecordingSink()
+    prefill = await make_engine(worker_id=1, block_size=16, kv_bytes_per_token=1000)
+    decode = await make_engine(sink, worker_id=2, block_size=16, kv_bytes_per_token=1000)
+    prompt = list(range(100, 150))  # 3 full blocks and 2 tokens
+    first, handoff = await prefill.prefill(request(prompt, max_tokens=8), Context())
+    assert len(first.token_ids) == 1 and first.finish_reason is None and handoff is not None
+    assert (handoff.num_tokens, handoff.size) == (50, 50_000)
+    follow = request([*prompt, *first.token_ids], max_tokens=7)
+    outs = [o async for o in decode.generate_from_kv(follow, handoff, Context())]
+    assert sum(len(o.token_ids) for o in outs) == 7 and outs[-1].finish_reason == "length"
+    stored = [e for e in sink.events if e[0] == "stored"]
+    # The first stored event is the import: the prompt's 3 full blocks, before any compute.
+    assert stored and stored[0][1] is None and len(stored[0][2]) == 3
+    assert outs[0].cached_tokens == 48  # every full prompt block was present at admission
+    with pytest.raises(KvImportError, match="cannot be loaded"):
+        await anext(decode.generate_from_kv(follow, KvHandoff("other/1", 50, handoff.data), Context()))
+    with pytest.raises(KvImportError, match="not this request's prompt"):
+        await anext(decode.generate_from_kv(request([1, *prompt[1:]]), handoff, Context()))
+    # A request that ends at its first token comes back finished, with nothing to hand over.
+    done, nothing = await prefill.prefill(request(prompt, max_tokens=1), Context())
+    assert done.finish_reason == "length" and nothing is None

@@ -203,9 +203,10 @@ class MockerEngine(LLMEngine):
             yield out
 
     async def _run(
-        self, request: PreprocessedRequest, context: Context, rank: _Rank
+        self, request: PreprocessedRequest, context: Context, rank: _Rank, *, transferred: bool = False
     ) -> AsyncIterator[LLMEngineOutput]:
         seq = self._sequence(request, context)
+        seq.transferred = transferred
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=seq.usage())
             return
@@ -289,8 +290,8 @@ class MockerEngine(LLMEngine):
         seconds = handoff.size / (self.args.kv_transfer_gb_per_s * 1e9) / self.args.speedup_ratio
         if seconds > 0:
             await asyncio.sleep(seconds)
-        rank.scheduler.import_prefix(prefix)
-        async for out in self._run(request, context, rank):
+        transferred = rank.scheduler.import_prefix(prefix)
+        async for out in self._run(request, context, rank, transferred=transferred):
             yield out
 
     def _choose_rank(self, request: PreprocessedRequest) -> _Rank:

@@ -122,6 +122,7 @@ class MockSequence:
         "seq_hashes",
         "stop_ids",
         "tokens",
+        "transferred",
         "waiter",
     )
 
@@ -155,6 +156,9 @@ class MockSequence:
         self.seq_hashes: list[int] = []
         self.outbox: deque[Any] = deque()  # LLMEngineOutput or an exception, for generate()
         self.waiter: Any = None  # the future generate() awaits while the outbox is empty
+        # The prompt's KV arrived from a prefill worker (import_prefix): on admission only the
+        # last token is computed, in a decode step, as a decode worker does after a transfer.
+        self.transferred = False
 
     @property
     def held_blocks(self) -> int:
@@ -266,7 +270,9 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            prefill_tokens += self._admit(scheduled, budget)
+            admitted_prefill, admitted_decoding = self._admit(scheduled, budget)
+            prefill_tokens += admitted_prefill
+            decoding += admitted_decoding
 
         finished = False
         for seq, chunk in scheduled:
@@ -291,10 +297,12 @@ class Scheduler:
         kv.events = self._events
         return result
 
-    def _admit(self, scheduled: list[tuple[MockSequence, int]], budget: int) -> int:
+    def _admit(self, scheduled: list[tuple[MockSequence, int]], budget: int) -> tuple[int, int]:
+        """Admit waiting sequences within the budget: (prefill tokens, transferred sequences that
+        join as decodes)."""
         bs, kv, waiting, running = self.block_size, self.kv, self.waiting, self.running
         max_seqs = self.args.max_num_seqs
-        prefill_tokens = 0
+        prefill_tokens = decoding = 0
         while waiting and budget > 0 and len(running) < max_seqs:
             seq = waiting[0]
             length = len(seq.tokens)
@@ -315,20 +323,28 @@ class Scheduler:
             seq.in_prefill = True
             if seq.cached_tokens is None:
                 seq.cached_tokens = hit * bs
-            chunk = min(new_tokens, budget)
             running.append(seq)
+            if seq.transferred and hit == (length - 1) // bs:
+                # Every block but the partial last one is here; that one came with the transfer.
+                seq.num_computed = length - 1
+                scheduled.append((seq, 1))
+                budget -= 1
+                decoding += 1
+                continue
+            seq.transferred = False  # evicted before admission: the rest is prefilled here
+            chunk = min(new_tokens, budget)
             scheduled.append((seq, chunk))
             budget -= chunk
             prefill_tokens += chunk
-        return prefill_tokens
+        return prefill_tokens, decoding
 
-    def import_prefix(self, tokens: Sequence[int]) -> int:
+    def import_prefix(self, tokens: Sequence[int]) -> bool:
         """The full blocks of `tokens`, computed by another worker (a KV transfer), become
         cached blocks of this rank as if it had computed them, and are reported as stored; a
-        request for them then only computes what follows. Returns the blocks added (0 when the
-        cache has no room: the request then simply prefills)."""
+        request for them then only computes what follows. False when they cannot be held (no
+        prefix caching, or no room): the request then simply prefills."""
         if not self.prefix_caching:
-            return 0
+            return False
         bs, kv = self.block_size, self.kv
         local = local_block_hashes(tokens, bs)
         seq = sequence_hashes(local)
@@ -336,14 +352,16 @@ class Scheduler:
         while first < len(seq) and kv.is_cached(seq[first]):
             first += 1
         new = len(seq) - first
-        if new <= 0 or not kv.allocate(new):
-            return 0
+        if new <= 0:
+            return True
+        if not kv.allocate(new):
+            return False
         for h in seq[first:]:
             kv.promote(h)
         kv.release(seq[first:], 0)
         stored = [StoredBlock(seq[j], local[j]) for j in range(first, len(seq))]
         self._events.append(("stored", seq[first - 1] if first else None, stored))
-        return new
+        return True
 
     def _register_blocks(self, seq: MockSequence) -> None:
         """Blocks that became full and computed become cached blocks, and are reported."""
@@ -395,6 +413,7 @@ class Scheduler:
     def _preempt(self, seq: MockSequence) -> None:
         self._free(seq)
         seq.in_prefill = True
+        seq.transferred = False  # its transferred KV went with its blocks: recompute from the cache
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
