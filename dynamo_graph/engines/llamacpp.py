@@ -41,12 +41,29 @@ Context limit: a prompt of n_ctx tokens or more is an InvalidArgument (HTTP 400,
 otherwise generation ends with "length" when prompt + output reaches n_ctx (the frontend already
 rejects a max_tokens that does not fit, so this only guards direct callers).
 
+Disaggregated prefill/decode (`kv_transfer`): as a prefill worker, `prefill` evaluates the prompt
+and samples its first token exactly as `generate` would; unless the request ends there, it exports
+the prompt's KV (the first token is not evaluated) as a `KvHandoff` (llamacpp_state.py: llama.cpp's
+sequence state plus the prompt's ids, in a format naming the GGUF and llama-cpp-python's version).
+As a decode worker, `generate_from_kv` loads that state into a free context in place of the
+prompt's evaluation (the context's cached tokens become the prompt's, for prefix reuse later),
+evaluates only what follows (the first token), and streams the rest as `generate` does;
+`cached_tokens` is the handoff's size. A handoff for another model or prompt, or one llama.cpp
+will not load (truncated, another KV layout, no room in the context) is a `KvImportError` before
+any output, and the worker prefills locally. Greedy outputs equal the aggregated run's token for
+token; penalties see the first token as generated, as they did on the prefill worker; a seeded
+sampler starts afresh on the decode worker (as after migration), so sampled outputs differ from
+an aggregated run's. `prompt_tokens_evaluated` counts the prompt tokens the contexts evaluated;
+at debug level (DYN_LOG=info,dynamo_graph.engines.llamacpp=debug) each request logs how many
+prompt tokens came from the cache or a handoff and how many were evaluated.
+
 Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each token and
 between prefill batches; the stream then ends with finish_reason "cancelled". Every final chunk
 carries `completion_usage` (prompt, completion and cached tokens); the first chunk with tokens
 carries `cached_tokens`.
 
-Options (`--extra-engine-args` JSON; an unknown key is an error listing the known ones):
+Options (`--extra-engine-args` JSON, checked in llamacpp_args.py; an unknown key is an error
+listing the known ones):
 n_parallel, n_ctx (same as --context-length), n_threads, n_threads_batch, n_batch, n_ubatch,
 n_gpu_layers, main_gpu, seed, use_mmap, use_mlock, flash_attn, offload_kqv, last_n_tokens_size,
 rope_freq_base, rope_freq_scale, verbose, prefix_reuse. Errors in settings or the model are
@@ -59,16 +76,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import (
     CompletionUsage,
@@ -77,148 +92,26 @@ from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
     SamplingOptions,
 )
-from dynamo_graph.backend.settings import RunConfigError
+from dynamo_graph.engines.llamacpp_args import (
+    LlamaCppArgs,
+    LlamaCppError,
+    args_from_settings,
+    find_gguf,
+    import_llama_cpp,
+)
+from dynamo_graph.engines.llamacpp_state import check_handoff, export_sequence, import_sequence, state_format
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from dynamo_graph.backend.kv_transfer import KvHandoff
     from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 log = logging.getLogger(__name__)
 
-SOURCE = "--extra-engine-args"
-INSTALL_HINT = "engine 'llamacpp' needs llama-cpp-python: pip install 'dyngraph[llamacpp]'"
-RANDOM_SEED = 4294967295  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed per sampler
 DEFAULT_LAST_N = 64  # llama-cpp-python's last_n_tokens_size: the penalties' window
 CLEANUP_WAIT_S = 30.0
-_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-
-
-class LlamaCppError(RunConfigError):
-    """llama-cpp-python missing, no usable GGUF, or a bad `--extra-engine-args` option."""
-
-
-def import_llama_cpp() -> Any:
-    try:
-        import llama_cpp
-    except ImportError as err:
-        raise LlamaCppError(f"{INSTALL_HINT} ({err})") from None
-    return llama_cpp
-
-
-# ---- settings ----------------------------------------------------------------------------------
-
-# key -> (kind, minimum) ; kind is "int", "bool" or "float". All but ours go to `Llama(...)`.
-_OPTIONS: dict[str, tuple[str, float | None]] = {
-    "n_parallel": ("int", 1),
-    "n_ctx": ("int", 1),
-    "n_threads": ("int", 1),
-    "n_threads_batch": ("int", 1),
-    "n_batch": ("int", 1),
-    "n_ubatch": ("int", 1),
-    "n_gpu_layers": ("int", -1),
-    "main_gpu": ("int", 0),
-    "seed": ("int", 0),
-    "use_mmap": ("bool", None),
-    "use_mlock": ("bool", None),
-    "flash_attn": ("bool", None),
-    "offload_kqv": ("bool", None),
-    "last_n_tokens_size": ("int", 0),
-    "rope_freq_base": ("float", 0.0),
-    "rope_freq_scale": ("float", 0.0),
-    "verbose": ("bool", None),
-    "prefix_reuse": ("bool", None),
-}
-_OURS = {"n_parallel", "n_ctx", "prefix_reuse"}
-
-
-@dataclass(frozen=True)
-class LlamaCppArgs:
-    n_parallel: int = 1
-    n_ctx: int | None = None  # None: the model's context length
-    prefix_reuse: bool = True
-    seed: int = RANDOM_SEED
-    llama_kwargs: dict[str, Any] = field(default_factory=dict)  # the rest, for Llama(...)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LlamaCppArgs:
-        unknown = [key for key in data if key not in _OPTIONS]
-        if unknown:
-            names = ", ".join(repr(k) for k in unknown)
-            raise LlamaCppError(
-                f"{SOURCE}: unknown llamacpp option{'s' if len(unknown) > 1 else ''} {names}; "
-                f"known options: {', '.join(_OPTIONS)}"
-            )
-        for key, value in data.items():
-            _check(key, value)
-        seed = data.get("seed", RANDOM_SEED)
-        if seed > RANDOM_SEED:
-            raise LlamaCppError(f"{SOURCE}: seed must be at most {RANDOM_SEED}, not {seed}")
-        return cls(
-            n_parallel=data.get("n_parallel", 1),
-            n_ctx=data.get("n_ctx"),
-            prefix_reuse=data.get("prefix_reuse", True),
-            seed=seed,
-            llama_kwargs={k: v for k, v in data.items() if k not in _OURS},
-        )
-
-
-def _check(key: str, value: Any) -> None:
-    kind, minimum = _OPTIONS[key]
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise LlamaCppError(f"{SOURCE}: {key} must be true or false, not {value!r}")
-        return
-    numeric = (int,) if kind == "int" else (int, float)
-    if isinstance(value, bool) or not isinstance(value, numeric):
-        noun = "an integer" if kind == "int" else "a number"
-        raise LlamaCppError(f"{SOURCE}: {key} must be {noun}, not {value!r}")
-    if minimum is not None and value < minimum:
-        raise LlamaCppError(f"{SOURCE}: {key} must be at least {minimum}, not {value}")
-
-
-def args_from_settings(cfg: EngineSettings) -> LlamaCppArgs:
-    data = cfg.engine_args()
-    args = LlamaCppArgs.from_dict(data)
-    if cfg.context_length is not None:
-        if "n_ctx" in data and data["n_ctx"] != cfg.context_length:
-            raise LlamaCppError(
-                f"--context-length {cfg.context_length} conflicts with n_ctx={data['n_ctx']!r} in "
-                f"{SOURCE}; give one of them"
-            )
-        args = LlamaCppArgs(
-            n_parallel=args.n_parallel,
-            n_ctx=cfg.context_length,
-            prefix_reuse=args.prefix_reuse,
-            seed=args.seed,
-            llama_kwargs=args.llama_kwargs,
-        )
-    return args
-
-
-def find_gguf(model: LocalModel) -> Path:
-    """The model's GGUF: the file it was given as, else the one .gguf in its folder (for a split
-    model, its first shard, which llama.cpp follows to the others)."""
-    if model.gguf_path is not None:
-        return model.gguf_path
-    found = sorted(p for p in model.root.glob("*.gguf") if p.is_file())
-    found += sorted(p for p in model.root.glob("*.GGUF") if p.is_file() and p not in found)
-    if not found:
-        raise LlamaCppError(
-            f"out=llamacpp needs a GGUF model: {model.root} holds no .gguf file. Pass a .gguf file or "
-            "a folder with one (convert HF weights with llama.cpp's convert_hf_to_gguf.py)"
-        )
-    firsts = [p for p in found if (m := _SHARD.search(p.name)) and int(m.group(1)) == 1]
-    shards = [p for p in found if _SHARD.search(p.name)]
-    if len(found) == 1:
-        return found[0]
-    if len(firsts) == 1 and len(shards) == len(found):
-        return firsts[0]
-    names = ", ".join(p.name for p in found)
-    raise LlamaCppError(
-        f"{model.root} holds several GGUF files ({names}); pass the one to serve as --model-path FILE.gguf"
-    )
 
 
 def _available_cpus() -> int:
@@ -240,8 +133,11 @@ class _Job:
         "cancelled",
         "context",
         "error",
+        "export",
+        "exported",
         "final",
         "generated",
+        "handoff",
         "lock",
         "loop",
         "max_tokens",
@@ -266,6 +162,8 @@ class _Job:
         stop_ids: frozenset[int],
         sampling: SamplingOptions,
         loop: asyncio.AbstractEventLoop,
+        handoff: KvHandoff | None = None,
+        export: bool = False,
     ) -> None:
         self.context = context
         self.prompt = prompt
@@ -285,6 +183,9 @@ class _Job:
         self.cancelled = False  # set by abort() or when the consumer goes away
         self.slot: _Slot | None = None
         self.released = False
+        self.handoff = handoff  # the prompt's KV, computed elsewhere: load it instead of evaluating
+        self.export = export  # a prefill: stop after the first token and export the prompt's KV
+        self.exported: KvHandoff | None = None
 
     def stopped(self) -> bool:
         return self.cancelled or self.context.is_stopped()
@@ -331,6 +232,7 @@ class _Slot:
         # One thread: jobs given to this context run strictly one after another.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llamacpp-ctx{index}")
         self.futures: set[asyncio.Future[None]] = set()
+        self.evaluated = 0  # prompt tokens this context evaluated (written by its thread only)
 
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         # Read from the event loop for idle contexts; their thread may still be winding down a
@@ -343,6 +245,8 @@ class _Slot:
 
 class LlamaCppEngine(LLMEngine):
     """A pool of llama.cpp contexts behind the engine contract; see the module docstring."""
+
+    kv_transfer = True
 
     def __init__(
         self,
@@ -357,6 +261,7 @@ class LlamaCppEngine(LLMEngine):
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.n_ctx = self.args.n_ctx or default_n_ctx or 0  # 0: llama.cpp takes the model's
         self.n_vocab = 0
+        self.kv_format = ""  # set by start(): what this engine's KV handoffs are (llamacpp_state)
         self._llama_cpp: Any = None
         self._slots: list[_Slot] = []
         self._idle: list[_Slot] = []
@@ -408,6 +313,8 @@ class LlamaCppEngine(LLMEngine):
                 f"tokenizer has {self.tokenizer_vocab_size}: they belong to different models "
                 "(check --model-config, or the tokenizer.json beside the GGUF)"
             )
+        version = self._llama_cpp.__version__
+        self.kv_format = await asyncio.to_thread(state_format, self.gguf_path, version)
         self._idle = list(self._slots)
         self._started = True
         log.info(
@@ -429,6 +336,11 @@ class LlamaCppEngine(LLMEngine):
             return self._llama_cpp.Llama(model_path=str(self.gguf_path), n_ctx=self.n_ctx, **kwargs)
         except (ValueError, RuntimeError, OSError) as err:
             raise LlamaCppError(f"llama.cpp could not load {self.gguf_path}: {err}") from None
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        """Prompt tokens the contexts evaluated (not taken from their cache or a handoff)."""
+        return sum(slot.evaluated for slot in self._slots)
 
     async def drain(self) -> None:
         while self._jobs or self._waiters:
@@ -467,15 +379,40 @@ class LlamaCppEngine(LLMEngine):
     async def generate(  # type: ignore[override]
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        if not isinstance(request, PreprocessedRequest):
-            raise InvalidArgument(
-                "the llamacpp engine takes pre-processed requests (token ids)", param="model"
-            )
-        if self._closed:
-            raise EngineShutdown("the llamacpp engine shut down")
-        if not self._started:
-            raise EngineError("the llamacpp engine is not started")
-        job = self._job(request, context)
+        async for out in self._stream(self._job(request, context)):
+            yield out
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """Evaluate the prompt and sample its first token as `generate` does; unless the request
+        ends there, export the prompt's KV (the first token is not evaluated: the decode worker
+        does that) and return the token's chunk, unfinished, with it."""
+        job = self._job(request, context, export=True)
+        answer = LLMEngineOutput()
+        async for out in self._stream(job):
+            answer.token_ids.extend(out.token_ids)
+            if out.cached_tokens is not None:
+                answer.cached_tokens = out.cached_tokens
+            answer.finish_reason, answer.completion_usage = out.finish_reason, out.completion_usage
+        if job.exported is not None:
+            answer.finish_reason = answer.completion_usage = None
+        return answer, job.exported
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """Load the handoff into a free context instead of evaluating its tokens, evaluate the
+        rest of the prompt (the prefill's first token), then go on as `generate`. KvImportError,
+        before any output, when the handoff is not for this model and prompt or will not load."""
+        job = self._job(request, context, handoff=handoff)
+        check_handoff(handoff, self.kv_format, job.prompt)
+        async for out in self._stream(job):
+            yield out
+
+    async def _stream(self, job: _Job) -> AsyncIterator[LLMEngineOutput]:
+        """Run `job` on a free context and stream its tokens as they come."""
+        context = job.context
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=job.usage())
             return
@@ -516,7 +453,22 @@ class LlamaCppEngine(LLMEngine):
                 del self._jobs[context]
             self._check_drained()
 
-    def _job(self, request: PreprocessedRequest, context: Context) -> _Job:
+    def _job(
+        self,
+        request: PreprocessedRequest | AnyRequest,
+        context: Context,
+        *,
+        export: bool = False,
+        handoff: KvHandoff | None = None,
+    ) -> _Job:
+        if not isinstance(request, PreprocessedRequest):
+            raise InvalidArgument(
+                "the llamacpp engine takes pre-processed requests (token ids)", param="model"
+            )
+        if self._closed:
+            raise EngineShutdown("the llamacpp engine shut down")
+        if not self._started:
+            raise EngineError("the llamacpp engine is not started")
         prompt = list(request.token_ids)
         n = len(prompt)
         if n == 0:
@@ -562,6 +514,8 @@ class LlamaCppEngine(LLMEngine):
             stop_ids=frozenset(stop_ids),
             sampling=so,
             loop=asyncio.get_running_loop(),
+            handoff=handoff,
+            export=export,
         )
 
     # ---- the pool of contexts ----------------------------------------------------------------
@@ -615,7 +569,7 @@ class LlamaCppEngine(LLMEngine):
 
     def _run(self, slot: _Slot, job: _Job) -> None:
         job.slot = slot
-        future = job.loop.run_in_executor(slot.executor, self._decode, slot.llm, job)
+        future = job.loop.run_in_executor(slot.executor, self._decode, slot, job)
         slot.futures.add(future)
         future.add_done_callback(lambda f: self._finished(slot, job, f))
 
@@ -627,34 +581,70 @@ class LlamaCppEngine(LLMEngine):
 
     # ---- the decode loop (runs in the context's thread) --------------------------------------
 
-    def _decode(self, llm: Any, job: _Job) -> None:
+    def _decode(self, slot: _Slot, job: _Job) -> None:
+        llm = slot.llm
         try:
-            job.emit(*self._generate(llm, job))
+            token, final = self._generate(slot, job)
+            if final is None:  # a prefill, not finished at its first token: it goes on elsewhere
+                job.exported = export_sequence(self._llama_cpp, llm.ctx, self.kv_format, job.prompt)
+                final = "length"
+            job.emit(token, final)
+        except KvImportError as err:
+            llm.n_tokens = 0  # sequence 0 may hold part of the state: reuse nothing of it
+            job.fail(err)
         except BaseException as err:
             llm.n_tokens = 0  # its KV cache may hold half a batch: reuse nothing of it
             log.exception("llamacpp: decoding failed")
             job.fail(EngineError(f"llama.cpp failed: {err}"))
 
-    def _generate(self, llm: Any, job: _Job) -> tuple[int | None, FinishReason]:
-        """Prefill, then sample until a stop; returns the last token (sent with the finish
-        reason, in one chunk) and the finish reason."""
+    def _cached_prompt(self, llm: Any, job: _Job) -> int:
+        """Put the KV of the prompt's start in place — a handoff's, or what the context still
+        holds of an earlier request — and return how many tokens it covers."""
         prompt = job.prompt
-        reuse = 0
-        recurrent = getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False)
-        if self.args.prefix_reuse and not recurrent:
-            # At least the last prompt token is evaluated again, so its logits are fresh.
-            reuse = min(_common_prefix(llm, prompt), len(prompt) - 1)
-        if reuse == 0:
-            llm.reset()
+        if job.handoff is not None:
+            import_sequence(self._llama_cpp, llm.ctx, job.handoff)
+            reuse = job.handoff.num_tokens
+            llm.input_ids[:reuse] = prompt[:reuse]
+        else:
+            reuse = 0
+            recurrent = getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False)
+            if self.args.prefix_reuse and not recurrent:
+                # At least the last prompt token is evaluated again, so its logits are fresh.
+                reuse = min(_common_prefix(llm, prompt), len(prompt) - 1)
+            if reuse == 0:
+                llm.reset()
         llm.n_tokens = reuse  # eval() drops the KV cache past n_tokens first
-        job.cached = reuse
+        return reuse
+
+    def _generate(self, slot: _Slot, job: _Job) -> tuple[int | None, FinishReason | None]:
+        """Prefill, then sample until a stop; returns the last token (sent with the finish
+        reason, in one chunk) and the finish reason — None for a prefill (`job.export`) whose
+        first token did not end the request."""
+        llm = slot.llm
+        prompt = job.prompt
+        job.cached = reuse = self._cached_prompt(llm, job)
         n_batch = llm.n_batch
         for i in range(reuse, len(prompt), n_batch):
             if job.stopped():
                 return None, "cancelled"
             llm.eval(prompt[i : i + n_batch])
+            slot.evaluated += min(n_batch, len(prompt) - i)
+        log.debug(
+            "request %s: %d prompt tokens, %d from %s, %d evaluated",
+            job.context.id,
+            len(prompt),
+            reuse,
+            "a KV handoff" if job.handoff is not None else "the context's cache",
+            len(prompt) - reuse,
+        )
         sample, accept, samplers = self._samplers(llm, job)
         try:
+            if job.handoff is not None:
+                # The prefill's first token (and any after the handoff) were generated, not given:
+                # the penalties count them, as they did on the prefill worker.
+                for token in prompt[job.handoff.num_tokens :]:
+                    for chain in samplers:
+                        accept(chain.sampler, token)
             ctx = llm.ctx
             while True:
                 if job.stopped():
@@ -670,6 +660,8 @@ class LlamaCppEngine(LLMEngine):
                     return token, "stop"
                 if job.generated >= job.max_tokens:
                     return token, "length"
+                if job.export:
+                    return token, None
                 job.emit(token)
                 llm.eval([token])
         finally:

@@ -36,7 +36,7 @@ LOCAL = "local"
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 """Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
 
-KV_TRANSFER_ENGINES = frozenset({"mocker"})
+KV_TRANSFER_ENGINES = frozenset({"mocker", "llamacpp"})
 """Engines that hand a prompt's KV cache from a prefill worker to a decode worker (role prefill/decode)."""
 
 ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")

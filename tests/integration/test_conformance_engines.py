@@ -49,7 +49,8 @@ def make_request(model: LocalModel) -> Callable[[int], PreprocessedRequest]:
 
 
 def _llamacpp(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
-    from dynamo_graph.engines.llamacpp import LlamaCppArgs, LlamaCppEngine
+    from dynamo_graph.engines.llamacpp import LlamaCppEngine
+    from dynamo_graph.engines.llamacpp_args import LlamaCppArgs
 
     vocab = model.load_tokenizer().get_vocab_size(with_added_tokens=True)
     return lambda: LlamaCppEngine(

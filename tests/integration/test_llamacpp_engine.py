@@ -1,5 +1,6 @@
-"""`out=llamacpp`: real llama.cpp on the tiny model's GGUF, behind the engine contract and through
-the whole `dyngraph run in=http` stack with the official `openai` client."""
+"""`out=llamacpp`: real llama.cpp on the tiny model's GGUF, behind the engine contract (KV transfer
+between two engines included) and through the whole `dyngraph run in=http` stack with the official
+`openai` client."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import LLMEngineOutput, SamplingOptions
+from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, SamplingOptions
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.llamacpp import INSTALL_HINT, LlamaCppArgs, LlamaCppEngine, LlamaCppError
+from dynamo_graph.engines.llamacpp import LlamaCppEngine
+from dynamo_graph.engines.llamacpp_args import INSTALL_HINT, LlamaCppArgs, LlamaCppError
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.router.migration import continuation
 from dynamo_graph.runtime.context import Context
 from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
 from tests.procs import ServerProcess, run_cli
@@ -415,3 +420,160 @@ def test_http_completion_equals_llama_generate(
     # A prompt that leaves no room in the context is the client's 400.
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=tiny_model.name, prompt=[7] * 600, max_tokens=4)
+
+
+# ---- disaggregated prefill/decode: the KV moves between two engines -----------------------------
+
+
+def _varied_prompts(token_ids: list[list[int]]) -> list[list[int]]:
+    """20 prompts of 1 to 420 tokens (most longer than the n_batch of 64 used below), each from
+    its own offset of a long stream of text tokens."""
+    stream = [t for i in range(60) for t in token_ids[(i * 3) % len(token_ids)]]
+    lengths = [1, 2, 3, 7, 16, 31, 63, 64, 65, 96, 127, 128, 129, 150, 190, 256, 257, 300, 350, 420]
+    return [stream[(i * 13) % 50 : (i * 13) % 50 + n] for i, n in enumerate(lengths)]
+
+
+async def _from_kv(engine: LlamaCppEngine, req: Any, handoff: Any, ctx: Context | None = None) -> list[Any]:
+    return [out async for out in engine.generate_from_kv(req, handoff, ctx or Context())]
+
+
+async def test_prefill_on_one_engine_and_decode_on_another_equal_the_aggregated_run(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]]
+) -> None:
+    prefill, decode, aggregated = [await make_engine(n_batch=64) for _ in range(3)]
+    assert prefill.kv_transfer and prefill.kv_format == decode.kv_format
+    assert prefill.kv_format.startswith("llamacpp-state/1:gguf-")
+    prompts = _varied_prompts(token_ids)
+    assert len(prompts) == 20 and len(set(map(tuple, prompts))) == 20
+    for i, prompt in enumerate(prompts):
+        max_tokens = None if i == len(prompts) - 1 else 16  # the last one runs to the context's end
+        req = request(prompt, max_tokens)
+        evaluated = aggregated.prompt_tokens_evaluated
+        outs = await collect(aggregated, req)
+        expected = ids(outs)
+        assert aggregated.prompt_tokens_evaluated - evaluated == len(prompt) - outs[0].cached_tokens
+        assert len(expected) == (16 if max_tokens else 512 - len(prompt))
+
+        first, handoff = await prefill.prefill(req, Context())
+        assert first.token_ids == expected[:1]
+        assert first.finish_reason is None and first.completion_usage is None
+        assert handoff is not None and handoff.num_tokens == len(prompt)
+        assert handoff.format == prefill.kv_format and handoff.size == len(handoff.data) > 1000 * len(prompt)
+
+        evaluated = decode.prompt_tokens_evaluated
+        outs = await _from_kv(decode, continuation(req, first.token_ids), handoff)
+        assert first.token_ids + ids(outs) == expected, f"prompt {i} ({len(prompt)} tokens)"
+        assert decode.prompt_tokens_evaluated - evaluated == 1  # the first token, none of the prompt
+        assert outs[0].cached_tokens == len(prompt)
+        assert outs[-1].finish_reason == "length"
+        assert outs[-1].completion_usage == CompletionUsage(
+            prompt_tokens=len(prompt) + 1, completion_tokens=len(expected) - 1, cached_tokens=len(prompt)
+        )
+
+    # Penalties count the prefill's first token as generated, as the aggregated run does.
+    penalised = SamplingOptions(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5)
+    req = request(prompts[5], 24, sampling=penalised)
+    expected = ids(await collect(aggregated, req))
+    assert expected != ids(await collect(aggregated, request(prompts[5], 24)))
+    first, handoff = await prefill.prefill(req, Context())
+    assert (
+        first.token_ids + ids(await _from_kv(decode, continuation(req, first.token_ids), handoff)) == expected
+    )
+
+
+async def test_a_request_ending_at_its_first_token_hands_nothing_over(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine()
+    prompt = token_ids[0]
+    t0 = reference(prompt, 1)[0]
+    for req, reason in [
+        (request(prompt, 1), "length"),
+        (request(prompt, 16, stop_token_ids=[t0]), "stop"),
+        (greedy_request(prompt, 16, eos_token_ids=[t0]), "stop"),
+    ]:
+        out, handoff = await engine.prefill(req, Context())
+        assert (out.token_ids, out.finish_reason, handoff) == ([t0], reason, None)
+        assert out.completion_usage is not None and out.completion_usage.completion_tokens == 1
+    # An eos that is ignored does not end it; min_tokens keeps a stop id from being sampled.
+    out, handoff = await engine.prefill(
+        greedy_request(prompt, 16, eos_token_ids=[t0], ignore_eos=True), Context()
+    )
+    assert out.token_ids == [t0] and out.finish_reason is None and handoff is not None
+    out, handoff = await engine.prefill(request(prompt, 16, stop_token_ids=[t0], min_tokens=2), Context())
+    assert out.token_ids != [t0] and out.finish_reason is None and handoff is not None
+
+    ctx = Context()
+    ctx.stop_generating()
+    out, handoff = await engine.prefill(request(prompt, 16), ctx)
+    assert (out.token_ids, out.finish_reason, handoff) == ([], "cancelled", None)
+
+
+async def test_a_handoff_that_does_not_fit_is_refused_before_any_output(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    prefill, decode = await make_engine(), await make_engine()
+    prompt, other = token_ids[1], token_ids[0]
+    req = request(prompt, 8)
+    first, handoff = await prefill.prefill(req, Context())
+    assert handoff is not None
+    follow = continuation(req, first.token_ids)
+    replace = msgspec.structs.replace
+    refused = [
+        (replace(handoff, format=handoff.format.replace("gguf-", "gguf-0")), "cannot be loaded by"),
+        (replace(handoff, data=handoff.data[:-100]), "could not load"),
+        (replace(handoff, data=handoff.data + b"\0" * 8), "read .* of the"),
+        (replace(handoff, num_tokens=handoff.num_tokens + 1), "covers .* tokens of a"),
+    ]
+    for bad, message in refused:
+        stream = decode.generate_from_kv(follow, bad, Context())
+        with pytest.raises(KvImportError, match=message):
+            await anext(stream)  # raised at the first step: nothing was yielded
+    with pytest.raises(KvImportError, match="not of this request's prompt"):
+        await anext(
+            decode.generate_from_kv(continuation(request(other, 8), first.token_ids), handoff, Context())
+        )
+    # A request too long for the decode worker's context is refused as generate refuses it.
+    small = await make_engine(n_ctx=16)
+    long_req = request((prompt * 4)[:20], 4)
+    first_long, long_handoff = await prefill.prefill(long_req, Context())
+    with pytest.raises(InvalidArgument, match="maximum context length is 16"):
+        await anext(
+            small.generate_from_kv(continuation(long_req, first_long.token_ids), long_handoff, Context())
+        )
+
+    # The failed loads left nothing behind: the same context continues from the good handoff.
+    evaluated = decode.prompt_tokens_evaluated
+    assert first.token_ids + ids(await _from_kv(decode, follow, handoff)) == reference(prompt, 8)
+    assert decode.prompt_tokens_evaluated - evaluated == 1
+    # ... and it serves ordinary requests as before.
+    assert ids(await collect(decode, request(other, 8))) == reference(other, 8)
+
+
+async def test_cancel_while_generating_from_kv(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    prefill, decode = await make_engine(), await make_engine(n_parallel=1)
+    prompt = token_ids[0]
+    req = request(prompt, 400)
+    first, handoff = await prefill.prefill(req, Context())
+    ctx = Context()
+    outs: list[LLMEngineOutput] = []
+    async for out in decode.generate_from_kv(continuation(req, first.token_ids), handoff, ctx):
+        outs.append(out)
+        if len(outs) == 1:
+            ctx.stop_generating()
+    assert outs[-1].finish_reason == "cancelled"
+    usage = outs[-1].completion_usage
+    assert usage is not None and usage.completion_tokens == len(ids(outs)) < 399
+    # Stopped before it starts: nothing is loaded.
+    ctx = Context()
+    ctx.stop_generating()
+    first, handoff = await prefill.prefill(req, Context())
+    outs = await _from_kv(decode, continuation(req, first.token_ids), handoff, ctx)
+    assert [o.finish_reason for o in outs] == ["cancelled"] and not ids(outs)
+    # The context is free and serves the next request from scratch.
+    assert ids(await asyncio.wait_for(collect(decode, request(token_ids[1], 8)), 10)) == reference(
+        token_ids[1], 8
+    )
+    await asyncio.wait_for(decode.drain(), 5)

@@ -30,6 +30,7 @@ class DisaggCluster:
     env: dict[str, str]
     args_file: Path
     frontend: ServerProcess
+    engine: str = "mocker"
     prefill: list[WorkerProcess] = field(default_factory=list)
     decode: list[WorkerProcess] = field(default_factory=list)
 
@@ -42,7 +43,7 @@ class DisaggCluster:
         worker = WorkerProcess.dyngraph(
             [
                 f"in=dyn://pd.{component}.generate",
-                "out=mocker",
+                f"out={self.engine}",
                 str(self.model_path),
                 "--extra-engine-args",
                 str(self.args_file),
@@ -98,16 +99,21 @@ def start(
     frontend_args: tuple[str, ...] = (),
     speedup: float = 4.0,
     prefill_env: dict[str, str] | None = None,
+    engine: str = "mocker",
+    engine_args: dict[str, Any] | None = None,
 ) -> DisaggCluster:
+    """A frontend and `prefill` + `decode` workers of `engine` (mocker: with `speedup`)."""
     env = embedded_planes_env(tmp_path, zmq_events=True)
-    args_file = tmp_path / "mocker.json"
-    args_file.write_text(json.dumps({"block_size": 16, "speedup_ratio": speedup, "num_gpu_blocks": 4096}))
+    args_file = tmp_path / f"{engine}.json"
+    if engine_args is None:
+        engine_args = {"block_size": 16, "speedup_ratio": speedup, "num_gpu_blocks": 4096}
+    args_file.write_text(json.dumps(engine_args))
     frontend = ServerProcess(
         ["out=auto", "--router-mode", "kv", "--migration-limit", "3", *frontend_args],
         env=env,
         log_dir=tmp_path,
     )
-    cluster = DisaggCluster(tmp_path, model_path, env, args_file, frontend)
+    cluster = DisaggCluster(tmp_path, model_path, env, args_file, frontend, engine)
     try:
         frontend.wait_ready(path="/live", timeout=60)
         for _ in range(prefill):

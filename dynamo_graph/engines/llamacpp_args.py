@@ -1,0 +1,149 @@
+"""`out=llamacpp`'s settings: its `--extra-engine-args` options, checked before anything loads,
+and the GGUF file of the model (the engine itself is in llamacpp.py; its docstring lists the
+options). llama-cpp-python is imported only when an engine is built, so that `dyngraph` runs
+without it and says how to install it when it is needed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynamo_graph.backend.settings import RunConfigError
+
+if TYPE_CHECKING:
+    from dynamo_graph.backend.settings import EngineSettings
+    from dynamo_graph.llm.model_source import LocalModel
+
+SOURCE = "--extra-engine-args"
+INSTALL_HINT = "engine 'llamacpp' needs llama-cpp-python: pip install 'dyngraph[llamacpp]'"
+RANDOM_SEED = 4294967295  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed per sampler
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+class LlamaCppError(RunConfigError):
+    """llama-cpp-python missing, no usable GGUF, or a bad `--extra-engine-args` option."""
+
+
+def import_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise LlamaCppError(f"{INSTALL_HINT} ({err})") from None
+    return llama_cpp
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+# key -> (kind, minimum) ; kind is "int", "bool" or "float". All but ours go to `Llama(...)`.
+_OPTIONS: dict[str, tuple[str, float | None]] = {
+    "n_parallel": ("int", 1),
+    "n_ctx": ("int", 1),
+    "n_threads": ("int", 1),
+    "n_threads_batch": ("int", 1),
+    "n_batch": ("int", 1),
+    "n_ubatch": ("int", 1),
+    "n_gpu_layers": ("int", -1),
+    "main_gpu": ("int", 0),
+    "seed": ("int", 0),
+    "use_mmap": ("bool", None),
+    "use_mlock": ("bool", None),
+    "flash_attn": ("bool", None),
+    "offload_kqv": ("bool", None),
+    "last_n_tokens_size": ("int", 0),
+    "rope_freq_base": ("float", 0.0),
+    "rope_freq_scale": ("float", 0.0),
+    "verbose": ("bool", None),
+    "prefix_reuse": ("bool", None),
+}
+_OURS = {"n_parallel", "n_ctx", "prefix_reuse"}
+
+
+@dataclass(frozen=True)
+class LlamaCppArgs:
+    n_parallel: int = 1
+    n_ctx: int | None = None  # None: the model's context length
+    prefix_reuse: bool = True
+    seed: int = RANDOM_SEED
+    llama_kwargs: dict[str, Any] = field(default_factory=dict)  # the rest, for Llama(...)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LlamaCppArgs:
+        unknown = [key for key in data if key not in _OPTIONS]
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise LlamaCppError(
+                f"{SOURCE}: unknown llamacpp option{'s' if len(unknown) > 1 else ''} {names}; "
+                f"known options: {', '.join(_OPTIONS)}"
+            )
+        for key, value in data.items():
+            _check(key, value)
+        seed = data.get("seed", RANDOM_SEED)
+        if seed > RANDOM_SEED:
+            raise LlamaCppError(f"{SOURCE}: seed must be at most {RANDOM_SEED}, not {seed}")
+        return cls(
+            n_parallel=data.get("n_parallel", 1),
+            n_ctx=data.get("n_ctx"),
+            prefix_reuse=data.get("prefix_reuse", True),
+            seed=seed,
+            llama_kwargs={k: v for k, v in data.items() if k not in _OURS},
+        )
+
+
+def _check(key: str, value: Any) -> None:
+    kind, minimum = _OPTIONS[key]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise LlamaCppError(f"{SOURCE}: {key} must be true or false, not {value!r}")
+        return
+    numeric = (int,) if kind == "int" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        noun = "an integer" if kind == "int" else "a number"
+        raise LlamaCppError(f"{SOURCE}: {key} must be {noun}, not {value!r}")
+    if minimum is not None and value < minimum:
+        raise LlamaCppError(f"{SOURCE}: {key} must be at least {minimum}, not {value}")
+
+
+def args_from_settings(cfg: EngineSettings) -> LlamaCppArgs:
+    data = cfg.engine_args()
+    args = LlamaCppArgs.from_dict(data)
+    if cfg.context_length is not None:
+        if "n_ctx" in data and data["n_ctx"] != cfg.context_length:
+            raise LlamaCppError(
+                f"--context-length {cfg.context_length} conflicts with n_ctx={data['n_ctx']!r} in "
+                f"{SOURCE}; give one of them"
+            )
+        args = LlamaCppArgs(
+            n_parallel=args.n_parallel,
+            n_ctx=cfg.context_length,
+            prefix_reuse=args.prefix_reuse,
+            seed=args.seed,
+            llama_kwargs=args.llama_kwargs,
+        )
+    return args
+
+
+def find_gguf(model: LocalModel) -> Path:
+    """The model's GGUF: the file it was given as, else the one .gguf in its folder (for a split
+    model, its first shard, which llama.cpp follows to the others)."""
+    if model.gguf_path is not None:
+        return model.gguf_path
+    found = sorted(p for p in model.root.glob("*.gguf") if p.is_file())
+    found += sorted(p for p in model.root.glob("*.GGUF") if p.is_file() and p not in found)
+    if not found:
+        raise LlamaCppError(
+            f"out=llamacpp needs a GGUF model: {model.root} holds no .gguf file. Pass a .gguf file or "
+            "a folder with one (convert HF weights with llama.cpp's convert_hf_to_gguf.py)"
+        )
+    firsts = [p for p in found if (m := _SHARD.search(p.name)) and int(m.group(1)) == 1]
+    shards = [p for p in found if _SHARD.search(p.name)]
+    if len(found) == 1:
+        return found[0]
+    if len(firsts) == 1 and len(shards) == len(found):
+        return firsts[0]
+    names = ", ".join(p.name for p in found)
+    raise LlamaCppError(
+        f"{model.root} holds several GGUF files ({names}); pass the one to serve as --model-path FILE.gguf"
+    )
