@@ -45,6 +45,8 @@ RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "--discovery-backend": ("discovery_backend", str),
     "--request-plane": ("request_plane", str),
     "--event-plane": ("event_plane", str),
+    "--dyn-tool-call-parser": ("dyn_tool_call_parser", str),
+    "--dyn-reasoning-parser": ("dyn_reasoning_parser", str),
 }
 RUN_FLAGS = {"--static-worker": "static_worker"}  # boolean flags
 RUN_DEFAULTS: dict[str, Any] = {
@@ -77,6 +79,8 @@ RUN_DEFAULTS: dict[str, Any] = {
     "discovery_backend": None,
     "request_plane": None,
     "event_plane": None,
+    "dyn_tool_call_parser": None,
+    "dyn_reasoning_parser": None,
     "verbose": 0,
 }
 _INT = re.compile(r"-?[0-9]+")

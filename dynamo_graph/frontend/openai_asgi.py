@@ -31,6 +31,7 @@ from dynamo_graph.llm.openai import (
     requested_max_tokens,
 )
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
+from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
 from dynamo_graph.runtime.context import Context
 
 log = logging.getLogger(__name__)
@@ -285,20 +286,18 @@ class OpenAIHandler:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                         started = True
-                    if delta.text:
+                    if delta.text or delta.reasoning or delta.tool_call is not None:
                         now = time.perf_counter()
                         if first_content:
                             metrics.ttft.observe(now - start)
                         else:
                             itl.observe(now - last)
                         last = now
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "body": writer.content(delta.text, first_content),
-                                "more_body": True,
-                            }
-                        )
+                        if delta.text:
+                            body = writer.content(delta.text, first_content)
+                        else:
+                            body = writer.parsed(delta, first_content)
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                         first_content = False
                     if delta.finish_reason is not None:
                         tail = writer.finish(delta.finish_reason)
@@ -338,15 +337,22 @@ class OpenAIHandler:
         deadline: float | None,
     ) -> bool:
         parts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCallDelta] = []
         finish: str | None = None
         deltas = pipeline.stream(prepared, context)
         try:
             async with asyncio.timeout_at(deadline):
                 async for delta in deltas:
-                    if delta.text:
-                        if not parts:
+                    if delta.text or delta.reasoning or delta.tool_call is not None:
+                        if not (parts or reasoning or calls):
                             metrics.ttft.observe(time.perf_counter() - start)
-                        parts.append(delta.text)
+                        if delta.text:
+                            parts.append(delta.text)
+                        elif delta.reasoning:
+                            reasoning.append(delta.reasoning)
+                        else:
+                            calls.append(delta.tool_call)  # type: ignore[arg-type]
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
         except Exception as err:
@@ -356,7 +362,13 @@ class OpenAIHandler:
         if finish is None:  # cancelled by the client: nobody is listening
             return False
         body = full_response(
-            prepared.request.model, "".join(parts), finish, prepared, chat=self.kind == "chat"
+            prepared.request.model,
+            "".join(parts),
+            finish,
+            prepared,
+            chat=self.kind == "chat",
+            reasoning="".join(reasoning),
+            tool_calls=merge_events(calls).tool_calls,
         )
         await send_json(send, 200, body)
         return True

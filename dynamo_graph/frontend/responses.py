@@ -12,7 +12,7 @@ import uuid
 
 import msgspec
 
-from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.llm.pipeline import Delta, Prepared
 
 _encode = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
@@ -32,7 +32,15 @@ def usage_dict(prepared: Prepared) -> dict:
 class ChunkWriter:
     """Formats one request's stream of chat or completion chunks as SSE events."""
 
-    __slots__ = ("_content_tail", "_finish_head", "_first_head", "_head", "_meta", "_usage_head")
+    __slots__ = (
+        "_content_tail",
+        "_delta_head",
+        "_finish_head",
+        "_first_head",
+        "_head",
+        "_meta",
+        "_usage_head",
+    )
 
     def __init__(self, model: str, *, chat: bool) -> None:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -48,15 +56,26 @@ class ChunkWriter:
             self._head = start + b'"choices":[{"index":0,"delta":{"content":'
             self._content_tail = b'},"finish_reason":null,"logprobs":null}],' + self._meta + b"\n\n"
             self._finish_head = start + b'"choices":[{"index":0,"delta":{},"finish_reason":'
+            self._delta_head = start + b'"choices":[{"index":0,"delta":'
         else:
             self._first_head = self._head = start + b'"choices":[{"index":0,"text":'
             self._content_tail = b',"finish_reason":null,"logprobs":null}],' + self._meta + b"\n\n"
             self._finish_head = start + b'"choices":[{"index":0,"text":"","finish_reason":'
+            self._delta_head = b""
         self._usage_head = start + b'"choices":[],"usage":'
 
     def content(self, text: str, first: bool) -> bytes:
         head = self._first_head if first else self._head
         return head + _encode(text) + self._content_tail
+
+    def parsed(self, delta: Delta, first: bool) -> bytes:
+        """A chat chunk with reasoning or a tool-call delta (chat_output.py)."""
+        fields: dict = {"role": "assistant"} if first else {}
+        if delta.tool_call is not None:
+            fields["tool_calls"] = [delta.tool_call.to_dict()]
+        else:
+            fields["reasoning_content"] = delta.reasoning
+        return self._delta_head + _encode(fields) + self._content_tail[1:]  # the tail closes no delta
 
     def finish(self, reason: str) -> bytes:
         return self._finish_head + _encode(reason) + b',"logprobs":null}],' + self._meta + b"\n\n"
@@ -71,23 +90,28 @@ def error_event(body: bytes) -> bytes:
 
 
 def full_response(
-    model: str, text: str, finish_reason: str | None, prepared: Prepared, *, chat: bool
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prepared: Prepared,
+    *,
+    chat: bool,
+    reasoning: str = "",
+    tool_calls: list[dict] | None = None,
 ) -> bytes:
     created = int(time.time())
     if chat:
+        message: dict = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         body = {
             "id": "chatcmpl-" + uuid.uuid4().hex,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_reason,
-                    "logprobs": None,
-                }
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
             "usage": usage_dict(prepared),
         }
     else:

@@ -122,6 +122,8 @@ def _card(
         card.runtime_config = _runtime_config(config)
     if config.model_type:
         card.model_type = list(config.model_type)  # type: ignore[arg-type]
+    card.tool_call_parser = cfg.dyn_tool_call_parser
+    card.reasoning_parser = cfg.dyn_reasoning_parser
     return card
 
 

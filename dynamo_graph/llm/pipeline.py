@@ -18,23 +18,18 @@ from typing import Any, Protocol
 from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.chat_output import ChatOutputParser, Delta, output_parser
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.detokenizer import DetokenizerFactory
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
 from dynamo_graph.llm.postprocessor import Postprocessor
-from dynamo_graph.llm.preprocessor import Preprocessor
+from dynamo_graph.llm.preprocessor import Preprocessor, RequestValidationError
 from dynamo_graph.runtime.context import Context
 
 
 class Backend(Protocol):
     def generate(self, request: Any, context: Context) -> AsyncIterator[LLMEngineOutput]: ...
-
-
-@dataclass(slots=True)
-class Delta:
-    text: str
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +41,8 @@ class Prepared:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None
+    # Sorts chat output into reasoning / content / tool calls (chat_output.py); None: all content.
+    output_parser: ChatOutputParser | None = None
 
 
 class ModelPipeline(abc.ABC):
@@ -57,13 +54,65 @@ class ModelPipeline(abc.ABC):
     def name(self) -> str:
         return self.card.display_name
 
-    @abc.abstractmethod
     def prepare(self, request: AnyRequest) -> Prepared:
         """Validate and pre-process; raises errors that the inputs report as bad requests."""
+        if isinstance(request, ChatCompletionRequest):
+            _check_tool_choice(request, self.card)
+        prepared = self._prepare(request)
+        prepared.output_parser = output_parser(self.card, request)
+        return prepared
+
+    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+        """Run the request; the last delta carries the finish reason ("tool_calls" when the
+        model called tools)."""
+        deltas = self._generate(prepared, context)
+        parser = prepared.output_parser
+        try:
+            async for delta in deltas:
+                if parser is None:
+                    yield delta
+                    continue
+                for out in parser.feed(delta.text):
+                    yield out
+                if delta.finish_reason is not None:
+                    for out in parser.finish():
+                        yield out
+                    finish = delta.finish_reason
+                    if finish == "stop" and parser.made_tool_calls:
+                        finish = "tool_calls"
+                    yield Delta("", finish)
+        finally:
+            await deltas.aclose()  # type: ignore[attr-defined]
 
     @abc.abstractmethod
-    def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
-        """Run the request; the last delta carries the finish reason."""
+    def _prepare(self, request: AnyRequest) -> Prepared:
+        """The engine-specific part of `prepare`."""
+
+    @abc.abstractmethod
+    def _generate(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+        """The engine's output as text deltas; the last one carries the finish reason."""
+
+
+def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard) -> None:
+    """tool_choice "required" or a named function can only be honoured by constraining decoding,
+    which no engine here does yet; "auto" needs a parser to find the calls in the output."""
+    choice = request.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        if choice == "auto" and request.tools and card.tool_call_parser is None:
+            raise RequestValidationError(
+                f'tool_choice "auto" needs a tool call parser, and model {card.display_name!r} has none '
+                "(start its workers with --dyn-tool-call-parser)",
+                "tool_choice",
+            )
+        return
+    if not request.tools:
+        raise RequestValidationError("tool_choice needs tools", "tool_choice")
+    shown = choice if isinstance(choice, str) else "a named function"
+    raise RequestValidationError(
+        f"tool_choice {shown!r} is not supported: it needs guided decoding, which this server does not "
+        'do yet; use "auto" or "none"',
+        "tool_choice",
+    )
 
 
 def _engine_failure(out: LLMEngineOutput) -> EngineError:
@@ -84,14 +133,14 @@ class TokensPipeline(ModelPipeline):
         self.preprocessor = preprocessor
         self.detokenizers = detokenizers
 
-    def prepare(self, request: AnyRequest) -> Prepared:
+    def _prepare(self, request: AnyRequest) -> Prepared:
         if isinstance(request, ChatCompletionRequest):
             pre = self.preprocessor.preprocess_chat(request)
         else:
             pre = self.preprocessor.preprocess_completion(request)
         return Prepared(request=request, preprocessed=pre, prompt_tokens=len(pre.token_ids))
 
-    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+    async def _generate(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
         pre = prepared.preprocessed
         assert pre is not None
         post = Postprocessor.for_request(self.detokenizers, pre)
@@ -135,10 +184,10 @@ def tokens_pipeline(card: ModelDeploymentCard, model: LocalModel, backend: Backe
 class TextPipeline(ModelPipeline):
     """For engines that take the OpenAI request and return text (echo_full, chat-type workers)."""
 
-    def prepare(self, request: AnyRequest) -> Prepared:
+    def _prepare(self, request: AnyRequest) -> Prepared:
         return Prepared(request=request, preprocessed=None)
 
-    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+    async def _generate(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
         outputs = self.backend.generate(prepared.request, context)
         try:
             async for out in outputs:
