@@ -1,7 +1,7 @@
 """A pytok engine file that answers like an agent model, in one tool-call format:
 
-    dyngraph run in=http out=pytok:tests/integration/agent_engine.py --model-path TINY \
-        --dyn-tool-call-parser hermes -- --format hermes [--think qwen3|deepseek_r1]
+    AGENT_FORMAT=hermes [AGENT_THINK=qwen3|deepseek_r1] dyngraph run in=http \
+        out=pytok:tests/integration/agent_engine.py --model-path TINY --dyn-tool-call-parser hermes
 
 It reads the real prompt (the tiny model's chat template, decoded with its tokenizer): while the
 conversation has no tool result yet, it calls the first offered tool, with the tool's first
@@ -15,6 +15,7 @@ parsers see markup split wherever the tokenizer splits it.
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -23,9 +24,9 @@ from tokenizers import Tokenizer
 
 parser = argparse.ArgumentParser(add_help=False)
 parser.add_argument("--model-path", required=True)
-parser.add_argument("--format", required=True)
-parser.add_argument("--think", default=None)
 ARGS, _ = parser.parse_known_args(sys.argv[1:])
+FORMAT = os.environ["AGENT_FORMAT"]
+THINK = os.environ.get("AGENT_THINK")
 TOKENIZER = Tokenizer.from_file(str(Path(ARGS.model_path) / "tokenizer.json"))
 HEADER = re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
 PREAMBLE = "Let me look that up.\n"
@@ -33,21 +34,21 @@ PREAMBLE = "Let me look that up.\n"
 
 def tool_call(name: str, args: dict) -> str:
     body = json.dumps(args)
-    if ARGS.format == "hermes":
+    if FORMAT == "hermes":
         return PREAMBLE + f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>'
-    if ARGS.format == "llama3_json":
+    if FORMAT == "llama3_json":
         return f'<|python_tag|>{{"name": "{name}", "parameters": {body}}}'
-    if ARGS.format == "mistral":
+    if FORMAT == "mistral":
         return PREAMBLE + f'[TOOL_CALLS][{{"name": "{name}", "arguments": {body}}}]'
-    if ARGS.format == "pythonic":
+    if FORMAT == "pythonic":
         kwargs = ", ".join(f"{k}={v!r}" for k, v in args.items())
         return f"[{name}({kwargs})]"
-    if ARGS.format == "deepseek_v3":
+    if FORMAT == "deepseek_v3":
         return (
             PREAMBLE + "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
             f"{name}\n```json\n{body}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
         )
-    raise ValueError(f"unknown format {ARGS.format}")
+    raise ValueError(f"unknown format {FORMAT}")
 
 
 def answer(prompt: str) -> str:
@@ -61,9 +62,9 @@ def answer(prompt: str) -> str:
         first_param = next(iter(function["parameters"]["properties"]))
         user = [text for role, text in turns if role == "user"][-1]
         reply = tool_call(function["name"], {first_param: user})
-    if ARGS.think == "qwen3":
+    if THINK == "qwen3":
         return f"<think>\nThe user wants {len(prompt)} characters of help.\n</think>\n\n{reply}"
-    if ARGS.think == "deepseek_r1":
+    if THINK == "deepseek_r1":
         return f"The user wants {len(prompt)} characters of help.\n</think>\n\n{reply}"
     return reply
 

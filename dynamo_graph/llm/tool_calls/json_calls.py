@@ -126,6 +126,8 @@ class JsonCallsRegion:
         if call is None or top.key not in ARGUMENT_KEYS or call.args_start is not None:
             return None
         call.args_start, call.args_kind = i, kind
+        if kind == "scalar" or self._text[i] == "[":  # arguments are an object (or one as a string)
+            call.valid = False
         return call if kind == "container" else None
 
     def _string_end(self, i: int) -> None:
@@ -154,9 +156,11 @@ class JsonCallsRegion:
 
     def _complete(self, call: _Call) -> None:
         call.complete = True
-        args = self._arguments(call)
+        if not call.valid or call.name is None:
+            call.valid = False
+            return
         try:
-            call.valid = call.name is not None and isinstance(json.loads(args), dict)
+            call.valid = isinstance(json.loads(self._arguments(call)), dict)
         except ValueError:
             call.valid = False
 
@@ -172,11 +176,17 @@ class JsonCallsRegion:
     def calls(self) -> list[CallState]:
         states = []
         for call in self._calls:
+            if not call.valid:  # nothing more of it (or after it) is sent
+                states.append(CallState(complete=call.complete))
+                continue
             if call.complete:
-                args = self._arguments(call) if call.valid else ""
+                args = self._arguments(call)
             elif call.args_kind == "container":
                 args = self._text[call.args_start : call.args_end]
-            else:  # strings and scalars are handed out whole, once complete
+            elif call.args_start is None:  # the name waits until the arguments show their kind
+                states.append(CallState())
+                continue
+            else:  # strings are handed out whole, once complete
                 args = ""
             states.append(CallState(name=call.name, arguments=args, complete=call.complete))
         return states
