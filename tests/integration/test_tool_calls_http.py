@@ -10,6 +10,7 @@ tool_calls -> a `tool` message -> the answer, streamed and not.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
-from tests.procs import ServerProcess, run_cli
+from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env, run_cli, running_server
 
 ENGINE = Path(__file__).with_name("agent_engine.py")
 TOOLS = [
@@ -202,3 +203,37 @@ def test_unknown_parser_names_are_cli_errors(tiny_model: Path) -> None:
         result = run_cli(["run", "in=http", "out=echo_core", "--model-path", str(tiny_model), flag, "nope"])
         assert result.returncode == 2
         assert f"{flag}: unknown parser 'nope'; valid names: {', '.join(valid)}" in result.stderr
+
+
+def test_a_separate_frontend_reads_the_parser_from_the_card(tiny_model: Path, tmp_path: Path) -> None:
+    """The worker names the parsers; a frontend started without them parses as the card says."""
+    planes = embedded_planes_env(tmp_path)
+    worker = WorkerProcess.dyngraph(
+        [
+            "in=dyn://agents.backend.generate",
+            f"out=pytok:{ENGINE}",
+            "--model-path",
+            str(tiny_model),
+            "--dyn-tool-call-parser",
+            "mistral",
+            "--dyn-reasoning-parser",
+            "deepseek_r1",
+        ],
+        env={**planes, "AGENT_FORMAT": "mistral", "AGENT_THINK": "deepseek_r1"},
+        log_dir=tmp_path,
+    )
+    try:
+        with running_server(["out=auto"], env=planes, log_dir=tmp_path) as front:
+            client = openai.OpenAI(base_url=f"{front.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+            deadline = time.monotonic() + 30
+            while not list(client.models.list()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            resp = client.chat.completions.create(
+                model=tiny_model.name, messages=[{"role": "user", "content": CITY}], tools=TOOLS
+            )
+            message = resp.choices[0].message
+            assert resp.choices[0].finish_reason == "tool_calls"
+            assert json.loads(message.tool_calls[0].function.arguments) == {"city": CITY}  # type: ignore[index]
+            assert "characters of help" in getattr(message, "reasoning_content", "")
+    finally:
+        assert worker.stop() == 0, worker.log()
