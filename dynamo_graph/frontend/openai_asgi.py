@@ -24,6 +24,7 @@ from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admi
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.responses import DONE, ChunkWriter, error_event, full_response
+from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import (
     AnyRequest,
     ChatCompletionRequest,
@@ -286,17 +287,14 @@ class OpenAIHandler:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                         started = True
-                    if delta.text or delta.reasoning or delta.tool_call is not None:
+                    if delta.visible():
                         now = time.perf_counter()
                         if first_content:
                             metrics.ttft.observe(now - start)
                         else:
                             itl.observe(now - last)
                         last = now
-                        if delta.text:
-                            body = writer.content(delta.text, first_content)
-                        else:
-                            body = writer.parsed(delta, first_content)
+                        body = writer.delta(delta, first_content)
                         await send({"type": "http.response.body", "body": body, "more_body": True})
                         first_content = False
                     if delta.finish_reason is not None:
@@ -339,20 +337,26 @@ class OpenAIHandler:
         parts: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCallDelta] = []
+        pre = prepared.preprocessed
+        logprobs: list[TokenLogprob] | None = None
+        if pre is not None and pre.output_options.logprobs is not None:
+            logprobs = []
         finish: str | None = None
         deltas = pipeline.stream(prepared, context)
         try:
             async with asyncio.timeout_at(deadline):
                 async for delta in deltas:
-                    if delta.text or delta.reasoning or delta.tool_call is not None:
-                        if not (parts or reasoning or calls):
+                    if delta.visible():
+                        if not (parts or reasoning or calls or logprobs):
                             metrics.ttft.observe(time.perf_counter() - start)
+                        if delta.logprobs and logprobs is not None:
+                            logprobs.extend(delta.logprobs)
                         if delta.text:
                             parts.append(delta.text)
                         elif delta.reasoning:
                             reasoning.append(delta.reasoning)
-                        else:
-                            calls.append(delta.tool_call)  # type: ignore[arg-type]
+                        elif delta.tool_call is not None:
+                            calls.append(delta.tool_call)
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
         except Exception as err:
@@ -369,6 +373,7 @@ class OpenAIHandler:
             chat=self.kind == "chat",
             reasoning="".join(reasoning),
             tool_calls=merge_events(calls).tool_calls,
+            logprobs=logprobs,
         )
         await send_json(send, 200, body)
         return True

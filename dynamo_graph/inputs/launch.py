@@ -124,6 +124,8 @@ def _card(
         card.model_type = list(config.model_type)  # type: ignore[arg-type]
     card.tool_call_parser = cfg.dyn_tool_call_parser
     card.reasoning_parser = cfg.dyn_reasoning_parser
+    card.engine = engine_name
+    card.capabilities = list(config.capabilities or ())
     return card
 
 

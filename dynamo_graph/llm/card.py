@@ -91,6 +91,11 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # How the frontend reads the model's output (--dyn-tool-call-parser, --dyn-reasoning-parser).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # The engine serving the model and the optional request features it honours ("logprobs",
+    # "guided_json", "guided_grammar", "guided_choice", "guided_regex"): the frontend answers a
+    # request that needs another one with a 400 instead of ignoring what was asked.
+    engine: str | None = None
+    capabilities: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_parser_name("tool call", self.tool_call_parser, TOOL_CALL_PARSERS)

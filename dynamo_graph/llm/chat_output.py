@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
 from dynamo_graph.llm.reasoning import REASONING_FORMATS, ReasoningStream
 from dynamo_graph.llm.tool_calls import TOOL_FORMATS, ToolCallDelta, ToolCallStream
@@ -21,12 +22,17 @@ from dynamo_graph.llm.tool_calls import TOOL_FORMATS, ToolCallDelta, ToolCallStr
 @dataclass(slots=True)
 class Delta:
     """A piece of a response: content `text`, or `reasoning`, or one `tool_call` delta; the last
-    delta of a stream carries the finish reason."""
+    delta of a stream carries the finish reason. `logprobs`: of the tokens this delta's text
+    came from, when the request asked for them."""
 
     text: str
     finish_reason: str | None = None
     reasoning: str = ""
     tool_call: ToolCallDelta | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def visible(self) -> bool:
+        return bool(self.text or self.reasoning or self.tool_call is not None or self.logprobs)
 
 
 class ChatOutputParser:

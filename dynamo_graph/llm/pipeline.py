@@ -21,8 +21,9 @@ from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.chat_output import ChatOutputParser, Delta, output_parser
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.detokenizer import DetokenizerFactory
+from dynamo_graph.llm.logprobs import LogprobNamer
 from dynamo_graph.llm.model_source import LocalModel
-from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
+from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_capabilities
 from dynamo_graph.llm.postprocessor import Postprocessor
 from dynamo_graph.llm.preprocessor import Preprocessor, RequestValidationError
 from dynamo_graph.runtime.context import Context
@@ -58,6 +59,7 @@ class ModelPipeline(abc.ABC):
         """Validate and pre-process; raises errors that the inputs report as bad requests."""
         if isinstance(request, ChatCompletionRequest):
             _check_tool_choice(request, self.card)
+        _check_capabilities(request, self.card)
         prepared = self._prepare(request)
         prepared.output_parser = output_parser(self.card, request)
         return prepared
@@ -72,6 +74,8 @@ class ModelPipeline(abc.ABC):
                 if parser is None:
                     yield delta
                     continue
+                if delta.logprobs:
+                    yield Delta("", logprobs=delta.logprobs)
                 for out in parser.feed(delta.text):
                     yield out
                 if delta.finish_reason is not None:
@@ -91,6 +95,18 @@ class ModelPipeline(abc.ABC):
     @abc.abstractmethod
     def _generate(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
         """The engine's output as text deltas; the last one carries the finish reason."""
+
+
+def _check_capabilities(request: AnyRequest, card: ModelDeploymentCard) -> None:
+    """Fields whose answer the engine must produce: a 400 naming the field where it cannot."""
+    wants = requested_capabilities(request)
+    missing = [field for cap, field in wants if cap not in card.capabilities]
+    if missing:
+        field = missing[0]
+        engine = f"engine {card.engine!r}" if card.engine else "this model's engine"
+        raise RequestValidationError(
+            f"{field} is not supported by {engine} of model {card.display_name!r}", field
+        )
 
 
 def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard) -> None:
@@ -132,6 +148,7 @@ class TokensPipeline(ModelPipeline):
         super().__init__(card, backend)
         self.preprocessor = preprocessor
         self.detokenizers = detokenizers
+        self.logprobs = LogprobNamer(preprocessor.tokenizer)
 
     def _prepare(self, request: AnyRequest) -> Prepared:
         if isinstance(request, ChatCompletionRequest):
@@ -144,6 +161,7 @@ class TokensPipeline(ModelPipeline):
         pre = prepared.preprocessed
         assert pre is not None
         post = Postprocessor.for_request(self.detokenizers, pre)
+        wants_logprobs = pre.output_options.logprobs is not None
         outputs = self.backend.generate(pre, context)
         try:
             async for out in outputs:
@@ -153,11 +171,12 @@ class TokensPipeline(ModelPipeline):
                     prepared.cached_tokens = out.cached_tokens
                 text, finish = post.process(out)
                 prepared.completion_tokens = post.completion_tokens
+                logprobs = self.logprobs.entries(out, post.shown) if wants_logprobs else None
                 if finish is not None:  # the postprocessor has flushed everything it held
-                    yield Delta(text, finish)
+                    yield Delta(text, finish, logprobs=logprobs)
                     return
-                if text:
-                    yield Delta(text)
+                if text or logprobs:
+                    yield Delta(text, logprobs=logprobs)
             raise EngineError("engine stream ended before generation completed")
         finally:
             if not context.is_stopped():
