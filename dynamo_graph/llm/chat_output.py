@@ -17,6 +17,7 @@ from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest
 from dynamo_graph.llm.reasoning import REASONING_FORMATS, ReasoningStream
 from dynamo_graph.llm.tool_calls import TOOL_FORMATS, ToolCallDelta, ToolCallStream
+from dynamo_graph.llm.tool_choice import NamedCallStream, forced, forced_stream
 
 
 @dataclass(slots=True)
@@ -40,7 +41,9 @@ class ChatOutputParser:
 
     __slots__ = ("_reasoning", "_tools")
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
+    def __init__(
+        self, reasoning: ReasoningStream | None, tools: ToolCallStream | NamedCallStream | None
+    ) -> None:
         self._reasoning = reasoning
         self._tools = tools
 
@@ -80,10 +83,14 @@ def wants_tool_parsing(request: ChatCompletionRequest) -> bool:
 
 
 def output_parser(card: ModelDeploymentCard, request: AnyRequest) -> ChatOutputParser | None:
-    """The parser a chat request's output needs under this model's card, or None."""
+    """The parser a chat request's output needs under this model's card, or None. A forced
+    tool_choice constrains the whole output to JSON calls (tool_choice.py): no thinking then."""
     if not isinstance(request, ChatCompletionRequest):
         return None
-    reasoning = tools = None
+    if forced(request):
+        return ChatOutputParser(None, forced_stream(request))
+    reasoning: ReasoningStream | None = None
+    tools: ToolCallStream | NamedCallStream | None = None
     if card.reasoning_parser is not None:
         reasoning = ReasoningStream(REASONING_FORMATS[card.reasoning_parser])
     if card.tool_call_parser is not None and wants_tool_parsing(request):

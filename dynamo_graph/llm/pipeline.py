@@ -26,6 +26,7 @@ from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_capabilities
 from dynamo_graph.llm.postprocessor import Postprocessor
 from dynamo_graph.llm.preprocessor import Preprocessor, RequestValidationError
+from dynamo_graph.llm.tool_choice import forced, forced_schema
 from dynamo_graph.runtime.context import Context
 
 
@@ -61,6 +62,9 @@ class ModelPipeline(abc.ABC):
             _check_tool_choice(request, self.card)
         _check_capabilities(request, self.card)
         prepared = self._prepare(request)
+        pre = prepared.preprocessed
+        if pre is not None and isinstance(request, ChatCompletionRequest) and forced(request):
+            pre.sampling_options.guided_json = forced_schema(request)
         prepared.output_parser = output_parser(self.card, request)
         return prepared
 
@@ -110,10 +114,10 @@ def _check_capabilities(request: AnyRequest, card: ModelDeploymentCard) -> None:
 
 
 def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard) -> None:
-    """tool_choice "required" or a named function can only be honoured by constraining decoding,
-    which no engine here does yet; "auto" needs a parser to find the calls in the output."""
+    """ "auto" needs a parser to find the calls in the output; "required" or a named function are
+    forced by guided decoding (tool_choice.py), which the engine must do."""
     choice = request.tool_choice
-    if choice is None or choice in ("auto", "none"):
+    if not forced(request):
         if choice == "auto" and request.tools and card.tool_call_parser is None:
             raise RequestValidationError(
                 f'tool_choice "auto" needs a tool call parser, and model {card.display_name!r} has none '
@@ -123,12 +127,19 @@ def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard
         return
     if not request.tools:
         raise RequestValidationError("tool_choice needs tools", "tool_choice")
-    shown = choice if isinstance(choice, str) else "a named function"
-    raise RequestValidationError(
-        f"tool_choice {shown!r} is not supported: it needs guided decoding, which this server does not "
-        'do yet; use "auto" or "none"',
-        "tool_choice",
-    )
+    forced_schema(request)  # a bad choice is a 400 before the engine's ability is
+    if "guided_json" not in card.capabilities:
+        engine = f"engine {card.engine!r}" if card.engine else "this model's engine"
+        shown = choice if isinstance(choice, str) else "a named function"
+        raise RequestValidationError(
+            f"tool_choice {shown!r} needs guided decoding, which {engine} of model "
+            f'{card.display_name!r} does not do; use "auto" or "none"',
+            "tool_choice",
+        )
+    if request.response_format or request.guided_json is not None:
+        raise RequestValidationError(
+            "tool_choice forcing a call cannot be combined with response_format or guided_json", "tool_choice"
+        )
 
 
 def _engine_failure(out: LLMEngineOutput) -> EngineError:

@@ -237,3 +237,87 @@ def test_engines_without_the_feature_answer_400(tiny_model: Path, tmp_path: Path
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=tiny_model.name, prompt="hi", logprobs=1)
         assert exc.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"utc": {"type": "boolean"}},
+                "required": ["utc"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+VALID_ARGS = {
+    "get_weather": lambda a: a["city"] in ("Paris", "Rome"),
+    "get_time": lambda a: a["utc"] in (True, False),
+}
+
+
+def streamed_calls(stream: openai.Stream) -> tuple[list[dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        assert not choice.delta.content
+        finish = choice.finish_reason or finish
+        for tc in choice.delta.tool_calls or []:
+            if tc.id is not None:
+                calls[tc.index] = {"name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_forced_tool_choice_is_guided_decoding(client: openai.OpenAI, tiny_model: Path) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for i, (choice, parallel) in enumerate([("required", False), ("required", None), (named, None)]):
+        kwargs = {"parallel_tool_calls": parallel} if parallel is not None else {}
+        request = dict(
+            model=tiny_model.name,
+            messages=[{"role": "user", "content": f"Call something ({i})."}],
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=120,
+            **kwargs,
+        )
+        resp = client.chat.completions.create(**request)  # type: ignore[call-overload]
+        whole = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in resp.choices[0].message.tool_calls or []
+        ]
+        streamed, finish = streamed_calls(client.chat.completions.create(**request, stream=True))
+        assert resp.choices[0].finish_reason == finish == "tool_calls"
+        assert resp.choices[0].message.content is None
+        for calls in (whole, streamed):
+            assert calls and all(VALID_ARGS[c["name"]](json.loads(c["arguments"])) for c in calls)
+            if parallel is False or choice is named:
+                assert len(calls) == 1
+            if choice is named:
+                assert calls[0]["name"] == "get_time"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=tiny_model.name,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "launch_rockets"}},
+        )
+    assert exc.value.body["param"] == "tool_choice"  # type: ignore[index]
+    assert "launch_rockets" in exc.value.body["message"]  # type: ignore[index]
