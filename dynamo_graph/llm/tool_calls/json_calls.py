@@ -2,11 +2,13 @@
 
 Several model families write their calls as JSON (hermes inside `<tool_call>` tags, llama 3 after
 `<|python_tag|>` or bare, mistral as an array after `[TOOL_CALLS]`). The scanner reads the text
-once, character by character, keeping only a stack of open containers, so a call's name is
-known as soon as its string closes and its arguments can be streamed while they are still being
-written: the argument text handed out is the raw text of the `arguments` (or `parameters`) value
-so far, which only ever grows. Top-level values may be objects or arrays of objects, separated
-by whitespace, `,` or `;` (llama 3 separates several calls with `;`).
+once, character by character, keeping only a stack of open containers, so a call can be sent
+while it is still being written: its name once its arguments have begun (and shown that they are
+an object, so a call is not announced for `"parameters": [1]`), then the raw text of the
+`arguments` (or `parameters`) value so far, which only ever grows. Arguments written as a JSON
+string holding an object are handed out whole, decoded, once the string closes. Top-level
+values may be objects or arrays of objects, separated by whitespace, `,` or `;` (llama 3
+separates several calls with `;`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ _SEPARATORS = _SPACE + ",;"
 
 @dataclass(slots=True)
 class _Call:
-    start: int
     name: str | None = None
     args_start: int | None = None
     args_end: int | None = None
-    args_kind: str = ""  # "container", "string" or "scalar"
+    args_kind: str = ""  # "container" or "string"
     complete: bool = False
     valid: bool = True
 
@@ -90,14 +91,13 @@ class JsonCallsRegion:
                 args_of = self._value_start(i, "container")
                 frame = _Frame(kind=c, expect_key=c == "{", args_of=args_of)
                 if c == "{" and (not stack or (len(stack) == 1 and stack[0].kind == "[")):
-                    frame.call = _Call(start=i)
+                    frame.call = _Call()
                     self._calls.append(frame.call)
                 stack.append(frame)
             elif c in "}]":
                 if stack[-1].kind != ("{" if c == "}" else "["):
                     self.failed = True
                     break
-                self._close_scalar(i)
                 frame = stack.pop()
                 if frame.args_of is not None:
                     frame.args_of.args_end = i + 1
@@ -106,7 +106,6 @@ class JsonCallsRegion:
             elif c == ":" and stack[-1].kind == "{":
                 stack[-1].expect_key = False
             elif c == ",":
-                self._close_scalar(i)
                 top = stack[-1]
                 top.expect_key = top.kind == "{"
                 top.value_started = False
@@ -146,13 +145,6 @@ class JsonCallsRegion:
             call.name = name if isinstance(name, str) else None
         elif top.key in ARGUMENT_KEYS and call.args_kind == "string" and call.args_end is None:
             call.args_end = i + 1
-
-    def _close_scalar(self, i: int) -> None:
-        """A `,`, `}` or `]` at i ends a scalar arguments value of the innermost call object."""
-        top = self._stack[-1] if self._stack else None
-        call = top.call if top is not None else None
-        if call is not None and call.args_kind == "scalar" and call.args_end is None:
-            call.args_end = i
 
     def _complete(self, call: _Call) -> None:
         call.complete = True
