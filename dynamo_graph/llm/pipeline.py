@@ -68,16 +68,18 @@ class ModelPipeline(abc.ABC):
         prepared.output_parser = output_parser(self.card, request)
         return prepared
 
-    async def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
+    def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Delta]:
         """Run the request; the last delta carries the finish reason ("tool_calls" when the
-        model called tools)."""
+        model called tools). Without an output parser, the engine's deltas go out as they are
+        (no extra generator on the per-token path)."""
         deltas = self._generate(prepared, context)
         parser = prepared.output_parser
+        return deltas if parser is None else self._parsed(deltas, parser)
+
+    @staticmethod
+    async def _parsed(deltas: AsyncIterator[Delta], parser: ChatOutputParser) -> AsyncIterator[Delta]:
         try:
             async for delta in deltas:
-                if parser is None:
-                    yield delta
-                    continue
                 if delta.logprobs:
                     yield Delta("", logprobs=delta.logprobs)
                 for out in parser.feed(delta.text):
@@ -114,8 +116,8 @@ def _check_capabilities(request: AnyRequest, card: ModelDeploymentCard) -> None:
 
 
 def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard) -> None:
-    """ "auto" needs a parser to find the calls in the output; "required" or a named function are
-    forced by guided decoding (tool_choice.py), which the engine must do."""
+    """tool_choice "auto" needs a parser to find the calls in the output; "required" or a named
+    function are forced by guided decoding (tool_choice.py), which the engine must do."""
     choice = request.tool_choice
     if not forced(request):
         if choice == "auto" and request.tools and card.tool_call_parser is None:
