@@ -32,10 +32,12 @@ chain is the penalties and `greedy`, exactly what `Llama.generate(temp=0)` build
 top_k (unset/<=0: off), top_p, min_p, temperature, then a seeded `dist` (the request's seed, else
 the `seed` option; 4294967295, the default, is a random seed). repetition_penalty,
 presence_penalty and frequency_penalty are llama.cpp's penalties over the last
-`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. Guided decoding is
-refused. The engine stops by itself at max_tokens, at a stop token id, and at an eos id unless
-ignore_eos; until min_tokens are generated those ids are banned from sampling (as vLLM does). The
-stop token is the last id of the final chunk (the postprocessor hides it) and counts as generated.
+`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. guided_json (so
+response_format), guided_choice and guided_grammar become a GBNF grammar in the chain, and
+log-probabilities are reported when asked (llamacpp_guided.py). The engine stops by itself at
+max_tokens, at a stop token id, and at an eos id unless ignore_eos; until min_tokens are generated
+those ids are banned from sampling (as vLLM does). The stop token is the last id of the final
+chunk (the postprocessor hides it) and counts as generated.
 
 Context limit: a prompt of n_ctx tokens or more is an InvalidArgument (HTTP 400, as vLLM does);
 otherwise generation ends with "length" when prompt + output reaches n_ctx (the frontend already
@@ -91,6 +93,15 @@ from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
     SamplingOptions,
+    TopLogprob,
+)
+from dynamo_graph.engines.llamacpp_guided import (
+    CAPABILITIES,
+    add_grammar,
+    check_grammar,
+    eog_ids,
+    request_grammar,
+    token_logprobs,
 )
 from dynamo_graph.engines.llamacpp_args import (
     LlamaCppArgs,
@@ -132,18 +143,22 @@ class _Job:
         "cached",
         "cancelled",
         "context",
+        "end_ids",
         "error",
         "export",
         "exported",
         "final",
         "generated",
+        "grammar",
         "handoff",
         "lock",
+        "logprobs",
         "loop",
         "max_tokens",
         "min_tokens",
         "notified",
         "pending",
+        "pending_logprobs",
         "prompt",
         "released",
         "sampling",
@@ -164,8 +179,16 @@ class _Job:
         loop: asyncio.AbstractEventLoop,
         handoff: KvHandoff | None = None,
         export: bool = False,
+        grammar: str | None = None,
+        logprobs: int | None = None,
+        end_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.context = context
+        self.grammar = grammar
+        # End-of-generation ids that end the request unsent (a complete grammar allows only them).
+        self.end_ids = end_ids
+        self.logprobs = logprobs  # None: not asked; else how many top alternatives
+        self.pending_logprobs: list[tuple[float, list[TopLogprob]]] = []
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
@@ -191,10 +214,17 @@ class _Job:
         return self.cancelled or self.context.is_stopped()
 
     # -- thread side
-    def emit(self, token: int | None = None, final: FinishReason | None = None) -> None:
+    def emit(
+        self,
+        token: int | None = None,
+        final: FinishReason | None = None,
+        logprobs: tuple[float, list[TopLogprob]] | None = None,
+    ) -> None:
         with self.lock:
             if token is not None:
                 self.pending.append(token)
+            if logprobs is not None:
+                self.pending_logprobs.append(logprobs)
             if final is not None:
                 self.final = final
             wake = not self.notified
@@ -210,12 +240,13 @@ class _Job:
         self.emit()
 
     # -- event loop side
-    def take(self) -> tuple[list[int], FinishReason | None]:
+    def take(self) -> tuple[list[int], list[tuple[float, list[TopLogprob]]], FinishReason | None]:
         self.wakeup.clear()
         with self.lock:
             tokens, self.pending = self.pending, []
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
             self.notified = False
-            return tokens, self.final
+            return tokens, logprobs, self.final
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
@@ -288,7 +319,10 @@ class LlamaCppEngine(LLMEngine):
 
     def config(self) -> EngineConfig:
         return EngineConfig(
-            model_input="tokens", context_length=self.n_ctx, max_num_seqs=self.args.n_parallel
+            model_input="tokens",
+            context_length=self.n_ctx,
+            max_num_seqs=self.args.n_parallel,
+            capabilities=list(CAPABILITIES),
         )
 
     async def start(self, worker_id: int = 0) -> EngineConfig:
@@ -427,13 +461,16 @@ class LlamaCppEngine(LLMEngine):
             self._run(slot, job)
             while True:
                 await job.wakeup.wait()
-                tokens, final = job.take()
+                tokens, logprobs, final = job.take()
                 if job.error is not None:
                     self._release_job(job)
                     raise job.error
                 if not tokens and final is None:
                     continue
                 out = LLMEngineOutput(token_ids=tokens)
+                if job.logprobs is not None and tokens:
+                    out.log_probs = [lp for lp, _ in logprobs]
+                    out.top_logprobs = [top for _, top in logprobs]
                 if first and tokens:
                     out.cached_tokens = job.cached
                     first = False
@@ -491,8 +528,12 @@ class LlamaCppEngine(LLMEngine):
         if sc.min_tokens is not None and sc.min_tokens < 0:
             raise InvalidArgument(f"min_tokens must be at least 0, not {sc.min_tokens}", param="min_tokens")
         so = request.sampling_options
-        if any(v is not None for v in (so.guided_json, so.guided_regex, so.guided_choice, so.guided_grammar)):
-            raise InvalidArgument("guided decoding is not supported by out=llamacpp", param="response_format")
+        grammar = request_grammar(so)
+        end_ids: frozenset[int] = frozenset()
+        if grammar is not None:
+            model = self._slots[0].llm._model
+            check_grammar(self._llama_cpp, model, grammar)
+            end_ids = eog_ids(self._llama_cpp, model)
         if (so.n or 1) > 1 or (so.best_of or 1) > 1:
             raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=llamacpp", param="n")
         for key in so.logit_bias or {}:
@@ -516,6 +557,9 @@ class LlamaCppEngine(LLMEngine):
             loop=asyncio.get_running_loop(),
             handoff=handoff,
             export=export,
+            grammar=grammar,
+            logprobs=request.output_options.logprobs,
+            end_ids=end_ids,
         )
 
     # ---- the pool of contexts ----------------------------------------------------------------
@@ -584,11 +628,11 @@ class LlamaCppEngine(LLMEngine):
     def _decode(self, slot: _Slot, job: _Job) -> None:
         llm = slot.llm
         try:
-            token, final = self._generate(slot, job)
+            token, final, logprobs = self._generate(slot, job)
             if final is None:  # a prefill, not finished at its first token: it goes on elsewhere
                 job.exported = export_sequence(self._llama_cpp, llm.ctx, self.kv_format, job.prompt)
                 final = "length"
-            job.emit(token, final)
+            job.emit(token, final, logprobs)
         except KvImportError as err:
             llm.n_tokens = 0  # sequence 0 may hold part of the state: reuse nothing of it
             job.fail(err)
@@ -616,17 +660,19 @@ class LlamaCppEngine(LLMEngine):
         llm.n_tokens = reuse  # eval() drops the KV cache past n_tokens first
         return reuse
 
-    def _generate(self, slot: _Slot, job: _Job) -> tuple[int | None, FinishReason | None]:
+    def _generate(
+        self, slot: _Slot, job: _Job
+    ) -> tuple[int | None, FinishReason | None, tuple[float, list[TopLogprob]] | None]:
         """Prefill, then sample until a stop; returns the last token (sent with the finish
-        reason, in one chunk) and the finish reason — None for a prefill (`job.export`) whose
-        first token did not end the request."""
+        reason, in one chunk), the finish reason — None for a prefill (`job.export`) whose first
+        token did not end the request — and the last token's log-probabilities."""
         llm = slot.llm
         prompt = job.prompt
         job.cached = reuse = self._cached_prompt(llm, job)
         n_batch = llm.n_batch
         for i in range(reuse, len(prompt), n_batch):
             if job.stopped():
-                return None, "cancelled"
+                return None, "cancelled", None
             llm.eval(prompt[i : i + n_batch])
             slot.evaluated += min(n_batch, len(prompt) - i)
         log.debug(
@@ -648,21 +694,26 @@ class LlamaCppEngine(LLMEngine):
             ctx = llm.ctx
             while True:
                 if job.stopped():
-                    return None, "cancelled"
+                    return None, "cancelled", None
                 banning = job.generated < job.min_tokens and len(samplers) > 1
                 chain = samplers[1] if banning else samplers[0]
                 token = sample(chain.sampler, ctx, -1)  # also accepts it into that chain
                 for other in samplers:
                     if other is not chain:  # keep the penalties' history the same in both
                         accept(other.sampler, token)
+                if token in job.end_ids and token not in job.stop_ids:
+                    return None, "stop", None  # the grammar is complete: end-of-generation only
                 job.generated += 1
+                logprobs = None
+                if job.logprobs is not None:
+                    logprobs = token_logprobs(self._llama_cpp, llm, token, job.logprobs)
                 if token in job.stop_ids and job.generated > job.min_tokens:
-                    return token, "stop"
+                    return token, "stop", logprobs
                 if job.generated >= job.max_tokens:
-                    return token, "length"
+                    return token, "length", logprobs
                 if job.export:
-                    return token, None
-                job.emit(token)
+                    return token, None, logprobs
+                job.emit(token, logprobs=logprobs)
                 llm.eval([token])
         finally:
             for chain in samplers:
@@ -683,6 +734,8 @@ class LlamaCppEngine(LLMEngine):
             chain_bias = {**bias, **{t: float("-inf") for t in banned}} if ban else bias
             if chain_bias:
                 chain.add_logit_bias(llm.n_vocab(), chain_bias)
+            if job.grammar is not None:
+                add_grammar(lc, chain, llm._model, job.grammar)
             chain.add_penalties(
                 n_vocab=llm.n_vocab(),
                 penalty_last_n=self.args.llama_kwargs.get("last_n_tokens_size", DEFAULT_LAST_N),
