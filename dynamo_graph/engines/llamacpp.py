@@ -95,6 +95,13 @@ from dynamo_graph.backend.protocol import (
     SamplingOptions,
     TopLogprob,
 )
+from dynamo_graph.engines.llamacpp_args import (
+    LlamaCppArgs,
+    LlamaCppError,
+    args_from_settings,
+    find_gguf,
+    import_llama_cpp,
+)
 from dynamo_graph.engines.llamacpp_guided import (
     CAPABILITIES,
     add_grammar,
@@ -102,13 +109,6 @@ from dynamo_graph.engines.llamacpp_guided import (
     eog_ids,
     request_grammar,
     token_logprobs,
-)
-from dynamo_graph.engines.llamacpp_args import (
-    LlamaCppArgs,
-    LlamaCppError,
-    args_from_settings,
-    find_gguf,
-    import_llama_cpp,
 )
 from dynamo_graph.engines.llamacpp_state import check_handoff, export_sequence, import_sequence, state_format
 from dynamo_graph.llm.openai import AnyRequest
