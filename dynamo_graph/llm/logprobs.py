@@ -1,7 +1,7 @@
 """Token log-probabilities in OpenAI's shapes, from what engines report per token.
 
 Engines send, per generated token, its log-probability and the most likely alternatives as
-token ids (backend/protocol.py `log_probs`, `top_logprobs`); the frontend has the tokenizer, so
+token ids (llm/protocol.py `log_probs`, `top_logprobs`); the frontend has the tokenizer, so
 it names the tokens here. Chat responses carry `{"content": [{token, logprob, bytes,
 top_logprobs}]}`, completions the older `{tokens, token_logprobs, top_logprobs, text_offset}`.
 Only tokens that are shown get an entry: a hidden stop token (eos) is counted in usage but, as
@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer
 
-from dynamo_graph.backend.protocol import LLMEngineOutput
+from dynamo_graph.llm.protocol import LLMEngineOutput
 
 
 @dataclass(slots=True)
