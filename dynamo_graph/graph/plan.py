@@ -43,6 +43,18 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     role: str = "agg"
 
 
+class RemoteHost(msgspec.Struct, frozen=True):
+    """How the supervisor reaches a remote host and runs dyngraph there (from `hosts.<key>`)."""
+
+    address: str
+    port: int = 22
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None  # a known_hosts file; None: the ssh client's default ones
+    host_key: str | None = None  # a pinned public key ("ssh-ed25519 AAAA..."), instead of known_hosts
+    python: str = "python3"  # the interpreter with dyngraph installed (a venv's bin/python)
+
+
 class Plan(msgspec.Struct, frozen=True):
     graph: str
     namespace: str
@@ -50,6 +62,7 @@ class Plan(msgspec.Struct, frozen=True):
     state_dir: str
     files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
     processes: list[ProcessSpec]
+    hosts: dict[str, RemoteHost] = {}  # remote hosts the processes run on, by key; `local` is never here
 
 
 def port_placeholder(name: str) -> str:

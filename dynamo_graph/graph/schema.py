@@ -199,6 +199,20 @@ class Ssh(_Model):
     """ssh port."""
     identity_file: str | None = None
     """Private key file (`ssh -i`)."""
+    known_hosts: str | None = None
+    """known_hosts file that must list the host's key; default the ssh client's
+    (`~/.ssh/known_hosts`). An unknown or changed host key is refused, never accepted."""
+    host_key: str | None = None
+    """The host's public key pinned in the graph (`ssh-ed25519 AAAA...`, as in
+    `/etc/ssh/ssh_host_ed25519_key.pub`); instead of `known_hosts`."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> Ssh:
+        if self.known_hosts is not None and self.host_key is not None:
+            raise field_error("host_key", "give either `host_key` or `known_hosts`, not both")
+        if self.host_key is not None and len(self.host_key.split()) < 2:
+            raise field_error("host_key", "expected `TYPE BASE64` (a line of a *.pub host key file)")
+        return self
 
 
 class Host(_Model):

@@ -1,0 +1,198 @@
+"""The remote end of the ssh launcher: a small program the supervisor runs on a remote host over
+ssh, with the host's own python (`python -m dynamo_graph.graph.supervise.agent COMMAND`).
+
+    run     start one process of the plan and watch over it (see below)
+    scan    list (and with --kill, stop) the processes of a graph on this host
+    probe   what preflight needs to know: versions, paths, GPUs, ports taken
+
+`run` reads the process (argv, env, workdir) as one JSON line on stdin, so no value of the env
+(a token, a key) is ever on a command line where `ps` would show it. The process runs in a new
+session (its own process group); its stdout and stderr go to the agent's stdout, which ssh
+carries back into the supervisor's per-process log. The agent reports on stderr, one line each:
+`pid PID START_TICKS` once started and `exit CODE` when it ended (negative: killed by a signal).
+
+The agent is the no-orphans watchdog: stdin stays open as long as the supervisor holds the ssh
+channel. `term` on stdin, or stdin closing (the supervisor died, the connection dropped, sshd's
+session child was killed), stops the process: SIGTERM to its group, SIGKILL after the grace,
+then SIGKILL to whatever is left in the group. Should the agent itself be killed with SIGKILL,
+the process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children in other sessions
+are then found by `scan --kill`, which `dyngraph down` runs on every host: every process of a
+graph carries `DYNGRAPH_PROC=<graph id>/<name>` in its environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dynamo_graph
+
+TAG_ENV = "DYNGRAPH_PROC"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _start_ticks(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def _control(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _command(argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "dynamo_graph", *argv[1:]] if argv[0] == "dyngraph" else argv
+
+
+def run() -> int:
+    spec = json.loads(sys.stdin.readline())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], TAG_ENV: spec["tag"]}
+    try:
+        child = subprocess.Popen(
+            _command(spec["argv"]),
+            cwd=os.path.expanduser(spec["workdir"]),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stdout.fileno(),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_agent,
+        )
+    except OSError as e:
+        print(f"dyngraph: cannot start {spec['argv'][0]!r}: {e}", flush=True)
+        _control("exit 127")
+        return 0
+    _control(f"pid {child.pid} {_start_ticks(child.pid)}")
+    grace = float(spec["grace_s"])
+
+    def watch_stdin() -> None:
+        for line in sys.stdin:
+            if line.strip() == "term":
+                break
+        _killpg(child.pid, signal.SIGTERM)  # `term`, or stdin closed: the supervisor is gone
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            _killpg(child.pid, signal.SIGKILL)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    code = child.wait()
+    _killpg(child.pid, signal.SIGKILL)  # what it left in its group; its pid is still the group's id
+    with contextlib.suppress(OSError):  # the channel may be gone already
+        _control(f"exit {code}")
+    return 0
+
+
+def _tagged(prefix: str) -> dict[int, str]:
+    """pid -> tag of every process whose environment has a DYNGRAPH_PROC starting with `prefix`."""
+    found = {}
+    marker = f"{TAG_ENV}={prefix}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for var in environ.split(b"\0"):
+            if var.startswith(marker):
+                found[int(entry.name)] = var.split(b"=", 1)[1].decode(errors="replace")
+    return found
+
+
+def scan(prefix: str, kill_grace: float | None) -> int:
+    """Print the graph's processes on this host as JSON `{pid: tag}`; with a grace, stop them
+    first (SIGTERM, the grace, SIGKILL) and print what is still there."""
+    if kill_grace is not None:
+        for pid in _tagged(prefix):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + kill_grace
+        while _tagged(prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in _tagged(prefix):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _tagged(prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(json.dumps({str(pid): tag for pid, tag in sorted(_tagged(prefix).items())}))
+    return 0
+
+
+def _gpu_count() -> tuple[int, str]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, "nvidia-smi not found"
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 0, f"nvidia-smi failed: {e}"
+    if out.returncode != 0:
+        return 0, f"nvidia-smi failed: {(out.stderr or out.stdout).strip()[:200]}"
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")), ""
+
+
+def _taken(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def probe() -> int:
+    """Reads `{"paths": [...], "gpus": bool, "ports": [[host, port], ...]}`; prints what it found."""
+    ask: dict[str, Any] = json.loads(sys.stdin.readline())
+    gpus, gpu_note = _gpu_count() if ask.get("gpus") else (None, "")
+    print(
+        json.dumps(
+            {
+                "version": dynamo_graph.__version__,
+                "python": ".".join(map(str, sys.version_info[:3])),
+                "executable": sys.executable,
+                "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
+                "gpus": gpus,
+                "gpu_note": gpu_note,
+                "taken": [[h, p] for h, p in ask.get("ports", []) if _taken(h, p)],
+            }
+        )
+    )
+    return 0
+
+
+def main(args: list[str]) -> int:
+    if args[:1] == ["run"]:
+        return run()
+    if args[:1] == ["scan"] and len(args) in (2, 4) and (len(args) == 2 or args[2] == "--kill"):
+        return scan(args[1], float(args[3]) if len(args) == 4 else None)
+    if args[:1] == ["probe"]:
+        return probe()
+    print("usage: agent run | scan PREFIX [--kill GRACE_S] | probe", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,261 @@
+"""Run processes of the plan on remote hosts over ssh, behind the same interface as local.py.
+
+The client is asyncssh rather than the system `ssh` with ControlMaster: the supervisor is an
+asyncio program, and asyncssh gives it, in-process, one connection per host carrying one
+channel per process (stdin, stdout and stderr apart, exit status), connection-loss callbacks
+and keepalives, host-key checking against known_hosts files or keys pinned in the graph, and
+typed errors (`HostKeyNotVerifiable`, `PermissionDenied`) that become clear messages. The
+OpenSSH route would mean a ssh child per process, a control socket per host to babysit, and
+parsing its stderr to tell a refused key from a dead network. asyncssh reads the user's
+`~/.ssh/config` and agent as `ssh` does; `render -f shell` still prints plain `ssh` commands.
+
+Each remote process is the agent (agent.py) started over one channel: it gets the process's
+spec as a JSON line on stdin (so env values never reach a command line), answers `pid ...`,
+streams the output, which is appended here to the same per-process log as a local process's,
+and ends with `exit CODE`. The agent is the watchdog against orphans: when the channel closes
+(supervisor gone, connection cut) it stops its process. A dropped connection ends every
+channel on it, so the runners see their processes exit (code 255, as `ssh` reports it) and
+apply their restart policy; the next start reconnects, with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import shlex
+import socket
+import time
+from pathlib import Path
+
+import asyncssh
+
+from dynamo_graph.graph.plan import ProcessSpec, RemoteHost
+from dynamo_graph.graph.supervise.local import mark_start
+
+AGENT_MODULE = "dynamo_graph.graph.supervise.agent"
+CONNECT_TIMEOUT_S = 10.0
+RECONNECT_TRIES = 5  # the runner's restart policy retries on a longer scale
+RECONNECT_BACKOFF_S = (0.2, 3.0)  # first delay, ceiling; doubling in between
+KEEPALIVE_S = 2.0  # a silent connection is declared dead after 3 missed keepalives
+AGENT_START_TIMEOUT_S = 30.0
+AGENT_RUN_TIMEOUT_S = 60.0  # scan --kill waits a grace; probe may wait on nvidia-smi
+LOST = 255  # exit code of a process whose connection was lost (what `ssh` exits with)
+
+
+class SshError(OSError):
+    """A host could not be reached, refused us, or the agent could not start there."""
+
+
+def graph_tag(state_root: Path | str) -> str:
+    """The id every remote process of this graph carries (DYNGRAPH_PROC=<id>/<name>): the
+    supervisor's machine and the graph's state dir, so two graphs never match each other."""
+    digest = hashlib.sha1(f"{socket.gethostname()}:{Path(state_root).resolve()}".encode()).hexdigest()
+    return f"dg-{digest[:16]}"
+
+
+def agent_command(host: RemoteHost, *args: str) -> str:
+    return " ".join(shlex.quote(a) for a in [host.python, "-m", AGENT_MODULE, *args])
+
+
+def _known_hosts(host: RemoteHost) -> object:
+    if host.host_key is not None:
+        return ([asyncssh.import_public_key(host.host_key)], [], [])
+    return host.known_hosts if host.known_hosts is not None else ()  # () = the client's default files
+
+
+def describe(key: str, host: RemoteHost) -> str:
+    user = f"{host.user}@" if host.user else ""
+    return f"host {key!r} ({user}{host.address}:{host.port})"
+
+
+async def connect(key: str, host: RemoteHost) -> asyncssh.SSHClientConnection:
+    """One verified connection; SshError says what went wrong in words a user can act on."""
+    where = describe(key, host)
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            return await asyncssh.connect(
+                host.address,
+                port=host.port,
+                username=host.user,
+                client_keys=[host.identity_file] if host.identity_file else (),
+                known_hosts=_known_hosts(host),
+                keepalive_interval=KEEPALIVE_S,
+                keepalive_count_max=3,
+            )
+    except asyncssh.HostKeyNotVerifiable as e:
+        source = (
+            "the key pinned in ssh.host_key"
+            if host.host_key
+            else (host.known_hosts or "the known_hosts files of the ssh client")
+        )
+        raise SshError(
+            f"{where}: host key refused: it is not the one {source} lists for it (unknown or "
+            f"changed key: {e.reason}); if the host was reinstalled, check its key and update it"
+        ) from None
+    except asyncssh.PermissionDenied as e:
+        raise SshError(f"{where}: authentication refused ({e.reason})") from None
+    except (OSError, asyncssh.Error, TimeoutError) as e:
+        raise SshError(f"{where}: unreachable ({e or type(e).__name__})") from None
+
+
+class SshHosts:
+    """The connections of one supervisor: one per host, opened on first use and reused;
+    reopened with backoff once it dropped."""
+
+    def __init__(self, hosts: dict[str, RemoteHost]) -> None:
+        self.hosts = hosts
+        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def update(self, hosts: dict[str, RemoteHost]) -> None:
+        """Take a new plan's hosts; a host whose connection settings changed is reconnected."""
+        for key, host in hosts.items():
+            if self.hosts.get(key, host) != host and (conn := self._conns.pop(key, None)) is not None:
+                conn.close()
+        self.hosts.update(hosts)
+
+    async def connection(self, key: str) -> asyncssh.SSHClientConnection:
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            conn = self._conns.get(key)
+            if conn is not None and not conn.is_closed():
+                return conn
+            delay = RECONNECT_BACKOFF_S[0]
+            for attempt in range(RECONNECT_TRIES):
+                try:
+                    conn = self._conns[key] = await connect(key, self.hosts[key])
+                    return conn
+                except SshError as e:
+                    if "unreachable" not in str(e) or attempt == RECONNECT_TRIES - 1:
+                        raise  # a refused key or login does not get better by retrying
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+            raise AssertionError("unreachable: the loop returns or raises")
+
+    async def run(self, key: str, *args: str, stdin: str = "") -> asyncssh.SSHCompletedProcess:
+        """Run the agent with `args` on host `key` and collect its output (text)."""
+        conn = await self.connection(key)
+        try:
+            async with asyncio.timeout(AGENT_RUN_TIMEOUT_S):
+                return await conn.run(agent_command(self.hosts[key], *args), input=stdin, check=False)
+        except (OSError, asyncssh.Error, TimeoutError) as e:
+            raise SshError(f"{describe(key, self.hosts[key])}: {e or type(e).__name__}") from None
+
+    async def close(self) -> None:
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.wait_closed()
+
+
+class RemoteProcess:
+    """One run of a spec on a remote host through the agent; the same interface as LocalProcess
+    (`pid` and `start_ticks` are the remote process's)."""
+
+    def __init__(self, spec: ProcessSpec, log_path: Path, hosts: SshHosts, tag: str) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.hosts = hosts
+        self.tag = tag
+        self.log_offset = 0
+        self.pid: int | None = None
+        self.start_ticks: int | None = None
+        self.started_at = 0.0
+        self.returncode: int | None = None
+        self._proc: asyncssh.SSHClientProcess[bytes] | None = None
+        self._done: asyncio.Future[int] | None = None
+
+    def _log(self, text: str) -> None:
+        with self.log_path.open("ab") as log:
+            log.write(f"dyngraph: {text}\n".encode())
+
+    async def start(self, attempt: int) -> None:
+        """Start the agent and the process; raises SshError (an OSError, written to the log too)."""
+        self.log_offset = mark_start(self.log_path, self.spec.name, attempt)
+        self.started_at = time.time()
+        host = self.hosts.hosts[self.spec.host]
+        try:
+            conn = await self.hosts.connection(self.spec.host)
+            proc = self._proc = await conn.create_process(agent_command(host, "run"), encoding=None)
+            spec = {
+                "argv": self.spec.argv,
+                "env": self.spec.env,
+                "workdir": self.spec.workdir,
+                "tag": f"{self.tag}/{self.spec.name}",
+                "grace_s": self.spec.shutdown_grace_s,
+            }
+            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            async with asyncio.timeout(AGENT_START_TIMEOUT_S):
+                first = await proc.stderr.readline()
+        except (OSError, asyncssh.Error, TimeoutError) as e:
+            error = e if isinstance(e, SshError) else SshError(f"{describe(self.spec.host, host)}: {e!r}")
+            self._log(str(error))
+            self._close()
+            raise error from None
+        words = first.decode(errors="replace").split()
+        if words[:1] != ["pid"] or len(words) != 3:
+            rest = first + await _read_rest(proc.stderr)
+            why = rest.decode(errors="replace").strip()[-2000:] or f"exit {proc.exit_status}"
+            self._log(f"the agent did not start on {describe(self.spec.host, host)}: {why}")
+            self._close()
+            raise SshError(f"the agent did not start on {describe(self.spec.host, host)}: {why}")
+        self.pid, self.start_ticks = int(words[1]), int(words[2])
+        self._done = asyncio.ensure_future(self._watch(proc))
+
+    async def _watch(self, proc: asyncssh.SSHClientProcess[bytes]) -> int:
+        output = asyncio.ensure_future(self._copy_output(proc))
+        code = await self._read_exit(proc)
+        if code == LOST:
+            self._log(f"connection to {describe(self.spec.host, self.hosts.hosts[self.spec.host])} lost")
+            self._close()  # the remote agent sees its channel close and stops the process
+        await output
+        self.returncode = code
+        return code
+
+    async def _copy_output(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
+        with self.log_path.open("ab") as log, contextlib.suppress(OSError, asyncssh.Error):
+            while chunk := await proc.stdout.read(65536):
+                log.write(chunk)
+                log.flush()
+
+    async def _read_exit(self, proc: asyncssh.SSHClientProcess[bytes]) -> int:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            while line := await proc.stderr.readline():
+                words = line.decode(errors="replace").split()
+                if words[:1] == ["exit"] and len(words) == 2:
+                    return int(words[1])
+        return LOST
+
+    async def wait(self) -> int:
+        """The process's exit code once the agent reported it (it swept the group first), or
+        LOST when the connection went first."""
+        assert self._done is not None
+        return await asyncio.shield(self._done)
+
+    async def stop(self) -> int | None:
+        """`term` to the agent (SIGTERM, grace, SIGKILL on the host); if the connection is gone
+        the agent's watchdog has done it already."""
+        if self._done is None:
+            return None
+        if not self._done.done():
+            assert self._proc is not None
+            with contextlib.suppress(OSError, asyncssh.Error):
+                self._proc.stdin.write(b"term\n")
+            done, _ = await asyncio.wait([self._done], timeout=self.spec.shutdown_grace_s + 10.0)
+            if not done:
+                self._close()
+        return await self.wait()
+
+    def _close(self) -> None:
+        if self._proc is not None:
+            self._proc.close()
+
+
+async def _read_rest(stream: asyncssh.SSHReader[bytes]) -> bytes:
+    with contextlib.suppress(OSError, asyncssh.Error, TimeoutError):
+        async with asyncio.timeout(5.0):
+            return await stream.read()
+    return b""
