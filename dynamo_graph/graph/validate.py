@@ -39,11 +39,11 @@ def validate_graph(data: Any, source: SourceLocator | None, *, file: str) -> Gra
     else:
         problems = [p for check in CHECKS for p in check(graph)]
     if problems:
-        raise GraphError([_located(p, source, file) for p in problems])
+        raise GraphError([locate(p, source, file) for p in problems])
     return graph
 
 
-def _located(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
+def locate(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
     """Attach the location of the path, or of its nearest parent that has one, else the file."""
     path = problem.path
     while source is not None:
@@ -391,14 +391,15 @@ def check_ports(graph: Graph) -> Iterator[Problem]:
     """Fixed ports on one host must differ: HTTP ports, workers' tcp ports, managed infra (which
     runs on the local host). Bind addresses are ignored: 127.0.0.1 and 0.0.0.0 still clash."""
     owners: dict[tuple[str, int], str] = {}
-    for host, port, path in _fixed_ports(graph):
+    for host, port, path in fixed_ports(graph):
         if (host, port) in owners:
             yield Problem(path, f"port {port} on host {host!r} is already used by {owners[host, port]}")
         else:
             owners[host, port] = path
 
 
-def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+    """(host, port, key path) of every port the graph pins (preflight checks they are free)."""
     etcd, nats = graph.infra.etcd, graph.infra.nats
     if etcd is not None and etcd.managed:
         for field in ("client_port", "peer_port"):

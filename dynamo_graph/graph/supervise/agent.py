@@ -141,7 +141,7 @@ def scan(prefix: str, kill_grace: float | None) -> int:
     return 0
 
 
-def _gpu_count() -> tuple[int, str]:
+def gpu_count() -> tuple[int, str]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0, "nvidia-smi not found"
@@ -154,7 +154,7 @@ def _gpu_count() -> tuple[int, str]:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")), ""
 
 
-def _taken(host: str, port: int) -> bool:
+def port_taken(host: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
             sock.bind((host, port))
@@ -166,7 +166,7 @@ def _taken(host: str, port: int) -> bool:
 def probe() -> int:
     """Reads `{"paths": [...], "gpus": bool, "ports": [[host, port], ...]}`; prints what it found."""
     ask: dict[str, Any] = json.loads(sys.stdin.readline())
-    gpus, gpu_note = _gpu_count() if ask.get("gpus") else (None, "")
+    gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
     print(
         json.dumps(
             {
@@ -176,7 +176,7 @@ def probe() -> int:
                 "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
                 "gpus": gpus,
                 "gpu_note": gpu_note,
-                "taken": [[h, p] for h, p in ask.get("ports", []) if _taken(h, p)],
+                "taken": [[h, p] for h, p in ask.get("ports", []) if port_taken(h, p)],
             }
         )
     )

@@ -3,7 +3,9 @@
 `up -d` starts a detached supervisor when none runs (or reuses the running one), sends it the
 plan over the control socket (see DetachedUp), and waits on processes.json until every process
 is ready or one failed. `down` asks the supervisor to stop, waits for it to exit, then checks for itself that
-no process of the graph is alive and none of its ports is still listening.
+no process of the graph is alive and none of its ports is still listening: local processes by
+verified pid, remote hosts by asking each (over ssh) for processes tagged with the graph's id.
+A remote pid means nothing here, so local pid checks only ever look at records of `local`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dynamo_graph.graph.supervise.ports import listening, plan_ports
 from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
 from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
+
+LOCAL = "local"
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built  # the graph loader: imported by the CLI when needed
@@ -147,11 +151,13 @@ class DetachedUp:
             time.sleep(0.005)
 
     def run(self, built: Built, console: Console) -> int:
-        """Send the plan, wait until every process is ready (0) or one failed (1)."""
+        """Preflight, send the plan, wait until every process is ready (0) or one failed (1).
+        Raises GraphError when preflight finds problems (a supervisor spawned here then stops)."""
         plan, state = built.plan, self.state
         if self.orphans:
             console.print(f"[bold red]error:[/] processes of a previous run would not stop: {self.orphans}")
             return 1
+        _preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
         _write_resolved(state, built)
         try:
             if self.daemon is not None:
@@ -181,6 +187,14 @@ class DetachedUp:
         return 0
 
 
+def _preflight(built: Built, *, check_ports: bool) -> None:
+    """Raises GraphError (exit 2 in the CLI) with every problem of the graph's hosts."""
+    from dynamo_graph.graph.supervise.preflight import preflight
+
+    loaded = built.loaded
+    preflight(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
+
+
 def up_foreground(built: Built, console: Console) -> int:
     """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all."""
     plan = built.plan
@@ -191,6 +205,7 @@ def up_foreground(built: Built, console: Console) -> int:
             if orphans := _reap_orphans(state):
                 console.print(f"[bold red]error:[/] processes of a previous run would not stop: {orphans}")
                 return 1
+            _preflight(built, check_ports=True)
             _write_resolved(state, built)
             state.write_pid(os.getpid())  # claim the graph before releasing the lock
     if running:
@@ -246,7 +261,7 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
         ok = await probes.check(spec.readiness, _log_since_last_start(state.log_file(name)))
         return f"{spec.readiness.kind} {'ok' if ok else 'failing'}"
 
-    live = [n for n, r in records.items() if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+    live = [n for n, r in records.items() if _running(r)]
     results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
     return dict(zip(live, results, strict=False))
 
@@ -311,8 +326,8 @@ def down(state: StateDir, console: Console) -> int:
         plan = state.read_plan()
         records = state.read_processes()
         sup = state.supervisor()
-        live = [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
-        if sup is None and not live:
+        live = [r for r in records if _running(r)]
+        if sup is None and not live and not (plan and plan.hosts):
             state.clear_runtime_files()
             console.print(f"graph in {state.root} is not running")
             return 0
@@ -326,7 +341,7 @@ def down(state: StateDir, console: Console) -> int:
             if not _wait_gone(lambda: pid_alive(sup.pid, sup.start_ticks), grace * (levels + 1) + 5):
                 console.print("[yellow]the supervisor did not stop in time; killing it[/]")
                 kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
-        leftovers = _stop_leftovers(records, grace)
+        leftovers = _stop_leftovers(records, grace) + _stop_remote(state, plan, grace)
         state.clear_runtime_files()
         ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
     if leftovers or ports:
@@ -346,7 +361,10 @@ def _grace(plan: Plan | None) -> float:
 def _reap_orphans(state: StateDir) -> list[str]:
     """Before a fresh supervisor: stop processes a dead one left behind and forget its files.
     Returns the names of any that would not stop (then nothing may be started)."""
-    leftovers = _stop_leftovers(state.read_processes(), _grace(state.read_plan()))
+    plan = state.read_plan()
+    leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + _stop_remote(
+        state, plan, _grace(plan)
+    )
     if not leftovers:
         state.clear_runtime_files()
     return leftovers
@@ -357,7 +375,7 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
     Returns the names of any still alive after that."""
 
     def alive() -> list[ProcessRecord]:
-        return [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+        return [r for r in records if r.host == LOCAL and _running(r)]
 
     for record in alive():
         kill_verified(record.pid, record.start_ticks, signal.SIGTERM)  # type: ignore[arg-type]
@@ -366,3 +384,20 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
             kill_verified(record.pid, record.start_ticks, signal.SIGKILL)  # type: ignore[arg-type]
         _wait_gone(lambda: bool(alive()), 5.0)
     return [r.name for r in alive()]
+
+
+def _running(record: ProcessRecord) -> bool:
+    """A local process by its verified pid; a remote one as its supervisor last recorded it."""
+    if record.host != LOCAL:
+        return record.state in ("starting", "ready")
+    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
+
+
+def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> list[str]:
+    """Stop and list what is left of the graph on each remote host (normally nothing: the agents
+    stop their processes with the supervisor). A host that cannot be asked counts as a leftover."""
+    if plan is None or not plan.hosts:
+        return []
+    from dynamo_graph.graph.supervise.ssh import sweep_hosts
+
+    return asyncio.run(sweep_hosts(plan.hosts, state.root, grace))

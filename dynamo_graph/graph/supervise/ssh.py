@@ -259,3 +259,25 @@ async def _read_rest(stream: asyncssh.SSHReader[bytes]) -> bytes:
         async with asyncio.timeout(5.0):
             return await stream.read()
     return b""
+
+
+async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: float) -> list[str]:
+    """On every host: stop the graph's processes still there (SIGTERM, grace, SIGKILL) and
+    return what could not be stopped, or the hosts that could not be asked, as `name on host`."""
+    pool = SshHosts(dict(hosts))
+    tag = graph_tag(state_root)
+
+    async def one(key: str) -> list[str]:
+        try:
+            done = await pool.run(key, "scan", f"{tag}/", "--kill", f"{grace:g}")
+        except SshError as e:
+            return [f"{key}: cannot check ({e})"]
+        if done.exit_status != 0:
+            return [f"{key}: cannot check ({str(done.stderr).strip()[-300:]})"]
+        left: dict[str, str] = json.loads(str(done.stdout))
+        return [f"{proc.rpartition('/')[2]} on {key} (pid {pid})" for pid, proc in left.items()]
+
+    try:
+        return [item for found in await asyncio.gather(*(one(k) for k in sorted(hosts))) for item in found]
+    finally:
+        await pool.close()
