@@ -1,4 +1,4 @@
-""""Remote hosts" for tests: network namespaces joined to this one by veth pairs, each running
+""" "Remote hosts" for tests: network namespaces joined to this one by veth pairs, each running
 a real OpenSSH server with generated host and user keys (shared/notes/CLUSTERS.md).
 
 The namespaces share the filesystem and the pid space with the test, so a remote host's venv

@@ -1,0 +1,299 @@
+"""`dyngraph up` on remote hosts: two network namespaces, each with a real sshd (tests/sshhosts.py),
+the frontend and managed etcd + nats-server here, workers there over ssh.
+
+The namespaces share the pid space with the test, so a remote pid can be signalled and looked
+up from here; what counts as "on a host" is `ip netns pids` of its namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.procs import free_port, run_cli
+from tests.sshhosts import SshHosts, missing_requirements
+
+VENV = Path(__file__).resolve().parents[2] / ".venv"
+SECRET = "s3cret-never-on-a-command-line"
+
+
+@pytest.fixture(scope="module")
+def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
+    if why := missing_requirements():
+        if os.environ.get("CI"):  # CI runs as root with openssh-server installed (make services)
+            pytest.fail(f"remote-host tests cannot run: {why}")
+        pytest.skip(why)
+    hosts = SshHosts(tmp_path_factory.mktemp("ssh"))
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+class RemoteGraph:
+    """A graph file with the frontend here and one worker replica on each ssh host."""
+
+    def __init__(self, tmp_path: Path, hosts: SshHosts, tiny_model: Path, **changes: Any) -> None:
+        self.port = free_port()
+        self.hosts = hosts
+        self.file = tmp_path / "remote.yaml"
+        self.state = tmp_path / ".dyngraph" / "remote"
+        graph: dict[str, Any] = {
+            "name": "remote",
+            "runtime": {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats", "lease_ttl_s": 2},
+            "infra": {"etcd": {"managed": True}, "nats": {"managed": True}},
+            "hosts": hosts.graph_hosts(VENV),
+            "models": {"tiny-model": {"path": str(tiny_model.resolve())}},
+            "components": {
+                "frontend": {"kind": "frontend", "http": {"port": self.port}, "migration_limit": 3},
+                "backend": {
+                    "kind": "worker",
+                    "model": "tiny-model",
+                    "engine": "echo_core",
+                    "replicas": 2,
+                    "placement": [h.key for h in hosts.hosts],
+                    "migration_limit": 3,
+                    "restart": {"backoff_s": 0.2},
+                    "env": {"DYN_TOKEN_ECHO_DELAY_MS": "0", "HF_TOKEN": SECRET},
+                },
+            },
+        }
+        for key, value in changes.items():  # "a.b.c": value
+            node = graph
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+
+    def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+        return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        return {r["name"]: r for r in json.loads((self.state / "processes.json").read_text())}
+
+    def chat(self) -> str:
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=10
+        )
+        reply = client.chat.completions.create(
+            model="tiny-model",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=4,
+            extra_body={"nvext": {"ignore_eos": True}},
+        )
+        return reply.choices[0].message.content or ""
+
+    def remote_pids(self) -> list[int]:
+        """Processes on the hosts other than their sshd listener."""
+        return [p for h in self.hosts.hosts for p in h.pids() if p != h.sshd_pid()]
+
+    def local_ports(self) -> list[tuple[str, int]]:
+        """Where the frontend and the managed etcd / nats listen here."""
+        ports = json.loads((self.state / "ports.json").read_text()).values()
+        gateway = self.hosts.hosts[0].gateway
+        return [("127.0.0.1", self.port)] + [(gateway, p) for p in ports]
+
+
+@pytest.fixture
+def make_graph(tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path) -> Iterator[Callable[..., RemoteGraph]]:
+    made: list[RemoteGraph] = []
+
+    def make(**changes: Any) -> RemoteGraph:
+        graph = RemoteGraph(tmp_path, ssh_hosts, tiny_model, **changes)
+        made.append(graph)
+        return graph
+
+    yield make
+    for graph in made:
+        graph.cli("down")
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def refuses(address: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((address, port)) != 0
+
+
+class Load:
+    """Chat requests one after another in a thread, until stopped (at most 400 or 60 s)."""
+
+    def __init__(self, graph: RemoteGraph) -> None:
+        self.graph = graph
+        self.ok = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self._stop.is_set() and self.ok + len(self.errors) < 400 and time.monotonic() < deadline:
+            try:
+                self.graph.chat()
+                self.ok += 1
+            except Exception as e:
+                self.errors.append(repr(e))
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
+    record = graph.processes()[name]
+    return record["state"] == "ready" and record["pid"] not in (None, old_pid)
+
+
+def test_remote_workers_serve_restart_reconnect_and_down(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    graph = make_graph()
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert graph.chat()
+    records = graph.processes()
+    h0, h1 = ssh_hosts.hosts
+    assert records["backend-0"]["host"] == "h0" and records["backend-0"]["pid"] in h0.pids()
+    assert records["backend-1"]["host"] == "h1" and records["backend-1"]["pid"] in h1.pids()
+
+    status = graph.cli("status")
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in status.stdout.splitlines() if "│" in line]
+    hosts = {(row[0], row[1]): (row[2], row[4]) for row in cells}
+    assert hosts[("backend", "0")] == ("h0", "ready") and hosts[("backend", "1")] == ("h1", "ready"), (
+        status.stdout
+    )
+    assert hosts[("frontend", "0")] == ("local", "ready"), status.stdout
+
+    # The secret reached the workers' environment, and no command line on either host.
+    remote = graph.remote_pids()
+    assert any(SECRET.encode() in Path(f"/proc/{p}/environ").read_bytes() for p in remote if alive(p))
+    cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in remote if alive(p)]
+    assert len(cmdlines) >= 4 and not [c for c in cmdlines if SECRET.encode() in c]
+
+    # kill -9 of a remote worker: restarted per policy; requests keep succeeding meanwhile.
+    load = Load(graph)
+    wait_for(lambda: load.ok >= 3, 20, "requests before the kill")
+    victim = records["backend-0"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: _restarted(graph, "backend-0", victim), 30, "backend-0 restarted")
+    done = load.ok
+    wait_for(lambda: load.ok >= done + 3, 20, "requests after the restart")
+    load.stop()
+    assert load.errors == [], load.errors[:3]
+    assert graph.processes()["backend-0"]["restarts"] == 1
+    assert graph.processes()["backend-0"]["pid"] in h0.pids()
+
+    # Cut the ssh connection to h1 (kill the sshd child serving it): its worker stops with the
+    # session, no orphan; the supervisor reconnects and starts it again.
+    old = graph.processes()["backend-1"]["pid"]
+    sessions = h1.session_pids()
+    assert sessions, "the supervisor holds a connection to h1"
+    for pid in sessions:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(old), 15, "the worker of the cut connection to stop")
+    wait_for(lambda: _restarted(graph, "backend-1", old), 30, "backend-1 back over a new connection")
+    assert graph.processes()["backend-1"]["pid"] in h1.pids()
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
+    pids = graph.remote_pids()
+    ports = graph.local_ports()
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert graph.remote_pids() == [] and not [p for p in pids if alive(p)]
+    assert h0.listening_ports() == [] and h1.listening_ports() == []
+    assert [p for p in ports if not refuses(*p)] == []
+
+
+def _answers(graph: RemoteGraph) -> bool:
+    try:
+        return bool(graph.chat())
+    except Exception:
+        return False
+
+
+def test_supervisor_killed_leaves_no_orphan(make_graph: Callable[..., RemoteGraph]) -> None:
+    graph = make_graph()
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    remote = graph.remote_pids()
+    assert remote
+    supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: graph.remote_pids() == [], 15, "the remote processes to stop with their sessions")
+    assert not [p for p in remote if alive(p)]
+    down = graph.cli("down")  # stops the local orphans (frontend, etcd, nats) and checks the hosts
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert [p for p in graph.local_ports() if not refuses(*p)] == []
+
+
+def test_preflight_reports_every_host_problem_and_starts_nothing(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    wrong_key = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    graph = make_graph(
+        **{
+            "hosts.h0.ssh.known_hosts": None,
+            "hosts.h0.ssh.host_key": wrong_key,
+            "hosts.h1.gpus": 1,
+            "models.elsewhere": {"path": "/nonexistent/dyngraph-model"},
+            "components.gpu-worker": {
+                "kind": "worker",
+                "model": "elsewhere",
+                "engine": "echo_core",
+                "placement": ["h1"],
+                "gpus": {"per_replica": 1},
+            },
+        }
+    )
+    before = graph.remote_pids()
+    started = time.monotonic()
+    up = graph.cli("up", "-d")
+    elapsed = time.monotonic() - started
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert elapsed < 20
+    errors = [line for line in up.stderr.splitlines() if line.startswith("error:")]
+    text = "\n".join(errors)
+    assert len(errors) == 3, up.stderr
+    assert "hosts.h0.ssh.host_key: host 'h0'" in text and "host key refused" in text
+    assert f"{graph.file}:" in text  # file:line of the key
+    assert "models.elsewhere.path: host 'h1': /nonexistent/dyngraph-model does not exist" in text
+    assert "hosts.h1.gpus: host 'h1': the placement needs 1 GPU(s)" in text and "has 0" in text
+    # Nothing started anywhere: no supervisor, no process on the hosts, nothing listening here
+    # (the sshd children of preflight's connections end with them).
+    wait_for(lambda: graph.remote_pids() == before, 5, "preflight's ssh sessions to end")
+    assert not (graph.state / "supervisor.pid").exists()
+    records = graph.state / "processes.json"  # the spawned supervisor stopped with an empty plan
+    assert not records.exists() or json.loads(records.read_text()) == []
+    assert refuses("127.0.0.1", graph.port)
