@@ -1,7 +1,9 @@
 """`dyngraph render`: a graph and its plan as YAML, JSON, a shell script, or a mermaid drawing.
 
 All four are deterministic text (a test renders twice and compares bytes), so they can be
-committed, diffed in review and used as a dry run of `dyngraph up`.
+committed, diffed in review and used as a dry run of `dyngraph up`. The shell script starts a
+remote host's processes as `up` does: `ssh` to the host running dyngraph's agent there, which
+reads the process (argv, env, workdir) from stdin and stops it when stdin closes.
 
 Secrets never appear in them: values of environment variables and options whose names look
 secret (KEY, TOKEN, SECRET, PASSWORD, CREDENTIAL, ...) and the user-info part of URLs
@@ -14,13 +16,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import yaml
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.schema import Graph
+from dynamo_graph.graph.supervise import agent
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
 FORMATS = ("yaml", "json", "shell", "mermaid")
@@ -119,16 +123,55 @@ def render_shell(graph: Graph, plan: Plan) -> str:
         out = _PLACEHOLDER.sub(lambda m: "'\"$" + _shell_var(m.group(1)) + "\"'", quoted)
         return out.removeprefix("''").removesuffix("''")
 
+    for key, host in plan.hosts.items():
+        if host.host_key:
+            var = _known_hosts_var(key)
+            lines.append(f"{var}=$(mktemp)")
+            lines.append(f'echo {shlex.quote(_known_hosts_line(host))} > "${var}"')
     for proc in plan.processes:
         lines.append("")
         lines.append(
             f"# {proc.name} on {proc.host} (ready when {proc.readiness.kind} {proc.readiness.target})"
         )
+        if proc.host in plan.hosts:
+            lines.append(
+                _remote_command(proc, proc.host, plan.hosts[proc.host], agent.graph_tag(plan.state_dir), sub)
+            )
+            continue
         env = " ".join(f"{k}={sub(v)}" for k, v in proc.env.items())
         command = " ".join(sub(a) for a in proc.argv)
         lines.append(f"(cd {shlex.quote(proc.workdir)} && {env + ' ' if env else ''}{command}) &")
     lines.append("wait")
     return "\n".join(lines) + "\n"
+
+
+def _known_hosts_var(host_key: str) -> str:
+    return "KNOWN_HOSTS_" + re.sub(r"[^A-Za-z0-9]", "_", host_key).upper()
+
+
+def _known_hosts_line(host: RemoteHost) -> str:
+    name = host.address if host.port == 22 else f"[{host.address}]:{host.port}"
+    return f"{name} {host.host_key}"
+
+
+def _remote_command(
+    proc: ProcessSpec, key: str, host: RemoteHost, tag: str, sub: Callable[[str], str]
+) -> str:
+    """The agent over ssh, fed the process on stdin, which stays open (closing it stops the process)."""
+    ssh = ["ssh", "-p", str(host.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+    if host.identity_file:
+        ssh += ["-i", host.identity_file]
+    if host.known_hosts:
+        ssh += ["-o", f"UserKnownHostsFile={host.known_hosts}"]
+    words = [shlex.quote(w) for w in ssh]
+    if host.host_key:
+        words += ["-o", f'UserKnownHostsFile="${_known_hosts_var(key)}"']
+    words.append(shlex.quote(f"{host.user}@{host.address}" if host.user else host.address))
+    words.append(shlex.quote(agent.command(host.python, "run")))
+    request = agent.run_request(
+        proc.argv, proc.env, proc.workdir, f"{tag}/{proc.name}", proc.shutdown_grace_s
+    )
+    return f"{{ printf '%s\\n' {sub(request.rstrip())}; sleep infinity; }} | {' '.join(words)} &"
 
 
 def _node(name: str) -> str:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -39,7 +41,31 @@ from typing import Any
 import dynamo_graph
 
 TAG_ENV = "DYNGRAPH_PROC"
+MODULE = "dynamo_graph.graph.supervise.agent"
 _PR_SET_PDEATHSIG = 1
+
+
+# ---- the supervisor's side of the protocol (ssh.py, and render.py's shell script) --------------
+
+
+def graph_tag(state_root: Path | str) -> str:
+    """The id every remote process of a graph carries (DYNGRAPH_PROC=<id>/<name>): the
+    supervisor's machine and the graph's state dir, so two graphs never match each other."""
+    digest = hashlib.sha1(f"{socket.gethostname()}:{Path(state_root).resolve()}".encode()).hexdigest()
+    return f"dg-{digest[:16]}"
+
+
+def command(python: str, *args: str) -> str:
+    """The remote shell command that runs the agent with `python` (no value of any env in it)."""
+    return " ".join(shlex.quote(a) for a in [python, "-m", MODULE, *args])
+
+
+def run_request(argv: list[str], env: dict[str, str], workdir: str, tag: str, grace_s: float) -> str:
+    """The line `run` reads on stdin."""
+    return json.dumps({"argv": argv, "env": env, "workdir": workdir, "tag": tag, "grace_s": grace_s}) + "\n"
+
+
+# ---- the agent --------------------------------------------------------------------------------
 
 
 def _die_with_agent() -> None:

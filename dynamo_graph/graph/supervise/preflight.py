@@ -152,7 +152,7 @@ async def _check_all(graph: Graph, plan: Plan, check_ports: bool) -> list[Proble
         return problems
     from dynamo_graph.graph.supervise.ssh import SshHosts
 
-    pool = SshHosts(dict(plan.hosts))
+    pool = SshHosts(dict(plan.hosts), tries=1)  # preflight reports an unreachable host at once
     try:
         found = await asyncio.gather(*(_check_remote(graph, pool, h, needs[h]) for h in sorted(plan.hosts)))
     finally:

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
-import shlex
-import socket
 import time
 from pathlib import Path
 
 import asyncssh
 
 from dynamo_graph.graph.plan import ProcessSpec, RemoteHost
+from dynamo_graph.graph.supervise import agent
 from dynamo_graph.graph.supervise.local import mark_start
 
-AGENT_MODULE = "dynamo_graph.graph.supervise.agent"
 CONNECT_TIMEOUT_S = 10.0
 RECONNECT_TRIES = 5  # the runner's restart policy retries on a longer scale
 RECONNECT_BACKOFF_S = (0.2, 3.0)  # first delay, ceiling; doubling in between
@@ -46,17 +43,6 @@ LOST = 255  # exit code of a process whose connection was lost (what `ssh` exits
 
 class SshError(OSError):
     """A host could not be reached, refused us, or the agent could not start there."""
-
-
-def graph_tag(state_root: Path | str) -> str:
-    """The id every remote process of this graph carries (DYNGRAPH_PROC=<id>/<name>): the
-    supervisor's machine and the graph's state dir, so two graphs never match each other."""
-    digest = hashlib.sha1(f"{socket.gethostname()}:{Path(state_root).resolve()}".encode()).hexdigest()
-    return f"dg-{digest[:16]}"
-
-
-def agent_command(host: RemoteHost, *args: str) -> str:
-    return " ".join(shlex.quote(a) for a in [host.python, "-m", AGENT_MODULE, *args])
 
 
 def _known_hosts(host: RemoteHost) -> object:
@@ -104,8 +90,9 @@ class SshHosts:
     """The connections of one supervisor: one per host, opened on first use and reused;
     reopened with backoff once it dropped."""
 
-    def __init__(self, hosts: dict[str, RemoteHost]) -> None:
+    def __init__(self, hosts: dict[str, RemoteHost], *, tries: int = RECONNECT_TRIES) -> None:
         self.hosts = hosts
+        self.tries = tries  # connection attempts to an unreachable host before giving up
         self._conns: dict[str, asyncssh.SSHClientConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -122,12 +109,12 @@ class SshHosts:
             if conn is not None and not conn.is_closed():
                 return conn
             delay = RECONNECT_BACKOFF_S[0]
-            for attempt in range(RECONNECT_TRIES):
+            for attempt in range(self.tries):
                 try:
                     conn = self._conns[key] = await connect(key, self.hosts[key])
                     return conn
                 except SshError as e:
-                    if "unreachable" not in str(e) or attempt == RECONNECT_TRIES - 1:
+                    if "unreachable" not in str(e) or attempt == self.tries - 1:
                         raise  # a refused key or login does not get better by retrying
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
@@ -138,7 +125,7 @@ class SshHosts:
         conn = await self.connection(key)
         try:
             async with asyncio.timeout(AGENT_RUN_TIMEOUT_S):
-                return await conn.run(agent_command(self.hosts[key], *args), input=stdin, check=False)
+                return await conn.run(agent.command(self.hosts[key].python, *args), input=stdin, check=False)
         except (OSError, asyncssh.Error, TimeoutError) as e:
             raise SshError(f"{describe(key, self.hosts[key])}: {e or type(e).__name__}") from None
 
@@ -179,15 +166,13 @@ class RemoteProcess:
         host = self.hosts.hosts[self.spec.host]
         try:
             conn = await self.hosts.connection(self.spec.host)
-            proc = self._proc = await conn.create_process(agent_command(host, "run"), encoding=None)
-            spec = {
-                "argv": self.spec.argv,
-                "env": self.spec.env,
-                "workdir": self.spec.workdir,
-                "tag": f"{self.tag}/{self.spec.name}",
-                "grace_s": self.spec.shutdown_grace_s,
-            }
-            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            proc = self._proc = await conn.create_process(agent.command(host.python, "run"), encoding=None)
+            s = self.spec
+            proc.stdin.write(
+                agent.run_request(
+                    s.argv, s.env, s.workdir, f"{self.tag}/{s.name}", s.shutdown_grace_s
+                ).encode()
+            )
             async with asyncio.timeout(AGENT_START_TIMEOUT_S):
                 first = await proc.stderr.readline()
         except (OSError, asyncssh.Error, TimeoutError) as e:
@@ -265,7 +250,7 @@ async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: flo
     """On every host: stop the graph's processes still there (SIGTERM, grace, SIGKILL) and
     return what could not be stopped, or the hosts that could not be asked, as `name on host`."""
     pool = SshHosts(dict(hosts))
-    tag = graph_tag(state_root)
+    tag = agent.graph_tag(state_root)
 
     async def one(key: str) -> list[str]:
         try:

@@ -196,7 +196,8 @@ class Supervisor:
         log = self.state.log_file(spec.name)
         if spec.host == LOCAL:
             return LocalProcess(spec, log)
-        from dynamo_graph.graph.supervise.ssh import RemoteProcess, graph_tag
+        from dynamo_graph.graph.supervise.agent import graph_tag
+        from dynamo_graph.graph.supervise.ssh import RemoteProcess
 
         assert self.ssh is not None, "apply() opens the ssh hosts of a plan with remote processes"
         return RemoteProcess(spec, log, self.ssh, graph_tag(self.state.root))
