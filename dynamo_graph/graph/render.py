@@ -157,7 +157,8 @@ def _known_hosts_line(host: RemoteHost) -> str:
 def _remote_command(
     proc: ProcessSpec, key: str, host: RemoteHost, tag: str, sub: Callable[[str], str]
 ) -> str:
-    """The agent over ssh, fed the process on stdin, which stays open (closing it stops the process)."""
+    """The agent over ssh, fed the process on stdin and then a heartbeat: when they stop (the
+    script is killed), the agent stops the process."""
     ssh = ["ssh", "-p", str(host.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
     if host.identity_file:
         ssh += ["-i", host.identity_file]
@@ -169,9 +170,10 @@ def _remote_command(
     words.append(shlex.quote(f"{host.user}@{host.address}" if host.user else host.address))
     words.append(shlex.quote(agent.command(host.python, "run")))
     request = agent.run_request(
-        proc.argv, proc.env, proc.workdir, f"{tag}/{proc.name}", proc.shutdown_grace_s
+        proc.argv, proc.env, proc.workdir, f"{tag}/{proc.name}", proc.shutdown_grace_s, agent.HEARTBEAT_S
     )
-    return f"{{ printf '%s\\n' {sub(request.rstrip())}; sleep infinity; }} | {' '.join(words)} &"
+    pings = f"while sleep {agent.HEARTBEAT_S:g}; do echo ping; done"
+    return f"{{ printf '%s\\n' {sub(request.rstrip())}; {pings}; }} | {' '.join(words)} &"
 
 
 def _node(name: str) -> str:

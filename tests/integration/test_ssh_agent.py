@@ -45,7 +45,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def start_agent(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(code: str, grace: float = 5.0, tag: str = "dg-test/p-0") -> tuple[subprocess.Popen[bytes], int]:
+    def start(
+        code: str, grace: float = 5.0, tag: str = "dg-test/p-0", heartbeat: float = 0.0
+    ) -> tuple[subprocess.Popen[bytes], int]:
         proc = subprocess.Popen(
             [sys.executable, "-m", agent.MODULE, "run"],
             stdin=subprocess.PIPE,
@@ -53,7 +55,9 @@ def start_agent(tmp_path: Path) -> Iterator:
             stderr=subprocess.PIPE,
         )
         started.append(proc)
-        request = agent.run_request([sys.executable, "-c", code], {"S": SECRET}, str(tmp_path), tag, grace)
+        request = agent.run_request(
+            [sys.executable, "-c", code], {"S": SECRET}, str(tmp_path), tag, grace, heartbeat
+        )
         assert proc.stdin is not None and proc.stderr is not None
         proc.stdin.write(request.encode())
         proc.stdin.flush()
@@ -89,6 +93,20 @@ def test_term_escalates_to_sigkill_after_the_grace(start_agent) -> None:
     assert proc.stderr.readline().decode().split() == ["exit", str(-signal.SIGKILL)]
     assert 0.4 < time.monotonic() - started < 5
     assert not _alive(pid)
+
+
+def test_a_silent_supervisor_counts_as_gone(start_agent) -> None:
+    proc, pid = start_agent(SLEEPER, heartbeat=0.2)
+    assert proc.stdout.readline().decode().strip() == SECRET
+    for _ in range(5):  # pinged: it keeps running
+        proc.stdin.write(b"ping\n")
+        proc.stdin.flush()
+        time.sleep(0.2)
+    assert _alive(pid)
+    started = time.monotonic()  # no ping for 3 heartbeats (a partition, stdin still open): stopped
+    assert _wait_gone(pid, 5)
+    assert 0.3 < time.monotonic() - started < 3
+    assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
 
 
 def test_killing_the_agent_kills_its_process(start_agent) -> None:

@@ -12,9 +12,11 @@ carries back into the supervisor's per-process log. The agent reports on stderr,
 `pid PID START_TICKS` once started and `exit CODE` when it ended (negative: killed by a signal).
 
 The agent is the no-orphans watchdog: stdin stays open as long as the supervisor holds the ssh
-channel. `term` on stdin, or stdin closing (the supervisor died, the connection dropped, sshd's
-session child was killed), stops the process: SIGTERM to its group, SIGKILL after the grace,
-then SIGKILL to whatever is left in the group. Should the agent itself be killed with SIGKILL,
+channel, and the supervisor writes `ping` on it every few seconds. `term` on stdin, stdin
+closing (the supervisor died, the connection dropped, sshd's session child was killed), or no
+line for three heartbeats (a network partition that neither end's TCP has noticed yet) stops
+the process: SIGTERM to its group, SIGKILL after the grace, then SIGKILL to whatever is left in
+the group. Should the agent itself be killed with SIGKILL,
 the process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children in other sessions
 are then found by `scan --kill`, which `dyngraph down` runs on every host: every process of a
 graph carries `DYNGRAPH_PROC=<graph id>/<name>` in its environment.
@@ -27,6 +29,7 @@ import ctypes
 import hashlib
 import json
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -41,6 +44,7 @@ from typing import Any
 import dynamo_graph
 
 TAG_ENV = "DYNGRAPH_PROC"
+HEARTBEAT_S = 2.0  # how often the supervisor pings an agent; 3 missed and the agent stops its process
 MODULE = "dynamo_graph.graph.supervise.agent"
 _PR_SET_PDEATHSIG = 1
 
@@ -60,9 +64,34 @@ def command(python: str, *args: str) -> str:
     return " ".join(shlex.quote(a) for a in [python, "-m", MODULE, *args])
 
 
-def run_request(argv: list[str], env: dict[str, str], workdir: str, tag: str, grace_s: float) -> str:
-    """The line `run` reads on stdin."""
-    return json.dumps({"argv": argv, "env": env, "workdir": workdir, "tag": tag, "grace_s": grace_s}) + "\n"
+def run_request(
+    argv: list[str], env: dict[str, str], workdir: str, tag: str, grace_s: float, heartbeat_s: float
+) -> str:
+    """The line `run` reads on stdin; with `heartbeat_s` > 0 the sender must then write a line
+    (`ping`) at least that often, or the agent takes it for gone."""
+    request = {"argv": argv, "env": env, "workdir": workdir, "tag": tag, "grace_s": grace_s}
+    return json.dumps({**request, "heartbeat_s": heartbeat_s}) + "\n"
+
+
+class _Stdin:
+    """Lines from fd 0, unbuffered beyond what was read, with a timeout per line."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def line(self, timeout: float | None) -> bytes | None:
+        """The next line; b"" at end of input, None when none came within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([0], [], [], left)[0]:
+                return None
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return b""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line + b"\n"
 
 
 # ---- the agent --------------------------------------------------------------------------------
@@ -92,7 +121,8 @@ def _command(argv: list[str]) -> list[str]:
 
 
 def run() -> int:
-    spec = json.loads(sys.stdin.readline())
+    stdin = _Stdin()
+    spec = json.loads(stdin.line(None) or b"{}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], TAG_ENV: spec["tag"]}
     try:
         child = subprocess.Popen(
@@ -111,12 +141,12 @@ def run() -> int:
         return 0
     _control(f"pid {child.pid} {_start_ticks(child.pid)}")
     grace = float(spec["grace_s"])
+    silence = 3 * spec["heartbeat_s"] if spec["heartbeat_s"] > 0 else None
 
     def watch_stdin() -> None:
-        for line in sys.stdin:
-            if line.strip() == "term":
-                break
-        _killpg(child.pid, signal.SIGTERM)  # `term`, or stdin closed: the supervisor is gone
+        while (line := stdin.line(silence)) and line.strip() != b"term":
+            pass  # a ping
+        _killpg(child.pid, signal.SIGTERM)  # `term`, stdin closed or silent: the supervisor is gone
         try:
             child.wait(grace)
         except subprocess.TimeoutExpired:

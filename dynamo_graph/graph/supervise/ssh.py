@@ -167,12 +167,9 @@ class RemoteProcess:
         try:
             conn = await self.hosts.connection(self.spec.host)
             proc = self._proc = await conn.create_process(agent.command(host.python, "run"), encoding=None)
-            s = self.spec
-            proc.stdin.write(
-                agent.run_request(
-                    s.argv, s.env, s.workdir, f"{self.tag}/{s.name}", s.shutdown_grace_s
-                ).encode()
-            )
+            s, tag = self.spec, f"{self.tag}/{self.spec.name}"
+            request = agent.run_request(s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S)
+            proc.stdin.write(request.encode())
             async with asyncio.timeout(AGENT_START_TIMEOUT_S):
                 first = await proc.stderr.readline()
         except (OSError, asyncssh.Error, TimeoutError) as e:
@@ -188,11 +185,20 @@ class RemoteProcess:
             self._close()
             raise SshError(f"the agent did not start on {describe(self.spec.host, host)}: {why}")
         self.pid, self.start_ticks = int(words[1]), int(words[2])
-        self._done = asyncio.ensure_future(self._watch(proc))
+        heartbeat = asyncio.ensure_future(self._ping(proc))
+        self._done = asyncio.ensure_future(self._watch(proc, heartbeat))
 
-    async def _watch(self, proc: asyncssh.SSHClientProcess[bytes]) -> int:
+    async def _ping(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
+        """Tell the agent the supervisor is still there (its watchdog's heartbeat)."""
+        with contextlib.suppress(OSError, asyncssh.Error):
+            while True:
+                await asyncio.sleep(agent.HEARTBEAT_S)
+                proc.stdin.write(b"ping\n")
+
+    async def _watch(self, proc: asyncssh.SSHClientProcess[bytes], heartbeat: asyncio.Future[None]) -> int:
         output = asyncio.ensure_future(self._copy_output(proc))
         code = await self._read_exit(proc)
+        heartbeat.cancel()
         if code == LOST:
             self._log(f"connection to {describe(self.spec.host, self.hosts.hosts[self.spec.host])} lost")
             self._close()  # the remote agent sees its channel close and stops the process
