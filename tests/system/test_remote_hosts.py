@@ -241,10 +241,16 @@ def _answers(graph: RemoteGraph) -> bool:
         return False
 
 
-def test_supervisor_killed_leaves_no_orphan(make_graph: Callable[..., RemoteGraph]) -> None:
-    graph = make_graph()
+def test_remote_frontend_and_supervisor_killed_leaves_no_orphan(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    # A second frontend on h1, on h1's loopback: only a probe made from h1 (through ssh) sees it.
+    edge_port = free_port()
+    graph = make_graph(**{"components.edge": {"kind": "frontend", "host": "h1", "http": {"port": edge_port}}})
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
+    assert f"edge-0: http://127.0.0.1:{edge_port}/v1 on host h1" in up.stdout
+    assert graph.processes()["edge-0"]["state"] == "ready" and refuses("127.0.0.1", edge_port)
     remote = graph.remote_pids()
     assert remote
     supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]

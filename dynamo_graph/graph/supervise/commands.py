@@ -261,7 +261,11 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
         ok = await probes.check(spec.readiness, _log_since_last_start(state.log_file(name)))
         return f"{spec.readiness.kind} {'ok' if ok else 'failing'}"
 
-    live = [n for n, r in records.items() if _running(r)]
+    # A remote process's http / tcp probe only means something from its host: the supervisor runs
+    # those; here they show as "-".
+    live = [
+        n for n, r in records.items() if _running(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
+    ]
     results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
     return dict(zip(live, results, strict=False))
 
@@ -384,6 +388,10 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
             kill_verified(record.pid, record.start_ticks, signal.SIGKILL)  # type: ignore[arg-type]
         _wait_gone(lambda: bool(alive()), 5.0)
     return [r.name for r in alive()]
+
+
+def _probe_kind(plan: Plan, name: str) -> str | None:
+    return next((p.readiness.kind for p in plan.processes if p.name == name), None)
 
 
 def _running(record: ProcessRecord) -> bool:

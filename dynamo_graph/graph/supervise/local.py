@@ -98,6 +98,11 @@ class LocalProcess:
                 raise
         self.start_ticks = pid_start_ticks(self.proc.pid)
 
+    @staticmethod
+    async def open_connection(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection as this host makes it (readiness probes)."""
+        return await asyncio.open_connection(host, port)
+
     async def wait(self) -> int:
         """The exit code, once reaped and what it left in its group is swept."""
         assert self.proc is not None

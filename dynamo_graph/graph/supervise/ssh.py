@@ -188,6 +188,18 @@ class RemoteProcess:
         heartbeat = asyncio.ensure_future(self._ping(proc))
         self._done = asyncio.ensure_future(self._watch(proc, heartbeat))
 
+    async def open_connection(
+        self, host: str, port: int
+    ) -> tuple[asyncssh.SSHReader[bytes], asyncssh.SSHWriter[bytes]]:
+        """A TCP connection made from the remote host, through the ssh connection (readiness
+        probes: `127.0.0.1` is the host's own loopback). Needs the host's sshd to allow TCP
+        forwarding (OpenSSH's default)."""
+        try:
+            conn = await self.hosts.connection(self.spec.host)
+            return await conn.open_connection(host, port, encoding=None)
+        except asyncssh.Error as e:
+            raise OSError(f"{host}:{port} from {self.spec.host}: {e.reason}") from None
+
     async def _ping(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
         """Tell the agent the supervisor is still there (its watchdog's heartbeat)."""
         with contextlib.suppress(OSError, asyncssh.Error):

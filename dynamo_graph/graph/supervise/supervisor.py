@@ -157,7 +157,7 @@ class Runner:
         deadline = time.monotonic() + probe.timeout_s
         delay = 0.01
         while time.monotonic() < deadline and not exited.done():
-            if await probes.check(probe, watch):
+            if await probes.check(probe, watch, proc.open_connection):
                 return True
             await asyncio.wait([exited], timeout=delay)
             delay = min(delay * 1.5, PROBE_MAX_INTERVAL_S)

@@ -54,13 +54,15 @@ def status_table(plan: Plan, records: dict[str, ProcessRecord], health: dict[str
 
 
 def frontend_url(spec: ProcessSpec) -> str | None:
-    """`http://host:port/v1` of a frontend process (one run with `in=http`)."""
+    """`http://host:port/v1` of a frontend process (one run with `in=http`), and its host when
+    that is not this one (the address is as that host sees it)."""
     if "in=http" not in spec.argv:
         return None
     argv = spec.argv
     host = argv[argv.index("--http-host") + 1] if "--http-host" in argv else "127.0.0.1"
     port = argv[argv.index("--http-port") + 1] if "--http-port" in argv else "8080"
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    return url if spec.host == "local" else f"{url} on host {spec.host}"
 
 
 class Prefixer:
