@@ -461,14 +461,22 @@ def check_planes(graph: Graph) -> Iterator[Problem]:
 
 def check_multi_host(graph: Graph) -> Iterator[Problem]:
     """Components on several hosts need shared discovery (etcd), a request plane that crosses
-    machines (nats, or tcp with an address other hosts reach each worker host at) and infra the
-    remote hosts can reach."""
+    machines (nats, or tcp with an address other hosts reach each worker host at), KV events a
+    kv router on another host can receive, and infra the remote hosts can reach."""
     remote = sorted(h for h in _hosts_used(graph) if h != LOCAL and h in graph.hosts)
     if not remote:
         return
     why = f"components run on host {remote[0]!r}"
     if graph.runtime.discovery != "etcd":
         yield Problem("runtime.discovery", f"{why}: use `discovery: etcd` (file discovery is one machine)")
+    kv_routed = [k for k, f in graph.frontends().items() if f.router.mode == "kv" and f.router.use_kv_events]
+    if graph.runtime.event_plane == "zmq" and kv_routed:
+        # Workers' zmq publishers bind and announce 127.0.0.1: a router on another host cannot subscribe.
+        yield Problem(
+            "runtime.event_plane",
+            f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
+            "their own host's loopback; use `event_plane: nats`",
+        )
     if graph.runtime.request_plane == "tcp":
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):

@@ -110,6 +110,16 @@ def test_oversubscribed_host_is_a_validation_error(tmp_path: Path) -> None:
     assert "components.decode.gpus.per_replica: asks for 3 GPU(s) on host 'gpu1' (5 with" in str(err.value)
 
 
+def test_kv_events_across_hosts_need_nats(tmp_path: Path) -> None:
+    with pytest.raises(GraphError) as err:
+        _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv")
+    assert (
+        "runtime.event_plane: components run on host 'gpu1' and components.frontend routes by KV events"
+        in str(err.value)
+    )
+    _build(tmp_path, GRAPH, "+components.frontend.router.mode=kv")  # over nats: fine
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
