@@ -131,7 +131,7 @@ class SshHosts:
             f"ListenAddress {host.address}\nPort 22\nHostKey {key}\n"
             f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
             f"PasswordAuthentication no\nUsePAM no\nStrictModes no\nPidFile {host.dir / 'sshd.pid'}\n"
-            "MaxSessions 64\nMaxStartups 64\n"
+            "MaxStartups 64\n"  # MaxSessions stays OpenSSH's default (10 per connection)
         )
         _sh(SSHD, "-f", str(config), "-E", str(host.dir / "sshd.log"), ns=host.ns)
         deadline = time.monotonic() + 10

@@ -22,6 +22,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
+from dynamo_graph.graph.supervise.ssh import RemoteProcess
+from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
 from tests.procs import free_port, run_cli
 from tests.sshhosts import SshHosts, missing_requirements
 
@@ -318,3 +321,50 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
     records = graph.state / "processes.json"  # the spawned supervisor stopped with an empty plan
     assert not records.exists() or json.loads(records.read_text()) == []
     assert refuses("127.0.0.1", graph.port)
+
+
+async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    """sshd allows 10 sessions per connection by default: the 11th process gets a second one."""
+    h0 = ssh_hosts.hosts[0]
+    graph_host = ssh_hosts.graph_hosts(VENV)["h0"]["ssh"]
+    remote = RemoteHost(
+        address=h0.address,
+        user="root",
+        identity_file=graph_host["identity_file"],
+        known_hosts=graph_host["known_hosts"],
+        python=str(VENV / "bin" / "python"),
+    )
+    pool = SshHosts_(dict(h0=remote))
+    restart = RestartPolicy("never", 0, 1.0, 1.0)
+    procs = [
+        RemoteProcess(
+            ProcessSpec(
+                f"sleep-{i}",
+                "sleep",
+                i,
+                "h0",
+                ["sleep", "60"],
+                {},
+                "/",
+                {},
+                [],
+                Probe("log", "-", 1.0),
+                restart,
+                2.0,
+            ),
+            tmp_path / f"sleep-{i}.log",
+            pool,
+            "dg-sessions-test",
+        )
+        for i in range(12)
+    ]
+    try:
+        for i, proc in enumerate(procs):
+            await proc.start(i)
+        assert all(proc.pid in h0.pids() for proc in procs)
+        assert len(h0.session_pids()) == 2
+    finally:
+        codes = [await proc.stop() for proc in procs]
+        await pool.close()
+    assert codes == [-signal.SIGTERM] * 12
+    assert not [p for p in procs if p.pid and alive(p.pid)]

@@ -211,7 +211,10 @@ def gpu_count() -> tuple[int, str]:
 
 
 def port_taken(host: str, port: int) -> bool:
+    """Whether a server could not listen on the port: SO_REUSEADDR as servers set it, so only a
+    listener counts, not connections of a stopped one lingering in TIME_WAIT."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

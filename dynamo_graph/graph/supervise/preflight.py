@@ -127,7 +127,7 @@ async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeed
         done = await pool.run(host, "probe", stdin=json.dumps(ask) + "\n")
     except SshError as e:
         return [Problem(_ssh_key(graph, host, str(e)), str(e))]
-    stderr = str(done.stderr or "")
+    stderr = done.stderr
     if done.exit_status == 127 or "No such file" in stderr:
         why = f"{remote.python} not found"
     elif "No module named" in stderr:
@@ -135,7 +135,7 @@ async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeed
     elif done.exit_status != 0:
         why = f"{remote.python} could not run dyngraph's agent: {stderr.strip()[-300:]}"
     else:
-        return list(_probe_problems(graph, host, remote, need, str(done.stdout)))
+        return list(_probe_problems(graph, host, remote, need, done.stdout))
     return [Problem(_python_key(graph, host), f"{describe(host, remote)}: {why}")]
 
 

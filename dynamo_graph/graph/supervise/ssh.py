@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
@@ -43,6 +44,15 @@ LOST = 255  # exit code of a process whose connection was lost (what `ssh` exits
 
 class SshError(OSError):
     """A host could not be reached, refused us, or the agent could not start there."""
+
+
+@dataclass(frozen=True)
+class Completed:
+    """What a finished agent command left: its exit status (None: killed) and its output."""
+
+    exit_status: int | None
+    stdout: str
+    stderr: str
 
 
 def _known_hosts(host: RemoteHost) -> object:
@@ -88,30 +98,37 @@ async def connect(key: str, host: RemoteHost) -> asyncssh.SSHClientConnection:
 
 class SshHosts:
     """The connections of one supervisor: one per host, opened on first use and reused;
-    reopened with backoff once it dropped."""
+    reopened with backoff once it dropped. sshd caps the sessions of one connection (OpenSSH's
+    MaxSessions, 10 by default): a host that refuses one more gets a further connection."""
 
     def __init__(self, hosts: dict[str, RemoteHost], *, tries: int = RECONNECT_TRIES) -> None:
         self.hosts = hosts
         self.tries = tries  # connection attempts to an unreachable host before giving up
-        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._conns: dict[str, list[asyncssh.SSHClientConnection]] = {}  # oldest first
         self._locks: dict[str, asyncio.Lock] = {}
 
     def update(self, hosts: dict[str, RemoteHost]) -> None:
         """Take a new plan's hosts; a host whose connection settings changed is reconnected."""
         for key, host in hosts.items():
-            if self.hosts.get(key, host) != host and (conn := self._conns.pop(key, None)) is not None:
-                conn.close()
+            if self.hosts.get(key, host) != host:
+                for conn in self._conns.pop(key, []):
+                    conn.close()
         self.hosts.update(hosts)
 
-    async def connection(self, key: str) -> asyncssh.SSHClientConnection:
+    async def connection(
+        self, key: str, *, full: asyncssh.SSHClientConnection | None = None
+    ) -> asyncssh.SSHClientConnection:
+        """The host's newest live connection, or a new one when there is none or the newest is
+        `full` (it refused a session)."""
         async with self._locks.setdefault(key, asyncio.Lock()):
-            conn = self._conns.get(key)
-            if conn is not None and not conn.is_closed():
-                return conn
+            live = self._conns[key] = [c for c in self._conns.get(key, []) if not c.is_closed()]
+            if live and live[-1] is not full:
+                return live[-1]
             delay = RECONNECT_BACKOFF_S[0]
             for attempt in range(self.tries):
                 try:
-                    conn = self._conns[key] = await connect(key, self.hosts[key])
+                    conn = await connect(key, self.hosts[key])
+                    live.append(conn)
                     return conn
                 except SshError as e:
                     if "unreachable" not in str(e) or attempt == self.tries - 1:
@@ -120,17 +137,35 @@ class SshHosts:
                 delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
             raise AssertionError("unreachable: the loop returns or raises")
 
-    async def run(self, key: str, *args: str, stdin: str = "") -> asyncssh.SSHCompletedProcess:
-        """Run the agent with `args` on host `key` and collect its output (text)."""
+    async def session(self, key: str, command: str) -> asyncssh.SSHClientProcess[bytes]:
+        """A new channel running `command` on host `key` (bytes in and out)."""
         conn = await self.connection(key)
         try:
+            return await conn.create_process(command, encoding=None)
+        except asyncssh.ChannelOpenError:  # the connection has sshd's MaxSessions: one more
+            conn = await self.connection(key, full=conn)
+            return await conn.create_process(command, encoding=None)
+
+    async def run(self, key: str, *args: str, stdin: str = "") -> Completed:
+        """Run the agent with `args` on host `key` and collect its output."""
+        try:
             async with asyncio.timeout(AGENT_RUN_TIMEOUT_S):
-                return await conn.run(agent.command(self.hosts[key].python, *args), input=stdin, check=False)
+                proc = await self.session(key, agent.command(self.hosts[key].python, *args))
+                out, err = await proc.communicate(stdin.encode())
+                await proc.wait_closed()
+        except SshError:
+            raise
         except (OSError, asyncssh.Error, TimeoutError) as e:
             raise SshError(f"{describe(key, self.hosts[key])}: {e or type(e).__name__}") from None
+        return Completed(
+            proc.exit_status,
+            bytes(out or b"").decode(errors="replace"),
+            bytes(err or b"").decode(errors="replace"),
+        )
 
     async def close(self) -> None:
-        conns, self._conns = list(self._conns.values()), {}
+        conns = [c for host in self._conns.values() for c in host]
+        self._conns = {}
         for conn in conns:
             conn.close()
         for conn in conns:
@@ -165,8 +200,7 @@ class RemoteProcess:
         self.started_at = time.time()
         host = self.hosts.hosts[self.spec.host]
         try:
-            conn = await self.hosts.connection(self.spec.host)
-            proc = self._proc = await conn.create_process(agent.command(host.python, "run"), encoding=None)
+            proc = self._proc = await self.hosts.session(self.spec.host, agent.command(host.python, "run"))
             s, tag = self.spec, f"{self.tag}/{self.spec.name}"
             request = agent.run_request(s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S)
             proc.stdin.write(request.encode())
@@ -276,8 +310,8 @@ async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: flo
         except SshError as e:
             return [f"{key}: cannot check ({e})"]
         if done.exit_status != 0:
-            return [f"{key}: cannot check ({str(done.stderr).strip()[-300:]})"]
-        left: dict[str, str] = json.loads(str(done.stdout))
+            return [f"{key}: cannot check ({done.stderr.strip()[-300:]})"]
+        left: dict[str, str] = json.loads(done.stdout)
         return [f"{proc.rpartition('/')[2]} on {key} (pid {pid})" for pid, proc in left.items()]
 
     try:
