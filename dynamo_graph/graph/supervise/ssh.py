@@ -186,7 +186,6 @@ class RemoteProcess:
         self.pid: int | None = None
         self.start_ticks: int | None = None
         self.started_at = 0.0
-        self.returncode: int | None = None
         self._proc: asyncssh.SSHClientProcess[bytes] | None = None
         self._done: asyncio.Future[int] | None = None
 
@@ -249,7 +248,6 @@ class RemoteProcess:
             self._log(f"connection to {describe(self.spec.host, self.hosts.hosts[self.spec.host])} lost")
             self._close()  # the remote agent sees its channel close and stops the process
         await output
-        self.returncode = code
         return code
 
     async def _copy_output(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
@@ -264,6 +262,7 @@ class RemoteProcess:
                 words = line.decode(errors="replace").split()
                 if words[:1] == ["exit"] and len(words) == 2:
                     return int(words[1])
+                self._log(f"agent: {line.decode(errors='replace').rstrip()}")  # e.g. its own traceback
         return LOST
 
     async def wait(self) -> int:
