@@ -272,21 +272,28 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
     wrong_key = " ".join(other.with_suffix(".pub").read_text().split()[:2])
     h0_ssh, h1_ssh = (ssh_hosts.graph_hosts(VENV)[h]["ssh"] for h in ("h0", "h1"))
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
     graph = make_graph(
         **{
             "hosts.h0.ssh.known_hosts": None,
             "hosts.h0.ssh.host_key": wrong_key,
             "hosts.h1.gpus": 1,
             "models.elsewhere": {"path": "/nonexistent/dyngraph-model"},
-            # h8: h1 with a key it does not accept; h9: h0's address, a port nothing listens on
-            "hosts.h8": {**ssh_hosts.graph_hosts(VENV)["h1"], "ssh": {**h1_ssh, "identity_file": str(other)}},
-            "hosts.h9": {**ssh_hosts.graph_hosts(VENV)["h0"], "ssh": {**h0_ssh, "port": 2222}},
+            # h0 again as: h5 with an empty known_hosts (unknown key), h6 with a python that lacks
+            # dyngraph, h7 with no python at all, h9 on a port nothing listens on; h8: h1 with a key
+            # that h1 does not accept
+            "hosts.h5": {"ssh": {**h0_ssh, "known_hosts": str(empty)}, "venv": str(VENV)},
+            "hosts.h6": {"ssh": h0_ssh, "python": "/usr/bin/python3"},
+            "hosts.h7": {"ssh": h0_ssh, "python": "/nonexistent/bin/python3"},
+            "hosts.h8": {"ssh": {**h1_ssh, "identity_file": str(other)}, "venv": str(VENV)},
+            "hosts.h9": {"ssh": {**h0_ssh, "port": 2222}, "venv": str(VENV)},
             "components.far": {
                 "kind": "worker",
                 "model": "tiny-model",
                 "engine": "echo_core",
-                "replicas": 2,
-                "placement": ["h8", "h9"],
+                "replicas": 5,
+                "placement": ["h5", "h6", "h7", "h8", "h9"],
             },
             "components.gpu-worker": {
                 "kind": "worker",
@@ -305,7 +312,7 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
     assert elapsed < 20
     errors = [line for line in up.stderr.splitlines() if line.startswith("error:")]
     text = "\n".join(errors)
-    assert len(errors) == 5, up.stderr
+    assert len(errors) == 8, up.stderr
     assert "hosts.h0.ssh.host_key: host 'h0'" in text and "host key refused" in text
     assert f"{graph.file}:" in text  # file:line of the key
     assert "models.elsewhere.path: host 'h1': /nonexistent/dyngraph-model does not exist" in text
@@ -314,6 +321,9 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
         f"hosts.h8.ssh.identity_file: host 'h8' (root@{h1_ssh['address']}:22): authentication refused" in text
     )
     assert f"hosts.h9.ssh.address: host 'h9' (root@{h0_ssh['address']}:2222): unreachable" in text
+    assert "hosts.h5.ssh.known_hosts: host 'h5'" in text and "host key refused" in text
+    assert "hosts.h6.python: host 'h6'" in text and "dyngraph is not installed for /usr/bin/python3" in text
+    assert "hosts.h7.python: host 'h7'" in text and "/nonexistent/bin/python3 not found" in text
     # Nothing started anywhere: no supervisor, no process on the hosts, nothing listening here
     # (the sshd children of preflight's connections end with them).
     wait_for(lambda: graph.remote_pids() == before, 5, "preflight's ssh sessions to end")
