@@ -80,15 +80,15 @@ async def connect(key: str, host: RemoteHost) -> asyncssh.SSHClientConnection:
                 keepalive_interval=KEEPALIVE_S,
                 keepalive_count_max=3,
             )
-    except asyncssh.HostKeyNotVerifiable as e:
-        source = (
-            "the key pinned in ssh.host_key"
-            if host.host_key
-            else (host.known_hosts or "the known_hosts files of the ssh client")
-        )
+    except asyncssh.HostKeyNotVerifiable:
+        if host.host_key:
+            why = "it does not match the key pinned in ssh.host_key"
+        else:
+            listing = host.known_hosts or "the ssh client's known_hosts files"
+            why = f"it is not listed in {listing} (an unknown host, or its key changed)"
         raise SshError(
-            f"{where}: host key refused: it is not the one {source} lists for it (unknown or "
-            f"changed key: {e.reason}); if the host was reinstalled, check its key and update it"
+            f"{where}: host key refused: {why}; if the host was reinstalled, check its new key and "
+            "update the graph or known_hosts"
         ) from None
     except asyncssh.PermissionDenied as e:
         raise SshError(f"{where}: authentication refused ({e.reason})") from None
