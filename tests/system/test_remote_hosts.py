@@ -228,6 +228,16 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert graph.processes()["backend-1"]["pid"] in h1.pids()
     wait_for(lambda: _answers(graph), 15, "the graph to answer again")
 
+    # Scale out while it runs: one more replica, on h0 (round-robin placement); nothing else restarts.
+    before = {name: record["pid"] for name, record in graph.processes().items()}
+    scaled = graph.cli("up", "-d", "components.backend.replicas=3")
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert [line for line in scaled.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")] == ["+ backend-2"]
+    after = graph.processes()
+    assert (after["backend-2"]["host"], after["backend-2"]["state"]) == ("h0", "ready")
+    assert after["backend-2"]["pid"] in h0.pids()
+    assert {name: after[name]["pid"] for name in before} == before
+
     pids = graph.remote_pids()
     ports = graph.local_ports()
     down = graph.cli("down")

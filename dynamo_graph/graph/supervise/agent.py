@@ -98,7 +98,9 @@ class _Stdin:
 
 
 def _die_with_agent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(
+        _PR_SET_PDEATHSIG, signal.SIGKILL
+    )  # the C library's, glibc or musl
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -115,7 +115,7 @@ def _probe_problems(
 
 
 async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeeds) -> list[Problem]:
-    from dynamo_graph.graph.supervise.ssh import SshError, describe
+    from dynamo_graph.graph.supervise.ssh import SshError, describe, last_line
 
     remote = pool.hosts[host]
     ask = {
@@ -135,7 +135,7 @@ async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeed
     elif done.exit_status != 0:
         why = f"{remote.python} could not run dyngraph's agent: {stderr.strip()[-300:]}"
     else:
-        return list(_probe_problems(graph, host, remote, need, done.stdout))
+        return list(_probe_problems(graph, host, remote, need, last_line(done.stdout)))
     return [Problem(_python_key(graph, host), f"{describe(host, remote)}: {why}")]
 
 

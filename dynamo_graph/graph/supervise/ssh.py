@@ -204,19 +204,19 @@ class RemoteProcess:
             request = agent.run_request(s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S)
             proc.stdin.write(request.encode())
             async with asyncio.timeout(AGENT_START_TIMEOUT_S):
-                first = await proc.stderr.readline()
+                words, noise = await _pid_line(proc.stderr)
         except (OSError, asyncssh.Error, TimeoutError) as e:
             error = e if isinstance(e, SshError) else SshError(f"{describe(self.spec.host, host)}: {e!r}")
             self._log(str(error))
             self._close()
             raise error from None
-        words = first.decode(errors="replace").split()
-        if words[:1] != ["pid"] or len(words) != 3:
-            rest = first + await _read_rest(proc.stderr)
-            why = rest.decode(errors="replace").strip()[-2000:] or f"exit {proc.exit_status}"
+        if not words:  # the agent (or the python it needs) did not run: what it said is the reason
+            why = noise.decode(errors="replace").strip()[-2000:] or f"exit {proc.exit_status}"
             self._log(f"the agent did not start on {describe(self.spec.host, host)}: {why}")
             self._close()
             raise SshError(f"the agent did not start on {describe(self.spec.host, host)}: {why}")
+        if noise.strip():
+            self._log(f"agent: {noise.decode(errors='replace').rstrip()}")  # e.g. a login script's warnings
         self.pid, self.start_ticks = int(words[1]), int(words[2])
         heartbeat = asyncio.ensure_future(self._ping(proc))
         self._done = asyncio.ensure_future(self._watch(proc, heartbeat))
@@ -290,11 +290,21 @@ class RemoteProcess:
             self._proc.close()
 
 
-async def _read_rest(stream: asyncssh.SSHReader[bytes]) -> bytes:
-    with contextlib.suppress(OSError, asyncssh.Error, TimeoutError):
-        async with asyncio.timeout(5.0):
-            return await stream.read()
-    return b""
+async def _pid_line(stderr: asyncssh.SSHReader[bytes]) -> tuple[list[str], bytes]:
+    """The agent's `pid PID TICKS` words (empty when stderr ended first), and what came before."""
+    noise = b""
+    while line := await stderr.readline():
+        words = line.decode(errors="replace").split()
+        if words[:1] == ["pid"] and len(words) == 3:
+            return words, noise
+        noise += line
+    return [], noise
+
+
+def last_line(stdout: str) -> str:
+    """The agent's answer: its last line of output (a login script may print before it)."""
+    lines = stdout.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: float) -> list[str]:
@@ -310,7 +320,7 @@ async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: flo
             return [f"{key}: cannot check ({e})"]
         if done.exit_status != 0:
             return [f"{key}: cannot check ({done.stderr.strip()[-300:]})"]
-        left: dict[str, str] = json.loads(done.stdout)
+        left: dict[str, str] = json.loads(last_line(done.stdout))
         return [f"{proc.rpartition('/')[2]} on {key} (pid {pid})" for pid, proc in left.items()]
 
     try:
