@@ -111,7 +111,7 @@ class _Compiler:
                     name="etcd",
                     component="etcd",
                     replica=0,
-                    host="local",
+                    host=LOCAL,
                     argv=[
                         "etcd",
                         "--name",
@@ -159,7 +159,7 @@ class _Compiler:
                     name="nats",
                     component="nats",
                     replica=0,
-                    host="local",
+                    host=LOCAL,
                     argv=argv,
                     env={},
                     workdir=str(self.state_dir),

@@ -11,6 +11,9 @@ from typing import Literal
 
 import msgspec
 
+LOCAL = "local"
+"""The host dyngraph runs on; every other host of a plan is reached over ssh (`Plan.hosts`)."""
+
 
 class Probe(msgspec.Struct, frozen=True):
     """How the supervisor knows a process is ready: an HTTP 200, a TCP connect, or a log line."""

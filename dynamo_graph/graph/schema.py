@@ -28,12 +28,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
-
-LOCAL = "local"
-"""The host dyngraph runs on; it always exists, declared or not."""
 
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 """Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""

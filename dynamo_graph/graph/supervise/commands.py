@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.supervise import control, probes
 from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
@@ -32,8 +32,6 @@ from dynamo_graph.graph.supervise.ports import listening, plan_ports
 from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
 from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
-
-LOCAL = "local"
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built  # the graph loader: imported by the CLI when needed

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
@@ -59,11 +59,7 @@ def plan_ports(plan: Plan) -> set[int]:
     """Every port a (filled) plan's local processes listen on, to check after `down` (a remote
     host's are its processes', which `down` finds there by the graph's tag)."""
     return {
-        p
-        for spec in plan.processes
-        if spec.host == "local"
-        for p in spec.ports.values()
-        if isinstance(p, int)
+        p for spec in plan.processes if spec.host == LOCAL for p in spec.ports.values() if isinstance(p, int)
     }
 
 

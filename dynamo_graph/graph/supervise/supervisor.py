@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.supervise import probes
 from dynamo_graph.graph.supervise.local import LocalProcess
 from dynamo_graph.graph.supervise.logs import tail_lines
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 STABLE_AFTER_S = 10.0
 CRASH_LOG_LINES = 20
 PROBE_MAX_INTERVAL_S = 0.05  # probes start at 10 ms and back off to this
-LOCAL = "local"
 
 Report = Callable[[str, str], None]  # (process name, message)
 

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.supervise.state import ProcessRecord
 
 _STATE_STYLE = {
@@ -62,7 +62,7 @@ def frontend_url(spec: ProcessSpec) -> str | None:
     host = argv[argv.index("--http-host") + 1] if "--http-host" in argv else "127.0.0.1"
     port = argv[argv.index("--http-port") + 1] if "--http-port" in argv else "8080"
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
-    return url if spec.host == "local" else f"{url} on host {spec.host}"
+    return url if spec.host == LOCAL else f"{url} on host {spec.host}"
 
 
 class Prefixer:
