@@ -275,6 +275,30 @@ def test_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     assert [p for p in graph.local_ports() if not refuses(*p)] == []
 
 
+def test_partition_stops_the_remote_process_and_the_graph_heals(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    """A silent network partition (no FIN, no RST): the agent's heartbeat watchdog stops the
+    worker on the far side; once the network is back the supervisor reconnects and restarts it."""
+    graph = make_graph(**{"components.backend.restart.max_restarts": 20})
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    h1 = ssh_hosts.hosts[1]
+    worker = graph.processes()["backend-1"]["pid"]
+    subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
+    try:
+        started = time.monotonic()
+        wait_for(lambda: not alive(worker), 20, "the partitioned worker to be stopped by its agent")
+        assert time.monotonic() - started >= 4  # the heartbeat ran out, nothing closed the channel
+    finally:
+        subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
+    wait_for(lambda: _restarted(graph, "backend-1", worker), 60, "backend-1 back once the network is")
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert graph.remote_pids() == []
+
+
 def test_preflight_reports_every_host_problem_and_starts_nothing(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:

@@ -329,7 +329,7 @@ def down(state: StateDir, console: Console) -> int:
         records = state.read_processes()
         sup = state.supervisor()
         live = [r for r in records if _running(r)]
-        if sup is None and not live and not (plan and plan.hosts):
+        if sup is None and not live:
             state.clear_runtime_files()
             console.print(f"graph in {state.root} is not running")
             return 0
@@ -343,9 +343,14 @@ def down(state: StateDir, console: Console) -> int:
             if not _wait_gone(lambda: pid_alive(sup.pid, sup.start_ticks), grace * (levels + 1) + 5):
                 console.print("[yellow]the supervisor did not stop in time; killing it[/]")
                 kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
-        leftovers = _stop_leftovers(records, grace) + _stop_remote(state, plan, grace)
+        remote, unchecked = _stop_remote(state, plan, grace)
+        leftovers = _stop_leftovers(records, grace) + remote
         state.clear_runtime_files()
         ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
+    for why in unchecked:
+        console.print(f"[bold red]error:[/] cannot check what is left of the graph on {why}", highlight=False)
+    if unchecked and not (leftovers or ports):
+        return 1
     if leftovers or ports:
         console.print(
             f"[bold red]error:[/] still alive: {', '.join(leftovers) or '-'}; "
@@ -364,9 +369,10 @@ def _reap_orphans(state: StateDir) -> list[str]:
     """Before a fresh supervisor: stop processes a dead one left behind and forget its files.
     Returns the names of any that would not stop (then nothing may be started)."""
     plan = state.read_plan()
-    leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + _stop_remote(
-        state, plan, _grace(plan)
-    )
+    # A host that cannot be reached does not block: the agents there stop what the dead supervisor
+    # left once their connections are gone, and preflight reports the host if the graph still uses it.
+    remote, _ = _stop_remote(state, plan, _grace(plan))
+    leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + remote
     if not leftovers:
         state.clear_runtime_files()
     return leftovers
@@ -399,11 +405,11 @@ def _running(record: ProcessRecord) -> bool:
     return record.pid is not None and pid_alive(record.pid, record.start_ticks)
 
 
-def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> list[str]:
-    """Stop and list what is left of the graph on each remote host (normally nothing: the agents
-    stop their processes with the supervisor). A host that cannot be asked counts as a leftover."""
+def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list[str], list[str]]:
+    """Stop what is left of the graph on each remote host (normally nothing: the agents stop
+    their processes with the supervisor); returns what would not stop and the hosts not reached."""
     if plan is None or not plan.hosts:
-        return []
+        return [], []
     from dynamo_graph.graph.supervise.ssh import sweep_hosts
 
     return asyncio.run(sweep_hosts(plan.hosts, state.root, grace))

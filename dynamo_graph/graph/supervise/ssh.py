@@ -38,7 +38,7 @@ RECONNECT_TRIES = 5  # the runner's restart policy retries on a longer scale
 RECONNECT_BACKOFF_S = (0.2, 3.0)  # first delay, ceiling; doubling in between
 KEEPALIVE_S = 2.0  # a silent connection is declared dead after 3 missed keepalives
 AGENT_START_TIMEOUT_S = 30.0
-AGENT_RUN_TIMEOUT_S = 60.0  # scan --kill waits a grace; probe may wait on nvidia-smi
+AGENT_RUN_TIMEOUT_S = 60.0  # probe may wait on nvidia-smi; scan --kill gets its grace on top
 LOST = 255  # exit code of a process whose connection was lost (what `ssh` exits with)
 
 
@@ -146,10 +146,11 @@ class SshHosts:
             conn = await self.connection(key, full=conn)
             return await conn.create_process(command, encoding=None)
 
-    async def run(self, key: str, *args: str, stdin: str = "") -> Completed:
-        """Run the agent with `args` on host `key` and collect its output."""
+    async def run(self, key: str, *args: str, stdin: str = "", extra_s: float = 0.0) -> Completed:
+        """Run the agent with `args` on host `key` and collect its output (given AGENT_RUN_TIMEOUT_S
+        plus `extra_s`)."""
         try:
-            async with asyncio.timeout(AGENT_RUN_TIMEOUT_S):
+            async with asyncio.timeout(AGENT_RUN_TIMEOUT_S + extra_s):
                 proc = await self.session(key, agent.command(self.hosts[key].python, *args))
                 out, err = await proc.communicate(stdin.encode())
                 await proc.wait_closed()
@@ -307,23 +308,30 @@ def last_line(stdout: str) -> str:
     return lines[-1] if lines else ""
 
 
-async def sweep_hosts(hosts: dict[str, RemoteHost], state_root: Path, grace: float) -> list[str]:
-    """On every host: stop the graph's processes still there (SIGTERM, grace, SIGKILL) and
-    return what could not be stopped, or the hosts that could not be asked, as `name on host`."""
+async def sweep_hosts(
+    hosts: dict[str, RemoteHost], state_root: Path, grace: float
+) -> tuple[list[str], list[str]]:
+    """On every host: stop the graph's processes still there (SIGTERM, grace, SIGKILL). Returns
+    those that would not stop (`name on host (pid N)`) and the hosts that could not be asked."""
     pool = SshHosts(dict(hosts))
     tag = agent.graph_tag(state_root)
+    left: list[str] = []
+    unchecked: list[str] = []
 
-    async def one(key: str) -> list[str]:
+    async def one(key: str) -> None:
         try:
-            done = await pool.run(key, "scan", f"{tag}/", "--kill", f"{grace:g}")
+            done = await pool.run(key, "scan", f"{tag}/", "--kill", f"{grace:g}", extra_s=grace)
         except SshError as e:
-            return [f"{key}: cannot check ({e})"]
+            unchecked.append(str(e))
+            return
         if done.exit_status != 0:
-            return [f"{key}: cannot check ({done.stderr.strip()[-300:]})"]
-        left: dict[str, str] = json.loads(last_line(done.stdout))
-        return [f"{proc.rpartition('/')[2]} on {key} (pid {pid})" for pid, proc in left.items()]
+            unchecked.append(f"{describe(key, hosts[key])}: {done.stderr.strip()[-300:]}")
+            return
+        found: dict[str, str] = json.loads(last_line(done.stdout))
+        left.extend(f"{proc.rpartition('/')[2]} on {key} (pid {pid})" for pid, proc in found.items())
 
     try:
-        return [item for found in await asyncio.gather(*(one(k) for k in sorted(hosts))) for item in found]
+        await asyncio.gather(*(one(k) for k in sorted(hosts)))
     finally:
         await pool.close()
+    return left, unchecked
