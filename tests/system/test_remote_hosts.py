@@ -313,6 +313,7 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
             "hosts.h0.ssh.known_hosts": None,
             "hosts.h0.ssh.host_key": wrong_key,
             "hosts.h1.gpus": 1,
+            "hosts.h1.workdir": "/nonexistent/workdir",
             "models.elsewhere": {"path": "/nonexistent/dyngraph-model"},
             # h0 again as: h5 with an empty known_hosts (unknown key), h6 with a python that lacks
             # dyngraph, h7 with no python at all, h9 on a port nothing listens on; h8: h1 with a key
@@ -346,10 +347,11 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
     assert elapsed < 20
     errors = [line for line in up.stderr.splitlines() if line.startswith("error:")]
     text = "\n".join(errors)
-    assert len(errors) == 8, up.stderr
+    assert len(errors) == 9, up.stderr
     assert "hosts.h0.ssh.host_key: host 'h0'" in text and "host key refused" in text
     assert f"{graph.file}:" in text  # file:line of the key
     assert "models.elsewhere.path: host 'h1': /nonexistent/dyngraph-model does not exist" in text
+    assert "hosts.h1.workdir: host 'h1': /nonexistent/workdir does not exist" in text
     assert "hosts.h1.gpus: host 'h1': the placement needs 1 GPU(s)" in text and "has 0" in text
     assert (
         f"hosts.h8.ssh.identity_file: host 'h8' (root@{h1_ssh['address']}:22): authentication refused" in text

@@ -3,7 +3,7 @@ anything starts, all at once, each problem with its host, graph key and file:lin
 
 On every remote host (all at the same time): the ssh connection (reachable, host key, login),
 then one run of the agent's `probe`, which tells whether the host's python runs dyngraph at a
-compatible version, which model files are missing there, how many GPUs `nvidia-smi` sees (when
+compatible version, which model files (and workdir) are missing there, how many GPUs `nvidia-smi` sees (when
 the plan gives that host any) and which pinned ports are taken. On this host: pinned ports and,
 when the plan gives it GPUs, the GPU count. Port checks are skipped when the graph already runs
 (its own processes hold them). A graph with problems raises GraphError: the CLI prints it and
@@ -53,6 +53,8 @@ def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]
                 path = spec.argv[spec.argv.index(flag) + 1]
                 if path.startswith("/"):  # not a hub id, which resolves from the host's cache
                     need.paths.setdefault(path, f"models.{model}.{key}")
+        if spec.host != LOCAL and graph.host(spec.host).workdir:
+            need.paths.setdefault(spec.workdir, f"hosts.{spec.host}.workdir")
         if devices := spec.env.get("CUDA_VISIBLE_DEVICES"):
             need.gpus = max(need.gpus, 1 + max(int(d) for d in devices.split(",")))
             need.gpu_users.append(spec.name)
