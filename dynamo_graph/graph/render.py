@@ -29,6 +29,7 @@ from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
 FORMATS = ("yaml", "json", "shell", "mermaid")
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
+_ADDRESS = re.compile(r"^(?:https?://)?\[?([^\]/]+?)\]?:(\d+|\{port:[^}]+\})")  # host, port of a probe target
 
 
 def redact_env(env: dict[str, str]) -> dict[str, str]:
@@ -96,8 +97,9 @@ def _shell_var(name: str) -> str:
 
 
 def render_shell(graph: Graph, plan: Plan) -> str:
-    """The commands a person could run by hand, in dependency order, auto ports picked first.
-    Secrets show as `***`: set them before running it."""
+    """The commands a person could run by hand, in dependency order, auto ports picked first; a
+    process others depend on with a tcp or http readiness probe (managed etcd and nats) is waited
+    for until its port answers. Secrets show as `***`: set them before running it."""
     plan = redact_plan(plan)
     lines = [
         "#!/usr/bin/env bash",
@@ -113,6 +115,8 @@ def render_shell(graph: Graph, plan: Plan) -> str:
             "print(s.getsockname()[1])'; }"
         )
         lines += [f"{_shell_var(name)}=$(free_port)" for name in auto]
+    if any(p.workdir == plan.state_dir for p in plan.processes):  # managed etcd / nats run there
+        lines.append(f"mkdir -p {shlex.quote(plan.state_dir)}")
     for path, text in plan.files.items():
         lines.append(f"mkdir -p {shlex.quote(str(path).rsplit('/', 1)[0])}")
         lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
@@ -128,6 +132,12 @@ def render_shell(graph: Graph, plan: Plan) -> str:
             var = _known_hosts_var(key)
             lines.append(f"{var}=$(mktemp)")
             lines.append(f'echo {shlex.quote(_known_hosts_line(host))} > "${var}"')
+    awaited = {d for p in plan.processes for d in p.depends_on}
+    if any(p.name in awaited and p.readiness.kind != "log" for p in plan.processes):
+        lines.append(
+            'wait_tcp() { for _ in $(seq 600); do (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null && return; '
+            'sleep 0.1; done; echo "$1:$2 did not open" >&2; exit 1; }'
+        )
     for proc in plan.processes:
         lines.append("")
         lines.append(
@@ -137,10 +147,12 @@ def render_shell(graph: Graph, plan: Plan) -> str:
             lines.append(
                 _remote_command(proc, proc.host, plan.hosts[proc.host], agent.graph_tag(plan.state_dir), sub)
             )
-            continue
-        env = " ".join(f"{k}={sub(v)}" for k, v in proc.env.items())
-        command = " ".join(sub(a) for a in proc.argv)
-        lines.append(f"(cd {shlex.quote(proc.workdir)} && {env + ' ' if env else ''}{command}) &")
+        else:
+            env = " ".join(f"{k}={sub(v)}" for k, v in proc.env.items())
+            command = " ".join(sub(a) for a in proc.argv)
+            lines.append(f"(cd {shlex.quote(proc.workdir)} && {env + ' ' if env else ''}{command}) &")
+        if proc.name in awaited and (address := _ADDRESS.match(proc.readiness.target)):
+            lines.append(f"wait_tcp {sub(address.group(1))} {sub(address.group(2))}")
     lines.append("wait")
     return "\n".join(lines) + "\n"
 

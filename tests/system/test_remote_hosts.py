@@ -275,6 +275,40 @@ def test_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     assert [p for p in graph.local_ports() if not refuses(*p)] == []
 
 
+def test_rendered_shell_script_runs_the_graph_over_ssh(
+    make_graph: Callable[..., RemoteGraph], tmp_path: Path
+) -> None:
+    """`render -f shell` is what `up` runs: the script, run as it is, serves the graph through ssh
+    and the agents, and killing it leaves nothing on the hosts."""
+    graph = make_graph()
+    render = graph.cli("render", "-f", "shell")
+    assert render.returncode == 0, render.stderr
+    assert render.stdout.count("| ssh ") == 2 and SECRET not in render.stdout
+    script = tmp_path / "graph.sh"
+    script.write_text(render.stdout.replace("***", SECRET))  # secrets are the reader's to fill in
+    env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "DYN_TOKEN_ECHO_DELAY_MS": "0"}
+    with (tmp_path / "graph.out").open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", str(script)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for(lambda: _answers(graph), 60, "the hand-run graph to answer")
+        assert len(graph.remote_pids()) >= 4  # an sshd session child and an agent per worker, the workers
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    wait_for(lambda: graph.remote_pids() == [], 15, "the remote workers to stop with their ssh sessions")
+    wait_for(lambda: not _group_alive(proc.pid), 15, "the script's local processes to stop")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_partition_stops_the_remote_process_and_the_graph_heals(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
