@@ -16,10 +16,10 @@ channel, and the supervisor writes `ping` on it every few seconds. `term` on std
 closing (the supervisor died, the connection dropped, sshd's session child was killed), or no
 line for three heartbeats (a network partition that neither end's TCP has noticed yet) stops
 the process: SIGTERM to its group, SIGKILL after the grace, then SIGKILL to whatever is left in
-the group. Should the agent itself be killed with SIGKILL,
-the process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children in other sessions
-are then found by `scan --kill`, which `dyngraph down` runs on every host: every process of a
-graph carries `DYNGRAPH_PROC=<graph id>/<name>` in its environment.
+the group. Should the agent itself be killed with SIGKILL, the process gets SIGKILL from the
+kernel (PR_SET_PDEATHSIG); its own children in other sessions are then found by `scan --kill`,
+which `dyngraph down` runs on every host: every process of a graph carries
+`DYNGRAPH_PROC=<graph id>/<name>` in its environment.
 """
 
 from __future__ import annotations
@@ -109,7 +109,11 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def _start_ticks(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    """Start time of `pid` in clock ticks since boot; 0 when it is already gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
     return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
@@ -124,7 +128,10 @@ def _command(argv: list[str]) -> list[str]:
 
 def run() -> int:
     stdin = _Stdin()
-    spec = json.loads(stdin.line(None) or b"{}")
+    request = stdin.line(None)
+    if not request:
+        return 2  # the supervisor went away before saying what to run
+    spec = json.loads(request)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], TAG_ENV: spec["tag"]}
     try:
         child = subprocess.Popen(
