@@ -26,7 +26,7 @@ from dynamo_graph.graph.supervise import agent
 from dynamo_graph.graph.validate import SourceLocator, fixed_ports, locate
 
 if TYPE_CHECKING:  # ssh.py (and asyncssh) load only for a plan with remote hosts
-    from dynamo_graph.graph.supervise.ssh import SshHosts
+    from dynamo_graph.graph.supervise.ssh import SshError, SshHosts
 
 MIN_PYTHON = (3, 11)
 ANY_ADDRESS = "0.0.0.0"  # a port held on any interface cannot be bound here
@@ -68,12 +68,15 @@ def _python_key(graph: Graph, host: str) -> str:
     return f"hosts.{host}.venv" if graph.host(host).venv else f"hosts.{host}.python"
 
 
-def _ssh_key(graph: Graph, host: str, error: str) -> str:
+def _ssh_key(graph: Graph, host: str, error: SshError) -> str:
+    """The graph key to change for a failed ssh connection."""
+    from dynamo_graph.graph.supervise.ssh import AuthRefused, HostKeyRefused
+
     ssh = graph.host(host).ssh
     assert ssh is not None
-    if "host key" in error:
+    if isinstance(error, HostKeyRefused):
         return f"hosts.{host}.ssh.host_key" if ssh.host_key else f"hosts.{host}.ssh.known_hosts"
-    if "authentication" in error and ssh.identity_file:
+    if isinstance(error, AuthRefused) and ssh.identity_file:
         return f"hosts.{host}.ssh.identity_file"
     return f"hosts.{host}.ssh.address"
 
@@ -128,7 +131,7 @@ async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeed
     try:
         done = await pool.run(host, "probe", stdin=json.dumps(ask) + "\n")
     except SshError as e:
-        return [Problem(_ssh_key(graph, host, str(e)), str(e))]
+        return [Problem(_ssh_key(graph, host, e), str(e))]
     stderr = done.stderr
     if done.exit_status == 127 or "No such file" in stderr:
         why = f"{remote.python} not found"

@@ -46,6 +46,18 @@ class SshError(OSError):
     """A host could not be reached, refused us, or the agent could not start there."""
 
 
+class Unreachable(SshError):
+    """No ssh connection could be made (network, sshd down): worth trying again."""
+
+
+class HostKeyRefused(SshError):
+    """The host's key is not the one known_hosts or the graph pins: never retried, never accepted."""
+
+
+class AuthRefused(SshError):
+    """The host did not accept the login."""
+
+
 @dataclass(frozen=True)
 class Completed:
     """What a finished agent command left: its exit status (None: killed) and its output."""
@@ -86,14 +98,14 @@ async def connect(key: str, host: RemoteHost) -> asyncssh.SSHClientConnection:
         else:
             listing = host.known_hosts or "the ssh client's known_hosts files"
             why = f"it is not listed in {listing} (an unknown host, or its key changed)"
-        raise SshError(
+        raise HostKeyRefused(
             f"{where}: host key refused: {why}; if the host was reinstalled, check its new key and "
             "update the graph or known_hosts"
         ) from None
     except asyncssh.PermissionDenied as e:
-        raise SshError(f"{where}: authentication refused ({e.reason})") from None
+        raise AuthRefused(f"{where}: authentication refused ({e.reason})") from None
     except (OSError, asyncssh.Error, TimeoutError) as e:
-        raise SshError(f"{where}: unreachable ({e or type(e).__name__})") from None
+        raise Unreachable(f"{where}: unreachable ({e or type(e).__name__})") from None
 
 
 class SshHosts:
@@ -130,9 +142,9 @@ class SshHosts:
                     conn = await connect(key, self.hosts[key])
                     live.append(conn)
                     return conn
-                except SshError as e:
-                    if "unreachable" not in str(e) or attempt == self.tries - 1:
-                        raise  # a refused key or login does not get better by retrying
+                except Unreachable:  # a refused key or login does not get better by retrying
+                    if attempt == self.tries - 1:
+                        raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
             raise AssertionError("unreachable: the loop returns or raises")
