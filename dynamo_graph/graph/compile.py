@@ -4,7 +4,8 @@ etcd / nats-server the graph asks dyngraph to manage).
 The plan is what `dyngraph up` launches and what `dyngraph render` prints, so it is a pure
 function of the validated graph and where its file lives: same input, same plan, byte for
 byte. Ports the graph leaves as `auto` appear as `{port:NAME}` placeholders that the
-supervisor fills with free ports at launch; the argv's leading `dyngraph` is the console
+supervisor fills with ports free on the host of the process that declares them, at launch (a
+remote host is asked over ssh); the argv's leading `dyngraph` is the console
 script (a launcher may run it as `python -m dynamo_graph`).
 
 Processes on remote hosts get their host's `env`, its advertise address (DYN_TCP_HOST /
@@ -226,6 +227,8 @@ class _Compiler:
         if comp.models is not None and len(endpoints) == 1:
             out = endpoints.pop()  # serve just that endpoint's workers
         router = comp.router
+        port_name = f"{name}-0.http"
+        http_port = _port(comp.http.port, port_name)
         argv = [
             "dyngraph",
             "run",
@@ -234,7 +237,7 @@ class _Compiler:
             "--http-host",
             comp.http.host,
             "--http-port",
-            str(comp.http.port),
+            http_port,
             "--router-mode",
             router.mode,
             "--kv-overlap-score-weight",
@@ -267,7 +270,7 @@ class _Compiler:
         probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
         # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
         # and workers start in parallel; a frontend with no workers in the graph is ready when live.
-        probe_url = f"http://{probe_host}:{comp.http.port}{'/health' if serves_workers else '/live'}"
+        probe_url = f"http://{probe_host}:{http_port}{'/health' if serves_workers else '/live'}"
         return ProcessSpec(
             name=f"{name}-0",
             component=name,
@@ -281,7 +284,7 @@ class _Compiler:
                 **auth_env,
             },
             workdir=self._workdir(comp.host),
-            ports={"http": comp.http.port},
+            ports={port_name: comp.http.port},
             depends_on=depends_on,
             readiness=Probe("http", probe_url, comp.readiness.timeout_s),
             restart=restart,

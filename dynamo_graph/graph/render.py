@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec, RemoteHost
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.schema import Graph
 from dynamo_graph.graph.supervise import agent
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
@@ -106,15 +106,28 @@ def render_shell(graph: Graph, plan: Plan) -> str:
         f"# dyngraph plan for graph {plan.graph!r} ({plan.graph_file})",
         "set -euo pipefail",
     ]
+    for key, host in plan.hosts.items():
+        if host.host_key:
+            var = _known_hosts_var(key)
+            lines.append(f"{var}=$(mktemp)")
+            lines.append(f'echo {shlex.quote(_known_hosts_line(host))} > "${var}"')
     auto = sorted(
         {m for p in plan.processes for text in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(text)}
     )
-    if auto:
+    owner = {name: p.host for p in plan.processes for name in p.ports}  # a port is free where it listens
+    if any(owner.get(name, LOCAL) == LOCAL for name in auto):
         lines.append(
             'free_port() { python3 -c \'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); '
             "print(s.getsockname()[1])'; }"
         )
-        lines += [f"{_shell_var(name)}=$(free_port)" for name in auto]
+    for name in auto:
+        if (host := owner.get(name, LOCAL)) in plan.hosts:
+            ask = shlex.quote(agent.command(plan.hosts[host].python, "ports", "1"))
+            lines.append(
+                f"{_shell_var(name)}=$({' '.join(_ssh_words(host, plan.hosts[host]))} {ask} | tr -d '[]')"
+            )
+        else:
+            lines.append(f"{_shell_var(name)}=$(free_port)")
     if any(p.workdir == plan.state_dir for p in plan.processes):  # managed etcd / nats run there
         lines.append(f"mkdir -p {shlex.quote(plan.state_dir)}")
     for path, text in plan.files.items():
@@ -127,11 +140,6 @@ def render_shell(graph: Graph, plan: Plan) -> str:
         out = _PLACEHOLDER.sub(lambda m: "'\"$" + _shell_var(m.group(1)) + "\"'", quoted)
         return out.removeprefix("''").removesuffix("''")
 
-    for key, host in plan.hosts.items():
-        if host.host_key:
-            var = _known_hosts_var(key)
-            lines.append(f"{var}=$(mktemp)")
-            lines.append(f'echo {shlex.quote(_known_hosts_line(host))} > "${var}"')
     awaited = {d for p in plan.processes for d in p.depends_on}
     if any(p.name in awaited and p.readiness.kind != "log" for p in plan.processes):
         lines.append(
@@ -166,11 +174,8 @@ def _known_hosts_line(host: RemoteHost) -> str:
     return f"{name} {host.host_key}"
 
 
-def _remote_command(
-    proc: ProcessSpec, key: str, host: RemoteHost, tag: str, sub: Callable[[str], str]
-) -> str:
-    """The agent over ssh, fed the process on stdin and then a heartbeat: when they stop (the
-    script is killed), the agent stops the process."""
+def _ssh_words(key: str, host: RemoteHost) -> list[str]:
+    """`ssh ... user@address`, shell-quoted, checking the host key as `up` does."""
     ssh = ["ssh", "-p", str(host.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
     if host.identity_file:
         ssh += ["-i", host.identity_file]
@@ -179,8 +184,15 @@ def _remote_command(
     words = [shlex.quote(w) for w in ssh]
     if host.host_key:
         words += ["-o", f'UserKnownHostsFile="${_known_hosts_var(key)}"']
-    words.append(shlex.quote(f"{host.user}@{host.address}" if host.user else host.address))
-    words.append(shlex.quote(agent.command(host.python, "run")))
+    return [*words, shlex.quote(f"{host.user}@{host.address}" if host.user else host.address)]
+
+
+def _remote_command(
+    proc: ProcessSpec, key: str, host: RemoteHost, tag: str, sub: Callable[[str], str]
+) -> str:
+    """The agent over ssh, fed the process on stdin and then a heartbeat: when they stop (the
+    script is killed), the agent stops the process."""
+    words = [*_ssh_words(key, host), shlex.quote(agent.command(host.python, "run"))]
     request = agent.run_request(
         proc.argv, proc.env, proc.workdir, f"{tag}/{proc.name}", proc.shutdown_grace_s, agent.HEARTBEAT_S
     )

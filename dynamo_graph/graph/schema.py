@@ -318,8 +318,9 @@ class Http(_Model):
 
     host: str = "127.0.0.1"
     """Bind address (--http-host); `0.0.0.0` to serve other machines."""
-    port: Port = 8080
-    """Port (--http-port)."""
+    port: AutoPort = 8080
+    """Port (--http-port), or `auto` for one that is free on the frontend's host at `up` (kept
+    for the life of the supervisor; `up` prints it)."""
 
 
 class Router(_Model):

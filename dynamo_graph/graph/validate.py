@@ -409,7 +409,8 @@ def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
         yield LOCAL, nats.port, "infra.nats.port"
     for key, comp in graph.components.items():
         if isinstance(comp, Frontend):
-            yield comp.host, comp.http.port, f"components.{key}.http.port"
+            if isinstance(comp.http.port, int):
+                yield comp.host, comp.http.port, f"components.{key}.http.port"
         elif comp.tcp_port is not None:
             for i, host in enumerate(comp.hosts_of_replicas()):
                 yield host, comp.tcp_port + i, f"components.{key}.tcp_port"

@@ -254,16 +254,27 @@ def _answers(graph: RemoteGraph) -> bool:
         return False
 
 
-def test_remote_frontend_and_supervisor_killed_leaves_no_orphan(
-    make_graph: Callable[..., RemoteGraph],
+def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    # A second frontend on h1, on h1's loopback: only a probe made from h1 (through ssh) sees it.
-    edge_port = free_port()
-    graph = make_graph(**{"components.edge": {"kind": "frontend", "host": "h1", "http": {"port": edge_port}}})
+    # Two more frontends with `auto` ports: `side` here, `edge` on h1's loopback, where only a
+    # probe made from h1 (through ssh) sees it; its port is one that was free on h1.
+    graph = make_graph(
+        **{
+            "components.side": {"kind": "frontend", "http": {"port": "auto"}},
+            "components.edge": {"kind": "frontend", "host": "h1", "http": {"port": "auto"}},
+        }
+    )
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
+    ports = json.loads((graph.state / "ports.json").read_text())
+    edge_port, side_port = ports["edge-0.http"], ports["side-0.http"]
     assert f"edge-0: http://127.0.0.1:{edge_port}/v1 on host h1" in up.stdout
+    assert f"side-0: http://127.0.0.1:{side_port}/v1" in up.stdout
     assert graph.processes()["edge-0"]["state"] == "ready" and refuses("127.0.0.1", edge_port)
+    assert edge_port in ssh_hosts.hosts[1].listening_ports()
+    side = OpenAI(base_url=f"http://127.0.0.1:{side_port}/v1", api_key="none", max_retries=0, timeout=10)
+    assert [m.id for m in side.models.list().data] == ["tiny-model"]
     remote = graph.remote_pids()
     assert remote
     supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]

@@ -98,6 +98,21 @@ def test_plan_of_a_multi_host_graph(tmp_path: Path) -> None:
     assert worker.workdir == "/srv/dg" and procs["prefill-0"].workdir == "~"
 
 
+def test_auto_http_ports_are_placeholders_owned_by_the_frontend_s_host(tmp_path: Path) -> None:
+    plan = _build(
+        tmp_path,
+        GRAPH,
+        "+components.frontend.http={port: auto}",
+        "+components.edge={kind: frontend, host: gpu2, http: {port: auto}}",
+    ).plan
+    procs = {p.name: p for p in plan.processes}
+    edge = procs["edge-0"]
+    assert (edge.host, edge.ports) == ("gpu2", {"edge-0.http": "auto"})
+    assert edge.argv[edge.argv.index("--http-port") + 1] == "{port:edge-0.http}"
+    assert edge.readiness.target == "http://127.0.0.1:{port:edge-0.http}/health"
+    assert procs["frontend-0"].ports == {"frontend-0.http": "auto"}
+
+
 def test_gpu_ids_named_by_one_component_are_skipped_by_the_others(tmp_path: Path) -> None:
     plan = _build(tmp_path, GRAPH, "+components.decode.gpus.gpu_ids=[0,2]").plan
     devices = {p.name: p.env.get("CUDA_VISIBLE_DEVICES") for p in plan.processes if p.host == "gpu1"}
@@ -146,3 +161,14 @@ def test_shell_render_shows_the_ssh_commands_of_up(tmp_path: Path) -> None:
     assert "ubuntu@10.0.0.2 '/opt/dg/.venv/bin/python -m dynamo_graph.graph.supervise.agent run' &" in text
     assert "hush" not in text and '"HF_TOKEN": "***"' in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_shell_render_asks_a_remote_host_for_its_auto_ports(tmp_path: Path) -> None:
+    built = _build(tmp_path, GRAPH, "+components.edge={kind: frontend, host: gpu2, http: {port: auto}}")
+    lines = render(built.graph, built.plan, "shell").splitlines()
+    assert (
+        "PORT_EDGE_0_HTTP=$(ssh -p 2200 -o BatchMode=yes -o StrictHostKeyChecking=yes -o "
+        "UserKnownHostsFile=/keys/known_hosts 10.0.0.3 "
+        "'python3 -m dynamo_graph.graph.supervise.agent ports 1' | tr -d '[]')" in lines
+    )
+    assert "PORT_NATS_CLIENT=$(free_port)" in lines

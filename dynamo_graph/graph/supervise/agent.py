@@ -4,6 +4,7 @@ ssh, with the host's own python (`python -m dynamo_graph.graph.supervise.agent C
     run     start one process of the plan and watch over it (see below)
     scan    list (and with --kill, stop) the processes of a graph on this host
     probe   what preflight needs to know: versions, paths, GPUs, ports taken
+    ports   N free ports on this host (for `auto` ports of processes that run here)
 
 `run` reads the process (argv, env, workdir) as one JSON line on stdin, so no value of the env
 (a token, a key) is ever on a command line where `ps` would show it. The process runs in a new
@@ -251,6 +252,24 @@ def probe() -> int:
     return 0
 
 
+def free_ports(count: int, exclude: set[int]) -> list[int]:
+    """`count` distinct ports the kernel has free now, none in `exclude`: all bound at once, then
+    let go."""
+    held: list[socket.socket] = []
+    try:
+        while len(held) < count:
+            sock = socket.socket()
+            sock.bind(("", 0))
+            if sock.getsockname()[1] in exclude:
+                sock.close()
+                continue
+            held.append(sock)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def main(args: list[str]) -> int:
     if args[:1] == ["run"]:
         return run()
@@ -258,7 +277,10 @@ def main(args: list[str]) -> int:
         return scan(args[1], float(args[3]) if len(args) == 4 else None)
     if args[:1] == ["probe"]:
         return probe()
-    print("usage: agent run | scan PREFIX [--kill GRACE_S] | probe", file=sys.stderr)
+    if args[:1] == ["ports"] and len(args) >= 2:
+        print(json.dumps(free_ports(int(args[1]), {int(p) for p in args[2:]})))
+        return 0
+    print("usage: agent run | scan PREFIX [--kill GRACE_S] | probe | ports N [EXCLUDE...]", file=sys.stderr)
     return 2
 
 

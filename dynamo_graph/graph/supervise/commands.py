@@ -177,7 +177,7 @@ class DetachedUp:
             console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
             return 1
         console.print(status_table(plan, {r.name: r for r in state.read_processes()}, None))
-        for spec in plan.processes:
+        for spec in (state.read_plan() or plan).processes:  # as the supervisor filled its `auto` ports
             if url := frontend_url(spec):
                 console.print(f"{spec.name}: {url}", highlight=False)
         elapsed = time.monotonic() - self.started
@@ -226,7 +226,7 @@ def up_foreground(built: Built, console: Console) -> int:
                     announced = True
                     elapsed = time.monotonic() - started
                     prefix.event("dyngraph", f"all {len(records)} processes ready in {elapsed:.2f} s")
-                    for spec in plan.processes:
+                    for spec in (sup.plan or plan).processes:  # `auto` ports filled
                         if url := frontend_url(spec):
                             prefix.event("dyngraph", f"{spec.name}: {url}")
                 await asyncio.sleep(POLL_S)

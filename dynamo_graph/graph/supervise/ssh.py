@@ -29,7 +29,7 @@ from pathlib import Path
 
 import asyncssh
 
-from dynamo_graph.graph.plan import ProcessSpec, RemoteHost
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.supervise import agent
 from dynamo_graph.graph.supervise.local import mark_start
 
@@ -175,6 +175,25 @@ class SshHosts:
             bytes(out or b"").decode(errors="replace"),
             bytes(err or b"").decode(errors="replace"),
         )
+
+    async def allocate_ports(self, plan: Plan, ports: dict[str, int]) -> None:
+        """Give each `auto` port that a process on a remote host declares a port free on that
+        host, into `ports` (port name -> port; names already there keep theirs)."""
+        wanted: dict[str, list[str]] = {}
+        for spec in plan.processes:
+            if spec.host != LOCAL:
+                names = [n for n, p in spec.ports.items() if p == "auto" and n not in ports]
+                wanted.setdefault(spec.host, []).extend(names)
+        for host, names in wanted.items():
+            if not names:
+                continue
+            held = [str(p) for s in plan.processes if s.host == host for n in s.ports if (p := ports.get(n))]
+            done = await self.run(host, "ports", str(len(names)), *held)
+            if done.exit_status != 0:
+                raise SshError(
+                    f"{describe(host, self.hosts[host])}: no free ports: {done.stderr.strip()[-300:]}"
+                )
+            ports.update(zip(names, json.loads(last_line(done.stdout)), strict=True))
 
     async def close(self) -> None:
         conns = [c for host in self._conns.values() for c in host]

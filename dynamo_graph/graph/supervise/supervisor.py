@@ -204,15 +204,17 @@ class Supervisor:
     def persist(self) -> None:
         self.state.write_processes([r.record for r in self.runners.values()])
 
-    def apply(self, raw: Plan) -> list[str]:
+    async def apply(self, raw: Plan) -> list[str]:
         """Make `raw` the running plan; returns the changes as `+ name`, `~ name`, `- name`.
-        Starting and stopping go on in the background."""
+        Starting and stopping go on in the background; what waits here is asking remote hosts
+        for their `auto` ports (raises SshError when one cannot be asked)."""
         if raw.hosts:
             from dynamo_graph.graph.supervise.ssh import SshHosts
 
             if self.ssh is None:
                 self.ssh = SshHosts({})
             self.ssh.update(raw.hosts)
+            await self.ssh.allocate_ports(raw, self.ports)
         moved = {h for h in raw.hosts if self.plan is not None and self.plan.hosts.get(h) != raw.hosts[h]}
         plan = fill_plan(raw, self.ports)
         for path, text in plan.files.items():
