@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import dynamo_graph
 from dynamo_graph.graph.supervise import agent
 
 SECRET = "agent-secret-value"
@@ -129,3 +131,39 @@ def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
     assert scan("dg-other/") == {}
     assert scan("dg-scan-test/", "--kill", "0.3") == {}  # it ignores SIGTERM: SIGKILL after the grace
     assert not _alive(pid)
+
+
+def test_probe_reports_versions_paths_gpus_and_taken_ports(tmp_path: Path) -> None:
+    """`probe` as preflight runs it; GPUs counted from `nvidia-smi -L` (a stand-in printing what
+    the real one prints on a machine with two GPUs, one split by MIG)."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        '#!/bin/sh\n[ "$1" = -L ] || exit 2\n'
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'\n"
+        "echo '  MIG 3g.40gb     Device  0: (UUID: MIG-cccc)'\n"
+    )
+    smi.chmod(0o755)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ask = {
+            "paths": [str(tmp_path), str(tmp_path / "missing")],
+            "gpus": True,
+            "ports": [["0.0.0.0", port]],
+        }
+        out = subprocess.run(
+            [sys.executable, "-m", agent.MODULE, "probe"],
+            input=json.dumps(ask) + "\n",
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"},
+            timeout=30,
+        )
+    found = json.loads(out.stdout)
+    assert found["gpus"] == 2 and found["gpu_note"] == ""
+    assert found["missing"] == [str(tmp_path / "missing")]
+    assert found["taken"] == [["0.0.0.0", port]]
+    assert found["version"] == dynamo_graph.__version__
