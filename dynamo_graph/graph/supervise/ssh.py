@@ -13,9 +13,13 @@ Each remote process is the agent (agent.py) started over one channel: it gets th
 spec as a JSON line on stdin (so env values never reach a command line), answers `pid ...`,
 streams the output, which is appended here to the same per-process log as a local process's,
 and ends with `exit CODE`. The agent is the watchdog against orphans: when the channel closes
-(supervisor gone, connection cut) it stops its process. A dropped connection ends every
-channel on it, so the runners see their processes exit (code 255, as `ssh` reports it) and
-apply their restart policy; the next start reconnects, with backoff.
+(supervisor gone, connection cut) or the supervisor's heartbeat on it stops (a partition), it
+stops its process. A dropped connection ends every channel on it, so the runners see their
+processes exit (code 255, as `ssh` reports it) and apply their restart policy; the next start
+reconnects, with backoff. Processes are never re-adopted: a new supervisor starts fresh ones.
+
+Readiness probes of a remote process connect from its host, through the ssh connection, and
+`auto` ports of a process on a remote host are ports free there (the agent's `ports`).
 """
 
 from __future__ import annotations
