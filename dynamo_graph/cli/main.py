@@ -6,7 +6,9 @@ Thin on purpose: parse, call into the package, print. `run` takes dynamo-run's w
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -229,18 +231,26 @@ def run_command(
     raise typer.Exit(code)
 
 
-def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a graph.build.Built
-    from dynamo_graph.graph.build import build
+@contextlib.contextmanager
+def _graph_problems(graph_file: Path) -> Iterator[None]:
+    """Print a GraphError's problems (a bad graph, or preflight on its hosts) and exit 2."""
     from dynamo_graph.graph.errors import GraphError
 
     try:
-        return build(graph_file, overrides or [])
+        yield
     except GraphError as e:
         for problem in e.problems:
             err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
         count = len(e.problems)
         err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
         raise typer.Exit(2) from None
+
+
+def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a graph.build.Built
+    from dynamo_graph.graph.build import build
+
+    with _graph_problems(graph_file):
+        return build(graph_file, overrides or [])
 
 
 GraphFile = Annotated[Path, typer.Argument(help="the graph YAML file")]
@@ -288,9 +298,13 @@ def up_command(
 
     out = Console(soft_wrap=True)
     if not detach:
-        raise typer.Exit(commands.up_foreground(_build_or_exit(graph_file, overrides), out))
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):  # preflight on the graph's hosts
+            raise typer.Exit(commands.up_foreground(built, out))
     with commands.DetachedUp(_state_of(graph_file)) as up:  # the supervisor boots while we load
-        code = up.run(_build_or_exit(graph_file, overrides), out)
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            code = up.run(built, out)
     raise typer.Exit(code)
 
 

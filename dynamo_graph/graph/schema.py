@@ -28,12 +28,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
-
-LOCAL = "local"
-"""The host dyngraph runs on; it always exists, declared or not."""
 
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 """Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
@@ -199,6 +197,20 @@ class Ssh(_Model):
     """ssh port."""
     identity_file: str | None = None
     """Private key file (`ssh -i`)."""
+    known_hosts: str | None = None
+    """known_hosts file that must list the host's key; default the ssh client's
+    (`~/.ssh/known_hosts`). An unknown or changed host key is refused, never accepted."""
+    host_key: str | None = None
+    """The host's public key pinned in the graph (`ssh-ed25519 AAAA...`, as in
+    `/etc/ssh/ssh_host_ed25519_key.pub`); instead of `known_hosts`."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> Ssh:
+        if self.known_hosts is not None and self.host_key is not None:
+            raise field_error("host_key", "give either `host_key` or `known_hosts`, not both")
+        if self.host_key is not None and len(self.host_key.split()) < 2:
+            raise field_error("host_key", "expected `TYPE BASE64` (a line of a *.pub host key file)")
+        return self
 
 
 class Host(_Model):
@@ -306,8 +318,9 @@ class Http(_Model):
 
     host: str = "127.0.0.1"
     """Bind address (--http-host); `0.0.0.0` to serve other machines."""
-    port: Port = 8080
-    """Port (--http-port)."""
+    port: AutoPort = 8080
+    """Port (--http-port), or `auto` for one that is free on the frontend's host at `up` (kept
+    for the life of the supervisor; `up` prints it)."""
 
 
 class Router(_Model):

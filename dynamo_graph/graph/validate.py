@@ -39,11 +39,11 @@ def validate_graph(data: Any, source: SourceLocator | None, *, file: str) -> Gra
     else:
         problems = [p for check in CHECKS for p in check(graph)]
     if problems:
-        raise GraphError([_located(p, source, file) for p in problems])
+        raise GraphError([locate(p, source, file) for p in problems])
     return graph
 
 
-def _located(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
+def locate(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
     """Attach the location of the path, or of its nearest parent that has one, else the file."""
     path = problem.path
     while source is not None:
@@ -391,14 +391,15 @@ def check_ports(graph: Graph) -> Iterator[Problem]:
     """Fixed ports on one host must differ: HTTP ports, workers' tcp ports, managed infra (which
     runs on the local host). Bind addresses are ignored: 127.0.0.1 and 0.0.0.0 still clash."""
     owners: dict[tuple[str, int], str] = {}
-    for host, port, path in _fixed_ports(graph):
+    for host, port, path in fixed_ports(graph):
         if (host, port) in owners:
             yield Problem(path, f"port {port} on host {host!r} is already used by {owners[host, port]}")
         else:
             owners[host, port] = path
 
 
-def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+    """(host, port, key path) of every port the graph pins (preflight checks they are free)."""
     etcd, nats = graph.infra.etcd, graph.infra.nats
     if etcd is not None and etcd.managed:
         for field in ("client_port", "peer_port"):
@@ -408,7 +409,8 @@ def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
         yield LOCAL, nats.port, "infra.nats.port"
     for key, comp in graph.components.items():
         if isinstance(comp, Frontend):
-            yield comp.host, comp.http.port, f"components.{key}.http.port"
+            if isinstance(comp.http.port, int):
+                yield comp.host, comp.http.port, f"components.{key}.http.port"
         elif comp.tcp_port is not None:
             for i, host in enumerate(comp.hosts_of_replicas()):
                 yield host, comp.tcp_port + i, f"components.{key}.tcp_port"
@@ -460,14 +462,22 @@ def check_planes(graph: Graph) -> Iterator[Problem]:
 
 def check_multi_host(graph: Graph) -> Iterator[Problem]:
     """Components on several hosts need shared discovery (etcd), a request plane that crosses
-    machines (nats, or tcp with an address other hosts reach each worker host at) and infra the
-    remote hosts can reach."""
+    machines (nats, or tcp with an address other hosts reach each worker host at), KV events a
+    kv router on another host can receive, and infra the remote hosts can reach."""
     remote = sorted(h for h in _hosts_used(graph) if h != LOCAL and h in graph.hosts)
     if not remote:
         return
     why = f"components run on host {remote[0]!r}"
     if graph.runtime.discovery != "etcd":
         yield Problem("runtime.discovery", f"{why}: use `discovery: etcd` (file discovery is one machine)")
+    kv_routed = [k for k, f in graph.frontends().items() if f.router.mode == "kv" and f.router.use_kv_events]
+    if graph.runtime.event_plane == "zmq" and kv_routed:
+        # Workers' zmq publishers bind and announce 127.0.0.1: a router on another host cannot subscribe.
+        yield Problem(
+            "runtime.event_plane",
+            f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
+            "their own host's loopback; use `event_plane: nats`",
+        )
     if graph.runtime.request_plane == "tcp":
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):
