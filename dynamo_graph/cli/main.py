@@ -214,18 +214,24 @@ def run_command(
     raise typer.Exit(code)
 
 
-def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a graph.build.Built
+def _problems(graph_file: Path, error) -> typer.Exit:  # error: graph.errors.GraphError
+    for problem in error.problems:
+        err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
+    count = len(error.problems)
+    err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
+    return typer.Exit(2)
+
+
+def _build_or_exit(
+    graph_file: Path, overrides: list[str] | None, engines: str = "dyngraph"
+):  # returns a graph.build.Built
     from dynamo_graph.graph.build import build
     from dynamo_graph.graph.errors import GraphError
 
     try:
-        return build(graph_file, overrides or [])
+        return build(graph_file, overrides or [], engines=engines)  # type: ignore[arg-type]
     except GraphError as e:
-        for problem in e.problems:
-            err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
-        count = len(e.problems)
-        err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _problems(graph_file, e) from None
 
 
 GraphFile = Annotated[Path, typer.Argument(help="the graph YAML file")]
@@ -245,14 +251,40 @@ def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None
 def render_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid")] = "yaml",
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid | k8s | dynamo-k8s")
+    ] = "yaml",
 ) -> None:
-    from dynamo_graph.graph.render import FORMATS, render
+    from dynamo_graph.graph.errors import GraphError
+    from dynamo_graph.graph.render import ENGINES_OF_FORMAT, FORMATS, render
 
     if fmt not in FORMATS:
         raise _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    built = _build_or_exit(graph_file, overrides)
-    sys.stdout.write(render(built.graph, built.plan, fmt))
+    built = _build_or_exit(graph_file, overrides, ENGINES_OF_FORMAT.get(fmt, "dyngraph"))
+    try:
+        text = render(built.graph, built.plan, fmt)
+    except GraphError as e:
+        raise _problems(graph_file, e) from None
+    sys.stdout.write(text)
+
+
+@app.command("import", help="Write the graph equivalent to a Dynamo DynamoGraphDeployment (DGD) file.")
+def import_command(
+    dgd_file: Annotated[Path, typer.Argument(help="a DynamoGraphDeployment YAML file")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="the graph file to write")],
+) -> None:
+    from dynamo_graph.graph.dgd_import import DgdError, import_dgd_file
+    from dynamo_graph.graph.errors import GraphError
+
+    try:
+        imported = import_dgd_file(dgd_file, output)
+    except DgdError as e:
+        raise _fail(f"{dgd_file}: {e}") from None
+    except GraphError as e:
+        raise _problems(output, e) from None
+    for note in imported.notes:
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    err.print(f"{output}: graph {imported.name!r} from {dgd_file}", highlight=False)
 
 
 def _state_of(graph_file: Path):  # returns a graph.supervise.state.StateDir

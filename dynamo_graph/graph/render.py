@@ -19,11 +19,14 @@ from typing import Any
 import msgspec
 import yaml
 
+from dynamo_graph.graph.dynamo_k8s import render_dynamo_k8s
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
-FORMATS = ("yaml", "json", "shell", "mermaid")
+FORMATS = ("yaml", "json", "shell", "mermaid", "dynamo-k8s")
+ENGINES_OF_FORMAT = {"dynamo-k8s": "dynamo"}
+"""Formats whose workers run another project's engines (the validation they need: validate.Engines)."""
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
 
@@ -176,7 +179,13 @@ def render_mermaid(graph: Graph, plan: Plan) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"yaml": render_yaml, "json": render_json, "shell": render_shell, "mermaid": render_mermaid}
+RENDERERS = {
+    "yaml": render_yaml,
+    "json": render_json,
+    "shell": render_shell,
+    "mermaid": render_mermaid,
+    "dynamo-k8s": render_dynamo_k8s,
+}
 
 
 def render(graph: Graph, plan: Plan, fmt: str) -> str:
