@@ -144,9 +144,19 @@ def metadata(graph: Graph, name: str, component: str | None = None) -> dict[str,
     return meta
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a dict used twice (a selector and the pod labels) twice, not as `&id001`/`*id001`,
+    which some tools and many readers trip over."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_documents(docs: list[dict[str, Any]], header: list[str]) -> str:
     """Multi-document YAML with sorted keys (lists keep their order, which is meaningful), after
     `#` header lines: the same graph gives the same bytes."""
     lines = [f"# {line}" if line else "#" for line in header]
-    body = yaml.safe_dump_all(docs, sort_keys=True, default_flow_style=False, width=120, explicit_start=True)
+    body = yaml.dump_all(
+        docs, Dumper=_PlainDumper, sort_keys=True, default_flow_style=False, width=120, explicit_start=True
+    )
     return "\n".join(lines) + ("\n" if lines else "") + body
