@@ -26,6 +26,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAGS, Backend
+from dynamo_graph.graph.schema import KV_TRANSFER_ENGINES
 
 _ROUTER_MODES = ("random", "round-robin", "kv")
 _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replicas", "envFromSecret", "envs"}
@@ -171,6 +172,20 @@ class _Importer:
         self._differing("dynamoNamespace", self.namespaces)
         self._differing("envFromSecret", self.env_secrets)
         self._differing("workingDir", self.working_dirs)
+        pd = sorted(k for k, c in self.components.items() if c.get("role", "agg") != "agg")
+        # Locally the supervisor starts a frontend after the workers that serve its requests, as
+        # the shipped templates do (Kubernetes starts everything at once, so the DGD has no order).
+        serving = sorted(k for k, c in self.components.items() if c.get("role") in ("agg", "decode"))
+        for comp in self.components.values():
+            if comp["kind"] == "frontend" and serving:
+                comp["depends_on"] = serving
+        engines = sorted({self.components[k]["engine"] for k in pd} - KV_TRANSFER_ENGINES)
+        if engines:
+            self.notes.append(
+                f"{', '.join(pd)}: our {'/'.join(engines)} adapter hands no KV cache between "
+                "workers; run the graph locally with the mocker "
+                f"({' '.join(f'components.{k}.engine=mocker' for k in pd)})"
+            )
         return Imported(name, graph, self.notes)
 
     def _differing(self, what: str, seen: Counter[str]) -> None:

@@ -304,7 +304,8 @@ def build_dgd(graph: Graph, plan: Plan) -> dict[str, Any]:
 
 def render_dynamo_k8s(graph: Graph, plan: Plan) -> str:
     header = [f"DynamoGraphDeployment of graph {graph.name!r} by dyngraph (Dynamo {DYNAMO_VERSION})."]
+    dgd = build_dgd(graph, plan)  # first: it refuses engines Dynamo lacks, which the notes assume
     notes = not_rendered(graph)
     if notes:
         header += ["Not rendered (no DynamoGraphDeployment equivalent):", *[f"  {n}" for n in notes]]
-    return dump_documents([build_dgd(graph, plan)], header)
+    return dump_documents([dgd], header)
