@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from dynamo_graph import __version__
+
+if TYPE_CHECKING:  # the commands import the graph layer when they run, to start fast
+    from dynamo_graph.graph.build import Built
+    from dynamo_graph.graph.errors import GraphError
+    from dynamo_graph.graph.validate import Engines
 
 app = typer.Typer(
     name="dyngraph",
@@ -214,7 +219,7 @@ def run_command(
     raise typer.Exit(code)
 
 
-def _problems(graph_file: Path, error) -> typer.Exit:  # error: graph.errors.GraphError
+def _problems(graph_file: Path, error: GraphError) -> typer.Exit:
     for problem in error.problems:
         err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
     count = len(error.problems)
@@ -222,14 +227,12 @@ def _problems(graph_file: Path, error) -> typer.Exit:  # error: graph.errors.Gra
     return typer.Exit(2)
 
 
-def _build_or_exit(
-    graph_file: Path, overrides: list[str] | None, engines: str = "dyngraph"
-):  # returns a graph.build.Built
+def _build_or_exit(graph_file: Path, overrides: list[str] | None, engines: Engines = "dyngraph") -> Built:
     from dynamo_graph.graph.build import build
     from dynamo_graph.graph.errors import GraphError
 
     try:
-        return build(graph_file, overrides or [], engines=engines)  # type: ignore[arg-type]
+        return build(graph_file, overrides or [], engines=engines)
     except GraphError as e:
         raise _problems(graph_file, e) from None
 

@@ -23,10 +23,11 @@ from dynamo_graph.graph.dynamo_k8s import render_dynamo_k8s
 from dynamo_graph.graph.k8s import render_k8s
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
+from dynamo_graph.graph.validate import Engines
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
 FORMATS = ("yaml", "json", "shell", "mermaid", "k8s", "dynamo-k8s")
-ENGINES_OF_FORMAT = {"dynamo-k8s": "dynamo"}
+ENGINES_OF_FORMAT: dict[str, Engines] = {"dynamo-k8s": "dynamo"}
 """Formats whose workers run another project's engines (the validation they need: validate.Engines)."""
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 

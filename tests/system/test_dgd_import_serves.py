@@ -1,30 +1,34 @@
 """A Dynamo deployment from a cluster repo as a smoke graph on a laptop: `dyngraph import` of
-Dynamo's disaggregated vLLM example, the workers swapped for the mocker and the model for the
-tiny one by overrides, served for real (`up -d`, the openai client, `down`)."""
+each of Dynamo's example deployments, the workers swapped for the mocker (their engine args
+dropped) and the model for the tiny one by overrides, served for real (`up -d`, the openai
+client, `down`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from openai import OpenAI
 
 from tests.procs import free_port, run_cli
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo" / "examples" / "vllm-disagg.yaml"
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "dynamo" / "examples").glob("*.yaml"))
 
 
-def test_imported_dgd_serves_on_the_mocker(tmp_path: Path, tiny_model: Path) -> None:
-    graph_file = tmp_path / "vllm-disagg.yaml"
-    imported = run_cli(["import", str(EXAMPLE), "-o", str(graph_file)])
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_imported_dgd_serves_on_the_mocker(example: Path, tmp_path: Path, tiny_model: Path) -> None:
+    graph_file = tmp_path / example.name
+    imported = run_cli(["import", str(example), "-o", str(graph_file)])
     assert imported.returncode == 0, imported.stderr
     graph = yaml.safe_load(graph_file.read_text())
+    assert graph["components"]["Frontend"]["depends_on"]  # its decode or aggregated workers
     port = free_port()
-    assert graph["components"]["Frontend"]["depends_on"] == ["VllmDecodeWorker"]
     overrides = [f"components.Frontend.http.port={port}"]
     overrides += [f"models.{key}.path={tiny_model}" for key in graph["models"]]
     workers = [k for k, c in graph["components"].items() if c["kind"] == "worker"]
     overrides += [f"components.{k}.engine=mocker" for k in workers]
+    overrides += [f"~components.{k}.engine_args" for k in workers if "engine_args" in graph["components"][k]]
     try:
         up = run_cli(["up", "-d", str(graph_file), *overrides], timeout=120)
         assert up.returncode == 0, up.stdout + up.stderr

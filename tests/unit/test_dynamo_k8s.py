@@ -256,3 +256,23 @@ def test_command_line_forms() -> None:
     assert parse_flags(["--a", "1", "--b", "--c=2", "-tp", "-1"]) == [
         ("--a", "1"), ("--b", None), ("--c", "2"), ("-tp", "-1"),
     ]  # fmt: skip
+
+
+def test_cli_import_and_render_report_problems_with_exit_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dynamo_graph.cli import main as cli_main
+
+    runner = CliRunner()
+    not_dgd = tmp_path / "deployment.yaml"
+    not_dgd.write_text("kind: Deployment\n")
+    result = runner.invoke(cli_main.app, ["import", str(not_dgd), "-o", str(tmp_path / "g.yaml")])
+    assert result.exit_code == 2 and "expected kind: DynamoGraphDeployment" in result.output
+    result = runner.invoke(cli_main.app, ["render", str(ROOT / "graphs" / "hello.yaml"), "-f", "dynamo-k8s"])
+    assert result.exit_code == 2 and "Dynamo has no backend for engine 'echo_core'" in result.output
+    out = tmp_path / "vllm-agg.yaml"
+    result = runner.invoke(
+        cli_main.app, ["import", str(FIXTURES / "dynamo" / "examples" / out.name), "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("# Imported from vllm-agg.yaml by `dyngraph import`.")
