@@ -269,7 +269,7 @@ class _Importer:
         elif mode is not None:
             self.notes.append(f"{where}: router mode {mode!r} is not one of {', '.join(_ROUTER_MODES)}")
         if router:
-            comp["router"] = {"mode": "round-robin", **router} if "mode" not in router else router
+            comp["router"] = router
         return comp
 
     def _worker(
