@@ -179,7 +179,7 @@ class _K8s:
             "livenessProbe": {**live, "periodSeconds": 4 * PROBE_PERIOD_S, "failureThreshold": 3},
         }
 
-    def _container(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
+    def _container(self, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
         container: dict[str, Any] = {
             "name": "main",
             "image": self.graph.kubernetes.image,
@@ -214,7 +214,7 @@ class _K8s:
                 volumes.append({"name": "files", "configMap": {"name": f"{self.base}-files"}})
         pod: dict[str, Any] = {
             **pod_defaults(self.graph),
-            "containers": [self._container(key, comp, proc)],
+            "containers": [self._container(comp, proc)],
             "terminationGracePeriodSeconds": math.ceil(comp.shutdown_grace_s),
         }
         if volumes:
