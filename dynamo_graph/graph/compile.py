@@ -32,14 +32,21 @@ def _port(value: int | str, name: str) -> str:
     return port_placeholder(name) if value == "auto" else str(value)
 
 
-def _resolve_path(path: str, graph_dir: Path) -> str:
-    """Relative paths are relative to the graph file; hub ids (`org/name`, `hf://...`) stay."""
+def local_path(path: str, graph_dir: Path) -> Path | None:
+    """The file or folder a graph's path names, or None for a hub id (`org/name`, `hf://...`),
+    which is resolved from the Hugging Face cache at run time. Relative paths are relative to the
+    graph file."""
     if path.startswith("hf://"):
-        return path
+        return None
     candidate = (graph_dir / path).resolve()
     if Path(path).is_absolute() or candidate.exists() or path.startswith((".", "~")):
-        return str(Path(path).expanduser() if path.startswith("~") else candidate)
-    return path  # `org/name`: resolved from the Hugging Face cache at run time
+        return Path(path).expanduser() if path.startswith("~") else candidate
+    return None
+
+
+def _resolve_path(path: str, graph_dir: Path) -> str:
+    local = local_path(path, graph_dir)
+    return path if local is None else str(local)
 
 
 class _Compiler:

@@ -22,12 +22,17 @@ from typing import Any
 import msgspec
 import yaml
 
+from dynamo_graph.graph.dynamo_k8s import render_dynamo_k8s
+from dynamo_graph.graph.k8s import render_k8s
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.schema import Graph
 from dynamo_graph.graph.supervise import agent
+from dynamo_graph.graph.validate import Engines
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
-FORMATS = ("yaml", "json", "shell", "mermaid")
+FORMATS = ("yaml", "json", "shell", "mermaid", "k8s", "dynamo-k8s")
+ENGINES_OF_FORMAT: dict[str, Engines] = {"dynamo-k8s": "dynamo"}
+"""Formats whose workers run another project's engines (the validation they need: validate.Engines)."""
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 _ADDRESS = re.compile(r"^(?:https?://)?\[?([^\]/]+?)\]?:(\d+|\{port:[^}]+\})")  # host, port of a probe target
 
@@ -245,7 +250,14 @@ def render_mermaid(graph: Graph, plan: Plan) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"yaml": render_yaml, "json": render_json, "shell": render_shell, "mermaid": render_mermaid}
+RENDERERS = {
+    "yaml": render_yaml,
+    "json": render_json,
+    "shell": render_shell,
+    "mermaid": render_mermaid,
+    "k8s": render_k8s,
+    "dynamo-k8s": render_dynamo_k8s,
+}
 
 
 def render(graph: Graph, plan: Plan, fmt: str) -> str:

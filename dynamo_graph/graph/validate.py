@@ -14,7 +14,7 @@ import types
 import typing
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
@@ -30,14 +30,17 @@ class SourceLocator(Protocol):
     def locate(self, path: str) -> Location | None: ...
 
 
-def validate_graph(data: Any, source: SourceLocator | None, *, file: str) -> Graph:
+def validate_graph(
+    data: Any, source: SourceLocator | None, *, file: str, engines: Engines = "dyngraph"
+) -> Graph:
     """The validated graph, or GraphError with every problem found."""
     try:
         graph = Graph.model_validate(data)
     except ValidationError as e:
         problems = [_schema_problem(err, data) for err in e.errors()]
     else:
-        problems = [p for check in CHECKS for p in check(graph)]
+        checks = [c for c in CHECKS if engines == "dyngraph" or c not in _DYNGRAPH_ENGINES_ONLY]
+        problems = [p for check in checks for p in check(graph)]
     if problems:
         raise GraphError([locate(p, source, file) for p in problems])
     return graph
@@ -421,6 +424,20 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
     roles: dict[str, dict[str, str]] = defaultdict(dict)
     for key, worker in graph.workers().items():
         roles[worker.model].setdefault(worker.role, key)
+    for model, by_role in roles.items():
+        for have, lack in (("prefill", "decode"), ("decode", "prefill")):
+            if have in by_role and lack not in by_role:
+                yield Problem(
+                    f"components.{by_role[have]}.role",
+                    f"model {model!r} has a {have} worker but no {lack} worker; add a worker with "
+                    f"role: {lack} for it, or make this one role: agg",
+                )
+
+
+def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
+    """Our engine adapters that can hand a prompt's KV cache from a prefill to a decode worker.
+    Dynamo's own backends (vLLM, SGLang, TensorRT-LLM over NIXL) can, so a graph rendered for
+    Dynamo's operator skips this check (`validate_graph(..., engines="dynamo")`)."""
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
         if (
@@ -433,14 +450,6 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
                 f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
                 f"decode workers ({', '.join(sorted(KV_TRANSFER_ENGINES))}); {worker.engine} cannot",
             )
-    for model, by_role in roles.items():
-        for have, lack in (("prefill", "decode"), ("decode", "prefill")):
-            if have in by_role and lack not in by_role:
-                yield Problem(
-                    f"components.{by_role[have]}.role",
-                    f"model {model!r} has a {have} worker but no {lack} worker; add a worker with "
-                    f"role: {lack} for it, or make this one role: agg",
-                )
 
 
 def check_planes(graph: Graph) -> Iterator[Problem]:
@@ -526,6 +535,13 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_gpus,
     check_ports,
     check_disagg,
+    check_kv_transfer,
     check_planes,
     check_multi_host,
 )
+
+Engines = Literal["dyngraph", "dynamo"]
+"""Whose engines run the workers: ours (`dyngraph run`, every target but one) or Dynamo's
+(`render -f dynamo-k8s`), which changes what the engine can do, not what the graph means."""
+
+_DYNGRAPH_ENGINES_ONLY = frozenset({check_kv_transfer})
