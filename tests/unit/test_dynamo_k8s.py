@@ -26,10 +26,14 @@ SNAPSHOTS = FIXTURES / "snapshots"
 SHIPPED = sorted(p for p in (ROOT / "graphs").rglob("*.yaml") if ".dyngraph" not in p.parts)
 ECHO = {"hello.yaml", "echo.yaml", "echo-etcd-nats.yaml", "agg-from-template.yaml"}
 """Shipped graphs on the echo engine, which Dynamo lacks: they render with the mocker instead."""
+LLAMACPP = {"disagg-llamacpp.yaml"}
+"""Shipped graphs on llama.cpp (no Dynamo backend either); their prefill follows decode's engine."""
 
 
 def _overrides(path: Path) -> list[str]:
-    return ["components.backend.engine=mocker"] if path.name in ECHO else []
+    if path.name in ECHO:
+        return ["components.backend.engine=mocker"]
+    return ["components.decode.engine=mocker"] if path.name in LLAMACPP else []
 
 
 def _dgd(path: Path, overrides: list[str] = ()) -> dict:
