@@ -1,6 +1,6 @@
 """A Dynamo deployment from a cluster repo as a smoke graph on a laptop: `dyngraph import` of
 each of Dynamo's example deployments, the workers swapped for the mocker (their engine args
-dropped) and the model for the tiny one by overrides, served for real (`up -d`, the openai
+dropped, no GPUs) and the model for the tiny one by overrides, served for real (`up -d`, the openai
 client, `down`)."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def test_imported_dgd_serves_on_the_mocker(example: Path, tmp_path: Path, tiny_m
     workers = [k for k, c in graph["components"].items() if c["kind"] == "worker"]
     overrides += [f"components.{k}.engine=mocker" for k in workers]
     overrides += [f"~components.{k}.engine_args" for k in workers if "engine_args" in graph["components"][k]]
+    # The mocker needs no GPU, and preflight counts the GPUs a placement asks for.
+    overrides += [f"components.{k}.gpus.per_replica=0" for k in workers if graph["components"][k].get("gpus")]
     try:
         up = run_cli(["up", "-d", str(graph_file), *overrides], timeout=120)
         assert up.returncode == 0, up.stdout + up.stderr
