@@ -9,6 +9,7 @@ schema is satisfied. Each cross-key check is a small function from `Graph` to pr
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import types
 import typing
@@ -21,7 +22,15 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from dynamo_graph.graph.errors import GraphError, Location, Problem
-from dynamo_graph.graph.schema import KV_EVENT_ENGINES, KV_TRANSFER_ENGINES, LOCAL, Frontend, Graph, Worker
+from dynamo_graph.graph.schema import (
+    KV_CONNECTOR_ENGINES,
+    KV_EVENT_ENGINES,
+    KV_TRANSFER_ENGINES,
+    LOCAL,
+    Frontend,
+    Graph,
+    Worker,
+)
 
 
 class SourceLocator(Protocol):
@@ -415,22 +424,26 @@ def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
 
 
 def check_disagg(graph: Graph) -> Iterator[Problem]:
-    """Disaggregated serving needs both halves: prefill workers hand the KV cache to decode ones."""
+    """Disaggregated serving needs both halves: prefill workers hand the KV cache to decode ones,
+    with an engine that can (by itself, or by its own KV connector, configured)."""
     roles: dict[str, dict[str, str]] = defaultdict(dict)
     for key, worker in graph.workers().items():
         roles[worker.model].setdefault(worker.role, key)
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
-        if (
-            worker.role != "agg"
-            and worker.engine not in KV_TRANSFER_ENGINES
-            and not worker.engine.endswith(".py")
-        ):
-            yield Problem(
-                f"components.{key}.engine",
-                f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
-                f"decode workers ({', '.join(sorted(KV_TRANSFER_ENGINES))}); {worker.engine} cannot",
-            )
+        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or worker.engine.endswith(".py"):
+            continue
+        if worker.engine in KV_CONNECTOR_ENGINES:
+            problem = _missing_kv_connector(key, worker)
+            if problem is not None:
+                yield problem
+            continue
+        able = sorted({*KV_TRANSFER_ENGINES, *KV_CONNECTOR_ENGINES})
+        yield Problem(
+            f"components.{key}.engine",
+            f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
+            f"decode workers ({', '.join(able)}); {worker.engine} cannot",
+        )
     for model, by_role in roles.items():
         for have, lack in (("prefill", "decode"), ("decode", "prefill")):
             if have in by_role and lack not in by_role:
@@ -439,6 +452,33 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
                     f"model {model!r} has a {have} worker but no {lack} worker; add a worker with "
                     f"role: {lack} for it, or make this one role: agg",
                 )
+
+
+def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
+    """A worker of an engine with its own KV connector, as prefill/decode: a Problem unless its
+    engine args configure the connector (an engine_args_file is not read here: the worker checks
+    it when it starts)."""
+    if worker.engine_args_file is not None:
+        return None
+    setting, example = KV_CONNECTOR_ENGINES[worker.engine]
+    value = (worker.engine_args or {}).get(setting)
+    if worker.engine == "vllm":  # vLLM's KVTransferConfig, an object or its JSON: it names the connector
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+        configured = isinstance(value, dict) and bool(value.get("kv_connector"))
+    else:
+        configured = bool(value)
+    if configured:
+        return None
+    what = f"{setting} with a kv_connector" if worker.engine == "vllm" else setting
+    return Problem(
+        f"components.{key}.engine_args",
+        f"role {worker.role}: {worker.engine} moves the KV cache with its own connector; add {what} "
+        f"to engine_args, e.g. {setting}: {example}",
+    )
 
 
 def check_planes(graph: Graph) -> Iterator[Problem]:

@@ -24,7 +24,9 @@ if importlib.util.find_spec("vllm") is None:
 import pytest_asyncio
 
 from dynamo_graph.backend.conformance import conformance_tests
+from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
@@ -312,6 +314,84 @@ async def test_bad_requests_are_invalid_arguments(engine: VllmEngine, token_ids:
         await collect(engine, request([1, 2, 99999], 4))
     # The engine still serves.
     assert len(ids(await collect(engine, request(token_ids[0], 4)))) == 4
+
+
+# ---- disaggregated prefill/decode through vLLM's ExampleConnector --------------------------------
+
+
+def pd_engine(tiny_model: Path, tmp_path: Path, mode: str, storage: Path) -> VllmEngine:
+    """A prefill or decode engine built as a worker builds it (--disaggregation-mode, engine args
+    file), its KV connector vLLM's shared-storage ExampleConnector (it runs on CPU)."""
+    extra = tmp_path / f"{mode}.json"
+    transfer = {
+        "kv_connector": "ExampleConnector",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    extra.write_text(json.dumps({**ENGINE_ARGS, "kv_transfer_config": transfer}))
+    cfg = EngineSettings(
+        context_length=512, kv_cache_block_size=BLOCK, extra_engine_args=extra, disaggregation_mode=mode
+    )
+    engine = create_engine("vllm", cfg, resolve_model(str(tiny_model)))
+    assert isinstance(engine, VllmEngine)
+    return engine
+
+
+@in_module_loop
+async def test_prefill_then_decode_on_another_engine_equals_aggregated(
+    engine: VllmEngine, tiny_model: Path, tmp_path: Path, tokenizer: Any
+) -> None:
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    prefiller = pd_engine(tiny_model, tmp_path, "prefill", storage)
+    decoder = pd_engine(tiny_model, tmp_path, "decode", storage)
+    assert prefiller.kv_transfer and decoder.kv_transfer
+    assert prefiller.engine_args["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert decoder.engine_args["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    prompts = [tokenizer.encode(f"Ticket {i}. {LONG}").ids for i in (7, 8)]
+    prompts.append(tokenizer.encode(PROMPTS[0] + " a dragon who guarded a library of forgotten maps").ids)
+    try:
+        await prefiller.start()
+        await decoder.start()
+        for prompt in prompts:
+            n = 12
+            aggregated = ids(await collect(engine, request(prompt, n)))
+            first, handoff = await prefiller.prefill(request(prompt, n), Context())
+            assert first.finish_reason is None and len(first.token_ids) == 1
+            assert first.token_ids == aggregated[:1]
+            assert handoff is not None and handoff.format == "vllm-connector/1:ExampleConnector"
+            assert handoff.num_tokens == len(prompt)
+            # The decode request is the frontend's continuation: the prompt and the first token.
+            follow = request(prompt + first.token_ids, n - 1)
+            outs = [out async for out in decoder.generate_from_kv(follow, handoff, Context())]
+            assert first.token_ids + ids(outs) == aggregated
+            # vLLM computed none of the prompt's whole blocks on the decode engine, which never saw
+            # this prompt: ExampleConnector loaded them (all whole blocks before the last token).
+            assert outs[0].cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK > 0
+            assert outs[-1].finish_reason == "length"
+        assert len(list(storage.iterdir())) == len(prompts)  # one stored KV per prompt
+
+        # Another prompt's handoff, or another connector's, is refused before anything is generated.
+        other = request(prompts[1] + first.token_ids, 4)
+        with pytest.raises(KvImportError, match="not this request's"):
+            await anext(decoder.generate_from_kv(other, handoff, Context()))
+        foreign = KvHandoff("vllm-connector/1:NixlConnector", handoff.num_tokens, handoff.data)
+        with pytest.raises(KvImportError, match="cannot be loaded"):
+            await anext(decoder.generate_from_kv(follow, foreign, Context()))
+        # A request that ends at its first token hands nothing over.
+        done, nothing = await prefiller.prefill(request(prompts[0], 1), Context())
+        assert nothing is None and done.finish_reason == "length" and len(done.token_ids) == 1
+    finally:
+        await prefiller.cleanup()
+        await decoder.cleanup()
+
+
+@in_module_loop
+async def test_prefill_and_decode_need_a_kv_connector(tiny_model: Path, tmp_path: Path) -> None:
+    model = resolve_model(str(tiny_model))
+    with pytest.raises(VllmError, match="add kv_transfer_config to --extra-engine-args"):
+        create_engine("vllm", EngineSettings(disaggregation_mode="decode"), model)
+    aggregated = create_engine("vllm", EngineSettings(), model)
+    assert not aggregated.kv_transfer
 
 
 # ---- settings --------------------------------------------------------------------------------------
