@@ -24,6 +24,7 @@ from pydantic_core import ErrorDetails
 from dynamo_graph.graph.errors import GraphError, Location, Problem
 from dynamo_graph.graph.schema import (
     KV_CONNECTOR_ENGINES,
+    KV_CONNECTOR_UNSERVED,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
     LOCAL,
@@ -457,7 +458,7 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
 def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     """A worker of an engine with its own KV connector, as prefill/decode: a Problem unless its
     engine args configure the connector (an engine_args_file is not read here: the worker checks
-    it when it starts)."""
+    it when it starts) and the engine's connector fits the frontend's flow."""
     if worker.engine_args_file is not None:
         return None
     setting, example = KV_CONNECTOR_ENGINES[worker.engine]
@@ -472,7 +473,10 @@ def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     else:
         configured = bool(value)
     if configured:
-        return None
+        unserved = KV_CONNECTOR_UNSERVED.get(worker.engine)
+        return (
+            None if unserved is None else Problem(f"components.{key}.role", f"role {worker.role}: {unserved}")
+        )
     what = f"{setting} with a kv_connector" if worker.engine == "vllm" else setting
     return Problem(
         f"components.{key}.engine_args",

@@ -224,6 +224,15 @@ components:
         "add cache_transceiver_config to engine_args",
     ),
     (
+        "disagg-sglang-not-served-yet",
+        HEAD
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: mocker, role: prefill}\n"
+        + "  decode: {kind: worker, model: tiny, engine: sglang, role: decode,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n",
+        "components.decode.role",
+        "SGLang cannot serve disaggregated here yet",
+    ),
+    (
         "kv-router-without-events",
         MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}"),
         "components.frontend.router.mode",
@@ -472,7 +481,6 @@ def test_workers_only_graph_is_valid() -> None:
     [
         ("vllm", "{kv_transfer_config: {kv_connector: NixlConnector}}"),
         ("vllm", """{kv_transfer_config: '{"kv_connector": "ExampleConnector"}'}"""),
-        ("sglang", "{disaggregation_transfer_backend: nixl}"),
         ("trtllm", "{cache_transceiver_config: {backend: DEFAULT}}"),
     ],
 )
