@@ -37,17 +37,18 @@ class DisaggCluster:
     def model(self) -> str:
         return self.model_path.name
 
-    def start_worker(self, mode: str) -> WorkerProcess:
+    def start_worker(self, mode: str, engine: str = "mocker", *flags: str) -> WorkerProcess:
         component = "prefill" if mode == "prefill" else "backend"
         worker = WorkerProcess.dyngraph(
             [
                 f"in=dyn://pd.{component}.generate",
-                "out=mocker",
+                f"out={engine}",
                 str(self.model_path),
                 "--extra-engine-args",
                 str(self.args_file),
                 "--disaggregation-mode",
                 mode,
+                *flags,
             ],
             env=self.env,
             log_dir=self.tmp_path,
