@@ -14,6 +14,13 @@ a format naming the engine and the connector; `connector_params` unpacks them on
 and refuses (`KvImportError`) another connector's or another prompt's: with a wrong prompt a
 connector would load a KV cache that does not match the tokens, so the decode worker prefills
 locally instead.
+
+A decode request is the prompt followed by the token(s) the prefill worker already sent (the
+frontend's continuation), but these engines' protocols want the prefill's prompt itself (vLLM's
+NixlConnector kills its engine core on a request with more blocks than the prefill computed) and
+generate its first token again: `prompt_request` cuts the request back to the prompt (with room
+for those tokens) and `without_known` drops them from the stream, after checking that they are
+the same (under sampling they may not be: the worker then prefills locally).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import msgspec
 from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+
+_replace = msgspec.structs.replace
 
 
 def first_token_request(request: PreprocessedRequest) -> PreprocessedRequest:
@@ -102,3 +111,46 @@ def connector_params(handoff: KvHandoff, format: str, token_ids: Sequence[int]) 
     if params is not None and not isinstance(params, dict):
         raise KvImportError(f"a malformed {format!r} handoff: its parameters are not an object")
     return params
+
+
+def prompt_request(request: PreprocessedRequest, num_tokens: int) -> tuple[PreprocessedRequest, list[int]]:
+    """`request` cut back to its first `num_tokens` tokens (the prefill's prompt), with its token
+    limits raised by the tokens after them; and those tokens (which the client already has)."""
+    known = list(request.token_ids[num_tokens:])
+    sc = request.stop_conditions
+    stop = _replace(
+        sc,
+        max_tokens=None if sc.max_tokens is None else sc.max_tokens + len(known),
+        min_tokens=None if sc.min_tokens is None else sc.min_tokens + len(known),
+    )
+    return _replace(request, token_ids=request.token_ids[:num_tokens], stop_conditions=stop), known
+
+
+async def without_known(
+    stream: AsyncIterator[LLMEngineOutput], known: Sequence[int]
+) -> AsyncIterator[LLMEngineOutput]:
+    """The stream of a `prompt_request` without its first tokens, which must be `known`
+    (KvImportError, before anything is yielded, when they are not); usage counted as the
+    original request's."""
+    pending, cached = list(known), None
+    async for out in stream:
+        if pending:
+            head = out.token_ids[: len(pending)]
+            if head != pending[: len(head)]:
+                raise KvImportError(
+                    f"the decode engine generated {head}, not the prefill's {pending[: len(head)]}"
+                )
+            pending, out.token_ids = pending[len(head) :], out.token_ids[len(head) :]
+            if not out.token_ids and out.finish_reason is None:
+                cached = out.cached_tokens if cached is None else cached
+                continue
+        if out.cached_tokens is None:
+            out.cached_tokens, cached = cached, None
+        usage = out.completion_usage
+        if usage is not None and known:
+            out.completion_usage = _replace(
+                usage,
+                prompt_tokens=usage.prompt_tokens + len(known),
+                completion_tokens=max(usage.completion_tokens - len(known), 0),
+            )
+        yield out

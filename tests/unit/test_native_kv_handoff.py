@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.kv_transfer import KvHandoff
-from dynamo_graph.backend.protocol import LLMEngineOutput
+from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput
 from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.engines.kv_handoff import (
     connector_format,
@@ -21,6 +22,8 @@ from dynamo_graph.engines.kv_handoff import (
     first_token_answer,
     first_token_request,
     prompt_digest,
+    prompt_request,
+    without_known,
 )
 from dynamo_graph.engines.vllm import VllmEngine, VllmError, engine_args_from_settings
 from dynamo_graph.engines.vllm_disagg import connector_name
@@ -71,6 +74,33 @@ async def test_first_token_answer_says_whether_the_request_goes_on() -> None:
             chunks(LLMEngineOutput([8], finish_reason=reason)), request(n)
         )
         assert not goes_on and answer.finish_reason == reason
+
+
+async def test_a_continuation_runs_as_its_prompt_without_resending_what_the_client_has() -> None:
+    follow = msgspec.structs.replace(request(4, min_tokens=2), token_ids=[0, 10, 11, 12, 100])
+    prompt_only, known = prompt_request(follow, 4)
+    assert (prompt_only.token_ids, known) == ([0, 10, 11, 12], [100])
+    assert (prompt_only.stop_conditions.max_tokens, prompt_only.stop_conditions.min_tokens) == (5, 3)
+    same, nothing = prompt_request(request(4), 4)
+    assert nothing == [] and same.stop_conditions.max_tokens == 4
+
+    def engine(*outs: LLMEngineOutput) -> Any:
+        return without_known(chunks(*outs), known)
+
+    outs = [
+        out
+        async for out in engine(
+            LLMEngineOutput([100], cached_tokens=3),
+            LLMEngineOutput([101, 102]),
+            LLMEngineOutput([103], finish_reason="length", completion_usage=CompletionUsage(4, 4)),
+        )
+    ]
+    assert [o.token_ids for o in outs] == [[101, 102], [103]]
+    assert outs[0].cached_tokens == 3  # the dropped chunk's prefix hit moves to the first one sent
+    usage = outs[-1].completion_usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (5, 3)
+    with pytest.raises(KvImportError, match=r"generated \[7\], not the prefill's \[100\]"):
+        await anext(engine(LLMEngineOutput([7, 8])))
 
 
 def args_file(tmp_path: Path, **args: Any) -> Path:
