@@ -133,24 +133,29 @@ async def without_known(
     (KvImportError, before anything is yielded, when they are not); usage counted as the
     original request's."""
     pending, cached = list(known), None
-    async for out in stream:
-        if pending:
-            head = out.token_ids[: len(pending)]
-            if head != pending[: len(head)]:
-                raise KvImportError(
-                    f"the decode engine generated {head}, not the prefill's {pending[: len(head)]}"
+    try:
+        async for out in stream:
+            if pending:
+                head = out.token_ids[: len(pending)]
+                if head != pending[: len(head)]:
+                    raise KvImportError(
+                        f"the decode engine generated {head}, not the prefill's {pending[: len(head)]}"
+                    )
+                pending, out.token_ids = pending[len(head) :], out.token_ids[len(head) :]
+                if not out.token_ids and out.finish_reason is None:
+                    cached = out.cached_tokens if cached is None else cached
+                    continue
+            if out.cached_tokens is None:
+                out.cached_tokens, cached = cached, None
+            usage = out.completion_usage
+            if usage is not None and known:
+                out.completion_usage = _replace(
+                    usage,
+                    prompt_tokens=usage.prompt_tokens + len(known),
+                    completion_tokens=max(usage.completion_tokens - len(known), 0),
                 )
-            pending, out.token_ids = pending[len(head) :], out.token_ids[len(head) :]
-            if not out.token_ids and out.finish_reason is None:
-                cached = out.cached_tokens if cached is None else cached
-                continue
-        if out.cached_tokens is None:
-            out.cached_tokens, cached = cached, None
-        usage = out.completion_usage
-        if usage is not None and known:
-            out.completion_usage = _replace(
-                usage,
-                prompt_tokens=usage.prompt_tokens + len(known),
-                completion_tokens=max(usage.completion_tokens - len(known), 0),
-            )
-        yield out
+            yield out
+    finally:  # now, not when the generator is collected: the engine's request ends with it
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()

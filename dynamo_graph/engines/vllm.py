@@ -595,7 +595,9 @@ class VllmEngine(LLMEngine):
         if not self.kv_transfer:
             raise EngineError("vllm: a prefill worker needs a KV connector (kv_transfer_config)")
         received: dict[str, Any] = {}
-        stream = self._stream(first_token_request(request), context, {"do_remote_decode": True}, received)
+        # A request of one token has nothing to decode: no connector should hold its KV for one.
+        remote = None if request.stop_conditions.max_tokens == 1 else {"do_remote_decode": True}
+        stream = self._stream(first_token_request(request), context, remote, received)
         answer, goes_on = await first_token_answer(stream, request)
         if not goes_on:
             return answer, None

@@ -21,6 +21,11 @@ transfer parameters (kv_handoff.py):
   the prefill computed: "AssertionError" at `assert num_decode_blocks <= len(prefill_group)` in
   `_apply_prefix_caching`, then EngineDeadError, seen with a 64-token prompt.)
 
+A connector that keeps the prompt's blocks for the decode side (NixlConnector) keeps them until the
+decode engine has read them or vLLM's own timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) passes: a
+handoff that expires unfetched, or a decode worker that prefills locally instead, leaves them held
+that long. A request of max_tokens 1 is not marked for remote decode.
+
 Settings: `kv_transfer_config` in `--extra-engine-args` (a graph's `engine_args`), a JSON object or
 string. Without `kv_role` it follows `--disaggregation-mode` (prefill: kv_producer, decode:
 kv_consumer, agg: kv_both); a `kv_role` that contradicts the mode is an error, and so is a

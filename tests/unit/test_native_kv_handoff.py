@@ -99,8 +99,18 @@ async def test_a_continuation_runs_as_its_prompt_without_resending_what_the_clie
     assert outs[0].cached_tokens == 3  # the dropped chunk's prefix hit moves to the first one sent
     usage = outs[-1].completion_usage
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (5, 3)
+    closed: list[bool] = []
+
+    async def mismatching() -> Any:
+        try:
+            yield LLMEngineOutput([7, 8])
+            yield LLMEngineOutput([9])
+        finally:
+            closed.append(True)
+
     with pytest.raises(KvImportError, match=r"generated \[7\], not the prefill's \[100\]"):
-        await anext(engine(LLMEngineOutput([7, 8])))
+        await anext(without_known(mismatching(), known))
+    assert closed == [True]  # the engine's request ended with it, not when collected
 
 
 def args_file(tmp_path: Path, **args: Any) -> Path:
