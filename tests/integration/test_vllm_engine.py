@@ -10,7 +10,6 @@ import functools
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -42,7 +41,7 @@ from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
 from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, free_port
 
 pytestmark = pytest.mark.vllm
 # The async tests share the module's event loop, where the module's engine lives.
@@ -318,12 +317,6 @@ async def test_bad_requests_are_invalid_arguments(engine: VllmEngine, token_ids:
 
 
 # ---- disaggregated prefill/decode through vLLM's own KV connectors ----------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pd_engine(tiny_model: Path, tmp_path: Path, mode: str, transfer: dict[str, Any]) -> VllmEngine:

@@ -37,7 +37,9 @@ class DisaggCluster:
     def model(self) -> str:
         return self.model_path.name
 
-    def start_worker(self, mode: str, engine: str = "mocker", *flags: str) -> WorkerProcess:
+    def start_worker(
+        self, mode: str, engine: str = "mocker", *flags: str, env: dict[str, str] | None = None
+    ) -> WorkerProcess:
         component = "prefill" if mode == "prefill" else "backend"
         worker = WorkerProcess.dyngraph(
             [
@@ -50,7 +52,7 @@ class DisaggCluster:
                 mode,
                 *flags,
             ],
-            env=self.env,
+            env={**self.env, **(env or {})},
             log_dir=self.tmp_path,
             name=mode,
         )

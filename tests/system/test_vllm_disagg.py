@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("llama_c
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.llm.model_source import resolve_model
 from tests.integration.engine_helpers import llama_greedy_reference
-from tests.procs import ServerProcess, embedded_planes_env
+from tests.procs import ServerProcess, embedded_planes_env, free_port
 from tests.system.test_disagg import DisaggCluster
 
 pytestmark = pytest.mark.vllm
@@ -37,13 +37,30 @@ PROMPTS = [
 INJECTED = re.compile(r"Inject KV cache of (\d+) tokens")
 
 
-@pytest.fixture
-def vllm_pd(tiny_model: Path, tmp_path: Path) -> Iterator[DisaggCluster]:
+@pytest.fixture(
+    params=[
+        pytest.param("ExampleConnector", id="example"),
+        pytest.param(
+            "NixlConnector",
+            id="nixl",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("nixl") is None, reason="nixl is not installed"
+            ),
+        ),
+    ]
+)
+def vllm_pd(request: pytest.FixtureRequest, tiny_model: Path, tmp_path: Path) -> Iterator[DisaggCluster]:
+    """A kv-routed frontend, one prefill and one decode vLLM worker with `request.param` as their KV
+    connector: ExampleConnector (a folder both share), or NixlConnector over host memory (UCX; each
+    worker its own side channel port), when the nixl package is importable."""
     env = {**embedded_planes_env(tmp_path, zmq_events=True), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    storage = tmp_path / "vllm-kv"
-    storage.mkdir()
-    shared = {"shared_storage_path": str(storage)}
-    transfer = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": shared}
+    if request.param == "ExampleConnector":
+        storage = tmp_path / "vllm-kv"
+        storage.mkdir()
+        shared = {"shared_storage_path": str(storage)}
+        transfer = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": shared}
+    else:
+        transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     args_file = tmp_path / "vllm.json"
     args_file.write_text(
         json.dumps({"dtype": "float32", "enforce_eager": True, "kv_transfer_config": transfer})
@@ -53,7 +70,9 @@ def vllm_pd(tiny_model: Path, tmp_path: Path) -> Iterator[DisaggCluster]:
     try:
         frontend.wait_ready(path="/live", timeout=60)
         for mode in ("prefill", "decode"):
-            cluster.start_worker(mode, "vllm", "--kv-cache-block-size", str(BLOCK), "--context-length", "512")
+            flags = ("--kv-cache-block-size", str(BLOCK), "--context-length", "512")
+            side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            cluster.start_worker(mode, "vllm", *flags, env=side_channel)
         try:
             cluster.wait_pools(1, 1, timeout=240)
         except AssertionError:
@@ -83,6 +102,8 @@ def test_vllm_prefill_and_decode_workers_answer_as_one_engine(
     assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == len(prompts)
     assert cluster.metric("dynamo_frontend_kv_transfer_bytes_count") == len(prompts)
     assert cluster.metric("dynamo_frontend_kv_transfer_failures_total") == 0
+    if not (cluster.tmp_path / "vllm-kv").exists():
+        return  # NixlConnector: what the decode engine loaded is not in its log
     # vLLM's connector stored each prompt's KV once, and the decode worker's vLLM loaded each prompt's
     # whole blocks (all but the partial one its last token is in) instead of computing them.
     assert len(list((cluster.tmp_path / "vllm-kv").iterdir())) == len(prompts)
