@@ -36,6 +36,9 @@ class EngineSettings:
     leader_addr: str | None = None
     base_gpu_id: int = 0
     extra_engine_args: Path | None = None
+    # The worker's part in disaggregated serving (agg, prefill or decode): engines with a native KV
+    # connector configure its role from it (vLLM's kv_role, SGLang's disaggregation_mode, ...).
+    disaggregation_mode: str = "agg"
     # dynamo-run hands python engine files its --http-port among their arguments.
     http_port: int = 8080
     # Arguments after `--` on the command line, for the engine's own parser.

@@ -62,6 +62,28 @@ or `Engine.abort_request` where that exists) as soon as the context stops, and t
 with finish_reason "cancelled". `cleanup()` aborts what is running, stops the KV event bridge,
 emits `cleared` and calls `Engine.shutdown()`; it is idempotent and safe before `start()`.
 
+Disaggregated prefill/decode (SGLang's PD mode; kv_transfer when started in it): `--disaggregation-mode
+prefill|decode` becomes ServerArgs' `disaggregation_mode` and needs `disaggregation_transfer_backend`
+in `--extra-engine-args` (nixl, mooncake, ...; refused naming it otherwise), with
+`disaggregation_bootstrap_port` (SGLang's default 8998) for the prefill engine's bootstrap server.
+SGLang pairs the two halves of a request by a bootstrap address and room given to both:
+- `prefill`: a fresh room, and SGLang's prefill request (`async_generate(..., bootstrap_host,
+  bootstrap_port, bootstrap_room)`) started in the background, as Dynamo's SGLang worker does: the
+  handoff carries {bootstrap_host, bootstrap_port, bootstrap_room} (format
+  "sglang-connector/1:<backend>") and the answer has NO first token. SGLang's prefill only ends
+  after it has sent the KV (and its first token) to the decode engine that joins the room, so a
+  first token cannot come back before a decode worker is chosen.
+- `generate_from_kv`: the prompt with the same bootstrap triple; SGLang's decode engine pulls the
+  KV from the prefill engine and streams from the first token on. It takes the prompt alone
+  (a request with tokens after the handoff's prompt is refused: `KvImportError`).
+- Neither engine serves a request without a bootstrap (`generate` raises `EngineError`): a decode
+  engine cannot prefill locally.
+LIMIT: dyngraph's frontend (router/disagg.py) wants the prefill worker's first token and then sends
+the decode worker the prompt plus that token; it treats an answer without a token as a failed
+prefill. So SGLang prefill/decode workers do not serve through it yet: the frontend would have to
+pass a token-less prefill answer's parameters on with the original request, as Dynamo's
+PrefillRouter does. Like the rest of this adapter, none of this ran against the real package.
+
 KV events (publishes_kv_events = True): when the serving process sets `kv_event_sink`, the engine
 is started with `kv_events_config` pointing SGLang's ZMQ publisher at a SUB socket this adapter
 binds on 127.0.0.1 (SGLang's publisher connects to a concrete tcp address and adds the DP rank to
@@ -81,20 +103,25 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import re
+import secrets
+import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber, offset_endpoint
+from dynamo_graph.engines.kv_handoff import connector_format, connector_handoff, connector_params
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -110,6 +137,9 @@ INSTALL_HINT = (
 )
 SOURCE = "--extra-engine-args"
 DEFAULT_PAGE_SIZE = 16  # dynamo-run's default --kv-block-size for sglang
+DEFAULT_BOOTSTRAP_PORT = 8998  # ServerArgs.disaggregation_bootstrap_port's default
+DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
+BOOTSTRAP_KEYS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room"})
 KV_TOPIC = "kv-events"
 # ServerArgs fields that make async_generate stream disjoint (incremental) output_ids, newest first.
 STREAMING_FIELDS = ("incremental_streaming_output", "stream_output")
@@ -168,6 +198,19 @@ def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
             kwargs["dist_init_addr"] = cfg.leader_addr
     extra = cfg.engine_args()
     refuse_flag_conflicts(cfg, flags, kwargs, extra, SglangError)
+    mode, theirs = cfg.disaggregation_mode, extra.get("disaggregation_mode")
+    if theirs not in (None, "null", mode):
+        raise SglangError(
+            f"--disaggregation-mode {mode} conflicts with disaggregation_mode={theirs!r} in {SOURCE}; "
+            "give one"
+        )
+    if mode != "agg":
+        if not extra.get("disaggregation_transfer_backend"):
+            raise SglangError(
+                f"--disaggregation-mode {mode}: SGLang moves the KV cache with its transfer backend; add "
+                f"disaggregation_transfer_backend to {SOURCE} (a graph's engine_args), e.g. nixl or mooncake"
+            )
+        kwargs["disaggregation_mode"] = mode
     kv_config = extra.get("kv_events_config")
     if isinstance(kv_config, Mapping):  # ServerArgs takes it as a JSON string
         extra = {**extra, "kv_events_config": json.dumps(dict(kv_config))}
@@ -326,6 +369,10 @@ class SglangEngine(LLMEngine):
     def __init__(self, server_args: Mapping[str, Any], *, default_context_length: int | None = None) -> None:
         self.server_args = dict(server_args)
         self.default_context_length = default_context_length
+        # SGLang's PD mode: a prefill or decode engine serves only requests paired by a bootstrap.
+        self.pd_mode = self.server_args.get("disaggregation_mode")
+        self.kv_transfer = self.pd_mode in ("prefill", "decode")
+        self._prefills: set[asyncio.Task[None]] = set()
         # What the engine was started with (after our additions), for logs and tests.
         self.launched_args: dict[str, Any] | None = None
         self.incremental = False
@@ -359,6 +406,16 @@ class SglangEngine(LLMEngine):
     def _create_backend(self, server_args: dict[str, Any]) -> Any:
         """`sglang.Engine(**server_args)`: launches the scheduler and detokenizer processes."""
         return import_sglang().Engine(**server_args)
+
+    def _bootstrap_address(self) -> tuple[str, int]:
+        """Where decode engines reach this prefill engine's bootstrap server: the host of
+        dist_init_addr, else SGLANG_HOST_IP, else this host's address (as SGLang's get_ip)."""
+        args = self.launched_args or self.server_args
+        port = int(args.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
+        addr = args.get("dist_init_addr")
+        if addr:
+            return str(addr).rsplit(":", 1)[0].strip("[]"), port
+        return os.environ.get("SGLANG_HOST_IP") or socket.gethostbyname(socket.gethostname()), port
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -470,6 +527,9 @@ class SglangEngine(LLMEngine):
         self._closed = True
         for active in self._active.values():
             self._abort(active)
+        for task in list(self._prefills):
+            task.cancel()
+        await asyncio.gather(*self._prefills, return_exceptions=True)
         await self._close_kv()
         backend, self._backend = self._backend, None
         if backend is not None:
@@ -512,9 +572,69 @@ class SglangEngine(LLMEngine):
             rid = f"{context.id}-{n}"
         return rid
 
-    async def generate(  # type: ignore[override]
+    def generate(
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
+        if self.kv_transfer:
+            raise EngineError(
+                f"sglang: an engine in disaggregation_mode {self.pd_mode} only serves requests paired by a "
+                "bootstrap room (a decode engine cannot prefill locally)"
+            )
+        return self._stream(request, context)
+
+    # ---- disaggregated prefill/decode (see the module docstring) -------------------------------
+
+    @property
+    def kv_format(self) -> str:
+        backend = self.server_args.get("disaggregation_transfer_backend") or DEFAULT_TRANSFER_BACKEND
+        return connector_format("sglang", str(backend))
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """SGLang's prefill of the prompt started under a fresh bootstrap room; the answer has no
+        token (SGLang sends the first token with the KV to the decode engine)."""
+        if self.pd_mode != "prefill":
+            raise EngineError("sglang: prefill needs an engine started with disaggregation_mode prefill")
+        checked_prompt(request, "sglang", closed=self._closed, started=self._backend is not None)
+        sampling_params(request, context_length=self.context_length)  # refuse a bad request here, not later
+        host, port = self._bootstrap_address()
+        bootstrap = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": secrets.randbits(63)}
+        task = asyncio.create_task(self._run_prefill(self._stream(request, context, bootstrap), context))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        return LLMEngineOutput(), connector_handoff(self.kv_format, request.token_ids, bootstrap)
+
+    async def _run_prefill(self, stream: AsyncIterator[LLMEngineOutput], context: Context) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as err:  # the decode engine's own request fails with SGLang's error
+            log.warning("sglang: prefill of request %s failed: %s", context.id, err)
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The prompt under the prefill's bootstrap room: SGLang pulls its KV and first token."""
+        if self.pd_mode != "decode":
+            raise KvImportError("sglang: this engine was not started with disaggregation_mode decode")
+        bootstrap = connector_params(handoff, self.kv_format, request.token_ids)
+        if not bootstrap or set(bootstrap) != BOOTSTRAP_KEYS:
+            raise KvImportError(f"sglang: the handoff holds no bootstrap address and room: {bootstrap!r}")
+        if len(request.token_ids) != handoff.num_tokens:
+            raise KvImportError(
+                "sglang: the decode engine takes the prefill's prompt alone, not a continuation"
+            )
+        async for out in self._stream(request, context, bootstrap):
+            yield out
+
+    async def _stream(
+        self,
+        request: PreprocessedRequest | AnyRequest,
+        context: Context,
+        bootstrap: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """A request's stream; `bootstrap` pairs it with the other half in SGLang's PD mode."""
         prompt = checked_prompt(request, "sglang", closed=self._closed, started=self._backend is not None)
         assert isinstance(request, PreprocessedRequest)
         params = sampling_params(request, context_length=self.context_length)
@@ -526,6 +646,7 @@ class SglangEngine(LLMEngine):
         self._active.add(active)
         self._rids.add(rid)
         kwargs: dict[str, Any] = {"input_ids": prompt, "sampling_params": params, "stream": True, "rid": rid}
+        kwargs.update(bootstrap or {})
         if request.dp_rank is not None:
             kwargs["data_parallel_rank"] = request.dp_rank
         watcher = self._active.watch(active, self._abort)

@@ -67,6 +67,24 @@ Cancellation: a stopped request is aborted with `RequestOutput.abort()` as soon 
 stops; the stream ends with "cancelled". `cleanup()` aborts what is running, stops the KV event
 task, emits `cleared` and calls `LLM.shutdown()`; idempotent and safe before `start()`.
 
+Disaggregated prefill/decode (`prefill`, `generate_from_kv`; kv_transfer only with
+`cache_transceiver_config` in `--extra-engine-args`, e.g. `{backend: DEFAULT}` (UCX, NIXL, MPI,
+MOONCAKE), TensorRT-LLM's KV cache transceiver; `--disaggregation-mode prefill|decode` without it
+is refused naming it; TensorRT-LLM's own examples also set `disable_overlap_scheduler: true` on
+context workers). TensorRT-LLM has no engine-wide mode: each request says its part with
+`generate_async(..., disaggregated_params=DisaggregatedParams(request_type=...))`:
+- prefill: `request_type="context_only"`, max_tokens=1, not streamed (as Dynamo's worker); the
+  result's `disaggregated_params` (first_gen_tokens, ctx_request_id, opaque_state, draft_tokens,
+  and what newer releases add) become the handoff (JSON, bytes in base64, format
+  "trtllm-connector/1:<backend>", with a digest of the prompt; kv_handoff.py).
+- decode: `request_type="generation_only"` with those parameters and the prompt alone; TensorRT-LLM
+  pulls the KV through its transceiver and its output starts with first_gen_tokens. Our decode
+  request is the prompt followed by that first token (the client has it already), so max_tokens is
+  one more than the request's and the first output token is not sent again; a request whose token
+  after the prompt is not first_gen_tokens[0] is refused (`KvImportError`).
+Like the rest of this adapter, this follows TensorRT-LLM's documented API (and Dynamo's worker)
+and was not run against the real package.
+
 KV events (publishes_kv_events = True): when the serving process sets `kv_event_sink`,
 `kv_cache_config.event_buffer_max_size` is set (1024 unless given, as dynamo-run did) and a task
 drains `llm.get_kv_cache_events_async(timeout)`. Event dicts `{"event_id", "data": {"type":
@@ -80,21 +98,33 @@ skipped, as Dynamo does); `removed` becomes `removed`; `created` / `updated` are
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
+from dynamo_graph.engines.kv_handoff import (
+    connector_format,
+    connector_handoff,
+    connector_params,
+    first_token_answer,
+    first_token_request,
+    prompt_request,
+    without_known,
+)
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -197,7 +227,51 @@ def llm_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> dic
     }
     theirs = {key: value for key, value in theirs.items() if value is not None}
     refuse_flag_conflicts(cfg, flags, ours, theirs, TrtllmError)
-    return deep_merge(kwargs, extra)
+    merged = deep_merge(kwargs, extra)
+    if cfg.disaggregation_mode != "agg" and not merged.get("cache_transceiver_config"):
+        raise TrtllmError(
+            f"--disaggregation-mode {cfg.disaggregation_mode}: TensorRT-LLM hands KV over with its cache "
+            f"transceiver; add cache_transceiver_config to {SOURCE} (a graph's engine_args), e.g. "
+            "{backend: DEFAULT}"
+        )
+    return merged
+
+
+def transceiver_backend(config: Any) -> str | None:
+    """The backend of a cache_transceiver_config (a mapping or TensorRT-LLM's object); None: none."""
+    if not config:
+        return None
+    backend = config.get("backend") if isinstance(config, Mapping) else getattr(config, "backend", None)
+    return str(getattr(backend, "value", backend) or "DEFAULT")
+
+
+def disaggregated_fields(params: Any) -> dict[str, Any]:
+    """TensorRT-LLM's DisaggregatedParams as JSON-able fields (bytes in {"base64": ...}), without
+    request_type and unset ones, whatever fields the installed release has."""
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    elif isinstance(params, Mapping):
+        fields = dict(params)
+    else:
+        fields = dict(vars(params))
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if value is None or key == "request_type":
+            continue
+        if isinstance(value, (bytes, bytearray)):
+            value = {"base64": base64.b64encode(bytes(value)).decode()}
+        out[key] = value
+    return out
+
+
+def disaggregated_kwargs(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`disaggregated_fields` back into DisaggregatedParams keyword arguments."""
+    return {
+        key: base64.b64decode(value["base64"])
+        if isinstance(value, Mapping) and set(value) == {"base64"}
+        else value
+        for key, value in fields.items()
+    }
 
 
 def check_llm_args(kwargs: Mapping[str, Any], names: Iterable[str]) -> None:
@@ -321,6 +395,9 @@ class TrtllmEngine(LLMEngine):
     ) -> None:
         self.llm_args = copy.deepcopy(dict(llm_args))
         self.base_gpu_id = base_gpu_id
+        # TensorRT-LLM's KV cache transceiver: only with one can it run as a prefill or decode worker.
+        self.transceiver = transceiver_backend(self.llm_args.get("cache_transceiver_config"))
+        self.kv_transfer = self.transceiver is not None
         self.default_context_length = default_context_length
         self.launched_args: dict[str, Any] | None = None
         self.context_length: int | None = None
@@ -366,6 +443,11 @@ class TrtllmEngine(LLMEngine):
 
             kwargs["guided_decoding"] = GuidedDecodingParams(**guided)
         return SamplingParams(**kwargs)
+
+    def _make_disaggregated_params(self, kwargs: dict[str, Any]) -> Any:
+        from tensorrt_llm.llmapi import DisaggregatedParams
+
+        return DisaggregatedParams(**kwargs)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -491,9 +573,64 @@ class TrtllmEngine(LLMEngine):
 
     # ---- requests ------------------------------------------------------------------------------
 
-    async def generate(  # type: ignore[override]
+    def generate(
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
+        return self._stream(request, context)
+
+    # ---- disaggregated prefill/decode (see the module docstring) -------------------------------
+
+    @property
+    def kv_format(self) -> str:
+        return connector_format("trtllm", self.transceiver or "none")
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """The prompt as a context-only request; the handoff carries its DisaggregatedParams."""
+        if not self.kv_transfer:
+            raise EngineError("trtllm: a prefill worker needs cache_transceiver_config")
+        received: dict[str, Any] = {}
+        context_only = self._make_disaggregated_params({"request_type": "context_only"})
+        stream = self._stream(first_token_request(request), context, context_only, received)
+        answer, goes_on = await first_token_answer(stream, request)
+        if not goes_on:
+            return answer, None
+        params = received.get("disaggregated_params")
+        if params is None:
+            raise EngineError("trtllm: the context-only request came back without disaggregated_params")
+        return answer, connector_handoff(self.kv_format, request.token_ids, disaggregated_fields(params))
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The prompt as a generation-only request with the prefill's DisaggregatedParams; the
+        tokens after the prompt that the client has (the first one) are not sent again."""
+        if not self.kv_transfer:
+            raise KvImportError("trtllm: this engine has no cache_transceiver_config")
+        fields = connector_params(handoff, self.kv_format, request.token_ids)
+        if not fields:
+            raise KvImportError("trtllm: the handoff holds no DisaggregatedParams")
+        known = request.token_ids[handoff.num_tokens :]
+        first = list(fields.get("first_gen_tokens") or ())
+        if known != first[: len(known)] or len(known) > len(first):
+            raise KvImportError("the request's tokens after the prompt are not the prefill's first tokens")
+        generation_only = self._make_disaggregated_params(
+            {**disaggregated_kwargs(fields), "request_type": "generation_only"}
+        )
+        prompt_only, known = prompt_request(request, handoff.num_tokens)
+        async for out in without_known(self._stream(prompt_only, context, generation_only), known):
+            yield out
+
+    async def _stream(
+        self,
+        request: PreprocessedRequest | AnyRequest,
+        context: Context,
+        disaggregated: Any = None,
+        received: dict[str, Any] | None = None,
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """A request's stream; with `disaggregated` (DisaggregatedParams) the request is a context-
+        only one (not streamed, its params put in `received`) or a generation-only one."""
         prompt = checked_prompt(request, "trtllm", closed=self._closed, started=self._backend is not None)
         assert isinstance(request, PreprocessedRequest)
         try:
@@ -510,10 +647,11 @@ class TrtllmEngine(LLMEngine):
         watcher: asyncio.Future[None] | None = None
         sent = 0
         first = True
+        extra: dict[str, Any] = {} if disaggregated is None else {"disaggregated_params": disaggregated}
         try:
             try:
                 active.result = self._backend.generate_async(
-                    inputs=prompt, sampling_params=params, streaming=True
+                    inputs=prompt, sampling_params=params, streaming=received is None, **extra
                 )
                 watcher = self._active.watch(active, self._abort)
                 if context.is_stopped():
@@ -533,6 +671,11 @@ class TrtllmEngine(LLMEngine):
                             out.cached_tokens = min(int(cached), len(prompt))
                         first = False
                     if done or context.is_stopped():
+                        if received is not None:
+                            got = getattr(output, "disaggregated_params", None)
+                            received["disaggregated_params"] = got or getattr(
+                                res, "disaggregated_params", None
+                            )
                         active.finished = True
                         out.finish_reason = self._finish(active, finish)
                         if finish == "timeout" and out.finish_reason == "error":

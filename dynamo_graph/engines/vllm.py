@@ -36,11 +36,16 @@ Flags -> `AsyncEngineArgs` fields:
 | --context-length | max_model_len | |
 | --kv-cache-block-size | block_size | vLLM's default when unset (CPU: 128; CPU needs a multiple of 32) |
 | --extra-engine-args | any AsyncEngineArgs field | a JSON object; see below |
+| --disaggregation-mode | kv_transfer_config.kv_role | prefill/decode need a KV connector (vllm_disagg.py) |
 
 Always: `enable_prefix_caching=True` (as Dynamo), `disable_log_stats=True` (unless given). A key of
 `--extra-engine-args` that is not an `AsyncEngineArgs` field is an error listing the valid ones; a key
-that contradicts a flag given on the command line is an error naming both; `kv_events_config` may be a
-JSON object (built into a `KVEventsConfig`).
+that contradicts a flag given on the command line is an error naming both; `kv_events_config` and
+`kv_transfer_config` may be JSON objects (built into a `KVEventsConfig` / `KVTransferConfig`).
+
+Disaggregated prefill/decode (`prefill`, `generate_from_kv`; kv_transfer only with a KV connector
+configured): vLLM's connector moves the KV, our handoff carries its `kv_transfer_params`; see
+vllm_disagg.py for the mapping and which connectors ran on CPU.
 
 Sampling (SamplingOptions / StopConditions -> `SamplingParams`): what the request leaves unset
 follows vLLM's defaults for the model, as vLLM's own OpenAI server does: the model's
@@ -99,14 +104,25 @@ import tempfile
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
+from dynamo_graph.engines.kv_handoff import (
+    connector_format,
+    connector_handoff,
+    connector_params,
+    first_token_answer,
+    first_token_request,
+    prompt_request,
+    without_known,
+)
+from dynamo_graph.engines.vllm_disagg import connector_name, kv_transfer_config
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -137,6 +153,8 @@ _FINISH: dict[str, FinishReason] = {
 }
 # The device tier of vLLM's KV cache (vLLM labels its main cache "GPU" on every platform).
 _DEVICE_MEDIA = (None, "GPU")
+# --extra-engine-args keys given as JSON (objects or strings) -> the vLLM config class they build.
+_CONFIG_TYPES = {"kv_events_config": "KVEventsConfig", "kv_transfer_config": "KVTransferConfig"}
 # SamplingOptions passed to SamplingParams under the same name.
 _PASSED_THROUGH = (
     "temperature",
@@ -207,6 +225,9 @@ def engine_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
     extra = cfg.engine_args()
     refuse_flag_conflicts(cfg, flags, kwargs, extra, VllmError)
     kwargs.update(extra)
+    transfer = kv_transfer_config(cfg.disaggregation_mode, extra.get("kv_transfer_config"), VllmError)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
     return kwargs
 
 
@@ -326,6 +347,10 @@ class VllmEngine(LLMEngine):
     def __init__(self, engine_args: Mapping[str, Any], *, base_gpu_id: int = 0) -> None:
         self.engine_args = dict(engine_args)
         self.base_gpu_id = base_gpu_id
+        # vLLM's KV connector (kv_transfer_config.kv_connector): only with one can it run as a
+        # prefill or decode worker.
+        self.connector = connector_name(self.engine_args.get("kv_transfer_config"))
+        self.kv_transfer = self.connector is not None
         # What the engine was started with (after our additions), for logs and tests.
         self.launched_args: dict[str, Any] | None = None
         self.context_length: int | None = None
@@ -351,7 +376,7 @@ class VllmEngine(LLMEngine):
         import_vllm()
         try:
             from vllm import SamplingParams
-            from vllm.config import KVEventsConfig
+            from vllm.config import KVEventsConfig, KVTransferConfig
             from vllm.distributed.kv_events import KVEventBatch
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.inputs import TokensPrompt
@@ -368,6 +393,7 @@ class VllmEngine(LLMEngine):
         self._vllm = {
             "SamplingParams": SamplingParams,
             "KVEventsConfig": KVEventsConfig,
+            "KVTransferConfig": KVTransferConfig,
             "KVEventBatch": KVEventBatch,
             "AsyncEngineArgs": AsyncEngineArgs,
             "TokensPrompt": TokensPrompt,
@@ -393,16 +419,17 @@ class VllmEngine(LLMEngine):
         await asyncio.to_thread(self._import)
         fields = {f.name for f in dataclasses.fields(self._vllm["AsyncEngineArgs"])}
         check_engine_args(kwargs, fields)
-        if isinstance(kwargs.get("kv_events_config"), str):
-            try:
-                kwargs["kv_events_config"] = json.loads(kwargs["kv_events_config"])
-            except ValueError as err:
-                raise VllmError(f"{SOURCE}: kv_events_config is not JSON: {err}") from None
-        if isinstance(kwargs.get("kv_events_config"), Mapping):
-            try:
-                kwargs["kv_events_config"] = self._vllm["KVEventsConfig"](**kwargs["kv_events_config"])
-            except Exception as err:
-                raise VllmError(f"{SOURCE}: bad kv_events_config: {err}") from None
+        for key, config_type in _CONFIG_TYPES.items():
+            if isinstance(kwargs.get(key), str):
+                try:
+                    kwargs[key] = json.loads(kwargs[key])
+                except ValueError as err:
+                    raise VllmError(f"{SOURCE}: {key} is not JSON: {err}") from None
+            if isinstance(kwargs.get(key), Mapping):
+                try:
+                    kwargs[key] = self._vllm[config_type](**kwargs[key])
+                except Exception as err:
+                    raise VllmError(f"{SOURCE}: bad {key}: {err}") from None
         if self.base_gpu_id and "CUDA_VISIBLE_DEVICES" not in os.environ:
             width = int(kwargs.get("tensor_parallel_size") or 1) * int(
                 kwargs.get("pipeline_parallel_size") or 1
@@ -537,8 +564,10 @@ class VllmEngine(LLMEngine):
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def _sampling_params(self, request: PreprocessedRequest) -> Any:
+    def _sampling_params(self, request: PreprocessedRequest, kv_params: Mapping[str, Any] | None) -> Any:
         kwargs = sampling_kwargs(request, defaults=self.sampling_defaults, context_length=self.context_length)
+        if kv_params is not None:  # vLLM reads a request's KV connector parameters from extra_args
+            kwargs["extra_args"] = {"kv_transfer_params": dict(kv_params)}
         try:
             guided = kwargs.pop("structured_outputs", None)
             if guided is not None:
@@ -547,9 +576,57 @@ class VllmEngine(LLMEngine):
         except self._client_errors as err:
             raise InvalidArgument(f"vllm refused the sampling parameters: {err}") from None
 
-    async def generate(  # type: ignore[override]
+    def generate(
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
+        return self._stream(request, context)
+
+    # ---- disaggregated prefill/decode (vllm_disagg.py) ---------------------------------------
+
+    @property
+    def kv_format(self) -> str:
+        return connector_format("vllm", self.connector or "none")
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """The prompt and its first token, with vLLM told a remote instance decodes the rest
+        (do_remote_decode: a connector like NIXL then holds the prompt's blocks for it); the
+        handoff carries the connector's kv_transfer_params from vLLM's final output."""
+        if not self.kv_transfer:
+            raise EngineError("vllm: a prefill worker needs a KV connector (kv_transfer_config)")
+        received: dict[str, Any] = {}
+        # A request of one token has nothing to decode: no connector should hold its KV for one.
+        remote = None if request.stop_conditions.max_tokens == 1 else {"do_remote_decode": True}
+        stream = self._stream(first_token_request(request), context, remote, received)
+        answer, goes_on = await first_token_answer(stream, request)
+        if not goes_on:
+            return answer, None
+        params = received.get("kv_transfer_params")
+        return answer, connector_handoff(self.kv_format, request.token_ids, params)
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The prefill's prompt with its kv_transfer_params: vLLM's connector loads the prompt's KV,
+        vLLM computes only what it lacks and samples the first token again (not sent twice;
+        KvImportError for another connector's or prompt's handoff, or another first token)."""
+        if not self.kv_transfer:
+            raise KvImportError("vllm: this engine has no KV connector (kv_transfer_config)")
+        params = connector_params(handoff, self.kv_format, request.token_ids)
+        prompt_only, known = prompt_request(request, handoff.num_tokens)
+        async for out in without_known(self._stream(prompt_only, context, params), known):
+            yield out
+
+    async def _stream(
+        self,
+        request: PreprocessedRequest | AnyRequest,
+        context: Context,
+        kv_params: Mapping[str, Any] | None = None,
+        received: dict[str, Any] | None = None,
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """A request's stream; with `kv_params` given to vLLM's KV connector, and the connector's
+        parameters of the finished request put in `received["kv_transfer_params"]`."""
         prompt = checked_prompt(request, "vllm", closed=self._closed, started=self._llm is not None)
         assert isinstance(request, PreprocessedRequest)
         if self.context_length is not None and len(prompt) >= self.context_length:
@@ -559,7 +636,7 @@ class VllmEngine(LLMEngine):
                 "of the prompt.",
                 param="prompt",
             )
-        params = self._sampling_params(request)
+        params = self._sampling_params(request, kv_params)
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
@@ -589,6 +666,8 @@ class VllmEngine(LLMEngine):
                         first = False
                     reason = completion.finish_reason if completion is not None else None
                     if res.finished or reason is not None:
+                        if received is not None:
+                            received["kv_transfer_params"] = res.kv_transfer_params
                         active.finished = True
                         out.finish_reason = self._finish(active, reason)
                         out.completion_usage = CompletionUsage(len(prompt), sent, cached)

@@ -39,6 +39,23 @@ KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 KV_TRANSFER_ENGINES = frozenset({"mocker", "llamacpp"})
 """Engines that hand a prompt's KV cache from a prefill worker to a decode worker (role prefill/decode)."""
 
+KV_CONNECTOR_ENGINES: dict[str, tuple[str, str]] = {
+    "vllm": ("kv_transfer_config", '{"kv_connector": "NixlConnector"}'),
+    "sglang": ("disaggregation_transfer_backend", "nixl (or mooncake)"),
+    "trtllm": ("cache_transceiver_config", '{"backend": "DEFAULT"}'),
+}
+"""Engines whose KV cache moves by their own connector: they can be prefill/decode workers when their
+engine args configure it. Engine -> (the engine argument that does, an example value)."""
+
+KV_CONNECTOR_UNSERVED: dict[str, str] = {
+    "sglang": (
+        "SGLang's prefill sends its first token with the KV to the decode engine, while dyngraph's "
+        "frontend waits for the prefill worker's first token before it picks a decode worker "
+        "(engines/sglang.py); SGLang cannot serve disaggregated here yet: use role agg"
+    ),
+}
+"""Engines whose connector is mapped but does not fit the frontend's prefill -> decode flow yet, and why."""
+
 ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
 
 # Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow

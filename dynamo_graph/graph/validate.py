@@ -9,6 +9,7 @@ schema is satisfied. Each cross-key check is a small function from `Graph` to pr
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import types
 import typing
@@ -21,7 +22,16 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from dynamo_graph.graph.errors import GraphError, Location, Problem
-from dynamo_graph.graph.schema import KV_EVENT_ENGINES, KV_TRANSFER_ENGINES, LOCAL, Frontend, Graph, Worker
+from dynamo_graph.graph.schema import (
+    KV_CONNECTOR_ENGINES,
+    KV_CONNECTOR_UNSERVED,
+    KV_EVENT_ENGINES,
+    KV_TRANSFER_ENGINES,
+    LOCAL,
+    Frontend,
+    Graph,
+    Worker,
+)
 
 
 class SourceLocator(Protocol):
@@ -420,7 +430,8 @@ def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
 
 
 def check_disagg(graph: Graph) -> Iterator[Problem]:
-    """Disaggregated serving needs both halves: prefill workers hand the KV cache to decode ones."""
+    """Disaggregated serving needs both halves: prefill workers hand the KV cache to decode ones,
+    with an engine that can (by itself, or by its own KV connector, configured)."""
     roles: dict[str, dict[str, str]] = defaultdict(dict)
     for key, worker in graph.workers().items():
         roles[worker.model].setdefault(worker.role, key)
@@ -440,16 +451,49 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
     Dynamo's operator skips this check (`validate_graph(..., engines="dynamo")`)."""
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
-        if (
-            worker.role != "agg"
-            and worker.engine not in KV_TRANSFER_ENGINES
-            and not worker.engine.endswith(".py")
-        ):
-            yield Problem(
-                f"components.{key}.engine",
-                f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
-                f"decode workers ({', '.join(sorted(KV_TRANSFER_ENGINES))}); {worker.engine} cannot",
-            )
+        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or worker.engine.endswith(".py"):
+            continue
+        if worker.engine in KV_CONNECTOR_ENGINES:
+            problem = _missing_kv_connector(key, worker)
+            if problem is not None:
+                yield problem
+            continue
+        able = sorted({*KV_TRANSFER_ENGINES, *KV_CONNECTOR_ENGINES})
+        yield Problem(
+            f"components.{key}.engine",
+            f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
+            f"decode workers ({', '.join(able)}); {worker.engine} cannot",
+        )
+
+
+def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
+    """A worker of an engine with its own KV connector, as prefill/decode: a Problem unless its
+    engine args configure the connector (an engine_args_file is not read here: the worker checks
+    it when it starts) and the engine's connector fits the frontend's flow."""
+    if worker.engine_args_file is not None:
+        return None
+    setting, example = KV_CONNECTOR_ENGINES[worker.engine]
+    value = (worker.engine_args or {}).get(setting)
+    if worker.engine == "vllm":  # vLLM's KVTransferConfig, an object or its JSON: it names the connector
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+        configured = isinstance(value, dict) and bool(value.get("kv_connector"))
+    else:
+        configured = bool(value)
+    if configured:
+        unserved = KV_CONNECTOR_UNSERVED.get(worker.engine)
+        return (
+            None if unserved is None else Problem(f"components.{key}.role", f"role {worker.role}: {unserved}")
+        )
+    what = f"{setting} with a kv_connector" if worker.engine == "vllm" else setting
+    return Problem(
+        f"components.{key}.engine_args",
+        f"role {worker.role}: {worker.engine} moves the KV cache with its own connector; add {what} "
+        f"to engine_args, e.g. {setting}: {example}",
+    )
 
 
 def check_planes(graph: Graph) -> Iterator[Problem]:

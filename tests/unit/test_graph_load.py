@@ -18,6 +18,7 @@ from dynamo_graph.graph.load import (
     load_graph,
     state_dir,
 )
+from dynamo_graph.graph.validate import validate_graph
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -172,6 +173,17 @@ def test_example_graph() -> None:
     backend = graph.data["components"]["backend"]
     assert (backend["engine"], backend["replicas"], backend["model"]) == ("echo_core", 2, "llm")
     assert graph.data["components"]["frontend"]["http"] == {"host": "127.0.0.1", "port": 8090}
+
+
+def test_vllm_disagg_example_graph_configures_the_connector_on_both_workers() -> None:
+    graph = load_graph(REPO / "graphs" / "examples" / "disagg-vllm.yaml", env={})
+    components = graph.data["components"]
+    for role in ("prefill", "decode"):
+        worker = components[role]
+        assert (worker["engine"], worker["role"]) == ("vllm", role)
+        assert worker["engine_args"]["kv_transfer_config"]["kv_connector"] == "ExampleConnector"
+    assert graph.data["models"]["llm"]["kv_cache_block_size"] == 32
+    validate_graph(graph.data, None, file="disagg-vllm.yaml")  # vllm P/D with a connector is valid
 
 
 # ---- overrides ----------------------------------------------------------------------------------

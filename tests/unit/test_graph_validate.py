@@ -207,6 +207,32 @@ components:
         "role prefill needs an engine that hands the prompt's KV cache",
     ),
     (
+        "disagg-vllm-without-kv-connector",
+        HEAD
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: vllm, role: prefill,"
+        + " engine_args: {kv_transfer_config: {kv_role: kv_producer}}}\n"
+        + "  decode: {kind: worker, model: tiny, engine: mocker, role: decode}\n",
+        "components.prefill.engine_args",
+        "vllm moves the KV cache with its own connector; add kv_transfer_config with a kv_connector",
+    ),
+    (
+        "disagg-trtllm-without-cache-transceiver",
+        HEAD
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: mocker, role: prefill}\n"
+        + "  decode: {kind: worker, model: tiny, engine: trtllm, role: decode}\n",
+        "components.decode.engine_args",
+        "add cache_transceiver_config to engine_args",
+    ),
+    (
+        "disagg-sglang-not-served-yet",
+        HEAD
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: mocker, role: prefill}\n"
+        + "  decode: {kind: worker, model: tiny, engine: sglang, role: decode,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n",
+        "components.decode.role",
+        "SGLang cannot serve disaggregated here yet",
+    ),
+    (
         "kv-router-without-events",
         MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}"),
         "components.frontend.router.mode",
@@ -448,6 +474,22 @@ def test_minimal_graph_fills_in_defaults() -> None:
 
 def test_workers_only_graph_is_valid() -> None:
     valid(HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core}\n")
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        ("vllm", "{kv_transfer_config: {kv_connector: NixlConnector}}"),
+        ("vllm", """{kv_transfer_config: '{"kv_connector": "ExampleConnector"}'}"""),
+        ("trtllm", "{cache_transceiver_config: {backend: DEFAULT}}"),
+    ],
+)
+def test_engines_with_a_configured_kv_connector_can_disaggregate(engine: str, args: str) -> None:
+    workers = "".join(
+        f"  {role}: {{kind: worker, model: tiny, engine: {engine}, role: {role}, engine_args: {args}}}\n"
+        for role in ("prefill", "decode")
+    )
+    valid(HEAD + "components:\n" + workers)
 
 
 def test_kv_router_without_events_is_valid_with_use_kv_events_false() -> None:

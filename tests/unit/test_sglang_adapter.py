@@ -5,7 +5,9 @@ The fake implements what the adapter uses of the real Engine, in the shapes SGLa
 of `{"output_ids", "meta_info"}` dicts (cumulative ids sharing one growing list, or incremental
 ids, as SGLang's `incremental_streaming_output` / `stream_output` setting decides),
 `tokenizer_manager.abort_request(rid=..., abort_all=False)`, `get_server_info()` and `shutdown()`;
-its KV events travel over a real ZMQ PUB socket as msgpack arrays in SGLang's wire layout.
+its KV events travel over a real ZMQ PUB socket as msgpack arrays in SGLang's wire layout. In PD mode
+(`disaggregation_mode`), a prefill request waits for a decode request to join its `bootstrap_room`
+before it computes its one token, as SGLang's prefill waits for the decode engine's allocation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import msgspec
 import pytest
 
 from dynamo_graph.backend.conformance import conformance_tests
-from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
+from dynamo_graph.backend.engine import KvImportError
+from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
     SamplingOptions,
@@ -59,7 +62,12 @@ FIELDS = {
     "dp_size",
     "enable_dp_attention",
     "disable_radix_cache",
+    "disaggregation_mode",
+    "disaggregation_transfer_backend",
+    "disaggregation_bootstrap_port",
 }
+# Bootstrap rooms joined by decode requests (SGLang pairs a prefill and a decode request by room).
+ROOMS: dict[int, asyncio.Event] = {}
 
 
 @pytest.fixture
@@ -105,10 +113,16 @@ class FakeSglang:
         self.calls.append(kwargs)
         return self._stream(**kwargs)
 
-    async def _stream(self, input_ids, sampling_params, stream, rid, **_: Any):
+    async def _stream(self, input_ids, sampling_params, stream, rid, bootstrap_room=None, **_: Any):
         assert stream is True
         stop_ids = set(sampling_params.get("stop_token_ids") or ())
         limit = sampling_params.get("max_new_tokens", 128)
+        mode = self.server_args.get("disaggregation_mode")
+        if mode == "prefill":  # computes the first token once a decode request joined the room
+            await ROOMS.setdefault(bootstrap_room, asyncio.Event()).wait()
+            limit = 1
+        elif mode == "decode":
+            ROOMS.setdefault(bootstrap_room, asyncio.Event()).set()
         output: list[int] = []  # SGLang's state.output_ids: one list, appended to in place
         sent = 0
 
@@ -466,6 +480,63 @@ async def test_cleanup_is_idempotent_and_safe_before_start() -> None:
 
 
 # ---- KV events ----------------------------------------------------------------------------------
+
+
+# ---- disaggregated prefill/decode -----------------------------------------------------------
+
+
+def test_disaggregation_mode_needs_a_transfer_backend(model: LocalModel, tmp_path: Path) -> None:
+    for mode in ("prefill", "decode"):
+        with pytest.raises(SglangError, match=f"{mode}: .* add disaggregation_transfer_backend"):
+            server_args_from_settings(EngineSettings(disaggregation_mode=mode), model)
+    extra = tmp_path / "args.json"
+    extra.write_text(json.dumps({"disaggregation_transfer_backend": "nixl"}))
+    args = server_args_from_settings(
+        EngineSettings(disaggregation_mode="decode", extra_engine_args=extra), model
+    )
+    assert (args["disaggregation_mode"], args["disaggregation_transfer_backend"]) == ("decode", "nixl")
+    assert SglangEngine(args).kv_transfer and SglangEngine(args).kv_format == "sglang-connector/1:nixl"
+    extra.write_text(json.dumps({"disaggregation_mode": "prefill"}))
+    with pytest.raises(
+        SglangError, match="--disaggregation-mode agg conflicts with disaggregation_mode='prefill'"
+    ):
+        server_args_from_settings(EngineSettings(extra_engine_args=extra), model)
+    assert not SglangEngine(server_args_from_settings(EngineSettings(), model)).kv_transfer
+
+
+async def test_prefill_and_decode_pair_by_bootstrap_room() -> None:
+    pd = {"disaggregation_transfer_backend": "nixl", "disaggregation_bootstrap_port": 9000}
+    prefiller = make_engine(disaggregation_mode="prefill", dist_init_addr="10.1.2.3:5000", **pd)
+    decoder = make_engine(disaggregation_mode="decode", **pd)
+    await prefiller.start()
+    await decoder.start()
+    first, handoff = await prefiller.prefill(request(5), Context())
+    assert first.token_ids == [] and first.finish_reason is None  # SGLang sends it to the decode engine
+    assert handoff is not None and handoff.format == "sglang-connector/1:nixl" and handoff.num_tokens == 4
+    bootstrap = json.loads(handoff.data)["params"]
+    assert (bootstrap["bootstrap_host"], bootstrap["bootstrap_port"]) == ("10.1.2.3", 9000)
+    assert 0 <= bootstrap["bootstrap_room"] < 2**63
+
+    outs = [out async for out in decoder.generate_from_kv(request(5), handoff, Context())]
+    assert tokens(outs) == [100, 101, 102, 103, 104] and outs[-1].finish_reason == "length"
+    for fake in (prefiller.fake, decoder.fake):  # both halves went to SGLang with the same triple
+        assert {k: fake.calls[0][k] for k in bootstrap} == bootstrap
+    await asyncio.wait_for(asyncio.gather(*prefiller._prefills), 5)  # the prefill ended once paired
+
+    with pytest.raises(KvImportError, match="prompt alone"):  # our frontend's continuation
+        await anext(
+            decoder.generate_from_kv(
+                msgspec.structs.replace(request(4), token_ids=[0, 10, 11, 12, 100]), handoff, Context()
+            )
+        )
+    with pytest.raises(EngineError, match="cannot prefill locally"):
+        decoder.generate(request(5), Context())
+    # A prefill whose decode engine never comes is cancelled at cleanup.
+    await prefiller.prefill(request(5), Context())
+    assert len(prefiller._prefills) == 1
+    await prefiller.cleanup()
+    assert not prefiller._prefills and prefiller.fake.shutdowns == 1
+    await decoder.cleanup()
 
 
 def test_kv_bridge_converts_sglang_batches() -> None:

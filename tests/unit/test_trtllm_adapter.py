@@ -4,7 +4,9 @@ The fake implements what the adapter uses of the real LLM API, in its shapes:
 `generate_async(inputs=token_ids, sampling_params=..., streaming=True)` returning a result that is
 its own async iterator, with `outputs[0]` a CompletionOutput-like object whose `token_ids` are
 cumulative (several tokens per response when the engine batches, the stop token trimmed), a
-`finish_reason`, `finished`, `cached_tokens`, and `abort()`; `get_kv_cache_events_async(timeout)`
+`finish_reason`, `finished`, `cached_tokens`, and `abort()` (with `disaggregated_params=`: a
+context-only request returns DisaggregatedParams on its output, a generation-only one starts its
+output with their first_gen_tokens); `get_kv_cache_events_async(timeout)`
 yielding event dicts in TensorRT-LLM's serialized layout; `shutdown()`. `_make_sampling_params`
 returns the keyword arguments `SamplingParams(...)` would receive.
 """
@@ -12,15 +14,18 @@ returns the keyword arguments `SamplingParams(...)` would receive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from dynamo_graph.backend.conformance import conformance_tests
+from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
@@ -55,6 +60,7 @@ NAMES = {
     "max_batch_size",
     "max_num_tokens",
     "guided_decoding_backend",
+    "cache_transceiver_config",
 }
 
 
@@ -66,22 +72,39 @@ def model(tmp_path: Path) -> LocalModel:
 # ---- the fake tensorrt_llm.LLM ------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class FakeDisaggregatedParams:
+    """tensorrt_llm.llmapi.DisaggregatedParams' fields (a dataclass there too)."""
+
+    request_type: str | None = None
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    opaque_state: bytes | None = None
+    draft_tokens: list[int] | None = None
+
+
 class FakeCompletionOutput:
     def __init__(self) -> None:
         self.index = 0
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.disaggregated_params: FakeDisaggregatedParams | None = None
 
 
 class FakeResult:
     """A GenerationResult: iterating it yields itself after each engine response."""
 
-    def __init__(self, llm: FakeLLM, prompt: list[int], params: dict[str, Any]) -> None:
+    def __init__(
+        self, llm: FakeLLM, prompt: list[int], params: dict[str, Any], disagg: FakeDisaggregatedParams | None
+    ) -> None:
         self.llm = llm
         self.prompt = prompt
         self.params = params
+        self.disaggregated = disagg
         self.outputs = [FakeCompletionOutput()]
+        if disagg is not None and disagg.request_type == "generation_only":
+            self.outputs[0].token_ids = list(disagg.first_gen_tokens or ())
         self.finished = False
         self.cached_tokens = llm.cached
         self.aborts = 0
@@ -117,6 +140,17 @@ class FakeResult:
             if len(out.token_ids) >= limit:
                 out.finish_reason, self.finished = "length", True
                 break
+        if (
+            self.finished
+            and self.disaggregated is not None
+            and self.disaggregated.request_type == "context_only"
+        ):
+            out.disaggregated_params = FakeDisaggregatedParams(
+                request_type="context_only",
+                first_gen_tokens=out.token_ids[:1],
+                ctx_request_id=77,
+                opaque_state=b"\x00transceiver state\xff",
+            )
         return self
 
 
@@ -133,10 +167,18 @@ class FakeLLM:
         self.shutdowns = 0
 
     def generate_async(
-        self, inputs: list[int], sampling_params: Any = None, streaming: bool = False
+        self,
+        inputs: list[int],
+        sampling_params: Any = None,
+        streaming: bool = False,
+        disaggregated_params: FakeDisaggregatedParams | None = None,
     ) -> FakeResult:
-        assert streaming is True
-        result = FakeResult(self, list(inputs), sampling_params)
+        # Streamed, except context-only requests (Dynamo's worker does not stream those).
+        context_only = (
+            disaggregated_params is not None and disaggregated_params.request_type == "context_only"
+        )
+        assert streaming is not context_only
+        result = FakeResult(self, list(inputs), sampling_params, disaggregated_params)
         self.results.append(result)
         return result
 
@@ -162,6 +204,9 @@ class FakeTrtllmEngine(TrtllmEngine):
 
     def _make_sampling_params(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
+
+    def _make_disaggregated_params(self, kwargs: dict[str, Any]) -> FakeDisaggregatedParams:
+        return FakeDisaggregatedParams(**kwargs)
 
 
 def make_engine(**llm_args: Any) -> FakeTrtllmEngine:
@@ -441,6 +486,66 @@ def _block(block_hash: int, toks: list[int]) -> dict[str, Any]:
         "cache_level": 0,
         "priority": 35,
     }
+
+
+# ---- disaggregated prefill/decode -----------------------------------------------------------
+
+
+def test_disaggregation_needs_a_cache_transceiver(model: LocalModel, tmp_path: Path) -> None:
+    for mode in ("prefill", "decode"):
+        with pytest.raises(
+            TrtllmError, match=f"--disaggregation-mode {mode}: .* add cache_transceiver_config"
+        ):
+            llm_args_from_settings(EngineSettings(disaggregation_mode=mode), model)
+    extra = tmp_path / "decode.yaml"
+    extra.write_text("cache_transceiver_config:\n  backend: UCX\ndisable_overlap_scheduler: true\n")
+    args = llm_args_from_settings(
+        EngineSettings(disaggregation_mode="decode", extra_engine_args=extra), model
+    )
+    engine = TrtllmEngine(args)
+    assert engine.kv_transfer and engine.kv_format == "trtllm-connector/1:UCX"
+    assert not TrtllmEngine(llm_args_from_settings(EngineSettings(), model)).kv_transfer
+    assert make_engine(cache_transceiver_config={}).kv_transfer is False
+
+
+async def test_context_only_then_generation_only_on_another_engine() -> None:
+    prefiller = make_engine(cache_transceiver_config={"backend": "DEFAULT"})
+    decoder = make_engine(cache_transceiver_config={"backend": "DEFAULT"})
+    await prefiller.start()
+    await decoder.start()
+    first, handoff = await prefiller.prefill(request(5, min_tokens=2), Context())
+    assert first.token_ids == [100] and first.finish_reason is None
+    context_only = prefiller.fake.results[0]
+    assert context_only.disaggregated == FakeDisaggregatedParams(request_type="context_only")
+    assert (context_only.params["max_tokens"], context_only.params["min_tokens"]) == (1, 1)
+    assert handoff is not None and handoff.format == "trtllm-connector/1:DEFAULT" and handoff.num_tokens == 4
+
+    # The decode request is the frontend's continuation: the prompt and the first token, one less to go.
+    follow = msgspec.structs.replace(request(4, min_tokens=1), token_ids=[0, 10, 11, 12, 100])
+    outs = [out async for out in decoder.generate_from_kv(follow, handoff, Context())]
+    assert tokens(outs) == [101, 102, 103, 104] and outs[-1].finish_reason == "length"
+    usage = outs[-1].completion_usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (5, 4)
+    generation_only = decoder.fake.results[0]
+    assert generation_only.prompt == [0, 10, 11, 12]  # TensorRT-LLM's output starts at the first token
+    assert (generation_only.params["max_tokens"], generation_only.params["min_tokens"]) == (5, 2)
+    assert generation_only.disaggregated == FakeDisaggregatedParams(
+        request_type="generation_only",
+        first_gen_tokens=[100],
+        ctx_request_id=77,
+        opaque_state=b"\x00transceiver state\xff",
+    )
+
+    # A continuation that does not follow the prefill's first token is refused before anything runs.
+    other = msgspec.structs.replace(follow, token_ids=[0, 10, 11, 12, 999])
+    with pytest.raises(KvImportError, match="not the prefill's first tokens"):
+        await anext(decoder.generate_from_kv(other, handoff, Context()))
+    assert len(decoder.fake.results) == 1
+    # A request that ends at its first token hands nothing over.
+    done, nothing = await prefiller.prefill(request(1), Context())
+    assert nothing is None and done.finish_reason == "length"
+    await prefiller.cleanup()
+    await decoder.cleanup()
 
 
 def test_kv_bridge_converts_trtllm_events() -> None:

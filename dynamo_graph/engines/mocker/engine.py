@@ -37,12 +37,11 @@ from array import array
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.engines.kv_handoff import first_token_answer, first_token_request
 from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
 from dynamo_graph.engines.mocker.perf_model import PerfModel
 from dynamo_graph.engines.mocker.scheduler import (
@@ -249,22 +248,11 @@ class MockerEngine(LLMEngine):
         """The prompt's prefill and first token, timed as any request's; the handoff carries the
         prompt's token ids (so the decode side can check what it imports) and stands for
         `kv_bytes_per_token` bytes per prompt token."""
-        sc = request.stop_conditions
-        first_only = msgspec.structs.replace(
-            sc, max_tokens=1, min_tokens=None if sc.min_tokens is None else min(sc.min_tokens, 1)
+        answer, goes_on = await first_token_answer(
+            self.generate(first_token_request(request), context), request
         )
-        answer = LLMEngineOutput()
-        async for out in self.generate(msgspec.structs.replace(request, stop_conditions=first_only), context):
-            answer.token_ids.extend(out.token_ids)
-            if out.cached_tokens is not None:
-                answer.cached_tokens = out.cached_tokens
-            if out.finish_reason is not None:
-                answer.finish_reason = out.finish_reason
-                answer.completion_usage = out.completion_usage
-        if answer.finish_reason != "length" or sc.max_tokens == 1:
+        if not goes_on:
             return answer, None  # the request ended at its first token (or was cancelled)
-        answer.finish_reason = None
-        answer.completion_usage = None
         prompt = request.token_ids
         handoff = KvHandoff(
             self.kv_format,
