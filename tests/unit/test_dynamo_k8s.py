@@ -138,8 +138,9 @@ def test_worker_flags_per_backend(tmp_path: Path) -> None:
     ]  # fmt: skip
     # Hub ids only: no models volume is asked for.
     assert "volumes" not in services["pre"]["extraPodSpec"]
-    # The pair is valid for Dynamo's engines, not for ours (our SGLang adapter transfers no KV).
-    with pytest.raises(GraphError, match="hands the prompt's KV cache"):
+    # The pair is valid for Dynamo's engines, not for ours (our SGLang adapter needs its connector
+    # configured, and even then cannot serve P/D through our frontend).
+    with pytest.raises(GraphError, match="sglang moves the KV cache with its own connector"):
         build(graph)
 
 
