@@ -217,6 +217,7 @@ class LlamaCppEngine(LLMEngine):
         """The model once, and its one context (in a thread: loading takes a while)."""
         from llama_cpp._internals import LlamaContext, LlamaModel
         from llama_cpp._logger import set_verbose
+        from llama_cpp._utils import suppress_stdout_stderr
 
         lc = self._llama_cpp
         verbose = self.args.llama_kwargs.get("verbose", False)
@@ -228,7 +229,11 @@ class LlamaCppEngine(LLMEngine):
             )
             self.n_ctx = self.n_ctx or self._model.n_ctx_train()
             params = context_params(lc, self.args, self.n_ctx)
-            self._context = LlamaContext(model=self._model, params=params, verbose=verbose)
+            # Quiet unless verbose, as the model's load is: with a unified cache llama.cpp warns
+            # that the context (all sequences' cells) exceeds the model's training context,
+            # although no sequence may hold more than n_ctx positions.
+            with suppress_stdout_stderr(disable=verbose):
+                self._context = LlamaContext(model=self._model, params=params, verbose=verbose)
         except (ValueError, RuntimeError, OSError) as err:
             raise LlamaCppError(f"llama.cpp could not load {self.gguf_path}: {err}") from None
 
@@ -236,6 +241,11 @@ class LlamaCppEngine(LLMEngine):
     def prompt_tokens_evaluated(self) -> int:
         """Prompt tokens the context evaluated (not taken from its cache or a handoff)."""
         return self._loop.evaluated if self._loop is not None else 0
+
+    @property
+    def decode_steps(self) -> int:
+        """llama_decode calls so far: one per step, for all the sequences running in it."""
+        return self._loop.steps if self._loop is not None else 0
 
     async def drain(self) -> None:
         while self._jobs:

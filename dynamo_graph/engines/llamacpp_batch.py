@@ -184,6 +184,7 @@ class BatchLoop:
         self._samplers = samplers
         self.seqs = [Seq(i) for i in range(n_seq)]
         self.evaluated = 0  # prompt tokens evaluated (not taken from a cache or a handoff)
+        self.steps = 0  # llama_decode calls: one per step, whatever the number of sequences in it
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -372,6 +373,7 @@ class BatchLoop:
             n += len(chunk)
         batch.n_tokens = n
         ret = lc.llama_decode(self._ctx, batch)
+        self.steps += 1
         if ret != 0:
             err = EngineError(f"llama.cpp failed: llama_decode returned {ret}")
             for seq, _, _ in taken:
