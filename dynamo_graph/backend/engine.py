@@ -93,6 +93,9 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     # The OpenAI endpoints served ("chat", "completions"); None: both. A text engine that takes
     # only chat requests (out=pystr:FILE) says ["chat"].
     model_type: list[str] | None = None
+    # Optional request features the engine honours (llm/openai.py CAPABILITIES); the card carries
+    # them and the frontend refuses (400) a request needing one the engine lacks.
+    capabilities: list[str] | None = None
 
 
 class LLMEngine(abc.ABC):

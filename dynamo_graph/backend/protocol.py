@@ -16,6 +16,7 @@ from dynamo_graph.llm.protocol import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    TopLogprob,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "PreprocessedRequest",
     "SamplingOptions",
     "StopConditions",
+    "TopLogprob",
 ]

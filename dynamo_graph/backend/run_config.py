@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError, read_engine_args_file
+from dynamo_graph.llm.reasoning import REASONING_PARSERS
+from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from dynamo_graph.llm.model_source import LocalModel
@@ -79,6 +81,9 @@ class RunConfig:
     discovery_backend: str | None = None
     request_plane: str | None = None
     event_plane: str | None = None
+    # How frontends read this model's output (llm/tool_calls, llm/reasoning.py); the card carries them.
+    dyn_tool_call_parser: str | None = None
+    dyn_reasoning_parser: str | None = None
     verbosity: int = 0
     # Flags given explicitly on the command line (so we can say which ones an engine ignores).
     explicit: set[str] = field(default_factory=set)
@@ -184,6 +189,12 @@ def validate(cfg: RunConfig) -> None:
         raise RunConfigError("--api-key needs a key (or a comma list of keys)")  # never echo a key
     if cfg.router_temperature < 0:
         raise RunConfigError(f"--router-temperature must be >= 0, not {cfg.router_temperature}")
+    for flag, name, valid in (
+        ("--dyn-tool-call-parser", cfg.dyn_tool_call_parser, TOOL_CALL_PARSERS),
+        ("--dyn-reasoning-parser", cfg.dyn_reasoning_parser, REASONING_PARSERS),
+    ):
+        if name is not None and name not in valid:
+            raise RunConfigError(f"{flag}: unknown parser {name!r}; valid names: {', '.join(valid)}")
     if cfg.extra_engine_args is not None:
         read_engine_args_file(cfg.extra_engine_args)  # fail now, with the file named, not after loading
 

@@ -108,6 +108,10 @@ def make_card(
         card.runtime_config = _runtime_config(config)
     if config.model_type:
         card.model_type = list(config.model_type)  # type: ignore[arg-type]
+    card.tool_call_parser = cfg.dyn_tool_call_parser
+    card.reasoning_parser = cfg.dyn_reasoning_parser
+    card.engine = engine_name
+    card.capabilities = list(config.capabilities or ())
     return card
 
 

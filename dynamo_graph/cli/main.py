@@ -168,6 +168,19 @@ def run_command(
     event_plane: Annotated[
         str | None, typer.Option("--event-plane", help="zmq | nats | inproc (env DYN_EVENT_PLANE)")
     ] = None,
+    dyn_tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            "--dyn-tool-call-parser",
+            help="tool calls in the model's output: hermes | llama3_json | mistral | pythonic | deepseek_v3",
+        ),
+    ] = None,
+    dyn_reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            "--dyn-reasoning-parser", help="the model's thinking -> reasoning_content: deepseek_r1 | qwen3"
+        ),
+    ] = None,
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
 ) -> None:
     from dynamo_graph.cli.run import execute
@@ -208,6 +221,8 @@ def run_command(
         "discovery_backend": discovery_backend,
         "request_plane": request_plane,
         "event_plane": event_plane,
+        "dyn_tool_call_parser": dyn_tool_call_parser,
+        "dyn_reasoning_parser": dyn_reasoning_parser,
         "verbose": verbose,
     }
     code = execute(words, params, _explicit_flags(ctx))

@@ -53,10 +53,12 @@ chain is the penalties and `greedy`, exactly what `Llama.generate(temp=0)` build
 top_k (unset/<=0: off), top_p, min_p, temperature, then a seeded `dist` (the request's seed, else
 the `seed` option; 4294967295, the default, is a random seed). repetition_penalty,
 presence_penalty and frequency_penalty are llama.cpp's penalties over the last
-`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. Guided decoding is
-refused. The engine stops by itself at max_tokens, at a stop token id, and at an eos id unless
-ignore_eos; until min_tokens are generated those ids are banned from sampling (as vLLM does). The
-stop token is the last id of the final chunk (the postprocessor hides it) and counts as generated.
+`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. guided_json (so
+response_format), guided_choice and guided_grammar become a GBNF grammar in the chain, and
+log-probabilities are reported when asked (llamacpp_guided.py). The engine stops by itself at
+max_tokens, at a stop token id, and at an eos id unless ignore_eos; until min_tokens are generated
+those ids are banned from sampling (as vLLM does). The stop token is the last id of the final
+chunk (the postprocessor hides it) and counts as generated.
 
 Context limit: a prompt of n_ctx tokens or more is an InvalidArgument (HTTP 400, as vLLM does);
 otherwise generation ends with "length" when prompt + output reaches n_ctx (the frontend already
@@ -112,6 +114,13 @@ from dynamo_graph.engines.llamacpp_args import (
     model_params,
 )
 from dynamo_graph.engines.llamacpp_batch import BatchLoop, Job
+from dynamo_graph.engines.llamacpp_guided import (
+    CAPABILITIES,
+    add_grammar,
+    check_grammar,
+    eog_ids,
+    request_grammar,
+)
 from dynamo_graph.engines.llamacpp_state import check_handoff, state_format
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
@@ -172,7 +181,10 @@ class LlamaCppEngine(LLMEngine):
 
     def config(self) -> EngineConfig:
         return EngineConfig(
-            model_input="tokens", context_length=self.n_ctx, max_num_seqs=self.args.n_parallel
+            model_input="tokens",
+            context_length=self.n_ctx,
+            max_num_seqs=self.args.n_parallel,
+            capabilities=list(CAPABILITIES),
         )
 
     async def start(self, worker_id: int = 0) -> EngineConfig:
@@ -201,6 +213,7 @@ class LlamaCppEngine(LLMEngine):
             recurrent=lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model),
             prefix_reuse=self.args.prefix_reuse,
             kv_format=self.kv_format,
+            n_vocab=self.n_vocab,
             samplers=self._samplers,
         )
         self._started = True
@@ -320,12 +333,15 @@ class LlamaCppEngine(LLMEngine):
         try:
             while True:
                 await job.wakeup.wait()
-                tokens, final = job.take()
+                tokens, logprobs, final = job.take()
                 if job.error is not None:
                     raise job.error
                 if not tokens and final is None:
                     continue
                 out = LLMEngineOutput(token_ids=tokens)
+                if job.logprobs is not None and tokens:
+                    out.log_probs = [lp for lp, _ in logprobs]
+                    out.top_logprobs = [top for _, top in logprobs]
                 if first and tokens:
                     out.cached_tokens = job.cached
                     first = False
@@ -380,8 +396,11 @@ class LlamaCppEngine(LLMEngine):
         if sc.min_tokens is not None and sc.min_tokens < 0:
             raise InvalidArgument(f"min_tokens must be at least 0, not {sc.min_tokens}", param="min_tokens")
         so = request.sampling_options
-        if any(v is not None for v in (so.guided_json, so.guided_regex, so.guided_choice, so.guided_grammar)):
-            raise InvalidArgument("guided decoding is not supported by out=llamacpp", param="response_format")
+        grammar = request_grammar(so)
+        end_ids: frozenset[int] = frozenset()
+        if grammar is not None:
+            check_grammar(self._llama_cpp, self._model, grammar)
+            end_ids = eog_ids(self._llama_cpp, self._model)
         if (so.n or 1) > 1 or (so.best_of or 1) > 1:
             raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=llamacpp", param="n")
         for key in so.logit_bias or {}:
@@ -405,6 +424,9 @@ class LlamaCppEngine(LLMEngine):
             loop=asyncio.get_running_loop(),
             handoff=handoff,
             export=export,
+            grammar=grammar,
+            logprobs=request.output_options.logprobs,
+            end_ids=end_ids,
         )
 
     def _samplers(self, job: Job) -> list[Any]:
@@ -422,6 +444,8 @@ class LlamaCppEngine(LLMEngine):
             chain_bias = {**bias, **{t: float("-inf") for t in banned}} if ban else bias
             if chain_bias:
                 chain.add_logit_bias(n_vocab, chain_bias)
+            if job.grammar is not None:
+                add_grammar(self._llama_cpp, chain, self._model, job.grammar)
             chain.add_penalties(
                 n_vocab=n_vocab,
                 penalty_last_n=self.args.llama_kwargs.get("last_n_tokens_size", DEFAULT_LAST_N),

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineError, EngineShutdown
-from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, SamplingOptions
+from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, SamplingOptions, TopLogprob
+from dynamo_graph.engines.llamacpp_guided import token_logprobs
 from dynamo_graph.engines.llamacpp_state import export_sequence, import_sequence
 from dynamo_graph.runtime.context import Context
 
@@ -58,18 +59,22 @@ class Job:
         "cached",
         "cancelled",
         "context",
+        "end_ids",
         "error",
         "export",
         "exported",
         "final",
         "generated",
+        "grammar",
         "handoff",
         "lock",
+        "logprobs",
         "loop",
         "max_tokens",
         "min_tokens",
         "notified",
         "pending",
+        "pending_logprobs",
         "prompt",
         "sampling",
         "stop_ids",
@@ -88,8 +93,16 @@ class Job:
         loop: asyncio.AbstractEventLoop,
         handoff: KvHandoff | None = None,
         export: bool = False,
+        grammar: str | None = None,
+        logprobs: int | None = None,
+        end_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.context = context
+        self.grammar = grammar
+        # End-of-generation ids that end the request unsent (a complete grammar allows only them).
+        self.end_ids = end_ids
+        self.logprobs = logprobs  # None: not asked; else how many top alternatives
+        self.pending_logprobs: list[tuple[float, list[TopLogprob]]] = []
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
@@ -113,10 +126,17 @@ class Job:
         return self.cancelled or self.context.is_stopped()
 
     # -- thread side
-    def emit(self, token: int | None = None, final: FinishReason | None = None) -> None:
+    def emit(
+        self,
+        token: int | None = None,
+        final: FinishReason | None = None,
+        logprobs: tuple[float, list[TopLogprob]] | None = None,
+    ) -> None:
         with self.lock:
             if token is not None:
                 self.pending.append(token)
+            if logprobs is not None:
+                self.pending_logprobs.append(logprobs)
             if final is not None:
                 self.final = final
             wake = not self.notified
@@ -132,12 +152,13 @@ class Job:
         self.emit()
 
     # -- event loop side
-    def take(self) -> tuple[list[int], FinishReason | None]:
+    def take(self) -> tuple[list[int], list[tuple[float, list[TopLogprob]]], FinishReason | None]:
         self.wakeup.clear()
         with self.lock:
             tokens, self.pending = self.pending, []
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
             self.notified = False
-            return tokens, self.final
+            return tokens, logprobs, self.final
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
@@ -172,6 +193,7 @@ class BatchLoop:
         recurrent: bool,
         prefix_reuse: bool,
         kv_format: str,
+        n_vocab: int,
         samplers: Any,
     ) -> None:
         self._lc = lc
@@ -181,6 +203,7 @@ class BatchLoop:
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._reuse = prefix_reuse and not recurrent
         self._kv_format = kv_format
+        self._n_vocab = n_vocab
         self._samplers = samplers
         self.seqs = [Seq(i) for i in range(n_seq)]
         self.evaluated = 0  # prompt tokens evaluated (not taken from a cache or a handoff)
@@ -328,6 +351,7 @@ class BatchLoop:
         token: int | None = None,
         final: FinishReason | None = None,
         error: BaseException | None = None,
+        logprobs: tuple[float, list[TopLogprob]] | None = None,
     ) -> None:
         job = seq.job
         seq.job = None
@@ -340,7 +364,7 @@ class BatchLoop:
         if error is not None:
             job.fail(error)
         else:
-            job.emit(token, final)
+            job.emit(token, final, logprobs)
 
     def _step(self) -> None:
         """One batch, one llama_decode, and the sampling that follows."""
@@ -399,20 +423,26 @@ class BatchLoop:
         for other in chains:
             if other is not chain:  # keep the penalties' history the same in both
                 lc.llama_sampler_accept(other.sampler, token)
+        if token in job.end_ids and token not in job.stop_ids:
+            self._end(seq, final="stop")  # the grammar is complete: end-of-generation only
+            return
         job.generated += 1
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = token_logprobs(lc, self._ctx, index, self._n_vocab, token, job.logprobs)
         if token in job.stop_ids and job.generated > job.min_tokens:
-            self._end(seq, token, "stop")
+            self._end(seq, token, "stop", logprobs=logprobs)
         elif job.generated >= job.max_tokens:
-            self._end(seq, token, "length")
+            self._end(seq, token, "length", logprobs=logprobs)
         elif job.export:  # a prefill not finished at its first token: it goes on elsewhere
             try:
                 job.exported = export_sequence(lc, self._ctx, self._kv_format, job.prompt, seq.id)
             except RuntimeError as err:
                 self._end(seq, error=EngineError(f"llama.cpp failed: {err}"))
                 return
-            self._end(seq, token, "length")
+            self._end(seq, token, "length", logprobs=logprobs)
         else:
-            job.emit(token)
+            job.emit(token, logprobs=logprobs)
             seq.todo = [token]
 
 

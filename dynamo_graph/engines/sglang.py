@@ -95,7 +95,7 @@ from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber, offset_endpoint
-from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
@@ -413,6 +413,7 @@ class SglangEngine(LLMEngine):
             total_kv_blocks=int(total_tokens) // page if total_tokens else None,
             max_num_seqs=info.get("max_running_requests") or kwargs.get("max_running_requests"),
             data_parallel_size=dp,
+            capabilities=list(GUIDED_DECODING),  # json_schema / regex / ebnf (above)
         )
 
     def _local_ranks(self, kwargs: Mapping[str, Any]) -> list[int]:

@@ -95,7 +95,7 @@ from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
-from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
@@ -418,6 +418,7 @@ class TrtllmEngine(LLMEngine):
             kv_cache_block_size=block_size,
             max_num_seqs=kwargs.get("max_batch_size"),
             max_num_batched_tokens=kwargs.get("max_num_tokens"),
+            capabilities=list(GUIDED_DECODING),  # GuidedDecodingParams (above)
         )
         return self._config
 

@@ -107,7 +107,7 @@ from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
 from dynamo_graph.engines.kv_bridge import U64, KvBlockBridge
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
-from dynamo_graph.llm.openai import AnyRequest
+from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
@@ -451,6 +451,7 @@ class VllmEngine(LLMEngine):
             max_num_seqs=getattr(sched, "max_num_seqs", None),
             max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None),
             data_parallel_size=int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1),
+            capabilities=list(GUIDED_DECODING),  # structured_outputs (above)
         )
 
     def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> ZmqKvSubscriber | None:

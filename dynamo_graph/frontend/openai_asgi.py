@@ -23,6 +23,7 @@ from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admi
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.responses import DONE, ChunkWriter, error_event, full_response
+from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import (
     AnyRequest,
     ChatCompletionRequest,
@@ -30,6 +31,7 @@ from dynamo_graph.llm.openai import (
     requested_max_tokens,
 )
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
+from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
 
@@ -285,20 +287,15 @@ class OpenAIHandler:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                         started = True
-                    if delta.text:
+                    if delta.visible():
                         now = time.perf_counter()
                         if first_content:
                             metrics.ttft.observe(now - start)
                         else:
                             itl.observe(now - last)
                         last = now
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "body": writer.content(delta.text, first_content),
-                                "more_body": True,
-                            }
-                        )
+                        body = writer.delta(delta, first_content)
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                         first_content = False
                     if delta.finish_reason is not None:
                         tail = writer.finish(delta.finish_reason)
@@ -338,15 +335,28 @@ class OpenAIHandler:
         deadline: float | None,
     ) -> bool:
         parts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCallDelta] = []
+        pre = prepared.preprocessed
+        logprobs: list[TokenLogprob] | None = None
+        if pre is not None and pre.output_options.logprobs is not None:
+            logprobs = []
         finish: str | None = None
         deltas = pipeline.stream(prepared, context)
         try:
             async with asyncio.timeout_at(deadline):
                 async for delta in deltas:
-                    if delta.text:
-                        if not parts:
+                    if delta.visible():
+                        if not (parts or reasoning or calls or logprobs):
                             metrics.ttft.observe(time.perf_counter() - start)
-                        parts.append(delta.text)
+                        if delta.logprobs and logprobs is not None:
+                            logprobs.extend(delta.logprobs)
+                        if delta.text:
+                            parts.append(delta.text)
+                        elif delta.reasoning:
+                            reasoning.append(delta.reasoning)
+                        elif delta.tool_call is not None:
+                            calls.append(delta.tool_call)
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
         except Exception as err:
@@ -356,7 +366,14 @@ class OpenAIHandler:
         if finish is None:  # cancelled by the client: nobody is listening
             return False
         body = full_response(
-            prepared.request.model, "".join(parts), finish, prepared, chat=self.kind == "chat"
+            prepared.request.model,
+            "".join(parts),
+            finish,
+            prepared,
+            chat=self.kind == "chat",
+            reasoning="".join(reasoning),
+            tool_calls=merge_events(calls).tool_calls,
+            logprobs=logprobs,
         )
         await send_json(send, 200, body)
         return True

@@ -12,7 +12,8 @@ import uuid
 
 import msgspec
 
-from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from dynamo_graph.llm.pipeline import Delta, Prepared
 
 _encode = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
@@ -32,7 +33,17 @@ def usage_dict(prepared: Prepared) -> dict:
 class ChunkWriter:
     """Formats one request's stream of chat or completion chunks as SSE events."""
 
-    __slots__ = ("_content_tail", "_finish_head", "_first_head", "_head", "_meta", "_usage_head")
+    __slots__ = (
+        "_chat",
+        "_content_tail",
+        "_finish_head",
+        "_first_head",
+        "_head",
+        "_meta",
+        "_start",
+        "_text_offset",
+        "_usage_head",
+    )
 
     def __init__(self, model: str, *, chat: bool) -> None:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -43,6 +54,9 @@ class ChunkWriter:
             obj.encode(),
         )
         start = b'data: {"id":"%s",' % rid.encode()
+        self._start = start
+        self._chat = chat
+        self._text_offset = 0  # completions' logprobs.text_offset
         if chat:
             self._first_head = start + b'"choices":[{"index":0,"delta":{"role":"assistant","content":'
             self._head = start + b'"choices":[{"index":0,"delta":{"content":'
@@ -58,6 +72,28 @@ class ChunkWriter:
         head = self._first_head if first else self._head
         return head + _encode(text) + self._content_tail
 
+    def delta(self, delta: Delta, first: bool) -> bytes:
+        """Any delta: content (with or without logprobs), reasoning, or a tool call."""
+        if not delta.logprobs and delta.text:
+            return self.content(delta.text, first)
+        if not self._chat:
+            choice = {"index": 0, "text": delta.text, "finish_reason": None, "logprobs": None}
+            if delta.logprobs:
+                choice["logprobs"] = completion_logprobs(delta.logprobs, self._text_offset)
+                self._text_offset += sum(len(e.token) for e in delta.logprobs)
+        else:
+            fields: dict = {"role": "assistant"} if first else {}
+            if delta.tool_call is not None:
+                fields["tool_calls"] = [delta.tool_call.to_dict()]
+            elif delta.reasoning:
+                fields["reasoning_content"] = delta.reasoning
+            else:
+                fields["content"] = delta.text
+            choice = {"index": 0, "delta": fields, "finish_reason": None, "logprobs": None}
+            if delta.logprobs:
+                choice["logprobs"] = chat_logprobs(delta.logprobs)
+        return self._start + b'"choices":[' + _encode(choice) + b"]," + self._meta + b"\n\n"
+
     def finish(self, reason: str) -> bytes:
         return self._finish_head + _encode(reason) + b',"logprobs":null}],' + self._meta + b"\n\n"
 
@@ -71,10 +107,24 @@ def error_event(body: bytes) -> bytes:
 
 
 def full_response(
-    model: str, text: str, finish_reason: str | None, prepared: Prepared, *, chat: bool
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prepared: Prepared,
+    *,
+    chat: bool,
+    reasoning: str = "",
+    tool_calls: list[dict] | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> bytes:
+    """`logprobs`: None when the request did not ask for them."""
     created = int(time.time())
     if chat:
+        message: dict = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         body = {
             "id": "chatcmpl-" + uuid.uuid4().hex,
             "object": "chat.completion",
@@ -83,9 +133,9 @@ def full_response(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "finish_reason": finish_reason,
-                    "logprobs": None,
+                    "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                 }
             ],
             "usage": usage_dict(prepared),
@@ -96,7 +146,14 @@ def full_response(
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "finish_reason": finish_reason,
+                    "logprobs": None if logprobs is None else completion_logprobs(logprobs, 0),
+                }
+            ],
             "usage": usage_dict(prepared),
         }
     return _encode(body)

@@ -294,6 +294,10 @@ class _Compiler:
             argv += ["--context-length", str(model.context_length)]
         if model.kv_cache_block_size:
             argv += ["--kv-cache-block-size", str(model.kv_cache_block_size)]
+        if model.tool_call_parser:
+            argv += ["--dyn-tool-call-parser", model.tool_call_parser]
+        if model.reasoning_parser:
+            argv += ["--dyn-reasoning-parser", model.reasoning_parser]
         args_file = self._engine_args_file(name, worker)
         if args_file:
             argv += ["--extra-engine-args", args_file]

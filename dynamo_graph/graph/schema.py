@@ -28,6 +28,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.llm.reasoning import REASONING_PARSERS
+from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
 
 LOCAL = "local"
@@ -230,6 +232,11 @@ class Host(_Model):
         return self
 
 
+# The parsers' own registries, so the schema's enums cannot drift from what the workers accept.
+ToolCallParser = Literal[TOOL_CALL_PARSERS]  # type: ignore[valid-type]
+ReasoningParser = Literal[REASONING_PARSERS]  # type: ignore[valid-type]
+
+
 class Model(_Model):
     """A model served by workers (--model-path and friends)."""
 
@@ -243,6 +250,10 @@ class Model(_Model):
     """Override the model's context length (--context-length)."""
     kv_cache_block_size: int | None = Field(None, ge=1)
     """KV cache block size in tokens (--kv-cache-block-size)."""
+    tool_call_parser: ToolCallParser | None = None
+    """How frontends find tool calls in the model's output (--dyn-tool-call-parser)."""
+    reasoning_parser: ReasoningParser | None = None
+    """How frontends split the model's thinking into `reasoning_content` (--dyn-reasoning-parser)."""
 
 
 # ---------------------------------------------------------------------------------------------

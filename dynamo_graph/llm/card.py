@@ -15,6 +15,8 @@ from typing import Any, Literal
 import msgspec
 
 from dynamo_graph.llm.model_source import LocalModel
+from dynamo_graph.llm.reasoning import REASONING_PARSERS
+from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 
 ModelType = Literal["chat", "completions", "embedding", "prefill"]
 ModelInput = Literal["tokens", "text"]
@@ -64,6 +66,11 @@ def slugify(name: str) -> str:
     return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in name.lower())
 
 
+def check_parser_name(kind: str, name: str | None, valid: tuple[str, ...]) -> None:
+    if name is not None and name not in valid:
+        raise ValueError(f"unknown {kind} parser {name!r}; valid names: {', '.join(valid)}")
+
+
 class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Dynamo's MDC. `files` keys: config, tokenizer, tokenizer_config, generation_config, gguf."""
 
@@ -81,6 +88,18 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     user_data: dict[str, Any] | None = None
     runtime_config: dict[str, Any] | None = None
+    # How the frontend reads the model's output (--dyn-tool-call-parser, --dyn-reasoning-parser).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # The engine serving the model and the optional request features it honours ("logprobs",
+    # "guided_json", "guided_grammar", "guided_choice", "guided_regex"): the frontend answers a
+    # request that needs another one with a 400 instead of ignoring what was asked.
+    engine: str | None = None
+    capabilities: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_parser_name("tool call", self.tool_call_parser, TOOL_CALL_PARSERS)
+        check_parser_name("reasoning", self.reasoning_parser, REASONING_PARSERS)
 
     @classmethod
     def from_local_model(
@@ -144,6 +163,9 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.context_length,
             self.kv_cache_block_size,
         ]
+        # Only when set, so cards without parsers keep the checksums they always had.
+        if self.tool_call_parser is not None or self.reasoning_parser is not None:
+            content.append([self.tool_call_parser, self.reasoning_parser])
         return hashlib.blake2b(msgspec.json.encode(content)).hexdigest()
 
     def to_json(self) -> bytes:

@@ -76,6 +76,11 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_tokens: NonNegInt | None = None
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
+    # vLLM's guided-decoding extensions.
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -121,3 +126,27 @@ def requested_max_tokens(request: AnyRequest) -> int | None:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return request.max_completion_tokens
     return request.max_tokens
+
+
+# Optional features an engine may honour. "logprobs": log_probs / top_logprobs per token as
+# output_options.logprobs asks; "guided_*": the SamplingOptions field of that name constrains
+# decoding (guided_json also serves response_format json_object / json_schema).
+CAPABILITIES = ("logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_DECODING = CAPABILITIES[1:]
+
+
+def requested_capabilities(request: AnyRequest) -> list[tuple[str, str]]:
+    """(engine capability, request field) for each optional feature the request asks for."""
+    wants = []
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs:
+            wants.append(("logprobs", "logprobs"))
+        kind = (request.response_format or {}).get("type")
+        if kind in ("json_object", "json_schema"):
+            wants.append(("guided_json", "response_format"))
+    elif request.logprobs is not None:
+        wants.append(("logprobs", "logprobs"))
+    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(request, field) is not None:
+            wants.append((field, field))
+    return wants

@@ -104,6 +104,7 @@ class Postprocessor:
         "completion_tokens",
         "done",
         "finish_reason",
+        "shown",
     )
 
     def __init__(self, detokenizer: IncrementalDetokenizer, stop_conditions: StopConditions) -> None:
@@ -118,6 +119,9 @@ class Postprocessor:
         self._matcher = StopStringMatcher(sc.stop) if sc.stop else None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        # How many of the last chunk's token ids were kept (a prefix of them): their log-probabilities
+        # go out with the text.
+        self.shown = 0
         # True once a stop condition fired or the engine finished: stop consuming the engine.
         self.done = False
 
@@ -130,6 +134,7 @@ class Postprocessor:
 
     def process(self, out: LLMEngineOutput) -> tuple[str, str | None]:
         """(newly visible text, finish reason or None) for one engine chunk."""
+        self.shown = 0
         if self.done:
             return "", None
         ids = out.token_ids
@@ -148,6 +153,7 @@ class Postprocessor:
                 ids, count, finish = self._scan_stop_ids(ids, start)
             self.completion_tokens = count
             if ids:
+                self.shown = len(ids)
                 text = self._detok.add(ids)
         if finish is None and out.finish_reason is not None:
             finish = _ENGINE_FINISH.get(out.finish_reason, out.finish_reason)

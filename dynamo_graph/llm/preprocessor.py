@@ -104,7 +104,8 @@ class Preprocessor:
             skip_special_tokens=bool(req.skip_special_tokens),
         )
         sampling = _sampling_options(req, self.vocab_size)
-        sampling.guided_json = _guided_json(req.response_format)
+        if req.response_format:
+            sampling.guided_json = _guided_json(req.response_format)
         return self._build(req, token_ids, max_tokens, max_param, sampling, output)
 
     def preprocess_completion(self, req: CompletionRequest) -> PreprocessedRequest:
@@ -268,6 +269,10 @@ def _sampling_options(req: AnyRequest, vocab_size: int) -> SamplingOptions:
         repetition_penalty=repetition_penalty,
         seed=req.seed,
         logit_bias=req.logit_bias,
+        guided_json=req.guided_json,
+        guided_regex=req.guided_regex,
+        guided_choice=req.guided_choice,
+        guided_grammar=req.guided_grammar,
     )
 
 

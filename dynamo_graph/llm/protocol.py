@@ -103,6 +103,14 @@ class CompletionUsage(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
 
 
+class TopLogprob(msgspec.Struct, omit_defaults=True):
+    """One of the most likely tokens at a position (Dynamo's TopLogprob, without the text: the
+    frontend has the tokenizer)."""
+
+    token_id: int
+    logprob: float
+
+
 class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     """One chunk of an engine's stream: new token ids, and on the last chunk a finish reason."""
 
@@ -111,7 +119,10 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     text: str | None = None
     finish_reason: FinishReason | None = None
     index: int | None = None
+    # Per token of `token_ids` when the request asked (output_options.logprobs is not None): the
+    # sampled token's log-probability, and the `output_options.logprobs` most likely tokens.
     log_probs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
     cum_log_probs: float | None = None
     # Prompt tokens served from the engine's prefix cache (usage.prompt_tokens_details).
     cached_tokens: int | None = None

@@ -139,6 +139,7 @@ class MockerEngine(LLMEngine):
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             data_parallel_size=a.dp_size,
+            capabilities=["logprobs"],
         )
 
     async def start(self, worker_id: int = 0) -> EngineConfig:
@@ -340,7 +341,10 @@ class MockerEngine(LLMEngine):
         if asked:
             reserved = reserved - asked
         sampler = TokenSampler(
-            sampling_seed(prompt, request.sampling_options.seed), self.vocab_size, reserved
+            sampling_seed(prompt, request.sampling_options.seed),
+            self.vocab_size,
+            reserved,
+            top_logprobs=request.output_options.logprobs,
         )
         return MockSequence(
             context,

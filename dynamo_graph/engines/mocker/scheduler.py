@@ -41,6 +41,7 @@ request names in `stop_token_ids` stay drawable and stop it legitimately when dr
 
 from __future__ import annotations
 
+import math
 import random
 from array import array
 from collections import deque
@@ -50,7 +51,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput
+from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, TopLogprob
 from dynamo_graph.engines.mocker.args import MockerArgs
 from dynamo_graph.engines.mocker.kv_manager import KvManager
 from dynamo_graph.engines.mocker.perf_model import PerfModel, PolynomialPerfModel, iteration_ms
@@ -67,16 +68,36 @@ def sampling_seed(prompt: Sequence[int], seed: int | None = None) -> int:
 
 
 class TokenSampler:
-    """Uniform draws from [0, vocab_size) except `reserved` ids (rejection sampling)."""
+    """Uniform draws from [0, vocab_size) except `reserved` ids (rejection sampling).
 
-    __slots__ = ("_randrange", "_reserved", "_vocab")
+    With `top_logprobs` set (the request asked for logprobs), each token's log-probability is
+    that of the uniform distribution it was drawn from, -ln(drawable ids), and its top
+    alternatives are itself then the next drawable ids after it: deterministic, and true."""
 
-    def __init__(self, seed: int, vocab_size: int, reserved: frozenset[int]) -> None:
-        if vocab_size - len({t for t in reserved if 0 <= t < vocab_size}) < 1:
+    __slots__ = ("_drawable", "_randrange", "_reserved", "_vocab", "top_logprobs")
+
+    def __init__(
+        self, seed: int, vocab_size: int, reserved: frozenset[int], top_logprobs: int | None = None
+    ) -> None:
+        drawable = vocab_size - len({t for t in reserved if 0 <= t < vocab_size})
+        if drawable < 1:
             raise ValueError(f"no token id left to generate: vocab_size {vocab_size}, all reserved")
         self._randrange = random.Random(seed).randrange
         self._reserved = reserved
         self._vocab = vocab_size
+        self._drawable = drawable
+        self.top_logprobs = top_logprobs
+
+    def logprobs(self, token: int) -> tuple[float, list[TopLogprob]]:
+        """(log-probability of `token`, the `top_logprobs` most likely tokens) at its position."""
+        logprob = -math.log(self._drawable)
+        top: list[TopLogprob] = []
+        candidate = token
+        while len(top) < min(self.top_logprobs or 0, self._drawable):
+            if candidate not in self._reserved:
+                top.append(TopLogprob(token_id=candidate, logprob=logprob))
+            candidate = (candidate + 1) % self._vocab
+        return logprob, top
 
     def next(self) -> int:
         randrange, reserved = self._randrange, self._reserved
@@ -394,6 +415,9 @@ class Scheduler:
         elif seq.generated >= seq.max_tokens:
             finish = "length"
         out = LLMEngineOutput(token_ids=[token])
+        if seq.sampler.top_logprobs is not None:
+            logprob, top = seq.sampler.logprobs(token)
+            out.log_probs, out.top_logprobs = [logprob], [top]
         if seq.generated == 1:
             out.cached_tokens = seq.cached_tokens
         if finish is not None:
