@@ -17,9 +17,11 @@ touches it: this loop. It repeats one step:
    (`llama_sampler_sample(chain, ctx, i)`), checks the stop conditions and streams the token.
 
 A job is a `Job`: the thread appends tokens and finally sets `final` (or `error`); the event loop
-is woken at most once per batch of tokens it has not yet read (`loop.call_soon_threadsafe`), so
-tokens produced while the consumer is busy travel in one chunk and the event loop never blocks on
-llama.cpp (whose ctypes calls release the GIL).
+is woken at most once per batch of tokens it has not yet read, so tokens produced while the
+consumer is busy travel in one chunk and the event loop never blocks on llama.cpp (whose ctypes
+calls release the GIL). The wakeups of a step go in ONE `loop.call_soon_threadsafe` for all its
+jobs: each such call writes to the event loop's self-pipe, and on a busy machine the thread then
+waits for the GIL back from the event loop; once per job it cost as much as the decoding.
 
 Prefix reuse: a sequence keeps its KV cells after its request ends, and `Seq.tokens` says which
 ids they hold. A job goes to the free sequence sharing the longest prefix with its prompt; when a
@@ -125,13 +127,13 @@ class Job:
     def stopped(self) -> bool:
         return self.cancelled or self.context.is_stopped()
 
-    # -- thread side
+    # -- thread side: True when the consumer has to be woken (BatchLoop._flush does it)
     def emit(
         self,
         token: int | None = None,
         final: FinishReason | None = None,
         logprobs: tuple[float, list[TopLogprob]] | None = None,
-    ) -> None:
+    ) -> bool:
         with self.lock:
             if token is not None:
                 self.pending.append(token)
@@ -141,15 +143,11 @@ class Job:
                 self.final = final
             wake = not self.notified
             self.notified = True
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self.wakeup.set)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                self.cancelled = True
+        return wake
 
-    def fail(self, err: BaseException) -> None:
+    def fail(self, err: BaseException) -> bool:
         self.error = err
-        self.emit()
+        return self.emit()
 
     # -- event loop side
     def take(self) -> tuple[list[int], list[tuple[float, list[TopLogprob]]], FinishReason | None]:
@@ -209,6 +207,7 @@ class BatchLoop:
         self.evaluated = 0  # prompt tokens evaluated (not taken from a cache or a handoff)
         self.steps = 0  # llama_decode calls: one per step, whatever the number of sequences in it
         self._waiting: deque[Job] = deque()
+        self._woken: list[Job] = []  # jobs with output whose consumers _flush() wakes
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="llamacpp-batch", daemon=True)
@@ -254,13 +253,32 @@ class BatchLoop:
                 for seq in self._busy():
                     self._drop(seq)
                     self._end(seq, error=EngineError(f"llama.cpp failed: {err}"))
+            self._flush()
         for seq in self._busy():
             self._end(seq, final="cancelled")
         with self._cond:
             waiting = list(self._waiting)
             self._waiting.clear()
         for job in waiting:
-            job.fail(EngineShutdown("the llamacpp engine shut down"))
+            self._notify(job, job.fail(EngineShutdown("the llamacpp engine shut down")))
+        self._flush()
+
+    def _notify(self, job: Job, wake: bool) -> None:
+        if wake:
+            self._woken.append(job)
+
+    def _flush(self) -> None:
+        """Wake the consumers of the jobs that got output: one call per event loop."""
+        woken, self._woken = self._woken, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+        for job in woken:
+            by_loop.setdefault(job.loop, []).append(job)
+        for loop, jobs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake, jobs)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                for job in jobs:
+                    job.cancelled = True
 
     def _busy(self) -> list[Seq]:
         return [seq for seq in self.seqs if seq.job is not None]
@@ -268,6 +286,8 @@ class BatchLoop:
     def _admit(self, arrived: list[Job]) -> None:
         """Queue what arrived behind the jobs still waiting, drop stopped ones, and give free
         sequences to the rest in order."""
+        if not arrived:
+            return
         queue = [job for job in arrived if not self._cancel_waiting(job)]
         free = [seq for seq in self.seqs if seq.job is None]
         while queue and free:
@@ -280,7 +300,7 @@ class BatchLoop:
 
     def _cancel_waiting(self, job: Job) -> bool:
         if job.stopped():
-            job.emit(final="cancelled")
+            self._notify(job, job.emit(final="cancelled"))
             return True
         return False
 
@@ -361,10 +381,7 @@ class BatchLoop:
         seq.chains = []
         if job is None:
             return
-        if error is not None:
-            job.fail(error)
-        else:
-            job.emit(token, final, logprobs)
+        self._notify(job, job.fail(error) if error is not None else job.emit(token, final, logprobs))
 
     def _step(self) -> None:
         """One batch, one llama_decode, and the sampling that follows."""
@@ -442,8 +459,13 @@ class BatchLoop:
                 return
             self._end(seq, token, "length", logprobs=logprobs)
         else:
-            job.emit(token, logprobs=logprobs)
+            self._notify(job, job.emit(token, logprobs=logprobs))
             seq.todo = [token]
+
+
+def _wake(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.wakeup.set()
 
 
 def _prefilling(seq: Seq) -> bool:
