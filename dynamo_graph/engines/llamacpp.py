@@ -41,12 +41,14 @@ the new turn, and requests sharing a system prompt evaluate it once. Outputs are
 without reuse (only rounding of the attention over the cached part could differ, as with any
 prefix cache). `prefix_reuse: false` starts every request from an empty sequence instead.
 
-Determinism: a request alone is computed exactly as before (greedy ids equal llama.cpp's own
-`Llama.generate`). Decoded beside others, its rows are computed in bigger matrix products and its
-attention spans more cells, which llama.cpp does not promise to round identically; on the tiny
-test model the greedy ids of 20 prompts run concurrently equal their ids run one at a time
-(tests/integration/test_llamacpp_engine.py); on a real model a near-tie between two tokens can
-flip, as in any batching server.
+Determinism: with one sequence (`n_parallel: 1`) a request is computed as llama.cpp's own
+`Llama.generate` computes it (the same batches; the same greedy ids). With more, a request's rows
+may be computed in bigger matrix products beside other sequences' tokens, and its attention spans
+every cell in use in the unified cache (masked to its own); llama.cpp does not promise the same
+rounding across these. Observed on the tiny test model: the greedy ids of 20 prompts of 1 to 420
+tokens decoded together on 8 sequences equal their ids one at a time, which equal
+`Llama.generate`'s (tests/integration/test_llamacpp_engine.py); on a real model a near-tie
+between two tokens can flip, as in any batching server.
 
 Sampling (SamplingOptions -> llama.cpp's sampler chain): temperature 0 or unset is greedy (the
 chain is the penalties and `greedy`, exactly what `Llama.generate(temp=0)` builds); otherwise
