@@ -284,8 +284,8 @@ class BatchLoop:
         return [seq for seq in self.seqs if seq.job is not None]
 
     def _admit(self, arrived: list[Job]) -> None:
-        """Queue what arrived behind the jobs still waiting, drop stopped ones, and give free
-        sequences to the rest in order."""
+        """The waiting jobs, oldest first: stopped ones end here, the others take free sequences
+        in order; those left wait on, ahead of any submitted meanwhile."""
         if not arrived:
             return
         queue = [job for job in arrived if not self._cancel_waiting(job)]
@@ -329,6 +329,11 @@ class BatchLoop:
         except KvImportError as err:
             self._drop(seq)
             self._end(seq, error=err)
+            return
+        except Exception as err:  # only this request fails: the others run on
+            log.exception("llamacpp: starting request %s failed", job.context.id)
+            self._drop(seq)
+            self._end(seq, error=EngineError(f"llama.cpp failed: {err}"))
             return
         log.debug(
             "request %s: %d prompt tokens, %d from %s, %d evaluated (sequence %d)",
