@@ -18,18 +18,19 @@ its own sampler chain. Requests beyond `n_parallel` wait in FIFO order for a fre
 is one copy of the weights plus the KV cache of `n_parallel * n_ctx` tokens. (Until this design,
 `n_parallel: N` built N separate contexts: N KV caches, N threads each decoding one sequence, and
 on a GPU N copies of the weights.) The thread hands tokens to the request's async generator
-through a lock-protected list plus `loop.call_soon_threadsafe` (tokens produced while the
-consumer is busy travel in one chunk), so the event loop never blocks on llama.cpp.
+through a lock-protected list, and wakes the generators that have new tokens with one
+`loop.call_soon_threadsafe` per step (tokens produced while a consumer is busy travel in one
+chunk), so the event loop never blocks on llama.cpp.
 
 The KV cache is unified (`kv_unified`): one buffer of `n_parallel * n_ctx` cells that all
 sequences draw from, not `n_parallel` streams of `n_ctx`. With separate streams llama.cpp splits
-a batch into micro-batches of consecutive sequence ids with equal token counts, so a prompt chunk
-beside decode tokens, or a gap in the busy ids, costs extra passes over the weights; unified, a
-step is one pass whatever the mix. It also lets sequences share cells (below). Room is still
-certain: every sequence holds at most `n_ctx` positions and there are `n_parallel` of them. The
-price: each token's attention spans the cells in use by all sequences (masked to its own), which
-grows with many long sequences. Threads: `n_threads` (default: half the CPUs) for the one
-context.
+a batch (`split_equal`) into micro-batches of consecutive sequence ids with equal token counts,
+so a prompt chunk beside decode tokens, or a gap in the busy ids, costs extra passes over the
+weights; unified, a step is one pass whatever the mix. It also lets sequences share cells
+(below). Room is still certain: every sequence holds at most `n_ctx` positions and there are
+`n_parallel` of them. The price: each token's attention spans the cells in use by all sequences
+(masked to its own), which grows with many long sequences. Threads: `n_threads` (default: half
+the CPUs) for the one context.
 
 Prefix reuse: a sequence keeps its KV cells after its request ends. A new prompt goes to the free
 sequence holding the longest common prefix with it; if another sequence (busy or not) holds a
