@@ -203,7 +203,7 @@ class BatchLoop:
         self._kv_format = kv_format
         self._n_vocab = n_vocab
         self._samplers = samplers
-        self.seqs = [Seq(i) for i in range(n_seq)]
+        self._seqs = [Seq(i) for i in range(n_seq)]
         self.evaluated = 0  # prompt tokens evaluated (not taken from a cache or a handoff)
         self.steps = 0  # llama_decode calls: one per step, whatever the number of sequences in it
         self._waiting: deque[Job] = deque()
@@ -281,7 +281,7 @@ class BatchLoop:
                     job.cancelled = True
 
     def _busy(self) -> list[Seq]:
-        return [seq for seq in self.seqs if seq.job is not None]
+        return [seq for seq in self._seqs if seq.job is not None]
 
     def _admit(self, arrived: list[Job]) -> None:
         """The waiting jobs, oldest first: stopped ones end here, the others take free sequences
@@ -289,7 +289,7 @@ class BatchLoop:
         if not arrived:
             return
         queue = [job for job in arrived if not self._cancel_waiting(job)]
-        free = [seq for seq in self.seqs if seq.job is None]
+        free = [seq for seq in self._seqs if seq.job is None]
         while queue and free:
             job = queue.pop(0)
             seq = max(free, key=lambda s: _common_prefix(s.tokens, job.prompt)) if self._reuse else free[0]
@@ -353,7 +353,7 @@ class BatchLoop:
             return 0
         limit = len(prompt) - 1
         own = min(_common_prefix(seq.tokens, prompt), limit)
-        donor = max(self.seqs, key=lambda s: _common_prefix(s.tokens, prompt))
+        donor = max(self._seqs, key=lambda s: _common_prefix(s.tokens, prompt))
         shared = min(_common_prefix(donor.tokens, prompt), limit)
         if shared > own:
             self._lc.llama_memory_seq_rm(self._mem, seq.id, -1, -1)
