@@ -36,11 +36,14 @@ install_llamacpp = if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1;
 llamacpp: setup
 	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { $(call install_llamacpp,$(BIN)); }
 
-# etcd and nats-server back the distributed tests (Debian packages; CI runs as root).
+# etcd and nats-server back the distributed tests; openssh-server (+ iproute2 for `ip netns`) the
+# remote-host tests, which run sshd in network namespaces (Debian packages; CI runs as root).
+SERVICE_PACKAGES := etcd-server nats-server openssh-server openssh-client iproute2
 services:
-	@if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server nats-server; \
-	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server nats-server; fi; \
+	@if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null || [ ! -x /usr/sbin/sshd ] \
+	    || ! command -v ssh-keygen >/dev/null || ! command -v ip >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); fi; \
 	fi
 
 test: setup llamacpp services

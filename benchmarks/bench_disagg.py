@@ -24,6 +24,11 @@ perf model's decode time grows with) low on both. Why this load: a stall shows i
 when more than 1% of all token gaps are stalled, i.e. long prompts x decoders per worker must be
 frequent; at 3 requests/s on 4 workers, the stalls were 0.2% of gaps and p99 could not see them.
 
+`--engine llamacpp` runs the same comparison with real llama.cpp workers on the tiny model's
+GGUF (its 512-token context needs small prompts: see --help), where the KV really moves from the
+prefill worker to the decode worker: the figures then show what the extra hop costs per request
+(TTFT and end-to-end latency against the aggregated workers, KV bytes per transfer).
+
 Measured per deployment: TTFT p50/p99, ITL p50/p99 (gaps between streamed tokens), output
 tokens/s, errors; and the ratio disagg/agg of each, written to benchmarks/results/disagg.json.
 """
@@ -78,8 +83,18 @@ class Deployment:
             "DYN_LEASE_TTL": "2",
         }
         env = {**os.environ, **planes, "DYN_LOG": "warn"}
-        engine_args = run_dir / "mocker.json"
-        engine_args.write_text(json.dumps(mocker_settings(args)))
+        engine_args = run_dir / f"{args.engine}.json"
+        settings = mocker_settings(args) if args.engine == "mocker" else {"n_threads": 1}
+        engine_args.write_text(json.dumps(settings))
+        engine = [
+            f"out={args.engine}",
+            "--model-path",
+            str(args.model),
+            "--extra-engine-args",
+            str(engine_args),
+        ]
+        if args.engine == "mocker":
+            engine += ["--context-length", str(args.context_length)]
         decode_mode = "decode" if prefill else "agg"
         roles = ["prefill"] * prefill + [decode_mode] * (args.workers - prefill)
         try:
@@ -87,14 +102,15 @@ class Deployment:
                 component = "prefill" if role == "prefill" else "backend"
                 argv = [
                     sys.executable, "-m", "dynamo_graph", "run", f"in=dyn://bench.{component}.generate",
-                    "out=mocker", "--model-path", str(args.model), "--extra-engine-args", str(engine_args),
-                    "--context-length", str(args.context_length), "--disaggregation-mode", role,
+                    *engine, "--disaggregation-mode", role,
                 ]  # fmt: skip
                 log = (run_dir / f"{name}-{role}{i}.log").open("wb")
                 self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
             frontend_argv = [
                 sys.executable, "-m", "dynamo_graph", "run", "in=http", "out=auto", "--router-mode", "kv",
                 "--http-port", str(self.port),
+                # llama.cpp publishes no KV events: the router predicts from its own decisions.
+                "--use-kv-events", "true" if args.engine == "mocker" else "false",
             ]  # fmt: skip
             log = (run_dir / f"{name}-frontend.log").open("wb")
             self.frontend = subprocess.Popen(frontend_argv, env=env, stdout=log, stderr=log)
@@ -197,6 +213,7 @@ def summarize(results: list[TurnResult], wall: float) -> dict:
         "itl_p999_ms": round(percentile(gaps, 99.9) * ms, 2),
         "itl_max_ms": round(max(gaps, default=0.0) * ms, 2),
         "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall, 1) if wall else 0.0,
+        "latency_p50_ms": round(percentile([r.total for r in ok], 50) * ms, 2),
     }
 
 
@@ -214,6 +231,13 @@ def run_deployment(args: argparse.Namespace, name: str, prefill: int, run_dir: P
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
+    parser.add_argument(
+        "--engine",
+        choices=("mocker", "llamacpp"),
+        default="mocker",
+        help="llamacpp: real KV transfer on the tiny model's GGUF (use small prompts: --long-tokens 384 "
+        "--short-tokens 64 --max-tokens 32 --rate 2 --workers 2)",
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate", type=float, default=14.0, help="requests per second")
     parser.add_argument("--seconds", type=float, default=40.0)
@@ -227,8 +251,11 @@ def main() -> None:
     parser.add_argument("--kv-bytes-per-token", type=int, default=131072)
     parser.add_argument("--kv-transfer-gb-per-s", type=float, default=25.0)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "disagg.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/disagg[-ENGINE].json")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.engine == "mocker" else f"-{args.engine}"
+        args.out = str(ROOT / "benchmarks" / "results" / f"disagg{suffix}.json")
     vocab = vocab_range(Path(args.model))
     plan = workload(args, vocab)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
@@ -245,9 +272,29 @@ def main() -> None:
     agg, dis = points["agg"], points["disagg"]
     ratios = {
         key: round(dis[key] / agg[key], 3) if agg[key] else None
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s")
+        for key in (
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "itl_p99_ms",
+            "output_tokens_per_s",
+            "latency_p50_ms",
+        )
     }
     print("disagg/agg: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
+    metrics = dis["metrics"]
+    transfers = sum(
+        v for k, v in metrics.items() if k.startswith("dynamo_frontend_kv_transfer_seconds_count")
+    )
+    moved = sum(v for k, v in metrics.items() if k.startswith("dynamo_frontend_kv_transfer_bytes_sum"))
+    fetch_s = sum(v for k, v in metrics.items() if k.startswith("dynamo_frontend_kv_transfer_seconds_sum"))
+    if transfers:
+        dis["kv_bytes_per_transfer"] = round(moved / transfers)
+        dis["kv_fetch_ms_per_transfer"] = round(fetch_s / transfers * 1000, 3)
+        print(
+            f"KV transfers {transfers:.0f}: {dis['kv_bytes_per_transfer']} bytes and "
+            f"{dis['kv_fetch_ms_per_transfer']} ms (decode worker's fetch) each"
+        )
     result = {
         "benchmark": "disagg",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

@@ -6,15 +6,22 @@ Thin on purpose: parse, call into the package, print. `run` takes dynamo-run's w
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from dynamo_graph import __version__
+
+if TYPE_CHECKING:  # the commands import the graph layer when they run, to start fast
+    from dynamo_graph.graph.build import Built
+    from dynamo_graph.graph.errors import GraphError
+    from dynamo_graph.graph.validate import Engines
 
 app = typer.Typer(
     name="dyngraph",
@@ -229,18 +236,30 @@ def run_command(
     raise typer.Exit(code)
 
 
-def _build_or_exit(graph_file: Path, overrides: list[str] | None):  # returns a graph.build.Built
-    from dynamo_graph.graph.build import build
+def _problems(graph_file: Path, error: GraphError) -> typer.Exit:
+    for problem in error.problems:
+        err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
+    count = len(error.problems)
+    err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
+    return typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _graph_problems(graph_file: Path) -> Iterator[None]:
+    """Print a GraphError's problems (a bad graph, or preflight on its hosts) and exit 2."""
     from dynamo_graph.graph.errors import GraphError
 
     try:
-        return build(graph_file, overrides or [])
+        yield
     except GraphError as e:
-        for problem in e.problems:
-            err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
-        count = len(e.problems)
-        err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _problems(graph_file, e) from None
+
+
+def _build_or_exit(graph_file: Path, overrides: list[str] | None, engines: Engines = "dyngraph") -> Built:
+    from dynamo_graph.graph.build import build
+
+    with _graph_problems(graph_file):
+        return build(graph_file, overrides or [], engines=engines)
 
 
 GraphFile = Annotated[Path, typer.Argument(help="the graph YAML file")]
@@ -260,14 +279,40 @@ def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None
 def render_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid")] = "yaml",
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid | k8s | dynamo-k8s")
+    ] = "yaml",
 ) -> None:
-    from dynamo_graph.graph.render import FORMATS, render
+    from dynamo_graph.graph.errors import GraphError
+    from dynamo_graph.graph.render import ENGINES_OF_FORMAT, FORMATS, render
 
     if fmt not in FORMATS:
         raise _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    built = _build_or_exit(graph_file, overrides)
-    sys.stdout.write(render(built.graph, built.plan, fmt))
+    built = _build_or_exit(graph_file, overrides, ENGINES_OF_FORMAT.get(fmt, "dyngraph"))
+    try:
+        text = render(built.graph, built.plan, fmt)
+    except GraphError as e:
+        raise _problems(graph_file, e) from None
+    sys.stdout.write(text)
+
+
+@app.command("import", help="Write the graph equivalent to a Dynamo DynamoGraphDeployment (DGD) file.")
+def import_command(
+    dgd_file: Annotated[Path, typer.Argument(help="a DynamoGraphDeployment YAML file")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="the graph file to write")],
+) -> None:
+    from dynamo_graph.graph.dgd_import import DgdError, import_dgd_file
+    from dynamo_graph.graph.errors import GraphError
+
+    try:
+        imported = import_dgd_file(dgd_file, output)
+    except DgdError as e:
+        raise _fail(f"{dgd_file}: {e}") from None
+    except GraphError as e:
+        raise _problems(output, e) from None
+    for note in imported.notes:
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    err.print(f"{output}: graph {imported.name!r} from {dgd_file}", highlight=False)
 
 
 def _state_of(graph_file: Path):  # returns a graph.supervise.state.StateDir
@@ -288,9 +333,13 @@ def up_command(
 
     out = Console(soft_wrap=True)
     if not detach:
-        raise typer.Exit(commands.up_foreground(_build_or_exit(graph_file, overrides), out))
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):  # preflight on the graph's hosts
+            raise typer.Exit(commands.up_foreground(built, out))
     with commands.DetachedUp(_state_of(graph_file)) as up:  # the supervisor boots while we load
-        code = up.run(_build_or_exit(graph_file, overrides), out)
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            code = up.run(built, out)
     raise typer.Exit(code)
 
 

@@ -4,8 +4,15 @@ etcd / nats-server the graph asks dyngraph to manage).
 The plan is what `dyngraph up` launches and what `dyngraph render` prints, so it is a pure
 function of the validated graph and where its file lives: same input, same plan, byte for
 byte. Ports the graph leaves as `auto` appear as `{port:NAME}` placeholders that the
-supervisor fills with free ports at launch; the argv's leading `dyngraph` is the console
+supervisor fills with ports free on the host of the process that declares them, at launch (a
+remote host is asked over ssh); the argv's leading `dyngraph` is the console
 script (a launcher may run it as `python -m dynamo_graph`).
+
+Processes on remote hosts get their host's `env`, its advertise address (DYN_TCP_HOST /
+DYN_TCP_ADVERTISE_HOST) and, for managed etcd / nats, URLs at the address the local host
+advertises; the plan's `hosts` tells the ssh launcher how to reach each remote host. GPUs are
+given out per host: explicit ids as written, the rest in graph order from the lowest GPU no
+component named, so two components on one host never share a GPU (validate.py checks counts).
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RestartPolicy, port_placeholder
+from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy, port_placeholder
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
+
+REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
 PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (DYNAMO.md 1.4)
 
@@ -23,14 +32,21 @@ def _port(value: int | str, name: str) -> str:
     return port_placeholder(name) if value == "auto" else str(value)
 
 
-def _resolve_path(path: str, graph_dir: Path) -> str:
-    """Relative paths are relative to the graph file; hub ids (`org/name`, `hf://...`) stay."""
+def local_path(path: str, graph_dir: Path) -> Path | None:
+    """The file or folder a graph's path names, or None for a hub id (`org/name`, `hf://...`),
+    which is resolved from the Hugging Face cache at run time. Relative paths are relative to the
+    graph file."""
     if path.startswith("hf://"):
-        return path
+        return None
     candidate = (graph_dir / path).resolve()
     if Path(path).is_absolute() or candidate.exists() or path.startswith((".", "~")):
-        return str(Path(path).expanduser() if path.startswith("~") else candidate)
-    return path  # `org/name`: resolved from the Hugging Face cache at run time
+        return Path(path).expanduser() if path.startswith("~") else candidate
+    return None
+
+
+def _resolve_path(path: str, graph_dir: Path) -> str:
+    local = local_path(path, graph_dir)
+    return path if local is None else str(local)
 
 
 class _Compiler:
@@ -41,11 +57,9 @@ class _Compiler:
         self.state_dir = state_dir.resolve()
         self.files: dict[str, str] = {}
         self.infra: list[ProcessSpec] = []
-        self.multi_host = any(
-            host != LOCAL
-            for comp in graph.components.values()
-            for host in (comp.hosts_of_replicas() if isinstance(comp, Worker) else [comp.host])
-        )
+        self.next_gpu: dict[str, int] = {}  # host -> lowest GPU not yet given to an auto-placed replica
+        self.named_gpus = self._named_gpus()
+        self.multi_host = any(host != LOCAL for comp in graph.components.values() for host in _hosts_of(comp))
 
     def _infra_host(self, configured: str | None) -> str:
         """Where managed infra binds: as configured, else where other hosts can reach it."""
@@ -55,12 +69,14 @@ class _Compiler:
         return local if self.multi_host and local else "127.0.0.1"
 
     def _host_env(self, host: str) -> dict[str, str]:
-        """In a multi-host graph, workers listen on and advertise their host's routable address."""
-        if not self.multi_host:
-            return {}
+        """The host's own `env`; in a multi-host graph, workers also listen on and advertise their
+        host's routable address."""
         h = self.graph.host(host)
+        env = dict(sorted(h.env.items()))
         address = h.advertise_host or (h.ssh.address if h.ssh else None)
-        return {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address} if address else {}
+        if self.multi_host and address:
+            env |= {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address}
+        return env
 
     # ---- runtime planes and infra ----------------------------------------------------------
 
@@ -79,7 +95,7 @@ class _Compiler:
         if etcd is not None:
             if etcd.managed:
                 env["ETCD_ENDPOINTS"] = (
-                    f"http://{etcd.host or '127.0.0.1'}:{_port(etcd.client_port, 'etcd.client')}"
+                    f"http://{self._infra_host(etcd.host)}:{_port(etcd.client_port, 'etcd.client')}"
                 )
             else:
                 env["ETCD_ENDPOINTS"] = ",".join(etcd.endpoints)
@@ -103,7 +119,7 @@ class _Compiler:
                     name="etcd",
                     component="etcd",
                     replica=0,
-                    host="local",
+                    host=LOCAL,
                     argv=[
                         "etcd",
                         "--name",
@@ -151,7 +167,7 @@ class _Compiler:
                     name="nats",
                     component="nats",
                     replica=0,
-                    host="local",
+                    host=LOCAL,
                     argv=argv,
                     env={},
                     workdir=str(self.state_dir),
@@ -180,8 +196,32 @@ class _Compiler:
         return [f"{component}-{i}" for i in range(replicas)]
 
     def _workdir(self, host: str) -> str:
+        """Local: relative to the graph file. Remote: as written (the remote resolves `~`)."""
         workdir = self.graph.host(host).workdir
+        if host != LOCAL:
+            return workdir or REMOTE_HOME
         return _resolve_path(workdir, self.graph_dir) if workdir else str(self.graph_dir)
+
+    def remote_hosts(self) -> dict[str, RemoteHost]:
+        """Connection and interpreter of every remote host a process runs on."""
+        used = {p for comp in self.graph.components.values() for p in _hosts_of(comp)} - {LOCAL}
+        hosts = {}
+        for key in sorted(used):
+            h = self.graph.host(key)
+            assert h.ssh is not None, "validation requires `ssh` on every host but local"
+            python = f"{h.venv.rstrip('/')}/bin/python" if h.venv else h.python or "python3"
+            hosts[key] = RemoteHost(
+                address=h.ssh.address,
+                port=h.ssh.port,
+                user=h.ssh.user,
+                identity_file=_resolve_path(h.ssh.identity_file, self.graph_dir)
+                if h.ssh.identity_file
+                else None,
+                known_hosts=_resolve_path(h.ssh.known_hosts, self.graph_dir) if h.ssh.known_hosts else None,
+                host_key=h.ssh.host_key,
+                python=python,
+            )
+        return hosts
 
     def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
         out = "auto"
@@ -194,6 +234,8 @@ class _Compiler:
         if comp.models is not None and len(endpoints) == 1:
             out = endpoints.pop()  # serve just that endpoint's workers
         router = comp.router
+        port_name = f"{name}-0.http"
+        http_port = _port(comp.http.port, port_name)
         argv = [
             "dyngraph",
             "run",
@@ -202,7 +244,7 @@ class _Compiler:
             "--http-host",
             comp.http.host,
             "--http-port",
-            str(comp.http.port),
+            http_port,
             "--router-mode",
             router.mode,
             "--kv-overlap-score-weight",
@@ -235,16 +277,21 @@ class _Compiler:
         probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
         # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
         # and workers start in parallel; a frontend with no workers in the graph is ready when live.
-        probe_url = f"http://{probe_host}:{comp.http.port}{'/health' if serves_workers else '/live'}"
+        probe_url = f"http://{probe_host}:{http_port}{'/health' if serves_workers else '/live'}"
         return ProcessSpec(
             name=f"{name}-0",
             component=name,
             replica=0,
             host=comp.host,
             argv=argv,
-            env={**self.planes_env(), **dict(sorted(comp.env.items())), **auth_env},
+            env={
+                **self.planes_env(),
+                **self._host_env(comp.host),
+                **dict(sorted(comp.env.items())),
+                **auth_env,
+            },
             workdir=self._workdir(comp.host),
-            ports={"http": comp.http.port},
+            ports={port_name: comp.http.port},
             depends_on=depends_on,
             readiness=Probe("http", probe_url, comp.readiness.timeout_s),
             restart=restart,
@@ -260,17 +307,42 @@ class _Compiler:
         self.files[path] = json.dumps(worker.engine_args, indent=2, sort_keys=True) + "\n"
         return path
 
+    def _named_gpus(self) -> dict[str, set[int]]:
+        """GPUs that components name (`gpu_ids`, `base_gpu_id`) on each host: never auto-assigned."""
+        named: dict[str, set[int]] = {}
+        for worker in self.graph.workers().values():
+            per, gpus = worker.gpus.per_replica, worker.gpus
+            if per == 0 or (gpus.gpu_ids is None and gpus.base_gpu_id is None):
+                continue
+            slots: dict[str, int] = {}
+            for host in worker.hosts_of_replicas():
+                slot = slots[host] = slots.get(host, -1) + 1
+                named.setdefault(host, set()).update(self._explicit_gpus(worker, slot))
+        return named
+
     @staticmethod
-    def _gpu_env(worker: Worker, slot: int) -> dict[str, str]:
-        """GPUs of the `slot`-th replica on its host (the schema counts GPUs per host)."""
+    def _explicit_gpus(worker: Worker, slot: int) -> list[int]:
+        per, gpus = worker.gpus.per_replica, worker.gpus
+        if gpus.gpu_ids is not None:
+            return gpus.gpu_ids[slot * per : (slot + 1) * per]
+        assert gpus.base_gpu_id is not None
+        return list(range(gpus.base_gpu_id + slot * per, gpus.base_gpu_id + (slot + 1) * per))
+
+    def _gpu_env(self, worker: Worker, host: str, slot: int) -> dict[str, str]:
+        """CUDA_VISIBLE_DEVICES of the `slot`-th replica of `worker` on `host`."""
         per = worker.gpus.per_replica
         if per == 0:
             return {}
-        if worker.gpus.gpu_ids is not None:
-            ids = worker.gpus.gpu_ids[slot * per : (slot + 1) * per]
+        if worker.gpus.gpu_ids is not None or worker.gpus.base_gpu_id is not None:
+            ids = self._explicit_gpus(worker, slot)
         else:
-            base = worker.gpus.base_gpu_id or 0
-            ids = list(range(base + slot * per, base + (slot + 1) * per))
+            ids = []
+            gpu = self.next_gpu.get(host, 0)
+            while len(ids) < per:
+                if gpu not in self.named_gpus.get(host, set()):
+                    ids.append(gpu)
+                gpu += 1
+            self.next_gpu[host] = gpu
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids)}
 
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
@@ -319,7 +391,7 @@ class _Compiler:
             env = {
                 **self.planes_env(),
                 **self._host_env(host),
-                **self._gpu_env(worker, slot),
+                **self._gpu_env(worker, host, slot),
                 # In-flight requests get the grace, minus time to end the rest (so they migrate)
                 # before the supervisor's SIGKILL at shutdown_grace_s.
                 "DYN_SHUTDOWN_GRACE_S": f"{max(worker.shutdown_grace_s - 3.0, 0.0):g}",
@@ -367,7 +439,12 @@ class _Compiler:
             state_dir=str(self.state_dir),
             files=dict(sorted(self.files.items())),
             processes=processes,
+            hosts=self.remote_hosts(),
         )
+
+
+def _hosts_of(comp: Frontend | Worker) -> list[str]:
+    return comp.hosts_of_replicas() if isinstance(comp, Worker) else [comp.host]
 
 
 def compile_graph(graph: Graph, *, graph_file: Path, state_dir: Path) -> Plan:

@@ -11,6 +11,9 @@ from typing import Literal
 
 import msgspec
 
+LOCAL = "local"
+"""The host dyngraph runs on; every other host of a plan is reached over ssh (`Plan.hosts`)."""
+
 
 class Probe(msgspec.Struct, frozen=True):
     """How the supervisor knows a process is ready: an HTTP 200, a TCP connect, or a log line."""
@@ -43,6 +46,18 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     role: str = "agg"
 
 
+class RemoteHost(msgspec.Struct, frozen=True):
+    """How the supervisor reaches a remote host and runs dyngraph there (from `hosts.<key>`)."""
+
+    address: str
+    port: int = 22
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None  # a known_hosts file; None: the ssh client's default ones
+    host_key: str | None = None  # a pinned public key ("ssh-ed25519 AAAA..."), instead of known_hosts
+    python: str = "python3"  # the interpreter with dyngraph installed (a venv's bin/python)
+
+
 class Plan(msgspec.Struct, frozen=True):
     graph: str
     namespace: str
@@ -50,6 +65,7 @@ class Plan(msgspec.Struct, frozen=True):
     state_dir: str
     files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
     processes: list[ProcessSpec]
+    hosts: dict[str, RemoteHost] = {}  # remote hosts the processes run on, by key; `local` is never here
 
 
 def port_placeholder(name: str) -> str:

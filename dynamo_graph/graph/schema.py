@@ -28,12 +28,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
-
-LOCAL = "local"
-"""The host dyngraph runs on; it always exists, declared or not."""
 
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
 """Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
@@ -199,6 +197,20 @@ class Ssh(_Model):
     """ssh port."""
     identity_file: str | None = None
     """Private key file (`ssh -i`)."""
+    known_hosts: str | None = None
+    """known_hosts file that must list the host's key; default the ssh client's
+    (`~/.ssh/known_hosts`). An unknown or changed host key is refused, never accepted."""
+    host_key: str | None = None
+    """The host's public key pinned in the graph (`ssh-ed25519 AAAA...`, as in
+    `/etc/ssh/ssh_host_ed25519_key.pub`); instead of `known_hosts`."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> Ssh:
+        if self.known_hosts is not None and self.host_key is not None:
+            raise field_error("host_key", "give either `host_key` or `known_hosts`, not both")
+        if self.host_key is not None and len(self.host_key.split()) < 2:
+            raise field_error("host_key", "expected `TYPE BASE64` (a line of a *.pub host key file)")
+        return self
 
 
 class Host(_Model):
@@ -306,8 +318,9 @@ class Http(_Model):
 
     host: str = "127.0.0.1"
     """Bind address (--http-host); `0.0.0.0` to serve other machines."""
-    port: Port = 8080
-    """Port (--http-port)."""
+    port: AutoPort = 8080
+    """Port (--http-port), or `auto` for one that is free on the frontend's host at `up` (kept
+    for the life of the supervisor; `up` prints it)."""
 
 
 class Router(_Model):
@@ -497,6 +510,68 @@ Component = Annotated[Frontend | Worker, Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------------------------
+# Kubernetes targets (`render -f k8s`, `render -f dynamo-k8s`)
+# ---------------------------------------------------------------------------------------------
+
+# Kubernetes object names (RFC 1123 labels): lower-case letters, digits and '-'.
+_K8S_NAME_RE = r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$"
+K8sName = Annotated[str, Field(pattern=_K8S_NAME_RE)]
+
+
+class ModelVolume(_Model):
+    """Where pods find models given by a local path: the folder `models.X.path` names must sit
+    under `mount_path` by its own folder name (`../.cache/tiny-model` -> `/models/tiny-model`).
+    Hub ids (`org/name`) download into `mount_path/huggingface` (HF_HOME), so they survive restarts."""
+
+    claim: K8sName | None = None
+    """An existing PersistentVolumeClaim to mount; default: render one named `<graph>-models`."""
+    host_path: str | None = None
+    """A folder on every node to mount instead of a claim (single-node or pre-seeded clusters)."""
+    size: str = Field("50Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$")
+    """Size of the rendered claim (ReadWriteMany, so replicas on different nodes share it)."""
+    storage_class: str | None = None
+    """Storage class of the rendered claim; default the cluster's. Dynamo's operator creates a
+    claim only with one (without, `render -f dynamo-k8s` expects the claim to exist)."""
+    mount_path: str = Field("/models", pattern=r"^/")
+    """Where the volume appears in every worker container."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelVolume:
+        if self.claim is not None and self.host_path is not None:
+            raise field_error("host_path", "give either `claim` or `host_path`, not both")
+        return self
+
+
+class Kubernetes(_Model):
+    """How the graph is dressed for a cluster: images, where in it, pull secrets, models' storage.
+    Only the Kubernetes renderers read this section; `dyngraph up` ignores it."""
+
+    image: str = "dyngraph:0.1.0"
+    """Image with dyngraph (and the engines the workers use) installed, for `render -f k8s`."""
+    dynamo_image: str | None = None
+    """Image of Dynamo's runtime for `render -f dynamo-k8s`; default
+    `nvcr.io/nvidia/ai-dynamo/<backend>-runtime:0.6.0` (vllm's for the mocker and the frontend)."""
+    namespace: K8sName | None = None
+    """Kubernetes namespace of every object; default none (the one `kubectl -n` picks)."""
+    image_pull_secrets: list[K8sName] = []
+    """Secrets with registry credentials (imagePullSecrets)."""
+    service_account: K8sName | None = None
+    """Service account of every pod; default the namespace's default."""
+    secret: K8sName | None = None
+    """Secret that holds the values of secret environment variables (API keys, tokens, URLs with
+    credentials), one key per variable name; default `<graph>-secrets`. Never rendered: create it
+    with `kubectl create secret generic`."""
+    working_dir: str | None = None
+    """Working directory of Dynamo's worker containers (`render -f dynamo-k8s`), where relative
+    paths in their engine args start, e.g. `/workspace/components/backends/vllm`."""
+    env_from_secret: K8sName | None = None
+    """Secret whose keys all become workers' environment (DGD `envFromSecret`, e.g. a
+    `hf-token-secret` holding HF_TOKEN)."""
+    models: ModelVolume = ModelVolume()
+    """Storage that holds the models."""
+
+
+# ---------------------------------------------------------------------------------------------
 # The graph
 # ---------------------------------------------------------------------------------------------
 
@@ -520,6 +595,8 @@ class Graph(_Model):
     """Models by key."""
     components: dict[Name, Component] = {}
     """Frontends and workers by name (`kind: frontend` or `kind: worker`)."""
+    kubernetes: Kubernetes = Kubernetes()
+    """Images, namespace, secrets and model storage for the Kubernetes renderers."""
 
     @field_validator("hosts")
     @classmethod

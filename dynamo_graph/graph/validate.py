@@ -14,7 +14,7 @@ import types
 import typing
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
@@ -30,20 +30,23 @@ class SourceLocator(Protocol):
     def locate(self, path: str) -> Location | None: ...
 
 
-def validate_graph(data: Any, source: SourceLocator | None, *, file: str) -> Graph:
+def validate_graph(
+    data: Any, source: SourceLocator | None, *, file: str, engines: Engines = "dyngraph"
+) -> Graph:
     """The validated graph, or GraphError with every problem found."""
     try:
         graph = Graph.model_validate(data)
     except ValidationError as e:
         problems = [_schema_problem(err, data) for err in e.errors()]
     else:
-        problems = [p for check in CHECKS for p in check(graph)]
+        checks = [c for c in CHECKS if engines == "dyngraph" or c not in _DYNGRAPH_ENGINES_ONLY]
+        problems = [p for check in checks for p in check(graph)]
     if problems:
-        raise GraphError([_located(p, source, file) for p in problems])
+        raise GraphError([locate(p, source, file) for p in problems])
     return graph
 
 
-def _located(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
+def locate(problem: Problem, source: SourceLocator | None, file: str) -> Problem:
     """Attach the location of the path, or of its nearest parent that has one, else the file."""
     path = problem.path
     while source is not None:
@@ -391,14 +394,15 @@ def check_ports(graph: Graph) -> Iterator[Problem]:
     """Fixed ports on one host must differ: HTTP ports, workers' tcp ports, managed infra (which
     runs on the local host). Bind addresses are ignored: 127.0.0.1 and 0.0.0.0 still clash."""
     owners: dict[tuple[str, int], str] = {}
-    for host, port, path in _fixed_ports(graph):
+    for host, port, path in fixed_ports(graph):
         if (host, port) in owners:
             yield Problem(path, f"port {port} on host {host!r} is already used by {owners[host, port]}")
         else:
             owners[host, port] = path
 
 
-def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
+    """(host, port, key path) of every port the graph pins (preflight checks they are free)."""
     etcd, nats = graph.infra.etcd, graph.infra.nats
     if etcd is not None and etcd.managed:
         for field in ("client_port", "peer_port"):
@@ -408,7 +412,8 @@ def _fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
         yield LOCAL, nats.port, "infra.nats.port"
     for key, comp in graph.components.items():
         if isinstance(comp, Frontend):
-            yield comp.host, comp.http.port, f"components.{key}.http.port"
+            if isinstance(comp.http.port, int):
+                yield comp.host, comp.http.port, f"components.{key}.http.port"
         elif comp.tcp_port is not None:
             for i, host in enumerate(comp.hosts_of_replicas()):
                 yield host, comp.tcp_port + i, f"components.{key}.tcp_port"
@@ -419,6 +424,20 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
     roles: dict[str, dict[str, str]] = defaultdict(dict)
     for key, worker in graph.workers().items():
         roles[worker.model].setdefault(worker.role, key)
+    for model, by_role in roles.items():
+        for have, lack in (("prefill", "decode"), ("decode", "prefill")):
+            if have in by_role and lack not in by_role:
+                yield Problem(
+                    f"components.{by_role[have]}.role",
+                    f"model {model!r} has a {have} worker but no {lack} worker; add a worker with "
+                    f"role: {lack} for it, or make this one role: agg",
+                )
+
+
+def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
+    """Our engine adapters that can hand a prompt's KV cache from a prefill to a decode worker.
+    Dynamo's own backends (vLLM, SGLang, TensorRT-LLM over NIXL) can, so a graph rendered for
+    Dynamo's operator skips this check (`validate_graph(..., engines="dynamo")`)."""
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
         if (
@@ -431,14 +450,6 @@ def check_disagg(graph: Graph) -> Iterator[Problem]:
                 f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
                 f"decode workers ({', '.join(sorted(KV_TRANSFER_ENGINES))}); {worker.engine} cannot",
             )
-    for model, by_role in roles.items():
-        for have, lack in (("prefill", "decode"), ("decode", "prefill")):
-            if have in by_role and lack not in by_role:
-                yield Problem(
-                    f"components.{by_role[have]}.role",
-                    f"model {model!r} has a {have} worker but no {lack} worker; add a worker with "
-                    f"role: {lack} for it, or make this one role: agg",
-                )
 
 
 def check_planes(graph: Graph) -> Iterator[Problem]:
@@ -460,14 +471,22 @@ def check_planes(graph: Graph) -> Iterator[Problem]:
 
 def check_multi_host(graph: Graph) -> Iterator[Problem]:
     """Components on several hosts need shared discovery (etcd), a request plane that crosses
-    machines (nats, or tcp with an address other hosts reach each worker host at) and infra the
-    remote hosts can reach."""
+    machines (nats, or tcp with an address other hosts reach each worker host at), KV events a
+    kv router on another host can receive, and infra the remote hosts can reach."""
     remote = sorted(h for h in _hosts_used(graph) if h != LOCAL and h in graph.hosts)
     if not remote:
         return
     why = f"components run on host {remote[0]!r}"
     if graph.runtime.discovery != "etcd":
         yield Problem("runtime.discovery", f"{why}: use `discovery: etcd` (file discovery is one machine)")
+    kv_routed = [k for k, f in graph.frontends().items() if f.router.mode == "kv" and f.router.use_kv_events]
+    if graph.runtime.event_plane == "zmq" and kv_routed:
+        # Workers' zmq publishers bind and announce 127.0.0.1: a router on another host cannot subscribe.
+        yield Problem(
+            "runtime.event_plane",
+            f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
+            "their own host's loopback; use `event_plane: nats`",
+        )
     if graph.runtime.request_plane == "tcp":
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):
@@ -516,6 +535,13 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_gpus,
     check_ports,
     check_disagg,
+    check_kv_transfer,
     check_planes,
     check_multi_host,
 )
+
+Engines = Literal["dyngraph", "dynamo"]
+"""Whose engines run the workers: ours (`dyngraph run`, every target but one) or Dynamo's
+(`render -f dynamo-k8s`), which changes what the engine can do, not what the graph means."""
+
+_DYNGRAPH_ENGINES_ONLY = frozenset({check_kv_transfer})

@@ -159,10 +159,10 @@ def test_disagg_template_roles_and_shared_engine(tmp_path: Path) -> None:
 
 
 def test_multi_host_template_reads_env(tmp_path: Path) -> None:
-    env = {"DYNGRAPH_SSH_HOST": "10.0.0.7", "DYNGRAPH_SSH_USER": "me"}
+    env = {"DYNGRAPH_SSH_HOST": "10.0.0.7", "DYNGRAPH_SSH_USER": "me", "DYNGRAPH_KNOWN_HOSTS": "/keys/known"}
     graph = load_graph(write(tmp_path / "g.yaml", "defaults: [/multi-host, _self_]\n"), env=env)
     gpu1 = graph.data["hosts"]["gpu1"]
-    assert gpu1["ssh"] == {"address": "10.0.0.7", "user": "me", "port": "22"}
+    assert gpu1["ssh"] == {"address": "10.0.0.7", "user": "me", "port": "22", "known_hosts": "/keys/known"}
     assert graph.data["components"]["backend"]["placement"] == ["gpu1"]
     assert graph.data["infra"] == {"etcd": {"managed": True}, "nats": {"managed": True}}
 

@@ -3,7 +3,9 @@
 `up -d` starts a detached supervisor when none runs (or reuses the running one), sends it the
 plan over the control socket (see DetachedUp), and waits on processes.json until every process
 is ready or one failed. `down` asks the supervisor to stop, waits for it to exit, then checks for itself that
-no process of the graph is alive and none of its ports is still listening.
+no process of the graph is alive and none of its ports is still listening: local processes by
+verified pid, remote hosts by asking each (over ssh) for processes tagged with the graph's id.
+A remote pid means nothing here, so local pid checks only ever look at records of `local`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.supervise import control, probes
 from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
@@ -147,11 +149,13 @@ class DetachedUp:
             time.sleep(0.005)
 
     def run(self, built: Built, console: Console) -> int:
-        """Send the plan, wait until every process is ready (0) or one failed (1)."""
+        """Preflight, send the plan, wait until every process is ready (0) or one failed (1).
+        Raises GraphError when preflight finds problems (a supervisor spawned here then stops)."""
         plan, state = built.plan, self.state
         if self.orphans:
             console.print(f"[bold red]error:[/] processes of a previous run would not stop: {self.orphans}")
             return 1
+        _preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
         _write_resolved(state, built)
         try:
             if self.daemon is not None:
@@ -173,12 +177,20 @@ class DetachedUp:
             console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
             return 1
         console.print(status_table(plan, {r.name: r for r in state.read_processes()}, None))
-        for spec in plan.processes:
+        for spec in (state.read_plan() or plan).processes:  # as the supervisor filled its `auto` ports
             if url := frontend_url(spec):
                 console.print(f"{spec.name}: {url}", highlight=False)
         elapsed = time.monotonic() - self.started
         console.print(f"graph {plan.graph}: {len(plan.processes)} processes ready in {elapsed:.2f} s")
         return 0
+
+
+def _preflight(built: Built, *, check_ports: bool) -> None:
+    """Raises GraphError (exit 2 in the CLI) with every problem of the graph's hosts."""
+    from dynamo_graph.graph.supervise.preflight import preflight
+
+    loaded = built.loaded
+    preflight(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
 
 
 def up_foreground(built: Built, console: Console) -> int:
@@ -191,6 +203,7 @@ def up_foreground(built: Built, console: Console) -> int:
             if orphans := _reap_orphans(state):
                 console.print(f"[bold red]error:[/] processes of a previous run would not stop: {orphans}")
                 return 1
+            _preflight(built, check_ports=True)
             _write_resolved(state, built)
             state.write_pid(os.getpid())  # claim the graph before releasing the lock
     if running:
@@ -213,7 +226,7 @@ def up_foreground(built: Built, console: Console) -> int:
                     announced = True
                     elapsed = time.monotonic() - started
                     prefix.event("dyngraph", f"all {len(records)} processes ready in {elapsed:.2f} s")
-                    for spec in plan.processes:
+                    for spec in (sup.plan or plan).processes:  # `auto` ports filled
                         if url := frontend_url(spec):
                             prefix.event("dyngraph", f"{spec.name}: {url}")
                 await asyncio.sleep(POLL_S)
@@ -246,7 +259,11 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
         ok = await probes.check(spec.readiness, _log_since_last_start(state.log_file(name)))
         return f"{spec.readiness.kind} {'ok' if ok else 'failing'}"
 
-    live = [n for n, r in records.items() if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+    # A remote process's http / tcp probe only means something from its host: the supervisor runs
+    # those; here they show as "-".
+    live = [
+        n for n, r in records.items() if _running(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
+    ]
     results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
     return dict(zip(live, results, strict=False))
 
@@ -311,7 +328,7 @@ def down(state: StateDir, console: Console) -> int:
         plan = state.read_plan()
         records = state.read_processes()
         sup = state.supervisor()
-        live = [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+        live = [r for r in records if _running(r)]
         if sup is None and not live:
             state.clear_runtime_files()
             console.print(f"graph in {state.root} is not running")
@@ -326,9 +343,14 @@ def down(state: StateDir, console: Console) -> int:
             if not _wait_gone(lambda: pid_alive(sup.pid, sup.start_ticks), grace * (levels + 1) + 5):
                 console.print("[yellow]the supervisor did not stop in time; killing it[/]")
                 kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
-        leftovers = _stop_leftovers(records, grace)
+        remote, unchecked = _stop_remote(state, plan, grace)
+        leftovers = _stop_leftovers(records, grace) + remote
         state.clear_runtime_files()
         ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
+    for why in unchecked:
+        console.print(f"[bold red]error:[/] cannot check what is left of the graph on {why}", highlight=False)
+    if unchecked and not (leftovers or ports):
+        return 1
     if leftovers or ports:
         console.print(
             f"[bold red]error:[/] still alive: {', '.join(leftovers) or '-'}; "
@@ -346,7 +368,11 @@ def _grace(plan: Plan | None) -> float:
 def _reap_orphans(state: StateDir) -> list[str]:
     """Before a fresh supervisor: stop processes a dead one left behind and forget its files.
     Returns the names of any that would not stop (then nothing may be started)."""
-    leftovers = _stop_leftovers(state.read_processes(), _grace(state.read_plan()))
+    plan = state.read_plan()
+    # A host that cannot be reached does not block: the agents there stop what the dead supervisor
+    # left once their connections are gone, and preflight reports the host if the graph still uses it.
+    remote, _ = _stop_remote(state, plan, _grace(plan))
+    leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + remote
     if not leftovers:
         state.clear_runtime_files()
     return leftovers
@@ -357,7 +383,7 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
     Returns the names of any still alive after that."""
 
     def alive() -> list[ProcessRecord]:
-        return [r for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
+        return [r for r in records if r.host == LOCAL and _running(r)]
 
     for record in alive():
         kill_verified(record.pid, record.start_ticks, signal.SIGTERM)  # type: ignore[arg-type]
@@ -366,3 +392,24 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
             kill_verified(record.pid, record.start_ticks, signal.SIGKILL)  # type: ignore[arg-type]
         _wait_gone(lambda: bool(alive()), 5.0)
     return [r.name for r in alive()]
+
+
+def _probe_kind(plan: Plan, name: str) -> str | None:
+    return next((p.readiness.kind for p in plan.processes if p.name == name), None)
+
+
+def _running(record: ProcessRecord) -> bool:
+    """A local process by its verified pid; a remote one as its supervisor last recorded it."""
+    if record.host != LOCAL:
+        return record.state in ("starting", "ready")
+    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
+
+
+def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list[str], list[str]]:
+    """Stop what is left of the graph on each remote host (normally nothing: the agents stop
+    their processes with the supervisor); returns what would not stop and the hosts not reached."""
+    if plan is None or not plan.hosts:
+        return [], []
+    from dynamo_graph.graph.supervise.ssh import sweep_hosts
+
+    return asyncio.run(sweep_hosts(plan.hosts, state.root, grace))

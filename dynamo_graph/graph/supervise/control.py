@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -46,7 +46,7 @@ class ControlError(Exception):
     """The supervisor could not be reached or refused the request."""
 
 
-async def serve(path: Path, handle: Callable[[Request], Reply]) -> asyncio.Server:
+async def serve(path: Path, handle: Callable[[Request], Awaitable[Reply]]) -> asyncio.Server:
     """Listen on `path`; `handle` runs in the event loop (it must not block)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a stale socket of a supervisor that died
@@ -57,7 +57,7 @@ async def serve(path: Path, handle: Callable[[Request], Reply]) -> asyncio.Serve
             if not line:
                 return  # a liveness check (`reachable`) connects and hangs up
             try:
-                reply = handle(msgspec.json.decode(line, type=Request))
+                reply = await handle(msgspec.json.decode(line, type=Request))
             except msgspec.ValidationError as e:
                 reply = Reply(ok=False, error=f"bad request: {e}")
             except Exception as e:  # a refused plan must not take the supervisor down

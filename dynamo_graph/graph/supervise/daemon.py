@@ -44,11 +44,11 @@ async def supervise(
     sup = Supervisor(state, report)
     shutdown = asyncio.Event()
 
-    def handle(req: control.Request) -> control.Reply:
+    async def handle(req: control.Request) -> control.Reply:
         if isinstance(req, control.Stop):
             shutdown.set()
             return control.Reply(ok=True)
-        changes = sup.apply(req.plan)
+        changes = await sup.apply(req.plan)
         report("dyngraph", "applied: " + (", ".join(changes) or "no changes"))
         return control.Reply(ok=True, changes=changes)
 
@@ -59,7 +59,7 @@ async def supervise(
     extra: asyncio.Task[None] | None = None
     try:
         if plan is not None:
-            sup.apply(plan)
+            await sup.apply(plan)
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
         await shutdown.wait()

@@ -47,6 +47,14 @@ def kill_verified(pid: int, start_ticks: int | None, sig: int) -> bool:
     return True
 
 
+def mark_start(log_path: Path, name: str, attempt: int) -> int:
+    """Write the start marker of a run to its log; returns where the run's output begins."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        log.write(f"{START_MARKER}{name} (run {attempt}) at {time.ctime()} ---\n".encode())
+        return log.tell()
+
+
 def command_line(spec: ProcessSpec) -> list[str]:
     """The argv to exec: the plan's leading `dyngraph` runs as this interpreter's module."""
     if spec.argv[0] == "dyngraph":
@@ -72,11 +80,8 @@ class LocalProcess:
     async def start(self, attempt: int) -> None:
         """Spawn; raises OSError (written to the log too) when the program cannot be run."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = mark_start(self.log_path, self.spec.name, attempt)
         with self.log_path.open("ab") as log:
-            log.write(f"{START_MARKER}{self.spec.name} (run {attempt}) at {time.ctime()} ---\n".encode())
-            log.flush()
-            self.log_offset = log.tell()
             self.started_at = time.time()
             try:
                 self.proc = await asyncio.create_subprocess_exec(
@@ -93,12 +98,20 @@ class LocalProcess:
                 raise
         self.start_ticks = pid_start_ticks(self.proc.pid)
 
+    @staticmethod
+    async def open_connection(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection as this host makes it (readiness probes)."""
+        return await asyncio.open_connection(host, port)
+
     async def wait(self) -> int:
+        """The exit code, once reaped and what it left in its group is swept."""
         assert self.proc is not None
-        return await self.proc.wait()
+        code = await self.proc.wait()
+        self._signal_group(signal.SIGKILL)  # what it left in its group; its pid is not reused yet
+        return code
 
     async def stop(self) -> int | None:
-        """SIGTERM to the group, SIGKILL after the spec's grace; then sweep what is left of the group."""
+        """SIGTERM to the group, SIGKILL after the spec's grace; `wait` sweeps what is left."""
         if self.proc is None or self.proc.returncode is not None:
             return self.proc.returncode if self.proc else None
         self._signal_group(signal.SIGTERM)
@@ -106,14 +119,7 @@ class LocalProcess:
             await asyncio.wait_for(self.proc.wait(), self.spec.shutdown_grace_s)
         except TimeoutError:
             self._signal_group(signal.SIGKILL)
-            await self.proc.wait()
-        self.sweep()
-        return self.proc.returncode
-
-    def sweep(self) -> None:
-        """SIGKILL what the process left behind in its group; call right after reaping it, while
-        its pid cannot have been reused yet."""
-        self._signal_group(signal.SIGKILL)
+        return await self.wait()
 
     def _signal_group(self, sig: int) -> None:
         assert self.proc is not None

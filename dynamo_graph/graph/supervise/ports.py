@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import msgspec
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
 def free_port(taken: set[int]) -> int:
@@ -54,11 +56,23 @@ def fill_plan(plan: Plan, ports: dict[str, int]) -> Plan:
 
 
 def plan_ports(plan: Plan) -> set[int]:
-    """Every port a (filled) plan's processes listen on, to check after `down`."""
-    return {p for spec in plan.processes for p in spec.ports.values() if isinstance(p, int)}
+    """Every port a (filled) plan's local processes listen on, to check after `down` (a remote
+    host's are its processes', which `down` finds there by the graph's tag)."""
+    return {
+        p for spec in plan.processes if spec.host == LOCAL for p in spec.ports.values() if isinstance(p, int)
+    }
 
 
-def listening(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
+def listening(port: int) -> bool:
+    """Whether a TCP socket of this network namespace listens on `port`, on any address (managed
+    etcd and nats bind the advertised address, not 127.0.0.1)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == _TCP_LISTEN and int(local.rpartition(":")[2], 16) == port:
+                return True
+    return False

@@ -6,6 +6,9 @@ backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a ru
 `STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
 left `failed` and its last log lines are reported.
 
+Processes on remote hosts run through the ssh launcher (ssh.py), which the supervisor loads only
+for a plan that has remote hosts; runners treat its processes exactly as local ones.
+
 `apply(plan)` is both the first start and every later `up`: it diffs the new plan against the
 running one by each process's launch identity (argv, env, workdir, host), restarts what
 changed, starts what is new, stops what is gone, and leaves the rest alone.
@@ -19,24 +22,23 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.supervise import probes
 from dynamo_graph.graph.supervise.local import LocalProcess
 from dynamo_graph.graph.supervise.logs import tail_lines
 from dynamo_graph.graph.supervise.ports import fill_plan
 from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_write
 
+if TYPE_CHECKING:
+    from dynamo_graph.graph.supervise.ssh import RemoteProcess, SshHosts
+
 STABLE_AFTER_S = 10.0
 CRASH_LOG_LINES = 20
 PROBE_MAX_INTERVAL_S = 0.05  # probes start at 10 ms and back off to this
-LOCAL_HOSTS = ("local",)
 
 Report = Callable[[str, str], None]  # (process name, message)
-
-
-class PlanError(Exception):
-    """A plan this supervisor cannot run (e.g. a process on a remote host)."""
 
 
 def launch_identity(spec: ProcessSpec) -> tuple[object, ...]:
@@ -53,7 +55,7 @@ class Runner:
         self.record = ProcessRecord(spec.name, spec.component, spec.replica, spec.host)
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
-        self.proc: LocalProcess | None = None
+        self.proc: LocalProcess | RemoteProcess | None = None
         self._start: asyncio.Future[None] | None = None
         self._task = asyncio.create_task(self._run(), name=f"runner {spec.name}")
 
@@ -116,7 +118,7 @@ class Runner:
 
     async def _one_run(self, attempt: int) -> tuple[int, bool]:
         """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
-        self.proc = LocalProcess(self.spec, self.sup.state.log_file(self.spec.name))
+        self.proc = self.sup.launcher(self.spec)
         self._start = asyncio.ensure_future(self.proc.start(attempt))
         try:
             await asyncio.shield(self._start)
@@ -143,17 +145,18 @@ class Runner:
             self.sup.report(self.spec.name, f"not ready after {timeout:g} s; stopping it")
             await proc.stop()
         code = await exited
-        proc.sweep()
         self._set(last_exit=code)
         return code, code != 0 or not self.ready.is_set()
 
-    async def _probe_until_ready(self, proc: LocalProcess, exited: asyncio.Future[int]) -> bool:
+    async def _probe_until_ready(
+        self, proc: LocalProcess | RemoteProcess, exited: asyncio.Future[int]
+    ) -> bool:
         probe = self.spec.readiness
         watch = probes.LogWatch(proc.log_path, proc.log_offset)
         deadline = time.monotonic() + probe.timeout_s
         delay = 0.01
         while time.monotonic() < deadline and not exited.done():
-            if await probes.check(probe, watch):
+            if await probes.check(probe, watch, proc.open_connection):
                 return True
             await asyncio.wait([exited], timeout=delay)
             delay = min(delay * 1.5, PROBE_MAX_INTERVAL_S)
@@ -185,23 +188,45 @@ class Supervisor:
         self.plan: Plan | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
+        self.ssh: SshHosts | None = None  # connections to the plan's remote hosts, once it has any
+
+    def launcher(self, spec: ProcessSpec) -> LocalProcess | RemoteProcess:
+        """One run of `spec`, on this host or over ssh."""
+        log = self.state.log_file(spec.name)
+        if spec.host == LOCAL:
+            return LocalProcess(spec, log)
+        from dynamo_graph.graph.supervise.agent import graph_tag
+        from dynamo_graph.graph.supervise.ssh import RemoteProcess
+
+        assert self.ssh is not None, "apply() opens the ssh hosts of a plan with remote processes"
+        return RemoteProcess(spec, log, self.ssh, graph_tag(self.state.root))
 
     def persist(self) -> None:
         self.state.write_processes([r.record for r in self.runners.values()])
 
-    def apply(self, raw: Plan) -> list[str]:
+    async def apply(self, raw: Plan) -> list[str]:
         """Make `raw` the running plan; returns the changes as `+ name`, `~ name`, `- name`.
-        Starting and stopping go on in the background."""
-        bad = sorted({p.host for p in raw.processes} - set(LOCAL_HOSTS))
-        if bad:
-            raise PlanError(f"host {', '.join(bad)}: launching on remote hosts is not supported yet")
+        Starting and stopping go on in the background; what waits here is asking remote hosts
+        for their `auto` ports (raises SshError when one cannot be asked)."""
+        if raw.hosts:
+            from dynamo_graph.graph.supervise.ssh import SshHosts
+
+            if self.ssh is None:
+                self.ssh = SshHosts({})
+            self.ssh.update(raw.hosts)
+            await self.ssh.allocate_ports(raw, self.ports)
+        moved = {h for h in raw.hosts if self.plan is not None and self.plan.hosts.get(h) != raw.hosts[h]}
         plan = fill_plan(raw, self.ports)
         for path, text in plan.files.items():
             atomic_write(Path(path), text)
         new = {p.name: p for p in plan.processes}
         old = self.runners
         added = [n for n in new if n not in old]
-        changed = [n for n in new if n in old and launch_identity(old[n].spec) != launch_identity(new[n])]
+        changed = [
+            n
+            for n in new
+            if n in old and (launch_identity(old[n].spec) != launch_identity(new[n]) or new[n].host in moved)
+        ]
         removed = [n for n in old if n not in new]
         kept = {n: old[n] for n in new if n in old and n not in changed}
         for name, runner in kept.items():
@@ -244,6 +269,8 @@ class Supervisor:
         await asyncio.gather(*self._tasks)
         await stop_in_order(list(self.runners.values()))
         self.persist()
+        if self.ssh is not None:
+            await self.ssh.close()
 
 
 async def stop_in_order(runners: Iterable[Runner]) -> None:

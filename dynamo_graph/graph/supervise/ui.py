@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.supervise.state import ProcessRecord
 
 _STATE_STYLE = {
@@ -54,13 +54,15 @@ def status_table(plan: Plan, records: dict[str, ProcessRecord], health: dict[str
 
 
 def frontend_url(spec: ProcessSpec) -> str | None:
-    """`http://host:port/v1` of a frontend process (one run with `in=http`)."""
+    """`http://host:port/v1` of a frontend process (one run with `in=http`), and its host when
+    that is not this one (the address is as that host sees it)."""
     if "in=http" not in spec.argv:
         return None
     argv = spec.argv
     host = argv[argv.index("--http-host") + 1] if "--http-host" in argv else "127.0.0.1"
     port = argv[argv.index("--http-port") + 1] if "--http-port" in argv else "8080"
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    return url if spec.host == LOCAL else f"{url} on host {spec.host}"
 
 
 class Prefixer:

@@ -1,0 +1,373 @@
+"""`render -f k8s`: the graph as plain Kubernetes manifests that run its compiled plan.
+
+Each container runs the same `dyngraph run ...` command line `dyngraph up` would (compile.py),
+with what changes in a cluster changed: models and engine files at their in-cluster paths, the
+frontend bound to all interfaces behind a Service, workers advertising their pod IP (downward
+API), etcd and nats-server as StatefulSets reached by Service DNS names. Kubernetes does what
+the supervisor does on a host: it restarts containers and places pods, so the graph's restart
+policies and hosts have no part here.
+
+Objects per graph: a Deployment per worker component (replicas, `nvidia.com/gpu` from
+`gpus.per_replica`), a Deployment and a Service per frontend, a StatefulSet and Service per
+in-cluster etcd/nats, one ConfigMap with the engine-args and engine files, and the models'
+claim unless the graph names one. Secret values never appear: secret-looking variables and API
+key variables are `secretKeyRef`s into the graph's Secret (kube.env_vars).
+
+File discovery (the one-machine default) cannot span pods, so such a graph gets an in-cluster
+etcd; the header comment says so, and lists what else was changed or left out.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from dynamo_graph.graph.compile import compile_graph, local_path
+from dynamo_graph.graph.errors import GraphError, Problem
+from dynamo_graph.graph.kube import (
+    COMPONENT,
+    PART_OF,
+    component_names,
+    dump_documents,
+    env_vars,
+    hf_home,
+    k8s_name,
+    metadata,
+    model_path,
+    models_claim,
+    models_mount,
+    models_volume,
+    pod_defaults,
+    secret_name,
+    uses_models_volume,
+)
+from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.schema import Frontend, Graph, Worker
+
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
+NATS_IMAGE = "nats:2.10-alpine"
+ETCD_PORT, ETCD_PEER_PORT, NATS_PORT = 2379, 2380, 4222
+WORKER_PORT = 9345
+"""Request-plane port of every worker pod: each pod has its own IP, so one fixed port serves all
+replicas and gives the probes something to check (a worker listens once it serves)."""
+FILES_DIR = "/etc/dyngraph"
+PROBE_PERIOD_S = 5
+# Set per pod from the graph's planes and the pod's own address, never copied from the plan.
+_HOST_ONLY_ENV = {
+    "DYN_FILE_KV",
+    "CUDA_VISIBLE_DEVICES",
+    "DYN_TCP_HOST",
+    "DYN_TCP_ADVERTISE_HOST",
+    "DYN_TCP_PORT",
+}
+
+
+class _K8s:
+    def __init__(self, graph: Graph, plan: Plan) -> None:
+        self.graph, self.plan = graph, plan
+        self.base = k8s_name(graph.name)
+        self.names = component_names(graph)
+        self.graph_dir = Path(plan.graph_file).parent
+        self.files: dict[str, str] = {}  # ConfigMap key -> text
+        self.paths: dict[str, str] = {}  # a path in the plan -> where the pod sees it
+        self.notes: list[str] = []
+        self.etcd = graph.runtime.discovery == "file" or bool(graph.infra.etcd and graph.infra.etcd.managed)
+        self.nats = bool(graph.infra.nats and graph.infra.nats.managed)
+        self.volume = uses_models_volume(graph, plan)
+        self._check()
+
+    def _check(self) -> None:
+        static = [k for k, w in sorted(self.graph.workers().items()) if w.static]
+        if static:
+            raise GraphError(
+                [
+                    Problem(f"components.{k}.static", "static workers are not rendered for Kubernetes")
+                    for k in static
+                ]
+            )
+        if self.graph.runtime.discovery == "file":
+            self.notes.append(
+                "runtime.discovery file cannot span pods: discovery goes through an in-cluster etcd"
+            )
+        if self.graph.runtime.event_plane == "zmq" and any(
+            f.router.mode == "kv" and f.router.use_kv_events for f in self.graph.frontends().values()
+        ):
+            self.notes.append(
+                "runtime.event_plane zmq binds loopback: KV events do not reach a kv router in another pod; "
+                "use event_plane nats"
+            )
+        if any(w.placement != ["local"] for w in self.graph.workers().values()):
+            self.notes.append("hosts and placement: the Kubernetes scheduler places the pods")
+
+    # ---- files and paths ---------------------------------------------------------------------
+
+    def _file(self, key: str, text: str) -> str:
+        self.files[key] = text
+        return f"{FILES_DIR}/{key}"
+
+    def _map_paths(self) -> None:
+        for key, model in self.graph.models.items():
+            local = local_path(model.path, self.graph_dir)
+            if local is not None:
+                self.paths[str(local)] = model_path(self.graph, self.plan, key)
+            config = local_path(model.config, self.graph_dir) if model.config else None
+            if config is not None:
+                mount = self.graph.kubernetes.models.mount_path.rstrip("/")
+                self.paths[str(config)] = f"{mount}/{config.name}"
+        for path, text in self.plan.files.items():  # inline engine args
+            self.paths[path] = self._file(Path(path).name, text)
+        for key, worker in sorted(self.graph.workers().items()):
+            for name, value in ((f"{key}.json", worker.engine_args_file), (f"{key}.py", worker.engine)):
+                local = (
+                    local_path(value, self.graph_dir) if value and value.endswith((".json", ".py")) else None
+                )
+                if local is not None:
+                    self.paths[str(local)] = self._file(name, local.read_text())
+
+    def _argv(self, proc: ProcessSpec) -> list[str]:
+        argv = []
+        for arg in proc.argv:
+            prefix, eq, value = arg.partition("=")
+            if eq and value in self.paths:  # out=/path/engine.py
+                argv.append(f"{prefix}={self.paths[value]}")
+            else:
+                argv.append(self.paths.get(arg, arg))
+        if "--http-host" in argv:  # the Service reaches the pod on its own IP
+            argv[argv.index("--http-host") + 1] = "0.0.0.0"
+        return argv
+
+    # ---- environment -------------------------------------------------------------------------
+
+    def _env(self, proc: ProcessSpec, comp: Frontend | Worker) -> list[dict[str, Any]]:
+        env = {k: v for k, v in proc.env.items() if k not in _HOST_ONLY_ENV}
+        if self.etcd:
+            env["DYN_DISCOVERY_BACKEND"] = "etcd"
+            env["ETCD_ENDPOINTS"] = f"http://{self.base}-etcd:{ETCD_PORT}"
+        if self.nats:
+            env["NATS_SERVER"] = f"nats://{self.base}-nats:{NATS_PORT}"
+        if isinstance(comp, Worker):
+            env["DYN_TCP_PORT"] = str(WORKER_PORT)
+            if self.volume:
+                env.update(hf_home(self.graph))
+        secrets = comp.api_key_env if isinstance(comp, Frontend) else []
+        out = env_vars(self.graph, env, list(secrets))
+        if isinstance(comp, Worker):
+            pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+            out += [{"name": "DYN_TCP_ADVERTISE_HOST", **pod_ip}, {"name": "DYN_TCP_HOST", **pod_ip}]
+        return sorted(out, key=lambda e: e["name"])
+
+    # ---- objects -----------------------------------------------------------------------------
+
+    def _probes(self, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
+        """Startup allows the readiness timeout; then readiness and liveness as in the plan: a
+        frontend by HTTP (`/health` once it lists a model, `/live`), a worker by its listening
+        request-plane port (the nats plane gives it none, so no probe)."""
+        if isinstance(comp, Frontend):
+            path = "/" + proc.readiness.target.rsplit("/", 1)[-1]
+            ready: dict[str, Any] = {"httpGet": {"path": path, "port": "http"}}
+            live: dict[str, Any] = {"httpGet": {"path": "/live", "port": "http"}}
+        elif self.graph.runtime.request_plane == "tcp":
+            ready = live = {"tcpSocket": {"port": "request-plane"}}
+        else:
+            self.notes.append(f"components.{proc.component}: nats request plane, no worker probe")
+            return {}
+        threshold = max(1, math.ceil(comp.readiness.timeout_s / PROBE_PERIOD_S))
+        return {
+            "startupProbe": {**ready, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": threshold},
+            "readinessProbe": {**ready, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 3},
+            "livenessProbe": {**live, "periodSeconds": 4 * PROBE_PERIOD_S, "failureThreshold": 3},
+        }
+
+    def _container(self, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
+        container: dict[str, Any] = {
+            "name": "main",
+            "image": self.graph.kubernetes.image,
+            "command": self._argv(proc),
+            "env": self._env(proc, comp),
+            **self._probes(comp, proc),
+        }
+        mounts = []
+        if isinstance(comp, Frontend):
+            container["ports"] = [{"name": "http", "containerPort": comp.http.port}]
+        else:
+            container["ports"] = [{"name": "request-plane", "containerPort": WORKER_PORT}]
+            if comp.gpus.per_replica:
+                gpus = {"nvidia.com/gpu": str(comp.gpus.per_replica)}
+                container["resources"] = {"limits": gpus, "requests": gpus}
+            if self.volume:
+                mounts.append(models_mount(self.graph))
+        if self.files and isinstance(comp, Worker):
+            mounts.append({"name": "files", "mountPath": FILES_DIR, "readOnly": True})
+        if mounts:
+            container["volumeMounts"] = mounts
+        return container
+
+    def _deployment(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
+        name = f"{self.base}-{self.names[key]}"
+        labels = {PART_OF: self.base, COMPONENT: self.names[key]}
+        volumes = []
+        if isinstance(comp, Worker):
+            if self.volume:
+                volumes.append(models_volume(self.graph))
+            if self.files:
+                volumes.append({"name": "files", "configMap": {"name": f"{self.base}-files"}})
+        pod: dict[str, Any] = {
+            **pod_defaults(self.graph),
+            "containers": [self._container(comp, proc)],
+            "terminationGracePeriodSeconds": math.ceil(comp.shutdown_grace_s),
+        }
+        if volumes:
+            pod["volumes"] = volumes
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": metadata(self.graph, name, self.names[key]),
+            "spec": {
+                "replicas": comp.replicas if isinstance(comp, Worker) else 1,
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": pod},
+            },
+        }
+
+    def _service(
+        self, name: str, component: str, ports: dict[str, int], headless: bool = False
+    ) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "selector": {PART_OF: self.base, COMPONENT: component},
+            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in sorted(ports.items())],
+        }
+        if headless:
+            spec["clusterIP"] = "None"
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata(self.graph, name, component),
+            "spec": spec,
+        }
+
+    def _stateful(
+        self, component: str, image: str, command: list[str], ports: dict[str, int]
+    ) -> dict[str, Any]:
+        name = f"{self.base}-{component}"
+        labels = {PART_OF: self.base, COMPONENT: component}
+        container = {
+            "name": component,
+            "image": image,
+            "command": command,
+            "ports": [{"name": n, "containerPort": p} for n, p in sorted(ports.items())],
+            "readinessProbe": {"tcpSocket": {"port": "client"}, "periodSeconds": 2},
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        }
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": metadata(self.graph, name, component),
+            "spec": {
+                "serviceName": name,
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        **pod_defaults(self.graph),
+                        "containers": [container],
+                        # Leases and subjects live as long as the graph's processes: no claim needed.
+                        "volumes": [{"name": "data", "emptyDir": {}}],
+                    },
+                },
+            },
+        }
+
+    def _infra(self) -> list[dict[str, Any]]:
+        docs = []
+        if self.etcd:
+            url = f"http://{self.base}-etcd:{ETCD_PORT}"
+            peer = f"http://{self.base}-etcd-0.{self.base}-etcd:{ETCD_PEER_PORT}"
+            command = [
+                "etcd", "--name", f"{self.base}-etcd-0", "--data-dir", "/data",
+                "--listen-client-urls", f"http://0.0.0.0:{ETCD_PORT}", "--advertise-client-urls", url,
+                "--listen-peer-urls", f"http://0.0.0.0:{ETCD_PEER_PORT}",
+                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"{self.base}-etcd-0={peer}",
+                "--initial-cluster-state", "new",
+            ]  # fmt: skip
+            ports = {"client": ETCD_PORT, "peer": ETCD_PEER_PORT}
+            docs += [
+                self._stateful("etcd", ETCD_IMAGE, command, ports),
+                self._service(f"{self.base}-etcd", "etcd", ports, headless=True),
+            ]
+        if self.nats:
+            nats = self.graph.infra.nats
+            command = ["nats-server", "-p", str(NATS_PORT)] + (
+                ["-js", "-sd", "/data"] if nats and nats.jetstream else []
+            )
+            ports = {"client": NATS_PORT}
+            docs += [
+                self._stateful("nats", NATS_IMAGE, command, ports),
+                self._service(f"{self.base}-nats", "nats", ports, headless=True),
+            ]
+        return docs
+
+    def _claim(self) -> list[dict[str, Any]]:
+        storage = self.graph.kubernetes.models
+        if not self.volume or storage.claim is not None or storage.host_path is not None:
+            return []
+        spec: dict[str, Any] = {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": storage.size}},
+        }
+        if storage.storage_class:
+            spec["storageClassName"] = storage.storage_class
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": metadata(self.graph, models_claim(self.graph)),
+                "spec": spec,
+            }
+        ]
+
+    def documents(self) -> list[dict[str, Any]]:
+        self._map_paths()
+        first = {p.component: p for p in reversed(self.plan.processes)}  # replica 0 of each
+        docs: list[dict[str, Any]] = []
+        for key, comp in sorted(self.graph.components.items()):
+            if isinstance(comp, Worker) and key not in first:  # replicas: 0
+                first[key] = self._scaled_to_zero(key)
+            docs.append(self._deployment(key, comp, first[key]))
+            if isinstance(comp, Frontend):
+                name = f"{self.base}-{self.names[key]}"
+                docs.append(self._service(name, self.names[key], {"http": comp.http.port}))
+        if self.files:
+            docs.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": metadata(self.graph, f"{self.base}-files"),
+                    "data": dict(sorted(self.files.items())),
+                }
+            )
+        return self._infra() + self._claim() + docs
+
+    def _scaled_to_zero(self, key: str) -> ProcessSpec:
+        """A worker with `replicas: 0` has no process in the plan; compile one to get its command."""
+        graph = self.graph.model_copy(deep=True)
+        worker = graph.components[key]
+        assert isinstance(worker, Worker)
+        worker.replicas = 1
+        plan = compile_graph(
+            graph, graph_file=Path(self.plan.graph_file), state_dir=Path(self.plan.state_dir)
+        )
+        return next(p for p in plan.processes if p.component == key)
+
+
+def render_k8s(graph: Graph, plan: Plan) -> str:
+    k8s = _K8s(graph, plan)
+    docs = k8s.documents()
+    header = [
+        f"Kubernetes manifests of graph {graph.name!r}, rendered by dyngraph (kubectl apply -f).",
+        f"Secret values come from the Secret {secret_name(graph)!r} (a key per variable), not rendered here.",
+    ]
+    if k8s.notes:
+        header += ["Changed or left out for the cluster:", *[f"  {n}" for n in k8s.notes]]
+    return dump_documents(docs, header)

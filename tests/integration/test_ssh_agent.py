@@ -1,0 +1,169 @@
+"""The remote agent (graph/supervise/agent.py) run here as ssh would run it: a real subprocess fed
+on stdin. It must stop its process when told, when its stdin closes (the supervisor or the
+connection is gone) and when it is itself killed, and keep env values off command lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dynamo_graph
+from dynamo_graph.graph.supervise import agent
+
+SECRET = "agent-secret-value"
+SLEEPER = "import os, signal, time; print(os.environ['S'], flush=True); time.sleep(60)"
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER.replace(
+    "os.environ['S']", "'up'"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def start_agent(tmp_path: Path) -> Iterator:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        code: str, grace: float = 5.0, tag: str = "dg-test/p-0", heartbeat: float = 0.0
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", agent.MODULE, "run"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        started.append(proc)
+        request = agent.run_request(
+            [sys.executable, "-c", code], {"S": SECRET}, str(tmp_path), tag, grace, heartbeat
+        )
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(request.encode())
+        proc.stdin.flush()
+        words = proc.stderr.readline().decode().split()
+        assert words[0] == "pid", words
+        return proc, int(words[1])
+
+    yield start
+    for proc in started:  # children of this test only
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_output_pid_and_stop_when_stdin_closes(start_agent) -> None:
+    proc, pid = start_agent(SLEEPER)
+    assert proc.stdout.readline().decode().strip() == SECRET  # the env reached the process...
+    assert SECRET.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()  # ...not its command line
+    assert SECRET.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    assert os.getpgid(pid) == pid and os.getsid(pid) == pid  # its own session
+    proc.stdin.close()  # what a dropped ssh connection looks like from the agent
+    assert _wait_gone(pid, 5)
+    assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
+    assert proc.wait(5) == 0
+
+
+def test_term_escalates_to_sigkill_after_the_grace(start_agent) -> None:
+    proc, pid = start_agent(STUBBORN, grace=0.5)
+    assert proc.stdout.readline().strip() == b"up"
+    started = time.monotonic()
+    proc.stdin.write(b"term\n")
+    proc.stdin.flush()
+    assert proc.stderr.readline().decode().split() == ["exit", str(-signal.SIGKILL)]
+    assert 0.4 < time.monotonic() - started < 5
+    assert not _alive(pid)
+
+
+def test_a_silent_supervisor_counts_as_gone(start_agent) -> None:
+    proc, pid = start_agent(SLEEPER, heartbeat=0.2)
+    assert proc.stdout.readline().decode().strip() == SECRET
+    for _ in range(5):  # pinged: it keeps running
+        proc.stdin.write(b"ping\n")
+        proc.stdin.flush()
+        time.sleep(0.2)
+    assert _alive(pid)
+    started = time.monotonic()  # no ping for 3 heartbeats (a partition, stdin still open): stopped
+    assert _wait_gone(pid, 5)
+    assert 0.3 < time.monotonic() - started < 3
+    assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
+
+
+def test_killing_the_agent_kills_its_process(start_agent) -> None:
+    proc, pid = start_agent(SLEEPER)
+    proc.kill()
+    assert _wait_gone(pid, 5)
+
+
+def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
+    proc, pid = start_agent(STUBBORN, tag="dg-scan-test/w-0")
+    assert proc.stdout.readline().strip() == b"up"
+
+    def scan(*args: str) -> dict[str, str]:
+        out = subprocess.run(
+            [sys.executable, "-m", agent.MODULE, "scan", *args], capture_output=True, text=True, timeout=30
+        )
+        return json.loads(out.stdout)
+
+    assert scan("dg-scan-test/") == {str(pid): "dg-scan-test/w-0"}
+    assert scan("dg-other/") == {}
+    assert scan("dg-scan-test/", "--kill", "0.3") == {}  # it ignores SIGTERM: SIGKILL after the grace
+    assert not _alive(pid)
+
+
+def test_probe_reports_versions_paths_gpus_and_taken_ports(tmp_path: Path) -> None:
+    """`probe` as preflight runs it; GPUs counted from `nvidia-smi -L` (a stand-in printing what
+    the real one prints on a machine with two GPUs, one split by MIG)."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        '#!/bin/sh\n[ "$1" = -L ] || exit 2\n'
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'\n"
+        "echo '  MIG 3g.40gb     Device  0: (UUID: MIG-cccc)'\n"
+    )
+    smi.chmod(0o755)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ask = {
+            "paths": [str(tmp_path), str(tmp_path / "missing")],
+            "gpus": True,
+            "ports": [["0.0.0.0", port]],
+        }
+        out = subprocess.run(
+            [sys.executable, "-m", agent.MODULE, "probe"],
+            input=json.dumps(ask) + "\n",
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"},
+            timeout=30,
+        )
+    found = json.loads(out.stdout)
+    assert found["gpus"] == 2 and found["gpu_note"] == ""
+    assert found["missing"] == [str(tmp_path / "missing")]
+    assert found["taken"] == [["0.0.0.0", port]]
+    assert found["version"] == dynamo_graph.__version__

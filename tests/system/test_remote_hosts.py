@@ -1,0 +1,461 @@
+"""`dyngraph up` on remote hosts: two network namespaces, each with a real sshd (tests/sshhosts.py),
+the frontend and managed etcd + nats-server here, workers there over ssh.
+
+The namespaces share the pid space with the test, so a remote pid can be signalled and looked
+up from here; what counts as "on a host" is `ip netns pids` of its namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
+from dynamo_graph.graph.supervise.ssh import RemoteProcess
+from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
+from tests.procs import free_port, run_cli
+from tests.sshhosts import SshHosts, missing_requirements
+
+VENV = Path(__file__).resolve().parents[2] / ".venv"
+SECRET = "s3cret-never-on-a-command-line"
+
+
+@pytest.fixture(scope="module")
+def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
+    if why := missing_requirements():
+        if os.environ.get("CI"):  # CI runs as root with openssh-server installed (make services)
+            pytest.fail(f"remote-host tests cannot run: {why}")
+        pytest.skip(why)
+    hosts = SshHosts(tmp_path_factory.mktemp("ssh"))
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+class RemoteGraph:
+    """A graph file with the frontend here and one worker replica on each ssh host."""
+
+    def __init__(self, tmp_path: Path, hosts: SshHosts, tiny_model: Path, **changes: Any) -> None:
+        self.port = free_port()
+        self.hosts = hosts
+        self.file = tmp_path / "remote.yaml"
+        self.state = tmp_path / ".dyngraph" / "remote"
+        graph: dict[str, Any] = {
+            "name": "remote",
+            "runtime": {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats", "lease_ttl_s": 2},
+            "infra": {"etcd": {"managed": True}, "nats": {"managed": True}},
+            "hosts": hosts.graph_hosts(VENV),
+            "models": {"tiny-model": {"path": str(tiny_model.resolve())}},
+            "components": {
+                "frontend": {"kind": "frontend", "http": {"port": self.port}, "migration_limit": 3},
+                "backend": {
+                    "kind": "worker",
+                    "model": "tiny-model",
+                    "engine": "echo_core",
+                    "replicas": 2,
+                    "placement": [h.key for h in hosts.hosts],
+                    "migration_limit": 3,
+                    "restart": {"backoff_s": 0.2},
+                    "env": {"DYN_TOKEN_ECHO_DELAY_MS": "0", "HF_TOKEN": SECRET},
+                },
+            },
+        }
+        for key, value in changes.items():  # "a.b.c": value
+            node = graph
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+
+    def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+        return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        return {r["name"]: r for r in json.loads((self.state / "processes.json").read_text())}
+
+    def chat(self) -> str:
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=10
+        )
+        reply = client.chat.completions.create(
+            model="tiny-model",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=4,
+            extra_body={"nvext": {"ignore_eos": True}},
+        )
+        return reply.choices[0].message.content or ""
+
+    def remote_pids(self) -> list[int]:
+        """Processes on the hosts other than their sshd listener."""
+        return [p for h in self.hosts.hosts for p in h.pids() if p != h.sshd_pid()]
+
+    def local_ports(self) -> list[tuple[str, int]]:
+        """Where the frontend and the managed etcd / nats listen here."""
+        ports = json.loads((self.state / "ports.json").read_text()).values()
+        gateway = self.hosts.hosts[0].gateway
+        return [("127.0.0.1", self.port)] + [(gateway, p) for p in ports]
+
+
+@pytest.fixture
+def make_graph(tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path) -> Iterator[Callable[..., RemoteGraph]]:
+    made: list[RemoteGraph] = []
+
+    def make(**changes: Any) -> RemoteGraph:
+        graph = RemoteGraph(tmp_path, ssh_hosts, tiny_model, **changes)
+        made.append(graph)
+        return graph
+
+    yield make
+    for graph in made:
+        graph.cli("down")
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def refuses(address: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((address, port)) != 0
+
+
+class Load:
+    """Chat requests one after another in a thread, until stopped (at most 400 or 60 s)."""
+
+    def __init__(self, graph: RemoteGraph) -> None:
+        self.graph = graph
+        self.ok = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self._stop.is_set() and self.ok + len(self.errors) < 400 and time.monotonic() < deadline:
+            try:
+                self.graph.chat()
+                self.ok += 1
+            except Exception as e:
+                self.errors.append(repr(e))
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
+    record = graph.processes()[name]
+    return record["state"] == "ready" and record["pid"] not in (None, old_pid)
+
+
+def test_remote_workers_serve_restart_reconnect_and_down(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    graph = make_graph()
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert graph.chat()
+    records = graph.processes()
+    h0, h1 = ssh_hosts.hosts
+    assert records["backend-0"]["host"] == "h0" and records["backend-0"]["pid"] in h0.pids()
+    assert records["backend-1"]["host"] == "h1" and records["backend-1"]["pid"] in h1.pids()
+
+    status = graph.cli("status")
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in status.stdout.splitlines() if "│" in line]
+    hosts = {(row[0], row[1]): (row[2], row[4]) for row in cells}
+    assert hosts[("backend", "0")] == ("h0", "ready") and hosts[("backend", "1")] == ("h1", "ready"), (
+        status.stdout
+    )
+    assert hosts[("frontend", "0")] == ("local", "ready"), status.stdout
+
+    # The secret reached the workers' environment, and no command line on either host.
+    remote = graph.remote_pids()
+    assert any(SECRET.encode() in Path(f"/proc/{p}/environ").read_bytes() for p in remote if alive(p))
+    cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in remote if alive(p)]
+    assert len(cmdlines) >= 4 and not [c for c in cmdlines if SECRET.encode() in c]
+
+    # kill -9 of a remote worker: restarted per policy; requests keep succeeding meanwhile.
+    load = Load(graph)
+    wait_for(lambda: load.ok >= 3, 20, "requests before the kill")
+    victim = records["backend-0"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: _restarted(graph, "backend-0", victim), 30, "backend-0 restarted")
+    done = load.ok
+    wait_for(lambda: load.ok >= done + 3, 20, "requests after the restart")
+    load.stop()
+    assert load.errors == [], load.errors[:3]
+    assert graph.processes()["backend-0"]["restarts"] == 1
+    assert graph.processes()["backend-0"]["pid"] in h0.pids()
+
+    # Cut the ssh connection to h1 (kill the sshd child serving it): its worker stops with the
+    # session, no orphan; the supervisor reconnects and starts it again.
+    old = graph.processes()["backend-1"]["pid"]
+    sessions = h1.session_pids()
+    assert sessions, "the supervisor holds a connection to h1"
+    for pid in sessions:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(old), 15, "the worker of the cut connection to stop")
+    wait_for(lambda: _restarted(graph, "backend-1", old), 30, "backend-1 back over a new connection")
+    assert graph.processes()["backend-1"]["pid"] in h1.pids()
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
+    # Scale out while it runs: one more replica, on h0 (round-robin placement); nothing else restarts.
+    before = {name: record["pid"] for name, record in graph.processes().items()}
+    scaled = graph.cli("up", "-d", "components.backend.replicas=3")
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert [line for line in scaled.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")] == ["+ backend-2"]
+    after = graph.processes()
+    assert (after["backend-2"]["host"], after["backend-2"]["state"]) == ("h0", "ready")
+    assert after["backend-2"]["pid"] in h0.pids()
+    assert {name: after[name]["pid"] for name in before} == before
+
+    pids = graph.remote_pids()
+    ports = graph.local_ports()
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert graph.remote_pids() == [] and not [p for p in pids if alive(p)]
+    assert h0.listening_ports() == [] and h1.listening_ports() == []
+    assert [p for p in ports if not refuses(*p)] == []
+
+
+def _answers(graph: RemoteGraph) -> bool:
+    try:
+        return bool(graph.chat())
+    except Exception:
+        return False
+
+
+def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    # Two more frontends with `auto` ports: `side` here, `edge` on h1's loopback, where only a
+    # probe made from h1 (through ssh) sees it; its port is one that was free on h1.
+    graph = make_graph(
+        **{
+            "components.side": {"kind": "frontend", "http": {"port": "auto"}},
+            "components.edge": {"kind": "frontend", "host": "h1", "http": {"port": "auto"}},
+        }
+    )
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    ports = json.loads((graph.state / "ports.json").read_text())
+    edge_port, side_port = ports["edge-0.http"], ports["side-0.http"]
+    assert f"edge-0: http://127.0.0.1:{edge_port}/v1 on host h1" in up.stdout
+    assert f"side-0: http://127.0.0.1:{side_port}/v1" in up.stdout
+    assert graph.processes()["edge-0"]["state"] == "ready" and refuses("127.0.0.1", edge_port)
+    assert edge_port in ssh_hosts.hosts[1].listening_ports()
+    side = OpenAI(base_url=f"http://127.0.0.1:{side_port}/v1", api_key="none", max_retries=0, timeout=10)
+    assert [m.id for m in side.models.list().data] == ["tiny-model"]
+    remote = graph.remote_pids()
+    assert remote
+    supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: graph.remote_pids() == [], 15, "the remote processes to stop with their sessions")
+    assert not [p for p in remote if alive(p)]
+    down = graph.cli("down")  # stops the local orphans (frontend, etcd, nats) and checks the hosts
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert [p for p in graph.local_ports() if not refuses(*p)] == []
+
+
+def test_rendered_shell_script_runs_the_graph_over_ssh(
+    make_graph: Callable[..., RemoteGraph], tmp_path: Path
+) -> None:
+    """`render -f shell` is what `up` runs: the script, run as it is, serves the graph through ssh
+    and the agents, and killing it leaves nothing on the hosts."""
+    graph = make_graph()
+    render = graph.cli("render", "-f", "shell")
+    assert render.returncode == 0, render.stderr
+    assert render.stdout.count("| ssh ") == 2 and SECRET not in render.stdout
+    script = tmp_path / "graph.sh"
+    script.write_text(render.stdout.replace("***", SECRET))  # secrets are the reader's to fill in
+    env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "DYN_TOKEN_ECHO_DELAY_MS": "0"}
+    with (tmp_path / "graph.out").open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", str(script)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for(lambda: _answers(graph), 60, "the hand-run graph to answer")
+        assert len(graph.remote_pids()) >= 4  # an sshd session child and an agent per worker, the workers
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    wait_for(lambda: graph.remote_pids() == [], 15, "the remote workers to stop with their ssh sessions")
+    wait_for(lambda: not _group_alive(proc.pid), 15, "the script's local processes to stop")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_partition_stops_the_remote_process_and_the_graph_heals(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    """A silent network partition (no FIN, no RST): the agent's heartbeat watchdog stops the
+    worker on the far side; once the network is back the supervisor reconnects and restarts it."""
+    graph = make_graph(**{"components.backend.restart.max_restarts": 20})
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    h1 = ssh_hosts.hosts[1]
+    worker = graph.processes()["backend-1"]["pid"]
+    subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
+    try:
+        started = time.monotonic()
+        wait_for(lambda: not alive(worker), 20, "the partitioned worker to be stopped by its agent")
+        assert time.monotonic() - started >= 4  # the heartbeat ran out, nothing closed the channel
+    finally:
+        subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
+    wait_for(lambda: _restarted(graph, "backend-1", worker), 60, "backend-1 back once the network is")
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert graph.remote_pids() == []
+
+
+def test_preflight_reports_every_host_problem_and_starts_nothing(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    wrong_key = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    h0_ssh, h1_ssh = (ssh_hosts.graph_hosts(VENV)[h]["ssh"] for h in ("h0", "h1"))
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    graph = make_graph(
+        **{
+            "hosts.h0.ssh.known_hosts": None,
+            "hosts.h0.ssh.host_key": wrong_key,
+            "hosts.h1.gpus": 1,
+            "hosts.h1.workdir": "/nonexistent/workdir",
+            "models.elsewhere": {"path": "/nonexistent/dyngraph-model"},
+            # h0 again as: h5 with an empty known_hosts (unknown key), h6 with a python that lacks
+            # dyngraph, h7 with no python at all, h9 on a port nothing listens on; h8: h1 with a key
+            # that h1 does not accept
+            "hosts.h5": {"ssh": {**h0_ssh, "known_hosts": str(empty)}, "venv": str(VENV)},
+            "hosts.h6": {"ssh": h0_ssh, "python": "/usr/bin/python3"},
+            "hosts.h7": {"ssh": h0_ssh, "python": "/nonexistent/bin/python3"},
+            "hosts.h8": {"ssh": {**h1_ssh, "identity_file": str(other)}, "venv": str(VENV)},
+            "hosts.h9": {"ssh": {**h0_ssh, "port": 2222}, "venv": str(VENV)},
+            "components.far": {
+                "kind": "worker",
+                "model": "tiny-model",
+                "engine": "echo_core",
+                "replicas": 5,
+                "placement": ["h5", "h6", "h7", "h8", "h9"],
+            },
+            "components.gpu-worker": {
+                "kind": "worker",
+                "model": "elsewhere",
+                "engine": "echo_core",
+                "placement": ["h1"],
+                "gpus": {"per_replica": 1},
+            },
+        }
+    )
+    before = graph.remote_pids()
+    started = time.monotonic()
+    up = graph.cli("up", "-d")
+    elapsed = time.monotonic() - started
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert elapsed < 20
+    errors = [line for line in up.stderr.splitlines() if line.startswith("error:")]
+    text = "\n".join(errors)
+    assert len(errors) == 9, up.stderr
+    assert "hosts.h0.ssh.host_key: host 'h0'" in text and "host key refused" in text
+    assert f"{graph.file}:" in text  # file:line of the key
+    assert "models.elsewhere.path: host 'h1': /nonexistent/dyngraph-model does not exist" in text
+    assert "hosts.h1.workdir: host 'h1': /nonexistent/workdir does not exist" in text
+    assert "hosts.h1.gpus: host 'h1': the placement needs 1 GPU(s)" in text and "has 0" in text
+    assert (
+        f"hosts.h8.ssh.identity_file: host 'h8' (root@{h1_ssh['address']}:22): authentication refused" in text
+    )
+    assert f"hosts.h9.ssh.address: host 'h9' (root@{h0_ssh['address']}:2222): unreachable" in text
+    assert "hosts.h5.ssh.known_hosts: host 'h5'" in text and "host key refused" in text
+    assert "hosts.h6.python: host 'h6'" in text and "dyngraph is not installed for /usr/bin/python3" in text
+    assert "hosts.h7.python: host 'h7'" in text and "/nonexistent/bin/python3 not found" in text
+    # Nothing started anywhere: no supervisor, no process on the hosts, nothing listening here
+    # (the sshd children of preflight's connections end with them).
+    wait_for(lambda: graph.remote_pids() == before, 5, "preflight's ssh sessions to end")
+    assert not (graph.state / "supervisor.pid").exists()
+    records = graph.state / "processes.json"  # the spawned supervisor stopped with an empty plan
+    assert not records.exists() or json.loads(records.read_text()) == []
+    assert refuses("127.0.0.1", graph.port)
+
+
+async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    """sshd allows 10 sessions per connection by default: the 11th process gets a second one."""
+    h0 = ssh_hosts.hosts[0]
+    graph_host = ssh_hosts.graph_hosts(VENV)["h0"]["ssh"]
+    remote = RemoteHost(
+        address=h0.address,
+        user="root",
+        identity_file=graph_host["identity_file"],
+        known_hosts=graph_host["known_hosts"],
+        python=str(VENV / "bin" / "python"),
+    )
+    pool = SshHosts_(dict(h0=remote))
+    restart = RestartPolicy("never", 0, 1.0, 1.0)
+    procs = [
+        RemoteProcess(
+            ProcessSpec(
+                f"sleep-{i}",
+                "sleep",
+                i,
+                "h0",
+                ["sleep", "60"],
+                {},
+                "/",
+                {},
+                [],
+                Probe("log", "-", 1.0),
+                restart,
+                2.0,
+            ),
+            tmp_path / f"sleep-{i}.log",
+            pool,
+            "dg-sessions-test",
+        )
+        for i in range(12)
+    ]
+    try:
+        for i, proc in enumerate(procs):
+            await proc.start(i)
+        assert all(proc.pid in h0.pids() for proc in procs)
+        assert len(h0.session_pids()) == 2
+    finally:
+        codes = [await proc.stop() for proc in procs]
+        await pool.close()
+    assert codes == [-signal.SIGTERM] * 12
+    assert not [p for p in procs if p.pid and alive(p.pid)]

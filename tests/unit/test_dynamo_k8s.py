@@ -1,0 +1,282 @@
+"""`render -f dynamo-k8s` and `dyngraph import`: DynamoGraphDeployments out of graphs and back.
+
+Every DGD is checked against the CRD's schema made strict (tests/kube_schemas.py): a field the
+operator does not know is an error, as `kubectl apply --validate=strict` makes it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_graph.graph.build import build
+from dynamo_graph.graph.dgd_import import DgdError, command_line, import_dgd, import_dgd_file, parse_flags
+from dynamo_graph.graph.dynamo_k8s import build_dgd
+from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.render import render
+from tests.kube_schemas import dgd_errors
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+EXAMPLES = sorted((FIXTURES / "dynamo" / "examples").glob("*.yaml"))
+SNAPSHOTS = FIXTURES / "snapshots"
+SHIPPED = sorted(p for p in (ROOT / "graphs").rglob("*.yaml") if ".dyngraph" not in p.parts)
+ECHO = {"hello.yaml", "echo.yaml", "echo-etcd-nats.yaml", "agg-from-template.yaml"}
+"""Shipped graphs on the echo engine, which Dynamo lacks: they render with the mocker instead."""
+LLAMACPP = {"disagg-llamacpp.yaml"}
+"""Shipped graphs on llama.cpp (no Dynamo backend either); their prefill follows decode's engine."""
+
+
+def _overrides(path: Path) -> list[str]:
+    if path.name in ECHO:
+        return ["components.backend.engine=mocker"]
+    return ["components.decode.engine=mocker"] if path.name in LLAMACPP else []
+
+
+def _dgd(path: Path, overrides: list[str] = ()) -> dict:
+    built = build(path, overrides, engines="dynamo")
+    return build_dgd(built.graph, built.plan)
+
+
+def _shape(dgd: dict) -> dict[str, tuple]:
+    return {
+        name: (s["componentType"], s.get("subComponentType"), s.get("replicas", 1))
+        for name, s in dgd["spec"]["services"].items()
+    }
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(ROOT)) for p in SHIPPED])
+def test_every_shipped_graph_renders_a_strictly_valid_dgd(path: Path) -> None:
+    dgd = _dgd(path, _overrides(path))
+    assert dgd_errors(dgd) == []
+    built = build(path, _overrides(path), engines="dynamo")
+    assert set(_shape(dgd)) == {k.replace("_", "-") for k in built.graph.components}
+    for key, worker in built.graph.workers().items():
+        service = dgd["spec"]["services"][key]
+        assert service["replicas"] == worker.replicas
+        assert service["extraPodSpec"]["mainContainer"]["command"][:2] == ["python3", "-m"]
+
+
+def test_the_strict_validator_rejects_unknown_fields_and_wrong_types() -> None:
+    dgd = _dgd(ROOT / "graphs" / "ci" / "mocker-disagg.yaml")
+    dgd["spec"]["services"]["decode"]["extraPodSpec"]["mainContainer"]["entrypoint"] = ["x"]
+    dgd["spec"]["services"]["frontend"]["replicas"] = "one"
+    errors = dgd_errors(dgd)
+    assert any("'entrypoint' was unexpected" in e for e in errors)
+    assert any(e.startswith("spec.services.frontend.replicas") for e in errors)
+
+
+def test_echo_engines_are_an_error_naming_the_component_and_the_engines_dynamo_has() -> None:
+    built = build(ROOT / "graphs" / "hello.yaml", engines="dynamo")
+    with pytest.raises(GraphError) as e:
+        build_dgd(built.graph, built.plan)
+    (problem,) = e.value.problems
+    assert problem.path == "components.backend.engine"
+    assert "echo_core" in problem.message and "mocker, sglang, trtllm, vllm" in problem.message
+
+
+@pytest.mark.parametrize(
+    "name", ["ci/mocker-disagg.yaml", "templates/disagg.yaml", "templates/multi-host.yaml"]
+)
+def test_dgd_snapshots(name: str) -> None:
+    """Output is deterministic and reviewed: UPDATE_SNAPSHOTS=1 rewrites the files."""
+    built = build(ROOT / "graphs" / name, engines="dynamo")
+    text = render(built.graph, built.plan, "dynamo-k8s")
+    snapshot = SNAPSHOTS / ("dynamo-k8s-" + name.replace("/", "-"))
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        snapshot.write_text(text)
+    assert text == snapshot.read_text()
+
+
+def test_worker_flags_per_backend(tmp_path: Path) -> None:
+    graph = tmp_path / "g.yaml"
+    graph.write_text(
+        yaml.safe_dump(
+            {
+                "name": "pd",
+                "hosts": {"local": {"gpus": 8}},
+                "models": {"m": {"path": "org/m", "context_length": 4096, "kv_cache_block_size": 32}},
+                "components": {
+                    "front": {"kind": "frontend", "router": {"mode": "kv", "use_kv_events": False}},
+                    "pre": {
+                        "kind": "worker",
+                        "model": "m",
+                        "engine": "sglang",
+                        "role": "prefill",
+                        "gpus": {"per_replica": 2, "tensor_parallel_size": 2},
+                        "engine_args": {"mem_fraction_static": 0.8, "enable_metrics": True},
+                    },
+                    "dec": {
+                        "kind": "worker",
+                        "model": "m",
+                        "engine": "sglang",
+                        "role": "decode",
+                        "replicas": 2,
+                        "gpus": {"per_replica": 1},
+                    },
+                },
+            }
+        )
+    )
+    dgd = _dgd(graph)
+    assert dgd_errors(dgd) == []
+    services = dgd["spec"]["services"]
+    assert dgd["spec"]["backendFramework"] == "sglang"
+    assert services["pre"]["extraPodSpec"]["mainContainer"]["args"] == [
+        "--model-path", "org/m", "--served-model-name", "m", "--context-length", "4096",
+        "--page-size", "32", "--tp", "2", "--skip-tokenizer-init", "--disaggregation-mode", "prefill",
+        "--disaggregation-transfer-backend", "nixl", "--enable-metrics", "--mem-fraction-static", "0.8",
+    ]  # fmt: skip
+    assert services["pre"]["resources"] == {"limits": {"gpu": "2"}, "requests": {"gpu": "2"}}
+    assert services["dec"]["subComponentType"] == "decode" and services["dec"]["replicas"] == 2
+    assert services["front"]["extraPodSpec"]["mainContainer"]["args"] == [
+        "--http-port", "8080", "--router-mode", "kv", "--kv-overlap-score-weight", "1",
+        "--router-temperature", "0", "--no-kv-events",
+    ]  # fmt: skip
+    # Hub ids only: no models volume is asked for.
+    assert "volumes" not in services["pre"]["extraPodSpec"]
+    # The pair is valid for Dynamo's engines, not for ours (our SGLang adapter transfers no KV).
+    with pytest.raises(GraphError, match="hands the prompt's KV cache"):
+        build(graph)
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_import_validate_and_render_back_to_the_same_services(example: Path, tmp_path: Path) -> None:
+    original = yaml.safe_load(example.read_text())
+    assert dgd_errors(original) == []
+    out = tmp_path / "graph.yaml"
+    import_dgd_file(example, out)
+    back = _dgd(out)
+    assert dgd_errors(back) == []
+    assert _shape(back) == _shape(original)
+    for name, service in original["spec"]["services"].items():
+        theirs, ours = service["extraPodSpec"]["mainContainer"], back["spec"]["services"][name]
+        # Dynamo's frontends leave the command to the operator; ours spell it out.
+        assert ours["extraPodSpec"]["mainContainer"]["command"] == theirs.get(
+            "command", ["python3", "-m", "dynamo.frontend"]
+        )
+        assert ours.get("resources", {}).get("limits") == service.get("resources", {}).get("limits")
+        # Every flag comes back (ours may add the served model name Dynamo defaults to).
+        their_flags = set(parse_flags(theirs.get("args", [])))
+        assert their_flags <= set(parse_flags(ours["extraPodSpec"]["mainContainer"]["args"]))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_imported_examples_compile_on_the_mocker_with_the_tiny_model(
+    example: Path, tmp_path: Path, tiny_model: Path
+) -> None:
+    out = tmp_path / "graph.yaml"
+    imported = import_dgd_file(example, out)
+    graph = yaml.safe_load(out.read_text())
+    overrides = [f"models.{key}.path={tiny_model}" for key in graph["models"]]
+    for key, comp in graph["components"].items():
+        if comp["kind"] == "worker":
+            overrides.append(f"components.{key}.engine=mocker")
+            if "engine_args" in comp:
+                overrides.append(f"~components.{key}.engine_args")
+    built = build(out, overrides)  # our engines: the mocker hands KV from prefill to decode
+    workers = [p for p in built.plan.processes if p.argv[3] == "out=mocker"]
+    assert len(workers) == sum(c.get("replicas", 1) for c in graph["components"].values() if "engine" in c)
+    assert all(str(tiny_model) in p.argv for p in workers)
+    assert imported.name == graph["name"]
+
+
+def test_import_keeps_what_has_no_equivalent_and_reports_it(tmp_path: Path) -> None:
+    doc = yaml.safe_load((FIXTURES / "dynamo" / "examples" / "trtllm-agg.yaml").read_text())
+    worker = doc["spec"]["services"]["TRTLLMWorker"]
+    worker["resources"]["requests"] = {"cpu": "8"}
+    worker["envs"] = [
+        {"name": "DYN_LOG", "value": "debug"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+    ]
+    doc["spec"]["services"]["Frontend"]["extraPodSpec"]["mainContainer"]["args"] = [
+        "--router-mode", "kv", "--router-replica-sync", "--http-port", "8001",
+    ]  # fmt: skip
+    imported = import_dgd(doc)
+    comps = imported.graph["components"]
+    assert comps["TRTLLMWorker"]["engine_args"] == {"extra_engine_args": "engine_configs/agg.yaml"}
+    assert comps["TRTLLMWorker"]["env"] == {"DYN_LOG": "debug"}
+    assert comps["Frontend"]["router"] == {"mode": "kv"} and comps["Frontend"]["http"] == {"port": 8001}
+    notes = "\n".join(imported.notes)
+    for expected in ("resources.requests.cpu: 8", "HF_TOKEN", "--router-replica-sync", "extra_engine_args"):
+        assert expected in notes
+    assert all(f"#   {n}" in imported.text("x.yaml") for n in imported.notes)
+
+
+def test_import_reads_roles_from_flags_and_router_mode_from_the_env() -> None:
+    doc = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "d"},
+        "spec": {
+            "envs": [{"name": "DYN_ROUTER_MODE", "value": "kv"}],
+            "services": {
+                "Frontend": {"componentType": "frontend", "extraPodSpec": {"mainContainer": {
+                    "args": ["python3 -m dynamo.frontend --http-port 8000"]}}},
+                "P": {"componentType": "worker", "extraPodSpec": {"mainContainer": {
+                    "command": ["/bin/sh", "-c"],
+                    "args": ["python3 -m dynamo.trtllm --model-path m --disaggregation-mode prefill"]}}},
+                "D": {"componentType": "worker", "replicas": 3, "extraPodSpec": {"mainContainer": {
+                    "command": ["python3", "-m", "dynamo.vllm"],
+                    "args": ["--model", "m", "--is-decode-worker"]}}},
+            },
+        },
+    }  # fmt: skip
+    comps = import_dgd(doc).graph["components"]
+    assert comps["Frontend"]["router"] == {"mode": "kv"}
+    assert (comps["P"]["engine"], comps["P"]["role"]) == ("trtllm", "prefill")
+    assert (comps["D"]["engine"], comps["D"]["role"], comps["D"]["replicas"]) == ("vllm", "decode", 3)
+
+
+def test_import_refuses_what_is_not_a_dgd() -> None:
+    with pytest.raises(DgdError, match="kind"):
+        import_dgd({"kind": "Deployment"})
+    bad_worker = {"componentType": "worker", "extraPodSpec": {"mainContainer": {"args": ["./serve.sh"]}}}
+    with pytest.raises(DgdError, match=r"python3 -m dynamo\.vllm"):
+        import_dgd(
+            {
+                "apiVersion": "nvidia.com/v1alpha1",
+                "kind": "DynamoGraphDeployment",
+                "spec": {"services": {"w": bad_worker}},
+            }
+        )
+
+
+def test_command_line_forms() -> None:
+    assert command_line({"command": ["python3", "-m", "dynamo.vllm"], "args": ["--model", "x"]}) == (
+        "dynamo.vllm",
+        ["--model", "x"],
+    )
+    assert command_line({"args": ["python3 -m dynamo.frontend --http-port 8000"]}) == (
+        "dynamo.frontend",
+        ["--http-port", "8000"],
+    )
+    assert parse_flags(["--a", "1", "--b", "--c=2", "-tp", "-1"]) == [
+        ("--a", "1"), ("--b", None), ("--c", "2"), ("-tp", "-1"),
+    ]  # fmt: skip
+
+
+def test_cli_import_and_render_report_problems_with_exit_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dynamo_graph.cli import main as cli_main
+
+    runner = CliRunner()
+    not_dgd = tmp_path / "deployment.yaml"
+    not_dgd.write_text("kind: Deployment\n")
+    result = runner.invoke(cli_main.app, ["import", str(not_dgd), "-o", str(tmp_path / "g.yaml")])
+    assert result.exit_code == 2 and "expected kind: DynamoGraphDeployment" in result.output
+    result = runner.invoke(cli_main.app, ["render", str(ROOT / "graphs" / "hello.yaml"), "-f", "dynamo-k8s"])
+    assert result.exit_code == 2 and "Dynamo has no backend for engine 'echo_core'" in result.output
+    out = tmp_path / "vllm-agg.yaml"
+    result = runner.invoke(
+        cli_main.app, ["import", str(FIXTURES / "dynamo" / "examples" / out.name), "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("# Imported from vllm-agg.yaml by `dyngraph import`.")

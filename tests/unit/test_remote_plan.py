@@ -1,0 +1,174 @@
+"""Graphs with remote hosts: the plan (hosts, planes at routable addresses, GPU spread, host env,
+remote workdir), the validation of ssh settings, and `render -f shell`'s ssh commands."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dynamo_graph.graph.build import build
+from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.plan import RemoteHost
+from dynamo_graph.graph.render import render
+
+GRAPH = """
+name: remote
+runtime: {discovery: etcd, request_plane: tcp, event_plane: nats}
+infra: {etcd: {managed: true}, nats: {managed: true}}
+hosts:
+  local: {advertise_host: 10.0.0.1}
+  gpu1:
+    ssh:
+      address: 10.0.0.2
+      user: ubuntu
+      identity_file: /keys/id
+      host_key: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"
+    venv: /opt/dg/.venv
+    gpus: 4
+  gpu2:
+    ssh: {address: 10.0.0.3, port: 2200, known_hosts: /keys/known_hosts}
+    workdir: /srv/dg
+    gpus: 2
+    env: {NCCL_DEBUG: INFO}
+models:
+  m: {path: /models/llama}
+components:
+  frontend: {kind: frontend}
+  prefill:
+    kind: worker
+    model: m
+    engine: mocker
+    replicas: 3
+    placement: [gpu1, gpu2]
+    gpus: {per_replica: 1}
+    role: prefill
+    env: {HF_TOKEN: hush}
+  decode:
+    kind: worker
+    model: m
+    engine: mocker
+    replicas: 2
+    placement: [gpu1]
+    gpus: {per_replica: 1}
+    role: decode
+"""
+
+
+def _build(tmp_path: Path, text: str = GRAPH, *overrides: str):  # -> Built
+    path = tmp_path / "graph.yaml"
+    path.write_text(text)
+    return build(path, list(overrides))
+
+
+def test_plan_of_a_multi_host_graph(tmp_path: Path) -> None:
+    plan = _build(tmp_path).plan
+    assert plan.hosts == {
+        "gpu1": RemoteHost(
+            address="10.0.0.2",
+            user="ubuntu",
+            identity_file="/keys/id",
+            host_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey",
+            python="/opt/dg/.venv/bin/python",
+        ),
+        "gpu2": RemoteHost(address="10.0.0.3", port=2200, known_hosts="/keys/known_hosts"),
+    }
+    procs = {p.name: p for p in plan.processes}
+    # Replicas spread round-robin over placement; GPUs per host, never shared between components.
+    assert [procs[f"prefill-{i}"].host for i in range(3)] == ["gpu1", "gpu2", "gpu1"]
+    gpus = {n: (p.host, p.env.get("CUDA_VISIBLE_DEVICES")) for n, p in procs.items() if p.host != "local"}
+    assert gpus == {
+        "decode-0": ("gpu1", "0"),
+        "decode-1": ("gpu1", "1"),
+        "prefill-0": ("gpu1", "2"),
+        "prefill-1": ("gpu2", "0"),
+        "prefill-2": ("gpu1", "3"),
+    }
+    # Remote workers reach managed etcd / nats at the local advertise address and advertise their own.
+    worker = procs["prefill-1"]
+    assert worker.env["ETCD_ENDPOINTS"] == "http://10.0.0.1:{port:etcd.client}"
+    assert worker.env["NATS_SERVER"] == "nats://10.0.0.1:{port:nats.client}"
+    assert worker.env["DYN_TCP_ADVERTISE_HOST"] == worker.env["DYN_TCP_HOST"] == "10.0.0.3"
+    assert worker.env["NCCL_DEBUG"] == "INFO" and "NCCL_DEBUG" not in procs["prefill-0"].env
+    assert (procs["etcd"].argv[procs["etcd"].argv.index("--listen-client-urls") + 1]).startswith(
+        "http://10.0.0.1:"
+    )
+    assert procs["nats"].argv[:3] == ["nats-server", "-a", "10.0.0.1"]
+    assert worker.workdir == "/srv/dg" and procs["prefill-0"].workdir == "~"
+
+
+def test_auto_http_ports_are_placeholders_owned_by_the_frontend_s_host(tmp_path: Path) -> None:
+    plan = _build(
+        tmp_path,
+        GRAPH,
+        "+components.frontend.http={port: auto}",
+        "+components.edge={kind: frontend, host: gpu2, http: {port: auto}}",
+    ).plan
+    procs = {p.name: p for p in plan.processes}
+    edge = procs["edge-0"]
+    assert (edge.host, edge.ports) == ("gpu2", {"edge-0.http": "auto"})
+    assert edge.argv[edge.argv.index("--http-port") + 1] == "{port:edge-0.http}"
+    assert edge.readiness.target == "http://127.0.0.1:{port:edge-0.http}/health"
+    assert procs["frontend-0"].ports == {"frontend-0.http": "auto"}
+
+
+def test_gpu_ids_named_by_one_component_are_skipped_by_the_others(tmp_path: Path) -> None:
+    plan = _build(tmp_path, GRAPH, "+components.decode.gpus.gpu_ids=[0,2]").plan
+    devices = {p.name: p.env.get("CUDA_VISIBLE_DEVICES") for p in plan.processes if p.host == "gpu1"}
+    assert devices == {"decode-0": "0", "decode-1": "2", "prefill-0": "1", "prefill-2": "3"}
+
+
+def test_oversubscribed_host_is_a_validation_error(tmp_path: Path) -> None:
+    with pytest.raises(GraphError) as err:
+        _build(tmp_path, GRAPH, "components.decode.replicas=3")
+    assert "components.decode.gpus.per_replica: asks for 3 GPU(s) on host 'gpu1' (5 with" in str(err.value)
+
+
+def test_kv_events_across_hosts_need_nats(tmp_path: Path) -> None:
+    with pytest.raises(GraphError) as err:
+        _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv")
+    assert (
+        "runtime.event_plane: components run on host 'gpu1' and components.frontend routes by KV events"
+        in str(err.value)
+    )
+    _build(tmp_path, GRAPH, "+components.frontend.router.mode=kv")  # over nats: fine
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+hosts.gpu2.ssh.host_key='ssh-ed25519 AAAA'", "give either `host_key` or `known_hosts`, not both"),
+        ("hosts.gpu1.ssh.host_key=AAAA", "expected `TYPE BASE64`"),
+    ],
+)
+def test_host_key_settings_are_checked(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(GraphError) as err:
+        _build(tmp_path, GRAPH, override)
+    assert message in str(err.value)
+
+
+def test_shell_render_shows_the_ssh_commands_of_up(tmp_path: Path) -> None:
+    built = _build(tmp_path)
+    text = render(built.graph, built.plan, "shell")
+    assert text == render(built.graph, built.plan, "shell")
+    prefill1 = next(line for line in text.splitlines() if "prefill-1" in line and "ssh" in line)
+    assert prefill1.endswith(
+        "| ssh -p 2200 -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/keys/known_hosts "
+        "10.0.0.3 'python3 -m dynamo_graph.graph.supervise.agent run' &"
+    )
+    assert "echo '10.0.0.2 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey' > \"$KNOWN_HOSTS_GPU1\"" in text
+    assert "ubuntu@10.0.0.2 '/opt/dg/.venv/bin/python -m dynamo_graph.graph.supervise.agent run' &" in text
+    assert "hush" not in text and '"HF_TOKEN": "***"' in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_shell_render_asks_a_remote_host_for_its_auto_ports(tmp_path: Path) -> None:
+    built = _build(tmp_path, GRAPH, "+components.edge={kind: frontend, host: gpu2, http: {port: auto}}")
+    lines = render(built.graph, built.plan, "shell").splitlines()
+    assert (
+        "PORT_EDGE_0_HTTP=$(ssh -p 2200 -o BatchMode=yes -o StrictHostKeyChecking=yes -o "
+        "UserKnownHostsFile=/keys/known_hosts 10.0.0.3 "
+        "'python3 -m dynamo_graph.graph.supervise.agent ports 1' | tr -d '[]')" in lines
+    )
+    assert "PORT_NATS_CLIENT=$(free_port)" in lines
