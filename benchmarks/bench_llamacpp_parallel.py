@@ -19,10 +19,15 @@ Writes benchmarks/results/llamacpp_parallel.json. Not a test: numbers depend on 
 Last figures (tiny model, 2-core machine shared with other jobs, load average about 5; 96
 requests of 64 tokens, n_parallel 8; baseline `main` 12c33db, whose engine still builds N
 contexts): at c=8, 4835 vs 2117 tokens/s (2.28x), 0.13 vs 0.27 CPU-ms per token, TTFT p50 1.6 vs
-24.6 ms; at c=1, 1618 vs 2070 tokens/s, 0.258 vs 0.238 CPU-ms per token (repeated c=1 runs of
-either engine range over 0.8-2.3k tokens/s here: no difference to tell); RSS after start 82 vs
-160 MB (26 vs 104 MB over the bare process: one 9 MB copy of the weights and one KV cache and
-compute buffer, against eight of each).
+24.6 ms; at c=1, 1618 vs 2070 tokens/s and 0.258 vs 0.238 CPU-ms per token; RSS after start 82
+vs 160 MB (26 vs 104 MB over the bare process: one 9 MB copy of the weights, one KV cache and one
+compute buffer, against eight of each). A second run (baseline d92f6fc, same engine): c=8 7526
+vs 4404 tokens/s (1.71x), 0.13 vs 0.34 CPU-ms per token; c=1 0.260 vs 0.229 CPU-ms per token.
+So at c=1 the one context cost 8-13% more CPU per token in these runs (not profiled further; the
+candidates: its attention spans the cells other sequences keep for prefix reuse, and the loop's
+own Python per step), though single
+runs of either engine range over 0.23-0.30 CPU-ms per token here; wall-clock tokens/s at c=1
+swings 0.8-4.5k from run to run on this machine and tells nothing.
 """
 
 from __future__ import annotations
