@@ -91,12 +91,12 @@ def state_figures(gguf: Path, repeats: int) -> list[dict[str, Any]]:
                 llm.eval(prompt)
 
             prefill_ms = median_ms(evaluate, repeats)  # leaves `a` holding the prompt's KV
-            handoff = export_sequence(llama_cpp, a.ctx, fmt, prompt)
-            export_ms = median_ms(lambda p=prompt: export_sequence(llama_cpp, a.ctx, fmt, p), repeats)
+            handoff = export_sequence(llama_cpp, a.ctx, fmt, prompt, 0)
+            export_ms = median_ms(lambda p=prompt: export_sequence(llama_cpp, a.ctx, fmt, p, 0), repeats)
 
             def load(h: Any = handoff, p: list[int] = prompt) -> None:
                 check_handoff(h, fmt, [*p, 7])
-                import_sequence(llama_cpp, b.ctx, h)
+                import_sequence(llama_cpp, b.ctx, h, 0)
 
             import_ms = median_ms(load, repeats)
             rows.append(

@@ -1,10 +1,12 @@
 """`out=llamacpp`'s settings: its `--extra-engine-args` options, checked before anything loads,
-and the GGUF file of the model (the engine itself is in llamacpp.py; its docstring lists the
-options). llama-cpp-python is imported only when an engine is built, so that `dyngraph` runs
-without it and says how to install it when it is needed."""
+what they become in llama.cpp's model and context parameters, and the GGUF file of the model
+(the engine itself is in llamacpp.py; its docstring lists the options). llama-cpp-python is
+imported only when an engine is built, so that `dyngraph` runs without it and says how to
+install it when it is needed."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -123,6 +125,50 @@ def args_from_settings(cfg: EngineSettings) -> LlamaCppArgs:
             llama_kwargs=args.llama_kwargs,
         )
     return args
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def model_params(lc: Any, args: LlamaCppArgs) -> Any:
+    """llama.cpp's model parameters for the options (as llama-cpp-python's `Llama` sets them)."""
+    kw = args.llama_kwargs
+    params = lc.llama_model_default_params()
+    layers = kw.get("n_gpu_layers", 0)
+    params.n_gpu_layers = 0x7FFFFFFF if layers == -1 else layers  # -1: all of them
+    params.main_gpu = kw.get("main_gpu", 0)
+    mmap, mlock = kw.get("use_mmap", True), kw.get("use_mlock", False)
+    if mmap:
+        params.load_mode = lc.LLAMA_LOAD_MODE_MMAP_MLOCK if mlock else lc.LLAMA_LOAD_MODE_MMAP
+    else:
+        params.load_mode = lc.LLAMA_LOAD_MODE_MLOCK if mlock else lc.LLAMA_LOAD_MODE_NONE
+    return params
+
+
+def context_params(lc: Any, args: LlamaCppArgs, n_ctx_seq: int) -> Any:
+    """llama.cpp's context parameters: one context of `n_parallel` sequences sharing a unified KV
+    cache of `n_parallel * n_ctx_seq` cells (llamacpp.py says why unified). Threads: the options',
+    else half the CPUs."""
+    kw = args.llama_kwargs
+    params = lc.llama_context_default_params()
+    params.n_seq_max = args.n_parallel
+    params.kv_unified = True
+    params.n_ctx = n_ctx_seq * args.n_parallel
+    params.n_batch = min(kw.get("n_batch", 512), params.n_ctx)
+    params.n_ubatch = min(kw.get("n_ubatch", 512), params.n_batch)
+    params.n_threads = kw.get("n_threads", max(1, available_cpus() // 2))
+    params.n_threads_batch = kw.get("n_threads_batch", params.n_threads)
+    params.flash_attn_type = (
+        lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if kw.get("flash_attn") else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    params.offload_kqv = kw.get("offload_kqv", True)
+    params.rope_freq_base = kw.get("rope_freq_base", 0.0)  # 0: the model's
+    params.rope_freq_scale = kw.get("rope_freq_scale", 0.0)
+    return params
 
 
 def find_gguf(model: LocalModel) -> Path:

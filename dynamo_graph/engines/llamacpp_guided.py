@@ -87,10 +87,12 @@ def add_grammar(lc: Any, chain: Any, model: Any, grammar: str) -> None:
     lc.llama_sampler_chain_add(chain.sampler, sampler)
 
 
-def token_logprobs(lc: Any, llm: Any, token: int, top: int) -> tuple[float, list[TopLogprob]]:
-    """log P(token) at the position just decoded, and the `top` most likely tokens there."""
-    n_vocab = llm.n_vocab()
-    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+def token_logprobs(
+    lc: Any, ctx: Any, index: int, n_vocab: int, token: int, top: int
+) -> tuple[float, list[TopLogprob]]:
+    """log P(token) at the position of batch entry `index` of the last decode, and the `top`
+    most likely tokens there."""
+    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
     shifted = logits.astype(np.float64) - float(logits.max())
     log_z = float(np.log(np.exp(shifted).sum()))
     best: list[TopLogprob] = []

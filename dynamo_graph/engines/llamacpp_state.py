@@ -1,11 +1,12 @@
 """KV handoffs of `out=llamacpp`: a prompt's llama.cpp sequence state as bytes, and back.
 
-A prefill worker exports sequence 0 of the context that evaluated the prompt with
-`llama_state_seq_get_size` / `llama_state_seq_get_data`; a decode worker loads it into sequence 0
-of a free context of its own with `llama_state_seq_set_data`. The sequence calls, not the
-whole-context `llama_state_get_data`: they carry that one sequence's KV cells and nothing else
-(no logits or output buffers, which the decode side recomputes anyway when it evaluates the first
-token), and the sequence is the unit a context serving several sequences would export. With
+A prefill worker exports the sequence of its context that evaluated the prompt with
+`llama_state_seq_get_size` / `llama_state_seq_get_data`; a decode worker loads it into a free
+sequence of its own context with `llama_state_seq_set_data`. The sequence calls, not the
+whole-context `llama_state_get_data`: the engine's context serves several requests as sequences,
+and these calls carry that one sequence's KV cells and nothing else (no logits or output buffers,
+which the decode side recomputes anyway when it evaluates the first token). A state exported from
+sequence 3 of one context loads as sequence 0 of another: the sequence id is not part of it. With
 llama-cpp-python 0.3.36, a prompt's state imported into another context continues with the same
 greedy tokens as the context that computed it (tests/integration/test_llamacpp_engine.py; on a
 GPU the logits were also compared, bit for bit: ../shared/notes/ENGINES.md).
@@ -34,7 +35,6 @@ from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.kv_transfer import KvHandoff
 
 FORMAT = "llamacpp-state/1"
-SEQ_ID = 0  # each of the engine's contexts runs one sequence, as sequence 0
 _WHOLE_FILE_BYTES = 16 << 20  # GGUFs up to this size are hashed whole
 _SAMPLE_BYTES = 1 << 20
 _SAMPLES = 16
@@ -61,12 +61,12 @@ def state_format(path: Path, llama_cpp_version: str) -> str:
     return f"{FORMAT}:gguf-{gguf_fingerprint(path)}:llama-cpp-python-{llama_cpp_version}"
 
 
-def export_sequence(lc: Any, ctx: Any, fmt: str, tokens: Sequence[int]) -> KvHandoff:
-    """The KV of `tokens`, which sequence 0 of `ctx` holds (nothing else: they were just
+def export_sequence(lc: Any, ctx: Any, fmt: str, tokens: Sequence[int], seq_id: int) -> KvHandoff:
+    """The KV of `tokens`, which sequence `seq_id` of `ctx` holds (nothing else: they were just
     evaluated), as a handoff."""
-    size = lc.llama_state_seq_get_size(ctx, SEQ_ID)
+    size = lc.llama_state_seq_get_size(ctx, seq_id)
     buf = (ctypes.c_uint8 * size)()
-    written = lc.llama_state_seq_get_data(ctx, buf, size, SEQ_ID)
+    written = lc.llama_state_seq_get_data(ctx, buf, size, seq_id)
     if written != size:
         raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
     header = struct.pack("<I", len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens)
@@ -91,18 +91,18 @@ def check_handoff(handoff: KvHandoff, fmt: str, prompt: Sequence[int]) -> None:
         raise KvImportError("the handoff's KV is not of this request's prompt")
 
 
-def import_sequence(lc: Any, ctx: Any, handoff: KvHandoff) -> None:
-    """Load a checked handoff's state into sequence 0 of `ctx` (replacing what it held). Raises
-    KvImportError when llama.cpp refuses it (truncated, another KV layout, no room) or it does
-    not hold exactly the handoff's tokens; sequence 0 is then empty or to be cleared by the
+def import_sequence(lc: Any, ctx: Any, handoff: KvHandoff, seq_id: int) -> None:
+    """Load a checked handoff's state into sequence `seq_id` of `ctx` (replacing what it held).
+    Raises KvImportError when llama.cpp refuses it (truncated, another KV layout, no room) or it
+    does not hold exactly the handoff's tokens; the sequence is then empty or to be cleared by the
     caller."""
     state = memoryview(handoff.data)[4 + 4 * handoff.num_tokens :]
     buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-    read = lc.llama_state_seq_set_data(ctx, buf, len(state), SEQ_ID)
+    read = lc.llama_state_seq_set_data(ctx, buf, len(state), seq_id)
     if read == 0:
         raise KvImportError(f"llama.cpp could not load the {len(state)}-byte sequence state")
     if read != len(state):
         raise KvImportError(f"llama.cpp read {read} of the {len(state)}-byte sequence state")
-    last = lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), SEQ_ID)
+    last = lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), seq_id)
     if last != handoff.num_tokens - 1:
         raise KvImportError(f"the state holds {last + 1} positions, not the {handoff.num_tokens} announced")

@@ -265,6 +265,44 @@ async def test_concurrent_requests(
     await asyncio.wait_for(engine.drain(), 5)
 
 
+async def test_requests_decode_together_in_one_context_with_the_ids_of_one_at_a_time(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]]
+) -> None:
+    """20 prompts of 1 to 420 tokens on 8 sequences: each step decodes several of them in one
+    llama_decode, and every request's greedy ids equal its ids when it runs alone."""
+    engine = await make_engine(n_parallel=8, n_batch=64, prefix_reuse=False)
+    prompts = _varied_prompts(token_ids)
+    steps = engine.decode_steps
+    alone = [ids(await collect(engine, request(p, 16))) for p in prompts]
+    alone_steps = engine.decode_steps - steps
+    steps = engine.decode_steps
+    together = await asyncio.gather(*(collect(engine, request(p, 16)) for p in prompts))
+    together_steps = engine.decode_steps - steps
+    assert [ids(outs) for outs in together] == alone
+    assert all(outs[-1].finish_reason == "length" for outs in together)
+    # Alone: one step per token, plus the prompts' chunks of 64. Together: 8 sequences a step.
+    assert alone_steps >= 20 * 16
+    assert together_steps < alone_steps / 3
+    await asyncio.wait_for(engine.drain(), 5)
+
+
+async def test_a_prefix_held_by_a_busy_sequence_is_shared_not_evaluated_again(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    engine = await make_engine(n_parallel=2)
+    shared = token_ids[1] * 3
+    busy = engine.generate(request(shared, 480), Context())
+    await anext(busy)  # sequence 0 holds the shared prompt and is generating
+    follow = [*shared, *token_ids[0]]
+    evaluated = engine.prompt_tokens_evaluated
+    outs = await collect(engine, request(follow, 12))  # sequence 1, empty until now
+    assert outs[0].cached_tokens == len(shared)
+    assert engine.prompt_tokens_evaluated - evaluated == len(token_ids[0])
+    assert ids(outs) == reference(follow, 12)
+    await busy.aclose()
+    await asyncio.wait_for(engine.drain(), 5)
+
+
 async def test_cleanup_is_idempotent_and_ends_streams(
     make_engine: Callable[..., Awaitable[LlamaCppEngine]], tiny_model: Path, token_ids: list[list[int]]
 ) -> None:
@@ -548,6 +586,27 @@ async def test_a_handoff_that_does_not_fit_is_refused_before_any_output(
     assert decode.prompt_tokens_evaluated - evaluated == 1
     # ... and it serves ordinary requests as before.
     assert ids(await collect(decode, request(other, 8))) == reference(other, 8)
+
+
+async def test_handoffs_leave_and_enter_sequences_beside_busy_ones(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]], reference: Any
+) -> None:
+    """With sequence 0 of both engines busy, the prefill exports sequence 1 of its context and
+    the decode worker loads it into sequence 1 of its own."""
+    prefill, decode = await make_engine(n_parallel=2), await make_engine(n_parallel=2)
+    busy = [engine.generate(request(token_ids[3], 480), Context()) for engine in (prefill, decode)]
+    for stream in busy:
+        await anext(stream)
+    prompt = token_ids[1] * 2
+    req = request(prompt, 12)
+    first, handoff = await prefill.prefill(req, Context())
+    assert handoff is not None and handoff.num_tokens == len(prompt)
+    evaluated = decode.prompt_tokens_evaluated
+    outs = await _from_kv(decode, continuation(req, first.token_ids), handoff)
+    assert first.token_ids + ids(outs) == reference(prompt, 12)
+    assert decode.prompt_tokens_evaluated - evaluated == 1
+    for stream in busy:
+        await stream.aclose()
 
 
 async def test_cancel_while_generating_from_kv(

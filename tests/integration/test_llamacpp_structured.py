@@ -4,6 +4,7 @@ without these features answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -88,6 +89,37 @@ async def test_logprobs_equal_llama_cpps_own(
         assert [t.logprob for t in tops[i]] == pytest.approx([float(rows[i][t]) for t in expected], abs=1e-3)
     plain = await collect(engine, greedy_request(prompt, 12, eos_token_ids=[EOS]))
     assert ids(plain) == out_ids and all(o.log_probs is None for o in plain)  # only when asked
+
+
+async def test_logprobs_and_grammars_of_requests_decoded_together(tiny_model: Path) -> None:
+    """Four requests in one batch: each one's log-probabilities come from its own row of logits
+    and its grammar constrains only it, as when each runs alone."""
+    engine = LlamaCppEngine(
+        tiny_model / GGUF_NAME, LlamaCppArgs(n_parallel=4), default_n_ctx=512, tokenizer_vocab_size=2048
+    )
+    await engine.start()
+    try:
+        texts = ["Once upon a time", "The quick brown fox", "it's 12345 $3.14", "Is the sky blue?"]
+        reqs = [greedy_request(token_prompt(tiny_model, text), 10, eos_token_ids=[EOS]) for text in texts]
+        reqs[3].sampling_options = SamplingOptions(temperature=0.0, guided_choice=["yes", "no"])
+        for req in reqs:
+            req.output_options = OutputOptions(logprobs=2)
+        alone = [await collect(engine, req) for req in reqs]
+        together = await asyncio.gather(*(collect(engine, req) for req in reqs))
+
+        def view(outs: list) -> tuple[list[int], list[float], list[list[int]]]:
+            tops = [[t.token_id for t in top] for o in outs for top in o.top_logprobs or []]
+            return ids(outs), [lp for o in outs for lp in o.log_probs or []], tops
+
+        for one, batched in zip(alone, together, strict=True):
+            (a_ids, a_lps, a_tops), (b_ids, b_lps, b_tops) = view(one), view(batched)
+            assert (a_ids, a_tops) == (b_ids, b_tops)
+            assert b_lps == pytest.approx(a_lps, abs=1e-4)
+        assert len({tuple(view(outs)[1]) for outs in alone}) == 4  # four different rows were read
+        tok = resolve_model(str(tiny_model)).load_tokenizer()
+        assert tok.decode(ids(together[3])) in ("yes", "no") and together[3][-1].finish_reason == "stop"
+    finally:
+        await engine.cleanup()
 
 
 async def test_grammars_constrain_and_bad_ones_are_refused(engine: LlamaCppEngine, tiny_model: Path) -> None:
