@@ -26,6 +26,7 @@ from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_f
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -203,6 +204,7 @@ class FrontendApp:
         self.routes = {
             "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
             "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
+            "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)
