@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from dynamo_graph.frontend.errors import HTTPError
+import msgspec
+
+from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Send, send_json
 from dynamo_graph.frontend.responses import StreamWriter
+from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.runtime.context import Context
 
@@ -32,10 +35,14 @@ class ResponseWriter(StreamWriter, Protocol):
 
 
 class SurfaceHandler(OpenAIHandler):
-    """The chat route's handler under another API's request and response shapes. Subclasses
-    set `endpoint` (the metrics label) and implement `decode`, `error_body` and `writer`."""
+    """The chat route's handler under another API's request and response shapes. Subclasses set
+    `endpoint` (the metrics label), `surface_decoder` and `param_names`, and implement `to_chat`,
+    `render_error` and `writer`."""
 
     endpoint = ""
+    surface_decoder: msgspec.json.Decoder
+    # Chat request field -> the field of this API a client set, for errors the pipeline raises.
+    param_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
@@ -48,6 +55,27 @@ class SurfaceHandler(OpenAIHandler):
                 503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
             )
         )
+
+    def decode(self, body: bytes) -> tuple[ChatCompletionRequest, Any]:
+        try:
+            request = self.surface_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            raise from_decode_error(err) from None
+        return self.to_chat(request), request
+
+    def error_body(self, err: HTTPError) -> bytes:
+        param = self.param_names.get(err.param or "")
+        if param is not None:
+            message = err.message.replace(err.param or "", param)
+            err = HTTPError(err.status, message, param=param, code=err.code)
+        return self.render_error(err)
+
+    def to_chat(self, request: Any) -> ChatCompletionRequest:
+        """The chat request the pipeline runs; raises HTTPError naming this API's field."""
+        raise NotImplementedError
+
+    def render_error(self, err: HTTPError) -> bytes:
+        raise NotImplementedError
 
     def writer(self, request: Any, prepared: Prepared) -> ResponseWriter:
         raise NotImplementedError

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
@@ -205,6 +206,8 @@ class FrontendApp:
             "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
             "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
             "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
+            "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
+            "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)

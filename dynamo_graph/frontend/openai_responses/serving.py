@@ -8,22 +8,19 @@ unset and OpenAI defaults to true) is accepted; every response says `"store": fa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 from dynamo_graph.frontend.api_surface import SurfaceHandler
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError
 from dynamo_graph.frontend.openai_responses.events import ResponseEvents
 from dynamo_graph.frontend.openai_responses.protocol import NamedFunction, ResponsesRequest
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
 from dynamo_graph.llm.pipeline import Prepared
 
-_DECODER = msgspec.json.Decoder(ResponsesRequest)
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# Chat field -> the Responses field a client set (in error messages from the shared pipeline).
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 def _bad(message: str, param: str) -> HTTPError:
@@ -137,19 +134,17 @@ class ResponsesHandler(SurfaceHandler):
 
     endpoint = "responses"
 
-    def decode(self, body: bytes) -> tuple[ChatCompletionRequest, ResponsesRequest]:
-        try:
-            request = _DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise from_decode_error(err) from None
-        return to_chat(request), request
+    surface_decoder = msgspec.json.Decoder(ResponsesRequest)
+    param_names: ClassVar[dict[str, str]] = {
+        "max_tokens": "max_output_tokens",
+        "messages": "input",
+        "response_format": "text.format",
+    }
 
-    def error_body(self, err: HTTPError) -> bytes:
-        param = _PARAMS.get(err.param or "")
-        if param is not None:
-            err = HTTPError(
-                err.status, err.message.replace(err.param or "", param), param=param, code=err.code
-            )
+    def to_chat(self, request: ResponsesRequest) -> ChatCompletionRequest:
+        return to_chat(request)
+
+    def render_error(self, err: HTTPError) -> bytes:
         return err.body()
 
     def writer(self, request: ResponsesRequest, prepared: Prepared) -> ResponseEvents:
