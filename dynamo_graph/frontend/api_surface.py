@@ -67,7 +67,7 @@ class SurfaceHandler(OpenAIHandler):
         param = self.param_names.get(err.param or "")
         if param is not None:
             message = err.message.replace(err.param or "", param)
-            err = HTTPError(err.status, message, param=param, code=err.code)
+            err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
         return self.render_error(err)
 
     def to_chat(self, request: Any) -> ChatCompletionRequest:

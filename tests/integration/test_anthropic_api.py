@@ -229,8 +229,12 @@ def test_tool_use_streamed(agent: tuple) -> None:
 def test_api_key_is_required(agent: tuple) -> None:
     _, model, proc = agent
     wrong = anthropic.Anthropic(base_url=proc.base_url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as caught:
         wrong.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "Incorrect API key provided."},
+    }
 
 
 def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) -> None:
