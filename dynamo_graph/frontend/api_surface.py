@@ -20,7 +20,7 @@ from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Send, send_json
+from dynamo_graph.frontend.openai_asgi import OVERLOADED, OpenAIHandler, Send, send_json
 from dynamo_graph.frontend.responses import StreamWriter
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
@@ -50,11 +50,7 @@ class SurfaceHandler(OpenAIHandler):
         endpoint = self.endpoint
         super().__init__("chat", models, metrics, limits, admission)
         self.endpoint = endpoint
-        self.overloaded_body = self.error_body(
-            HTTPError(
-                503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
-            )
-        )
+        self.overloaded_body = self.error_body(OVERLOADED)
 
     def decode(self, body: bytes) -> tuple[ChatCompletionRequest, Any]:
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, error_body, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
@@ -52,11 +52,10 @@ MAX_N = 1  # choices per request: the pipelines produce one
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
 OVERLOADED_HEADERS = [*JSON_HEADERS, (b"retry-after", str(RETRY_AFTER_S).encode())]
-OVERLOADED_BODY = error_body(
-    503,
-    "The server is at its limit of concurrent requests; retry shortly",
-    code="overloaded",
+OVERLOADED = HTTPError(
+    503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
+OVERLOADED_BODY = OVERLOADED.body()
 
 _DECODERS = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),

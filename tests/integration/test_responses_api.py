@@ -221,3 +221,23 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
         assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()
+
+
+def test_stream_helper_accumulates(agent: tuple[openai.OpenAI, str]) -> None:
+    """The SDK's `responses.stream` helper rebuilds the response from the events alone."""
+    client, model = agent
+    with client.responses.stream(model=model, input=CITY, tools=TOOLS) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Let me look that up.\n"
+    assert json.loads(final.output[2].arguments) == {"city": CITY}
+
+
+def test_stored_responses_are_not_kept(echo: tuple[openai.OpenAI, str]) -> None:
+    client, model = echo
+    resp = client.responses.create(model=model, input=QUESTION, store=True)
+    assert resp.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)

@@ -18,6 +18,7 @@ from dynamo_graph.frontend.anthropic_messages.protocol import (
     ImageBlock,
     MessagesRequest,
     TextBlock,
+    Tool,
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
@@ -75,6 +76,13 @@ def _turn(role: str, blocks: list[Any], i: int) -> list[ChatMessage]:
     return results
 
 
+def _function(tool: Tool) -> dict[str, Any]:
+    function = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return function
+
+
 def to_chat(request: CountTokensRequest) -> ChatCompletionRequest:
     messages: list[ChatMessage] = []
     if request.system is not None:
@@ -86,13 +94,7 @@ def to_chat(request: CountTokensRequest) -> ChatCompletionRequest:
             messages += _turn(message.role, message.content, i)
     tools = None
     if request.tools:
-        tools = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in request.tools
-        ]
+        tools = [{"type": "function", "function": _function(tool)} for tool in request.tools]
     choice: Any = None
     parallel = None
     tc = request.tool_choice
@@ -104,8 +106,6 @@ def to_chat(request: CountTokensRequest) -> ChatCompletionRequest:
             if isinstance(tc, ToolChoiceTool):
                 choice = {"type": "function", "function": {"name": tc.name}}
             parallel = False if tc.disable_parallel_tool_use else None
-    elif tools:
-        choice = "auto"
     sampling: dict[str, Any] = {}
     if isinstance(request, MessagesRequest):
         sampling = {
