@@ -10,6 +10,7 @@ cancellation on disconnect apply unchanged; only decoding, error bodies and outp
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from typing import Any, ClassVar, Protocol
@@ -34,7 +35,7 @@ class ResponseWriter(StreamWriter, Protocol):
         """The whole response, after `finish`."""
 
 
-class SurfaceHandler(OpenAIHandler):
+class SurfaceHandler(OpenAIHandler, abc.ABC):
     """The chat route's handler under another API's request and response shapes. Subclasses set
     `endpoint` (the metrics label), `surface_decoder` and `param_names`, and implement `to_chat`,
     `render_error` and `writer`."""
@@ -66,15 +67,17 @@ class SurfaceHandler(OpenAIHandler):
             err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
         return self.render_error(err)
 
+    @abc.abstractmethod
     def to_chat(self, request: Any) -> ChatCompletionRequest:
         """The chat request the pipeline runs; raises HTTPError naming this API's field."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def render_error(self, err: HTTPError) -> bytes:
-        raise NotImplementedError
+        """An error body in this API's shape."""
 
+    @abc.abstractmethod
     def writer(self, request: Any, prepared: Prepared) -> ResponseWriter:
-        raise NotImplementedError
+        """Formats one response, streamed or whole."""
 
     async def _unary(
         self,

@@ -149,6 +149,7 @@ def test_count_tokens(echo: tuple) -> None:
     ("body", "field"),
     [
         ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
         ({"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         (
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},

@@ -144,6 +144,7 @@ def test_max_output_tokens_is_incomplete(echo: tuple[openai.OpenAI, str]) -> Non
         ),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "temperature": 9}, "temperature"),
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),  # past the context
         ({}, "input"),
     ],
 )

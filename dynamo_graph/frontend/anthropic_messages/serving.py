@@ -148,7 +148,6 @@ class CountTokensHandler(MessagesHandler):
     """`POST /v1/messages/count_tokens`: the prompt the model's template makes, counted; nothing
     is generated."""
 
-    endpoint = "count_tokens"
     surface_decoder = msgspec.json.Decoder(CountTokensRequest)
 
     async def _serve(
