@@ -266,3 +266,24 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
         assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()
+
+
+def test_failure_mid_stream(tiny_model: Path, tmp_path: Path) -> None:
+    """An engine failure after the stream began: Anthropic's `error` event, which the SDK raises."""
+    engine = Path(__file__).with_name("failing_engine.py")
+    proc = ServerProcess([f"out=pytok:{engine}", "--model-path", str(tiny_model)], log_dir=tmp_path)
+    try:
+        proc.wait_ready()
+        client = anthropic.Anthropic(base_url=proc.base_url, api_key="x", max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": QUESTION}]
+        with (
+            pytest.raises(anthropic.APIStatusError, match="the engine broke down"),
+            client.messages.stream(model=tiny_model.name, max_tokens=50, messages=messages) as stream,
+        ):
+            for _ in stream:
+                pass
+        with pytest.raises(anthropic.InternalServerError) as caught:
+            client.messages.create(model=tiny_model.name, max_tokens=50, messages=messages)
+        assert caught.value.body["error"]["type"] == "api_error"
+    finally:
+        proc.stop()

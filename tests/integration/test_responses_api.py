@@ -242,3 +242,20 @@ def test_stored_responses_are_not_kept(echo: tuple[openai.OpenAI, str]) -> None:
     assert resp.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(resp.id)
+
+
+def test_failure_mid_stream(tiny_model: Path, tmp_path: Path) -> None:
+    """An engine failure after the stream began: OpenAI's `error` event, then `response.failed`."""
+    engine = Path(__file__).with_name("failing_engine.py")
+    proc = ServerProcess([f"out=pytok:{engine}", "--model-path", str(tiny_model)], log_dir=tmp_path)
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+        events = list(client.responses.create(model=tiny_model.name, input=QUESTION, stream=True))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert "the engine broke down" in events[-2].message
+        assert events[-1].response.status == "failed"
+        with pytest.raises(openai.InternalServerError, match="the engine broke down"):
+            client.responses.create(model=tiny_model.name, input=QUESTION)
+    finally:
+        proc.stop()
