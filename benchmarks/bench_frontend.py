@@ -6,8 +6,11 @@ request (from /proc). The same load runs against a bare ASGI floor server (floor
 in the same run, and the frontend's CPU is given as a ratio to that floor.
 
     python benchmarks/bench_frontend.py --model .cache/tiny-model
-Results: benchmarks/results/frontend.json. Target (notes/PERF.md): Dynamo's Rust frontend
-spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
+    python benchmarks/bench_frontend.py --model .cache/tiny-model --apis   # Responses, Messages
+Results: benchmarks/results/frontend.json (frontend_apis.json with --apis: the same 64-token stream
+as a chat completion, a Responses call and a Messages call on one server, and each one's server
+CPU per request as a ratio to the chat completion's; issue 19's target is at most 1.15).
+Target (notes/PERF.md): Dynamo's Rust frontend spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
 """
 
 from __future__ import annotations
@@ -43,6 +46,26 @@ STREAM_BODY = {
     "max_tokens": 64,
     "stream": True,
     "nvext": {"ignore_eos": True},
+}
+
+
+# The same stream through the other API surfaces (frontend/openai_responses, anthropic_messages).
+API_BODIES = {
+    "/v1/chat/completions": STREAM_BODY,
+    "/v1/responses": {
+        "model": "bench",
+        "input": PROMPT,
+        "max_output_tokens": 64,
+        "stream": True,
+        "nvext": {"ignore_eos": True},
+    },
+    "/v1/messages": {
+        "model": "bench",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 64,
+        "stream": True,
+        "nvext": {"ignore_eos": True},
+    },
 }
 
 
@@ -83,6 +106,7 @@ def measure(
     keep_alive: bool,
     max_seconds: float,
     extra_pids: dict[str, int] | None = None,
+    path: str = "/v1/chat/completions",
 ) -> dict:
     """One load point. CPU is read for the server `pid` and any `extra_pids` (e.g. workers)."""
 
@@ -91,7 +115,7 @@ def measure(
             run_load(
                 "127.0.0.1",
                 port,
-                "/v1/chat/completions",
+                path,
                 body,
                 concurrency=concurrency,
                 requests=n,
@@ -122,6 +146,62 @@ def measure(
     }
 
 
+def compare_apis(args: argparse.Namespace, argv: list[str], port: int) -> int:
+    """Server CPU per streamed request, chat vs Responses vs Messages, on one echo_core server;
+    the routes take turns for `--rounds` rounds so that load from others on the machine falls on
+    all of them alike."""
+    proc = start(argv, port, args.echo_delay_ms)
+    rows = []
+    try:
+        for round_ in range(args.rounds):
+            for c in (int(c) for c in args.concurrency.split(",")):
+                for path, body in API_BODIES.items():
+                    n = args.requests // 3 if c == 1 else args.requests
+                    row = measure(
+                        proc.pid,
+                        port,
+                        body,
+                        concurrency=c,
+                        requests=n,
+                        keep_alive=True,
+                        max_seconds=args.max_seconds,
+                        path=path,
+                    )
+                    rows.append({"round": round_, "path": path, **row})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    summary = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        cpu = {
+            path: percentile(
+                [r["server_cpu_ms_per_request"] for r in rows if r["path"] == path and r["concurrency"] == c],
+                50,
+            )
+            for path in API_BODIES
+        }
+        chat = cpu["/v1/chat/completions"]
+        summary.append(
+            {
+                "concurrency": c,
+                "cpu_ms_per_request_median": cpu,
+                "ratio_to_chat": {path: round(v / max(chat, 1e-9), 3) for path, v in cpu.items()},
+            }
+        )
+    result = {
+        "benchmark": "frontend_streaming_apis_echo_core",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "workload": {"output_tokens": 64, "engine": "echo_core", "keep_alive": True},
+        "target": "issue 19: a streamed Responses or Messages request costs at most 1.15x a chat completion",
+        "summary": summary,
+        "rows": rows,
+    }
+    write_result(args.out, result)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,8 +216,13 @@ def main() -> int:
         default=0.0,
         help="echo_core pacing; 0 sends each response in one burst, >0 makes every token its own write",
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontend.json"))
+    parser.add_argument("--apis", action="store_true", help="compare chat, Responses and Messages instead")
+    parser.add_argument("--rounds", type=int, default=3, help="with --apis: rounds of taking turns")
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/...)")
     args = parser.parse_args()
+    results = ROOT / "benchmarks" / "results"
+    if args.out is None:
+        args.out = str(results / ("frontend_apis.json" if args.apis else "frontend.json"))
     levels = [int(c) for c in args.concurrency.split(",")]
     body = STREAM_BODY
 
@@ -161,6 +246,9 @@ def main() -> int:
             str(port),
         ],
     }
+    if args.apis:
+        port = free_port()
+        return compare_apis(args, servers["dyngraph"](port), port)
     rows = []
     for name, argv in servers.items():
         port = free_port()

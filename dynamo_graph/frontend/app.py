@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -123,36 +125,55 @@ _OPENAI_ERROR = {
 }
 
 
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "required": ["type", "message"],
+        },
+    },
+    "required": ["type", "error"],
+}
+
+
 def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAPI document with the two raw-ASGI generation routes, their request bodies' schemas
+    """The OpenAPI document with the raw-ASGI generation routes, their request bodies' schemas
     generated from the msgspec types the handlers decode into."""
     import msgspec
 
+    from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
+    from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
     from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
 
-    (chat, comp), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}"
+    types = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest]
+    (chat, comp, resp, msgs, count), components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
     schemas["OpenAIError"] = _OPENAI_ERROR
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}
-    errors = {
-        str(code): {"description": text, "content": error}
-        for code, text in [
-            (400, "Invalid request; `param` names the field"),
-            (401, "Missing or wrong API key"),
-            (404, "Unknown model"),
-            (413, "Request body too large"),
-            (415, "Not JSON"),
-            (503, "At the concurrency limit; see Retry-After"),
-            (504, "Past the request time limit"),
-        ]
-    }
-    for path, schema, summary in [
-        ("/v1/chat/completions", chat, "Create a chat completion (OpenAI)"),
-        ("/v1/completions", comp, "Create a completion (OpenAI)"),
+    schemas["AnthropicError"] = _ANTHROPIC_ERROR
+    statuses = [
+        (400, "Invalid request; the field is named"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (415, "Not JSON"),
+        (503, "At the concurrency limit; see Retry-After"),
+        (504, "Past the request time limit"),
+    ]
+    for path, schema, summary, error in [
+        ("/v1/chat/completions", chat, "Create a chat completion (OpenAI)", "OpenAIError"),
+        ("/v1/completions", comp, "Create a completion (OpenAI)", "OpenAIError"),
+        ("/v1/responses", resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
+        ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
+        ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
     ]:
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
+        errors = {str(code): {"description": text, "content": content} for code, text in statuses}
         doc.setdefault("paths", {})[path] = {
             "post": {
                 "summary": summary,
@@ -160,7 +181,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                 "responses": {
                     "200": {
-                        "description": "A completion, or with `stream: true` server-sent events",
+                        "description": "The answer, or with `stream: true` server-sent events",
                         "content": {"application/json": {}, "text/event-stream": {}},
                     },
                     **errors,
@@ -203,6 +224,9 @@ class FrontendApp:
         self.routes = {
             "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
             "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
+            "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
+            "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
+            "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)
@@ -222,14 +246,14 @@ class FrontendApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
+            handler = self.routes.get(path.rstrip("/") or "/")
             keys = self.api_keys
             if keys is not None and keys.protects(path) and not keys.check(scope["headers"]):
                 self.admission.count("unauthorized")
                 # Never the key or the Authorization header: only that the check failed.
                 log.debug("401 for %s %s from %s", scope["method"], path, scope.get("client"))
-                await send_unauthorized(send, scope["headers"])
+                await send_unauthorized(send, scope["headers"], handler.error_body if handler else None)
                 return
-            handler = self.routes.get(path.rstrip("/") or "/")
             if handler is not None:
                 await handler(scope, receive, send)
                 return

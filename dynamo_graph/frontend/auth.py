@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
-from dynamo_graph.frontend.errors import error_body
+from dynamo_graph.frontend.errors import HTTPError
 
 API_KEY_ENV = "DYN_API_KEY"
 API_KEY_ENV_NAMES = "DYN_API_KEY_ENV"
@@ -93,7 +93,7 @@ class ApiKeys:
         return ok
 
 
-def unauthorized_body(missing: bool) -> bytes:
+def unauthorized_error(missing: bool) -> HTTPError:
     if missing:
         message = (
             "You didn't provide an API key. You need to provide your API key in an Authorization "
@@ -101,10 +101,14 @@ def unauthorized_body(missing: bool) -> bytes:
         )
     else:
         message = "Incorrect API key provided."  # never echo any of the key back
-    return error_body(401, message, code="invalid_api_key", error_type="invalid_request_error")
+    return HTTPError(401, message, code="invalid_api_key", error_type="invalid_request_error")
 
 
-async def send_unauthorized(send: Any, headers: Iterable[tuple[bytes, bytes]]) -> None:
-    body = unauthorized_body(ApiKeys.presented(headers) is None)
+async def send_unauthorized(
+    send: Any, headers: Iterable[tuple[bytes, bytes]], render: Callable[[HTTPError], bytes] | None = None
+) -> None:
+    """The 401, its body as `render` (the route's API) makes it; OpenAI's by default."""
+    err = unauthorized_error(ApiKeys.presented(headers) is None)
+    body = err.body() if render is None else render(err)
     await send({"type": "http.response.start", "status": 401, "headers": UNAUTHORIZED_HEADERS})
     await send({"type": "http.response.body", "body": body})

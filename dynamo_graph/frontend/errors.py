@@ -39,20 +39,25 @@ class HTTPError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
+        error_type: str | None = None,
     ):
+        """`error_type`: the OpenAI body's `type`, where the status's own name is not it."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers  # extra response headers (Retry-After, ...)
+        self.error_type = error_type
 
     @classmethod
     def from_engine_error(cls, err: RequestError) -> HTTPError:
         return cls(err.http_status, err.message, param=err.param, code=err.code)
 
     def body(self) -> bytes:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+        return error_body(
+            self.status, self.message, param=self.param, code=self.code, error_type=self.error_type
+        )
 
 
 def error_body(

@@ -13,7 +13,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dynamo_graph.llm.pipeline import ModelPipeline
+from dynamo_graph.llm.pipeline import ModelPipeline, TokensPipeline
+
+# The routes that serve each model type. Counting a message's tokens needs the frontend's own
+# template and tokenizer: a tokens-input model's.
+CHAT_ENDPOINTS = ["/v1/chat/completions", "/v1/responses", "/v1/messages"]
+COMPLETIONS_ENDPOINTS = ["/v1/completions"]
+
+
+def endpoints(pipeline: ModelPipeline) -> list[str]:
+    """The generation routes that serve this model (`/v1/models` lists them)."""
+    types = pipeline.card.model_type
+    routes = list(CHAT_ENDPOINTS) if "chat" in types else []
+    if "chat" in types and isinstance(pipeline, TokensPipeline):
+        routes.append("/v1/messages/count_tokens")
+    if "completions" in types:
+        routes += COMPLETIONS_ENDPOINTS
+    return routes
+
 
 # Describes the worker instances behind a model, for /health: the routable ones as
 # [{"instance_id": hex, ...}], or {"instances": [...], "unavailable": [...]} (Client.health_report).
@@ -64,6 +81,7 @@ class ModelRegistry:
                 "created": self._created[name],
                 "owned_by": "dyngraph",
                 "context_window": self._models[name].card.context_length,
+                "endpoints": endpoints(self._models[name]),
             }
             for name in self.names()
         ]

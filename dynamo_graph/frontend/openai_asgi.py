@@ -18,11 +18,11 @@ from typing import Any
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, error_body, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.responses import DONE, ChunkWriter, error_event, full_response
+from dynamo_graph.frontend.responses import ChunkWriter, StreamWriter, full_response
 from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import (
     AnyRequest,
@@ -52,11 +52,10 @@ MAX_N = 1  # choices per request: the pipelines produce one
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
 OVERLOADED_HEADERS = [*JSON_HEADERS, (b"retry-after", str(RETRY_AFTER_S).encode())]
-OVERLOADED_BODY = error_body(
-    503,
-    "The server is at its limit of concurrent requests; retry shortly",
-    code="overloaded",
+OVERLOADED = HTTPError(
+    503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
+OVERLOADED_BODY = OVERLOADED.body()
 
 _DECODERS = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
@@ -127,7 +126,13 @@ def _as_http_error(err: Exception) -> HTTPError:
 
 
 class OpenAIHandler:
-    """Serves one OpenAI endpoint kind ("chat" or "completions") for every registered model."""
+    """Serves one OpenAI endpoint kind ("chat" or "completions") for every registered model.
+
+    The other API surfaces (api_surface.py) subclass it: they decode their own request, turn it
+    into a chat request for the same pipeline, and write their own events and error bodies.
+    """
+
+    overloaded_body = OVERLOADED_BODY
 
     def __init__(
         self,
@@ -151,12 +156,12 @@ class OpenAIHandler:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_json(send, 405, HTTPError(405, "Use POST for this endpoint").body())
+            await send_json(send, 405, self.error_body(HTTPError(405, "Use POST for this endpoint")))
             return
         admission = self.admission
         if not admission.try_acquire():
             await send({"type": "http.response.start", "status": 503, "headers": OVERLOADED_HEADERS})
-            await send({"type": "http.response.body", "body": OVERLOADED_BODY})
+            await send({"type": "http.response.body", "body": self.overloaded_body})
             return
         try:
             deadline = None
@@ -182,10 +187,7 @@ class OpenAIHandler:
                         "The request body was not received within the server's time limit",
                         code="timeout",
                     ) from None
-            try:
-                request = self.decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as err:
-                raise from_decode_error(err) from None
+            request, original = self.decode(body)
             _check_caps(request)
             pipeline = self.models.get(request.model)
             if pipeline is None:
@@ -205,11 +207,30 @@ class OpenAIHandler:
         except HTTPError as err:
             if err.status == 413:
                 self.admission.count("body_too_large")
-            await send_json(send, err.status, err.body())
+            await send_json(send, err.status, self.error_body(err))
             return
         except ConnectionResetError:
             return
-        await self._serve(pipeline, prepared, request, receive, send, deadline)
+        await self._serve(pipeline, prepared, original, receive, send, deadline)
+
+    def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
+        """(the request the pipeline runs, the request as the client sent it): one and the same
+        here; another API surface's request becomes a chat request."""
+        try:
+            request = self.decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            raise from_decode_error(err) from None
+        return request, request
+
+    def error_body(self, err: HTTPError) -> bytes:
+        """An error as this API's clients expect it."""
+        return err.body()
+
+    def writer(self, request: Any, prepared: Prepared) -> StreamWriter:
+        """Formats one streamed response."""
+        opts = request.stream_options
+        usage = opts is not None and opts.include_usage
+        return ChunkWriter(request.model, chat=self.kind == "chat", prepared=prepared if usage else None)
 
     async def _failure(self, err: Exception, context: Context, deltas: AsyncIterator[Any]) -> HTTPError:
         if isinstance(err, TimeoutError):
@@ -235,11 +256,12 @@ class OpenAIHandler:
         self,
         pipeline: ModelPipeline,
         prepared: Prepared,
-        request: AnyRequest,
+        request: Any,
         receive: Receive,
         send: Send,
         deadline: float | None = None,
     ) -> None:
+        """`request`: as the client sent it (`decode`)."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
         watcher = asyncio.create_task(_watch_disconnect(receive, context))
@@ -251,7 +273,7 @@ class OpenAIHandler:
             if request.stream:
                 ok = await self._stream(pipeline, prepared, request, context, send, metrics, start, deadline)
             else:
-                ok = await self._unary(pipeline, prepared, context, send, metrics, start, deadline)
+                ok = await self._unary(pipeline, prepared, request, context, send, metrics, start, deadline)
             disconnected = watcher.done() and not watcher.cancelled()
             status = "cancelled" if disconnected else ("success" if ok else "error")
         finally:
@@ -268,14 +290,14 @@ class OpenAIHandler:
         self,
         pipeline: ModelPipeline,
         prepared: Prepared,
-        request: AnyRequest,
+        request: Any,
         context: Context,
         send: Send,
         metrics: ModelMetrics,
         start: float,
         deadline: float | None,
     ) -> bool:
-        writer = ChunkWriter(request.model, chat=self.kind == "chat")
+        writer = self.writer(request, prepared)
         started = False
         first_content = True
         last = start
@@ -287,36 +309,32 @@ class OpenAIHandler:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                         started = True
+                        head = writer.start()
+                        if head:
+                            await send({"type": "http.response.body", "body": head, "more_body": True})
                     if delta.visible():
                         now = time.perf_counter()
                         if first_content:
                             metrics.ttft.observe(now - start)
+                            first_content = False
                         else:
                             itl.observe(now - last)
                         last = now
-                        body = writer.delta(delta, first_content)
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-                        first_content = False
+                        body = writer.delta(delta)
+                        if body:
+                            await send({"type": "http.response.body", "body": body, "more_body": True})
                     if delta.finish_reason is not None:
                         tail = writer.finish(delta.finish_reason)
-                        opts = request.stream_options
-                        if opts is not None and opts.include_usage:
-                            tail += writer.usage(prepared)
-                        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+                        await send({"type": "http.response.body", "body": tail, "more_body": False})
                         return True
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
             if not started:
-                await send_json(send, http_err.status, http_err.body())
+                await send_json(send, http_err.status, self.error_body(http_err))
             else:
                 with contextlib.suppress(Exception):
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": error_event(http_err.body()) + DONE,
-                            "more_body": False,
-                        }
-                    )
+                    body = writer.failure(http_err)
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
             return False
         # The stream ended without a finish reason: the client went away and we stopped.
         if not started:
@@ -328,6 +346,7 @@ class OpenAIHandler:
         self,
         pipeline: ModelPipeline,
         prepared: Prepared,
+        request: Any,
         context: Context,
         send: Send,
         metrics: ModelMetrics,
@@ -361,12 +380,12 @@ class OpenAIHandler:
                         finish = delta.finish_reason
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, http_err.body())
+            await send_json(send, http_err.status, self.error_body(http_err))
             return False
         if finish is None:  # cancelled by the client: nobody is listening
             return False
         body = full_response(
-            prepared.request.model,
+            request.model,
             "".join(parts),
             finish,
             prepared,

@@ -9,14 +9,35 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
 
+if TYPE_CHECKING:
+    from dynamo_graph.frontend.errors import HTTPError
+
 _encode = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
+
+
+class StreamWriter(Protocol):
+    """One streamed response's bytes, in the order the handler sends them; every API surface
+    (chat, completions, Responses, Messages) has one."""
+
+    def start(self) -> bytes:
+        """Events before the first delta ("" for none)."""
+
+    def delta(self, delta: Delta) -> bytes:
+        """A visible delta's events."""
+
+    def finish(self, reason: str) -> bytes:
+        """The closing events, after the delta with the finish reason."""
+
+    def failure(self, err: HTTPError) -> bytes:
+        """The closing events when the stream fails after it started."""
 
 
 def usage_dict(prepared: Prepared) -> dict:
@@ -37,15 +58,18 @@ class ChunkWriter:
         "_chat",
         "_content_tail",
         "_finish_head",
+        "_first",
         "_first_head",
         "_head",
         "_meta",
+        "_prepared",
         "_start",
         "_text_offset",
         "_usage_head",
     )
 
-    def __init__(self, model: str, *, chat: bool) -> None:
+    def __init__(self, model: str, *, chat: bool, prepared: Prepared | None = None) -> None:
+        """`prepared`: the request whose usage the last chunk reports (include_usage), or None."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._meta = b'"created":%d,"model":%s,"object":"%s"}' % (
@@ -56,6 +80,8 @@ class ChunkWriter:
         start = b'data: {"id":"%s",' % rid.encode()
         self._start = start
         self._chat = chat
+        self._first = True
+        self._prepared = prepared
         self._text_offset = 0  # completions' logprobs.text_offset
         if chat:
             self._first_head = start + b'"choices":[{"index":0,"delta":{"role":"assistant","content":'
@@ -72,8 +98,13 @@ class ChunkWriter:
         head = self._first_head if first else self._head
         return head + _encode(text) + self._content_tail
 
-    def delta(self, delta: Delta, first: bool) -> bytes:
+    def start(self) -> bytes:
+        return b""
+
+    def delta(self, delta: Delta) -> bytes:
         """Any delta: content (with or without logprobs), reasoning, or a tool call."""
+        first = self._first
+        self._first = False
         if not delta.logprobs and delta.text:
             return self.content(delta.text, first)
         if not self._chat:
@@ -95,15 +126,14 @@ class ChunkWriter:
         return self._start + b'"choices":[' + _encode(choice) + b"]," + self._meta + b"\n\n"
 
     def finish(self, reason: str) -> bytes:
-        return self._finish_head + _encode(reason) + b',"logprobs":null}],' + self._meta + b"\n\n"
+        tail = self._finish_head + _encode(reason) + b',"logprobs":null}],' + self._meta + b"\n\n"
+        if self._prepared is not None:
+            tail += self._usage_head + _encode(usage_dict(self._prepared)) + b"," + self._meta + b"\n\n"
+        return tail + DONE
 
-    def usage(self, prepared: Prepared) -> bytes:
-        return self._usage_head + _encode(usage_dict(prepared)) + b"," + self._meta + b"\n\n"
-
-
-def error_event(body: bytes) -> bytes:
-    """An error after the stream started: OpenAI clients raise on a data event with `error`."""
-    return b"data: " + body + b"\n\n"
+    def failure(self, err: HTTPError) -> bytes:
+        """An error after the stream started: OpenAI clients raise on a data event with `error`."""
+        return b"data: " + err.body() + b"\n\n" + DONE
 
 
 def full_response(

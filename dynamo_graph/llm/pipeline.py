@@ -45,6 +45,8 @@ class Prepared:
     cached_tokens: int | None = None
     # Sorts chat output into reasoning / content / tool calls (chat_output.py); None: all content.
     output_parser: ChatOutputParser | None = None
+    # The stop string that ended the output (known to pipelines that post-process).
+    stop_string: str | None = None
 
 
 class ModelPipeline(abc.ABC):
@@ -186,6 +188,7 @@ class TokensPipeline(ModelPipeline):
                 prepared.completion_tokens = post.completion_tokens
                 logprobs = self.logprobs.entries(out, post.shown) if wants_logprobs else None
                 if finish is not None:  # the postprocessor has flushed everything it held
+                    prepared.stop_string = post.stop_string
                     yield Delta(text, finish, logprobs=logprobs)
                     return
                 if text or logprobs:

@@ -52,13 +52,14 @@ class StopStringMatcher:
     """Finds the first stop string in a stream of text pieces, scanning only the held tail plus
     new text, never the whole output."""
 
-    __slots__ = ("_prefixes", "_stops", "held")
+    __slots__ = ("_prefixes", "_stops", "held", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._prefixes = _prefix_table(self._stops)
         # Text not shown yet: the longest tail that is a proper prefix of some stop string.
         self.held = ""
+        self.matched: str | None = None  # the stop string found (Anthropic's stop_sequence)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to show, whether a stop string matched; if so nothing more may be shown)."""
@@ -68,6 +69,7 @@ class StopStringMatcher:
             at = buf.find(stop)
             if at != -1 and (first == -1 or at < first):
                 first = at
+                self.matched = stop
         if first != -1:
             self.held = ""
             return buf[:first], True
@@ -182,6 +184,11 @@ class Postprocessor:
             if max_tokens is not None and count >= max_tokens:
                 return ids[: i + 1], count, "length"
         return ids, count, None
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._matcher.matched if self._matcher is not None else None
 
     def finish(self) -> str:
         """Text still held when the stream ends without a finish reason ("" once done)."""

@@ -25,7 +25,21 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 BUDGET_S = 40.0  # wall time of the whole fuzz run, at most
-HOT = ("/v1/chat/completions", "/v1/completions")
+HOT = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+)
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
+# How a complete stream ends, per route: its last SSE line.
+STREAM_ENDS = {
+    "/v1/chat/completions": ("data: [DONE]",),
+    "/v1/completions": ("data: [DONE]",),
+    "/v1/responses": tuple(f'data: {{"type":"response.{s}"' for s in ("completed", "incomplete", "failed")),
+    "/v1/messages": ('data: {"type":"message_stop"', 'data: {"type":"error"'),
+}
 MODEL = "tiny"
 
 
@@ -152,9 +166,12 @@ def test_fuzz_the_http_api(server: ServerProcess) -> None:
         seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
         assert resp.status_code < 500, (method, path, body[:300], resp.status_code, resp.text[:500])
         if path in HOT and 400 <= resp.status_code < 500 and method != "HEAD":
-            assert "error" in resp.json(), resp.text
+            error = resp.json()
+            assert "error" in error, resp.text
+            assert (error.get("type") == "error") == (path in ANTHROPIC), resp.text
         if path in HOT and resp.status_code == 200 and resp.headers["content-type"] == "text/event-stream":
-            assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-300:]
+            last = resp.text.rstrip().rsplit("\n", 1)[-1]
+            assert last.startswith(STREAM_ENDS[path]), resp.text[-300:]
         del stream_usage
 
     try:

@@ -56,7 +56,15 @@ def chat(client: openai.OpenAI, model: str, **kw):
 
 
 def test_models_lists_the_model(client: openai.OpenAI, model_name: str) -> None:
-    assert [m.id for m in client.models.list()] == [model_name]
+    (model,) = client.models.list()
+    assert model.id == model_name
+    assert model.endpoints == [
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/completions",
+    ]
 
 
 def test_chat_returns_templated_prompt(client: openai.OpenAI, model_name: str, prompt_tokens: int) -> None:

@@ -1,0 +1,6 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), served as chat
+completions (api_surface.py)."""
+
+from dynamo_graph.frontend.anthropic_messages.serving import CountTokensHandler, MessagesHandler
+
+__all__ = ["CountTokensHandler", "MessagesHandler"]

@@ -1,0 +1,99 @@
+"""Anthropic Messages requests as msgspec Structs: content blocks and tool choices are unions
+tagged by `type`, so a wrong block is a decode error naming `messages[i].content[j]`.
+
+Fields that change nothing here (`metadata`, `thinking`, `cache_control`, ...) are accepted and
+ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from dynamo_graph.llm.openai import NvExt, PosInt, Probability
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+    source: dict[str, Any]
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
+    data: str
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(msgspec.Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+
+
+class ToolChoiceAuto(msgspec.Struct, tag="auto", tag_field="type"):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(msgspec.Struct, tag="any", tag_field="type"):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(msgspec.Struct, tag="tool", tag_field="type"):
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(msgspec.Struct, tag="none", tag_field="type"):
+    pass
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/messages/count_tokens`: what a message would be, without sampling options."""
+
+    model: str
+    messages: list[Message]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    max_tokens: PosInt
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    nvext: NvExt | None = None  # Dynamo's extensions, as on chat completions
