@@ -82,7 +82,8 @@ vllm:
 	  $(VLLM_BIN)/python -c 'import vllm, dynamo_graph.cli.main; print("vllm", vllm.__version__, "ready")'; \
 	fi
 
-# The vllm-marked tests (engine, conformance, http stack, kv routing over two vLLM workers).
+# The vllm-marked tests (engine, conformance, http stack, kv routing over two vLLM workers, P/D
+# through vLLM's ExampleConnector; the NixlConnector cases skip unless nixl is importable).
 test-vllm: vllm $(MODEL_DIR)/tokenizer.json
 	DYNGRAPH_TINY_MODEL=$(MODEL_DIR) VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/pytest -q -m vllm \
-	  tests/integration/test_vllm_engine.py tests/system/test_vllm_kv_routing.py
+	  tests/integration/test_vllm_engine.py tests/system/test_vllm_kv_routing.py tests/system/test_vllm_disagg.py
