@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from dynamo_graph.backend.errors import EngineError
+from dynamo_graph.backend.errors import EngineError, InvalidArgument
 from dynamo_graph.backend.run_config import WorkerConfig
 from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.llm.openai import AnyRequest
@@ -24,6 +24,7 @@ from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
     from dynamo_graph.backend.kv_transfer import KvHandoff
+    from dynamo_graph.backend.lora import LoraAdapter
     from dynamo_graph.llm.model_source import LocalModel
     from dynamo_graph.router.kv.publisher import KvEventSink
 
@@ -174,6 +175,15 @@ class LLMEngine(abc.ABC):
         them, and stream the rest as `generate` does. Raise `KvImportError` when the handoff
         cannot be loaded before anything was generated: the worker then prefills locally."""
         raise EngineError(f"{type(self).__name__} cannot run as a decode worker (no KV transfer)")
+
+    async def load_lora(self, adapter: LoraAdapter) -> None:
+        """Load a LoRA adapter; from then on, requests whose `model` is `adapter.name` run with
+        it (backend/lora.py). Engines without adapters refuse, naming themselves."""
+        raise InvalidArgument(f"{type(self).__name__} cannot serve LoRA adapters", param="lora_name")
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter `load_lora` loaded; requests for it have stopped being routed here."""
+        raise InvalidArgument(f"{type(self).__name__} cannot serve LoRA adapters", param="lora_name")
 
     async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook
         """Release engine resources of a request the caller cancelled."""

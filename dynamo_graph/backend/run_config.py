@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_graph.backend.lora import parse_lora_modules
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError, read_engine_args_file
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
@@ -84,6 +85,8 @@ class RunConfig:
     # How frontends read this model's output (llm/tool_calls, llm/reasoning.py); the card carries them.
     dyn_tool_call_parser: str | None = None
     dyn_reasoning_parser: str | None = None
+    # LoRA adapters the worker loads at start, NAME=PATH[,NAME=PATH] (backend/lora.py).
+    lora_modules: str | None = None
     verbosity: int = 0
     # Flags given explicitly on the command line (so we can say which ones an engine ignores).
     explicit: set[str] = field(default_factory=set)
@@ -195,6 +198,7 @@ def validate(cfg: RunConfig) -> None:
     ):
         if name is not None and name not in valid:
             raise RunConfigError(f"{flag}: unknown parser {name!r}; valid names: {', '.join(valid)}")
+    parse_lora_modules(cfg.lora_modules)
     if cfg.extra_engine_args is not None:
         read_engine_args_file(cfg.extra_engine_args)  # fail now, with the file named, not after loading
 

@@ -39,6 +39,9 @@ class EngineSettings:
     # The worker's part in disaggregated serving (agg, prefill or decode): engines with a native KV
     # connector configure its role from it (vLLM's kv_role, SGLang's disaggregation_mode, ...).
     disaggregation_mode: str = "agg"
+    # LoRA adapters declared on the command line (`--lora-modules NAME=PATH,...`; backend/lora.py):
+    # engines that must be told at start (vLLM's enable_lora) see them here.
+    lora_modules: str | None = None
     # dynamo-run hands python engine files its --http-port among their arguments.
     http_port: int = 8080
     # Arguments after `--` on the command line, for the engine's own parser.

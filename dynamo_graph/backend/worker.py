@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
+from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.handlers import (
     Closing,
     InflightCap,
@@ -38,6 +39,7 @@ from dynamo_graph.backend.handlers import (
     tokens_handler,
 )
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
+from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, lora_handler, parse_lora_modules
 from dynamo_graph.backend.run_config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
@@ -220,6 +222,7 @@ async def serve_engine(
         else:
             await endpoint.start_serving(text_handler(engine, closing, cap))
         await publish_card(endpoint, card)
+        await _serve_lora_adapters(cfg, runtime, name, engine, endpoint, card)
         role = "" if mode == "agg" else f", {mode} worker"
         console.print(
             f"[bold green]dyngraph[/] worker {name} instance {endpoint.instance_id:x} serving "
@@ -235,6 +238,30 @@ async def serve_engine(
         await _shut_down(runtime, endpoint, started, events, grace_s, closing)
         if fetcher is not None:
             await fetcher.close()
+
+
+async def _serve_lora_adapters(
+    cfg: RunConfig,
+    runtime: DistributedRuntime,
+    name: EndpointName,
+    engine: LLMEngine,
+    endpoint: Endpoint,
+    card: ModelDeploymentCard,
+) -> None:
+    """Load the adapters of --lora-modules, and take load/unload requests on the `lora` endpoint
+    (a static worker has no discovery to publish adapter cards in: it serves none)."""
+    if runtime.discovery is None:
+        if cfg.lora_modules:
+            raise RunConfigError("--lora-modules needs discovery (adapter cards); not with --static-worker")
+        return
+    manager = LoraManager(engine, endpoint, card)
+    for adapter, path in parse_lora_modules(cfg.lora_modules):
+        try:
+            await manager.load(adapter, path)
+        except EngineError as err:
+            raise RunConfigError(f"--lora-modules {adapter}={path}: {err.message}") from None
+    control = runtime.namespace(name.namespace).component(name.component).endpoint(LORA_ENDPOINT)
+    await control.start_serving(lora_handler(manager))
 
 
 def check_disaggregation(engine: LLMEngine, config: EngineConfig, mode: str) -> None:

@@ -188,6 +188,10 @@ def run_command(
             "--dyn-reasoning-parser", help="the model's thinking -> reasoning_content: deepseek_r1 | qwen3"
         ),
     ] = None,
+    lora_modules: Annotated[
+        str | None,
+        typer.Option("--lora-modules", help="LoRA adapters to serve beside the model: NAME=PATH[,NAME=PATH]"),
+    ] = None,
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
 ) -> None:
     from dynamo_graph.cli.run import execute
@@ -230,6 +234,7 @@ def run_command(
         "event_plane": event_plane,
         "dyn_tool_call_parser": dyn_tool_call_parser,
         "dyn_reasoning_parser": dyn_reasoning_parser,
+        "lora_modules": lora_modules,
         "verbose": verbose,
     }
     code = execute(words, params, _explicit_flags(ctx))

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import Response
 
+    from dynamo_graph.frontend.lora import LoraAdmin
+
 log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
@@ -210,7 +212,9 @@ class FrontendApp:
         body_limit: int | None = None,
         limits: FrontendLimits | None = None,
         api_keys: ApiKeys | None = None,
+        lora: LoraAdmin | None = None,
     ) -> None:
+        """`lora`: serve the LoRA adapter routes (frontend/lora.py) through it."""
         if limits is None:
             limits = FrontendLimits(body_limit=body_limit_from_env() if body_limit is None else body_limit)
         self.models = models
@@ -228,6 +232,11 @@ class FrontendApp:
             "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
         }
+        if lora is not None:
+            from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes
+
+            routes = LoraRoutes(lora, limits.body_limit)
+            self.routes.update({LOAD_PATH: routes, UNLOAD_PATH: routes})
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)
 

@@ -17,6 +17,11 @@ Every tokens-input model's router sits inside a `DisaggRouter` (router/disagg.py
 prompts to that pool once it exists; until then requests pass straight through. A prefill pool
 may appear before the model's decode workers do: it waits, unserved, until they register.
 
+LoRA adapters: a worker serving an adapter publishes its card (the base card under the
+adapter's name, `lora` naming the base model) one key below its own; the adapter becomes a model
+of its own, routed only to the workers whose adapter card is accepted, round-robin (KV events do
+not say which adapter a block belongs to). frontend/lora.py loads and unloads adapters.
+
 Each model's instances are health-checked (runtime/health.py) with the payload each worker's
 card carries (`user_data.health_check_payload`): one that fails a check leaves routing until it
 passes one. Refused workers are listed in /health as `refused`.
@@ -66,6 +71,7 @@ class _Model:
     # The decode pool's disaggregation router (tokens-input models), which a prefill pool joins.
     disagg: DisaggRouter | None = None
     routed: RoutedBackend | None = None
+    card: ModelDeploymentCard | None = None  # the first accepted card
 
     async def close(self) -> None:
         if self.checker is not None:
@@ -211,7 +217,8 @@ class ModelWatcher:
         self, card: ModelDeploymentCard, endpoint: EndpointName, kv: bool
     ) -> tuple[Client, KvRouter | None]:
         """A pool's client (routing to the instances whose cards are accepted) and KV router."""
-        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
+        mode = "round-robin" if self.router_mode == "kv" else self.router_mode  # kv: the router picks
+        client = Client(self.runtime, endpoint, router_mode=mode)
         client.allowed = set()
         return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
 
@@ -223,7 +230,11 @@ class ModelWatcher:
         if router is not None:
             await router.subscribe(self.runtime, endpoint.namespace, endpoint.component)
         return _Model(
-            checksum=card.mdcsum(), client=client, router=router, checker=self._start_checker(client, card)
+            checksum=card.mdcsum(),
+            client=client,
+            router=router,
+            checker=self._start_checker(client, card),
+            card=card,
         )
 
     def _start_checker(self, client: Client, card: ModelDeploymentCard) -> HealthChecker | None:
@@ -239,7 +250,9 @@ class ModelWatcher:
     ) -> _Model | None:
         """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
         name = card.display_name
-        kv = self.router_mode == "kv" and card.model_input == "tokens"
+        # An adapter's KV differs from its base model's, but workers' KV events do not say which
+        # adapter a block belongs to: adapters are routed round-robin among their workers.
+        kv = self.router_mode == "kv" and card.model_input == "tokens" and card.lora is None
         client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
@@ -249,7 +262,8 @@ class ModelWatcher:
             log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
             return None
         if self.router_mode == "kv" and not kv:
-            log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
+            why = "is a LoRA adapter" if card.lora is not None else "takes text, not tokens"
+            log.warning("model %r %s: no kv routing for it; round-robin", name, why)
         model = await self._started_pool(card, endpoint, client, router)
         model.disagg = disagg
         prefill = self._prefill.get(name)
@@ -331,6 +345,18 @@ class ModelWatcher:
         self.registry.remove(name)
         await model.close()
         log.info("model %r removed: no workers left", name)
+
+    def serving(self, name: str) -> tuple[EndpointName, list[int], ModelDeploymentCard] | None:
+        """A served model's endpoint, the instances whose cards were accepted, and its card."""
+        model = self._models.get(name)
+        if model is None or model.card is None:
+            return None
+        return model.client.name, sorted(model.client.allowed or ()), model.card
+
+    def routable(self, name: str) -> set[int]:
+        """The instances requests for `name` may go to now (none once it is gone)."""
+        model = self._models.get(name)
+        return set() if model is None else set(model.client.instance_ids())
 
     async def close(self) -> None:
         for model in [*self._models.values(), *self._prefill.values()]:

@@ -82,6 +82,13 @@ class ModelRegistry:
                 "owned_by": "dyngraph",
                 "context_window": self._models[name].card.context_length,
                 "endpoints": endpoints(self._models[name]),
+                # A LoRA adapter's base model, as vLLM lists it; None for a base model.
+                "parent": _parent(self._models[name]),
             }
             for name in self.names()
         ]
+
+
+def _parent(pipeline: ModelPipeline) -> str | None:
+    lora = pipeline.card.lora
+    return None if lora is None else lora.base_model

@@ -26,6 +26,7 @@ from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
+    from dynamo_graph.frontend.lora import LoraAdmin
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.llm.pipeline import ModelPipeline
     from dynamo_graph.router.disagg import DisaggConfig
@@ -153,8 +154,9 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-def frontend_app(cfg: RunConfig, registry: ModelRegistry) -> FrontendApp:
-    """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV)."""
+def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: LoraAdmin | None = None) -> FrontendApp:
+    """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV),
+    and with `lora`, the LoRA adapter routes."""
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.auth import ApiKeys, keys_from_settings
     from dynamo_graph.frontend.limits import FrontendLimits
@@ -168,13 +170,13 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry) -> FrontendApp:
         keys = ApiKeys(keys_from_settings(cfg.api_key))
     except ValueError as err:
         raise RunConfigError(str(err)) from None
-    return FrontendApp(registry, limits=limits, api_keys=keys)
+    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora)
 
 
-async def _serve_http(cfg: RunConfig, registry: ModelRegistry) -> None:
+async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: LoraAdmin | None = None) -> None:
     from dynamo_graph.frontend.app import make_server
 
-    app = frontend_app(cfg, registry)
+    app = frontend_app(cfg, registry, lora)
     server = make_server(app, cfg.http_host, cfg.http_port)
     names = ", ".join(registry.names()) or "models as workers appear"
     auth = "API key required" if app.api_keys else "no API key"
@@ -296,6 +298,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
 async def _run_frontend(cfg: RunConfig) -> int:
     """`out=auto` / `out=dyn://ns.comp.ep`: serve the models that workers register, or with
     --model-path, the static workers of that endpoint."""
+    from dynamo_graph.frontend.lora import LoraAdmin
     from dynamo_graph.frontend.model_watcher import ModelWatcher
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.runtime.runtime import DistributedRuntime
@@ -316,15 +319,17 @@ async def _run_frontend(cfg: RunConfig) -> int:
         disagg=disagg_config(cfg),
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
+    lora = LoraAdmin(watcher)
     try:
         if cfg.input == "http":
-            await _serve_http(cfg, registry)
+            await _serve_http(cfg, registry, lora)
             return 0
         return await _drive_input(cfg, await _first_model(registry, WAIT_FOR_MODEL_S), echo=False)
     finally:
         watch.cancel()
         with suppress(asyncio.CancelledError):
             await watch
+        await lora.close()
         await watcher.close()
         await runtime.close()
 

@@ -71,6 +71,18 @@ def check_parser_name(kind: str, name: str | None, valid: tuple[str, ...]) -> No
         raise ValueError(f"unknown {kind} parser {name!r}; valid names: {', '.join(valid)}")
 
 
+# A worker's adapter-control endpoint, beside its generate endpoint (backend/lora.py).
+LORA_ENDPOINT = "lora"
+
+
+class LoraInfo(msgspec.Struct, frozen=True):
+    """What makes a card an adapter's: the base model it applies to (`/v1/models` lists it as the
+    adapter's `parent`, as vLLM does) and where the worker loaded it from."""
+
+    base_model: str
+    path: str
+
+
 class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Dynamo's MDC. `files` keys: config, tokenizer, tokenizer_config, generation_config, gguf."""
 
@@ -96,6 +108,8 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
     # request that needs another one with a 400 instead of ignoring what was asked.
     engine: str | None = None
     capabilities: list[str] = msgspec.field(default_factory=list)
+    # Set on the card of a LoRA adapter a worker serves beside its base model (backend/lora.py).
+    lora: LoraInfo | None = None
 
     def __post_init__(self) -> None:
         check_parser_name("tool call", self.tool_call_parser, TOOL_CALL_PARSERS)
@@ -154,6 +168,13 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
             context_length=context_length,
         )
 
+    def for_adapter(self, name: str, path: str) -> ModelDeploymentCard:
+        """The card of LoRA adapter `name` on this (base) card's model: the same tokenizer,
+        template and engine, under the adapter's own name."""
+        return msgspec.structs.replace(
+            self, display_name=name, slug=slugify(name), lora=LoraInfo(self.display_name, path)
+        )
+
     def mdcsum(self) -> str:
         """blake2b over what must match across workers of one model; paths are left out."""
         content = [
@@ -166,6 +187,8 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
         # Only when set, so cards without parsers keep the checksums they always had.
         if self.tool_call_parser is not None or self.reasoning_parser is not None:
             content.append([self.tool_call_parser, self.reasoning_parser])
+        if self.lora is not None:  # an adapter's workers must agree on its base model
+            content.append(["lora", self.lora.base_model])
         return hashlib.blake2b(msgspec.json.encode(content)).hexdigest()
 
     def to_json(self) -> bytes:

@@ -2,7 +2,8 @@
 
 Missing parts default as dynamo-run does: `dyn://test` is `test.backend.generate`,
 `dyn://test.worker` is `test.worker.generate`. Keys follow Dynamo's layout (DESIGN.md,
-"Discovery"): `v1/instances/{ns}/{comp}/{ep}/{instance_id:x}` and `v1/mdc/...`.
+"Discovery"): `v1/instances/{ns}/{comp}/{ep}/{instance_id:x}` and `v1/mdc/...`; a LoRA adapter's card sits
+one level deeper, `v1/mdc/{ns}/{comp}/{ep}/{instance_id:x}/{adapter slug}`, as in Dynamo.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class EndpointName:
     def instance_key(self, instance_id: int) -> str:
         return f"{INSTANCES_ROOT}/{self.path}/{instance_id:x}"
 
-    def card_key(self, instance_id: int) -> str:
-        return f"{MDC_ROOT}/{self.path}/{instance_id:x}"
+    def card_key(self, instance_id: int, adapter_slug: str | None = None) -> str:
+        """The instance's model card, or with `adapter_slug` the card of a LoRA adapter it serves."""
+        key = f"{MDC_ROOT}/{self.path}/{instance_id:x}"
+        return key if adapter_slug is None else f"{key}/{adapter_slug}"
 
     def instances_prefix(self) -> str:
         return f"{INSTANCES_ROOT}/{self.path}/"
@@ -73,13 +76,21 @@ def new_instance_id() -> int:
 
 
 def instance_id_from_key(key: str) -> int:
-    """The instance id is the key's last segment in hex (a delete event carries only the key)."""
-    return int(key.rsplit("/", 1)[-1], 16)
+    """The instance id is the key's sixth segment in hex, the last but for an adapter's card key
+    (a delete event carries only the key)."""
+    parts = key.split("/")
+    return int(parts[5] if len(parts) > 5 else parts[-1], 16)
+
+
+def adapter_slug_from_key(key: str) -> str | None:
+    """The LoRA adapter slug of an adapter's card key; None for any other key."""
+    parts = key.split("/")
+    return parts[6] if len(parts) == 7 else None
 
 
 def endpoint_from_key(key: str) -> EndpointName:
-    """`v1/{bucket}/{ns}/{comp}/{ep}/{id}` -> the endpoint name."""
+    """`v1/{bucket}/{ns}/{comp}/{ep}/{id}[/{adapter}]` -> the endpoint name."""
     parts = key.split("/")
-    if len(parts) != 6:
+    if len(parts) != 6 and not (len(parts) == 7 and f"{parts[0]}/{parts[1]}" == MDC_ROOT):
         raise NameError_(f"not an instance or card key: {key!r}")
     return EndpointName(parts[2], parts[3], parts[4])

@@ -26,6 +26,10 @@ first admission); the last carries `finish_reason` ("length", "stop" or "cancell
 pass computed, `removed` for evicted cached blocks, `cleared` for every rank at `cleanup()`; a
 `LoadMetrics` after passes that changed the rank's load (at most every `load_interval_s`, and
 always when the rank goes idle). With prefix caching off no KV events are sent (as vLLM).
+
+LoRA adapters (backend/lora.py): any path is accepted; a request whose `model` names a loaded
+adapter draws other tokens (the adapter's id is mixed into its seed). Unlike vLLM, the prefix
+cache is shared between the base model and its adapters (blocks are not keyed by adapter).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING
 from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvHandoff
+from dynamo_graph.backend.lora import LoraAdapter
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.engines.kv_handoff import first_token_answer, first_token_request
 from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
@@ -111,6 +116,7 @@ class MockerEngine(LLMEngine):
         self._idle.set()
         self._started = False
         self._closed = False
+        self.adapters: dict[str, LoraAdapter] = {}
 
     @classmethod
     def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> MockerEngine:
@@ -180,6 +186,14 @@ class MockerEngine(LLMEngine):
             if sink is not None:
                 with contextlib.suppress(Exception):
                     sink.cleared(rank.scheduler.dp_rank)
+
+    async def load_lora(self, adapter: LoraAdapter) -> None:
+        """Any adapter path is accepted: an adapter changes which tokens a request draws (its
+        id is mixed into the seed), deterministically, as a real one changes greedy output."""
+        self.adapters[adapter.name] = adapter
+
+    async def unload_lora(self, name: str) -> None:
+        self.adapters.pop(name, None)
 
     async def abort(self, context: Context) -> None:
         entry = self._seqs.get(context)
@@ -328,8 +342,10 @@ class MockerEngine(LLMEngine):
         reserved = self.reserved_token_ids | hidden
         if asked:
             reserved = reserved - asked
+        seed = sampling_seed(prompt, request.sampling_options.seed)
+        adapter = self.adapters.get(request.model)
         sampler = TokenSampler(
-            sampling_seed(prompt, request.sampling_options.seed),
+            seed if adapter is None else seed ^ adapter.lora_id,
             self.vocab_size,
             reserved,
             top_logprobs=request.output_options.logprobs,

@@ -1,0 +1,119 @@
+"""LoRA adapters end to end: a real frontend and two mocker workers, each its own process, over
+the embedded planes. An adapter loaded at run time on one worker is listed (with its base model
+as `parent`), served only by that worker, answers differently from the base model, and is gone
+(404) once unloaded; adapters declared on a worker's command line come up with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dynamo_graph.dev.tiny_lora import build_tiny_lora
+from tests.system.routing_helpers import served_by
+from tests.system.test_distributed import wait_for
+from tests.system.test_migration import Cluster
+
+ADAPTER = "tiny-sql"
+PROMPT = "SELECT the answer FROM"
+
+
+@pytest.fixture(scope="module")
+def tiny_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_lora(tmp_path_factory.mktemp("tiny-lora"), tiny_model)
+
+
+def _post(cluster: Cluster, route: str, body: dict, **kw: object) -> httpx.Response:
+    return httpx.post(f"{cluster.frontend.base_url}/v1/{route}", json=body, timeout=30, **kw)  # type: ignore[arg-type]
+
+
+def _complete(client: openai.OpenAI, model: str) -> str:
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    return answer.choices[0].text
+
+
+def _models(cluster: Cluster) -> dict[str, dict]:
+    data = httpx.get(f"{cluster.frontend.base_url}/v1/models", timeout=10).json()["data"]
+    return {m["id"]: m for m in data}
+
+
+def test_adapter_loaded_at_run_time_is_served_only_where_loaded(make_cluster, tiny_lora: Path) -> None:
+    cluster = make_cluster(workers=2, limit=None, speedup=20.0)
+    one, other = cluster.routable()
+    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
+    base_text = _complete(client, cluster.model)
+
+    answer = _post(
+        cluster,
+        "load_lora_adapter",
+        {"lora_name": ADAPTER, "lora_path": str(tiny_lora), "instance_ids": [one]},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.text == f"Success: LoRA adapter '{ADAPTER}' added successfully."
+    models = _models(cluster)
+    assert models[ADAPTER]["parent"] == cluster.model and models[cluster.model]["parent"] is None
+
+    for _ in range(6):
+        instance, text = served_by(cluster.frontend, ADAPTER, lambda: _complete(client, ADAPTER))  # type: ignore[arg-type, return-value]
+        assert instance == one
+    assert text != base_text  # the adapter changes greedy output, the same on every request
+    assert _complete(client, ADAPTER) == text
+    assert _complete(client, cluster.model) == base_text  # the base model is untouched
+
+    again = _post(
+        cluster, "load_lora_adapter", {"lora_name": ADAPTER, "lora_path": "/elsewhere", "instance_ids": [one]}
+    )
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+
+    gone = _post(cluster, "unload_lora_adapter", {"lora_name": ADAPTER})
+    assert gone.status_code == 200, gone.text
+    assert ADAPTER not in _models(cluster)
+    with pytest.raises(openai.NotFoundError) as err:
+        _complete(client, ADAPTER)
+    assert err.value.status_code == 404 and err.value.body["param"] == "model"  # type: ignore[index]
+    assert other in cluster.routable() and _complete(client, cluster.model) == base_text
+
+
+def test_unknown_adapters_and_bad_loads_are_named(make_cluster, tiny_lora: Path, tmp_path: Path) -> None:
+    cluster = make_cluster(workers=1, limit=None, speedup=20.0)
+    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "model"  # type: ignore[index]
+
+    cases = [
+        ("unload_lora_adapter", {"lora_name": "no-such-adapter"}, 404, "lora_name"),
+        ("load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "lora_path"),
+        ("load_lora_adapter", {"lora_name": "x"}, 400, "lora_path"),
+        ("load_lora_adapter", {"lora_name": cluster.model, "lora_path": str(tiny_lora)}, 400, "lora_name"),
+        (
+            "load_lora_adapter",
+            {"lora_name": "x", "lora_path": str(tiny_lora), "base_model": "nope"},
+            404,
+            "base_model",
+        ),
+        (
+            "load_lora_adapter",
+            {"lora_name": "x", "lora_path": str(tiny_lora), "instance_ids": ["abc"]},
+            400,
+            "instance_ids",
+        ),
+    ]
+    for route, body, status, param in cases:
+        answer = _post(cluster, route, body)
+        assert answer.status_code == status, (body, answer.text)
+        assert answer.json()["error"]["param"] == param, (body, answer.text)
+    assert list(_models(cluster)) == [cluster.model]  # nothing half-loaded
+
+
+def test_adapters_declared_on_the_command_line_come_up_with_the_worker(make_cluster, tiny_lora: Path) -> None:
+    cluster = make_cluster(workers=0, limit=None, speedup=20.0)
+    cluster.start_worker(extra_args=["--lora-modules", f"{ADAPTER}={tiny_lora},second={tiny_lora}"])
+    wait_for(lambda: {ADAPTER, "second"} <= set(_models(cluster)), 60, "the declared adapters")
+    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
+    texts = {_complete(client, name) for name in (cluster.model, ADAPTER, "second")}
+    assert len(texts) == 3  # each adapter its own output
+    cluster.workers[0].stop()
+    wait_for(lambda: not _models(cluster), 30, "the models to leave with their worker")
