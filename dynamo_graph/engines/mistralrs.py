@@ -52,7 +52,11 @@ ends every open stream with `EngineShutdown`; it is idempotent and safe before `
 
 Sampling: temperature 0 or unset is greedy; top_p, top_k, min_p, presence/frequency/repetition
 penalties and logit_bias are passed on; guided_regex / guided_json / guided_choice become
-mistral.rs grammars. A seed is ignored (mistral.rs's CPU rng cannot be seeded per request), and
+mistral.rs grammars (regex, json_schema), which the card advertises. guided_grammar is not: the
+grammars mistral.rs parses are Lark and llguidance's, not the GBNF/EBNF vLLM and llama.cpp users
+send, so the frontend answers it with a 400 naming the field and the engine. Logprobs: mistral.rs's
+own, the sampled token's and the request's `top_logprobs` most likely (token ids and values).
+A seed is ignored (mistral.rs's CPU rng cannot be seeded per request), and
 n / best_of above 1 are refused.
 
 Settings (`--extra-engine-args` JSON; unknown keys are refused with the list):
@@ -90,7 +94,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest, TopLogprob
 from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.detokenizer import BYTE_LEVEL_CHAR_TO_BYTE
 from dynamo_graph.llm.openai import AnyRequest
@@ -255,7 +259,7 @@ class _Job:
         "request",
         "stop_ids",
         "stream",
-        "want_logprobs",
+        "top_n",
     )
 
     def __init__(
@@ -272,7 +276,7 @@ class _Job:
             stop.update(request.eos_token_ids)
             stop.update(sc.stop_token_ids_hidden or ())
         self.stop_ids = frozenset(stop)
-        self.want_logprobs = request.output_options.logprobs is not None
+        self.top_n = request.output_options.logprobs  # None: no logprobs asked
         self.loop = loop
         self.out: asyncio.Queue[LLMEngineOutput | BaseException] = asyncio.Queue()
         self.cancelled = False  # set from the event loop; read by the worker
@@ -416,7 +420,7 @@ class _Worker(threading.Thread):
                 model="default",
                 stream=True,
                 logprobs=True,
-                top_logprobs=1,
+                top_logprobs=max(job.top_n or 0, 1),
                 max_tokens=job.max_tokens,
                 ignore_eos=True,
                 **_sampling(job.request),
@@ -458,8 +462,11 @@ class _Worker(threading.Thread):
                 finish, ids = finish or "length", ids[: i + 1]
                 break
         out = LLMEngineOutput(token_ids=ids, finish_reason=finish)  # type: ignore[arg-type]
-        if job.want_logprobs and logprob is not None and ids:
+        if job.top_n is not None and logprob is not None and ids:
             out.log_probs = [logprob] * len(ids)
+            tops = choice.logprobs.top_logprobs or ()
+            top = [TopLogprob(token_id=int(t.token), logprob=float(t.logprob)) for t in tops[: job.top_n]]
+            out.top_logprobs = [top] * len(ids)
         if finish is not None:
             usage = self._usage(job, chunk.usage)
             out.completion_usage = usage
@@ -540,6 +547,10 @@ def _sampling(request: PreprocessedRequest) -> dict[str, Any]:
 
 
 # ---- the engine --------------------------------------------------------------------------------
+
+
+# The optional request features (llm/openai.py CAPABILITIES) this engine honours; see above.
+CAPABILITIES = ("logprobs", "guided_json", "guided_regex", "guided_choice")
 
 
 class MistralrsEngine(LLMEngine):
@@ -685,7 +696,10 @@ class MistralrsEngine(LLMEngine):
             length = model_max
         self.context_length = length
         self._config = EngineConfig(
-            model_input="tokens", context_length=length, max_num_seqs=self.args.max_seqs
+            model_input="tokens",
+            context_length=length,
+            max_num_seqs=self.args.max_seqs,
+            capabilities=list(CAPABILITIES),
         )
         return self._config
 

@@ -59,6 +59,15 @@ bias), guided_json / guided_regex / guided_choice / guided_grammar -> `structure
 (xgrammar). Stop strings are left to the postprocessor. n / best_of > 1 are refused. vLLM's own
 checks of the values reach the client as a 400 (`InvalidArgument`).
 
+Logprobs (`output_options.logprobs = N`): `SamplingParams(logprobs=N)`; each position's dict from
+vLLM (the sampled token and the N most likely, with their ranks) becomes the sampled token's
+logprob and the top N by rank: vLLM's own values, streamed with their tokens.
+
+LoRA adapters (backend/lora.py): `load_lora` calls `AsyncLLM.add_lora(LoRARequest(name, id, path))`
+(a PEFT folder; vLLM must run with `enable_lora`, set automatically when `--lora-modules` declares
+adapters, else through `--extra-engine-args`), and a request whose `model` is the adapter's name
+runs with its `lora_request`; `unload_lora` calls `remove_lora`.
+
 Finish reasons: vLLM's "stop" (eos or a stop token id: it is the last id of the final chunk; the
 postprocessor hides it), "length", "abort" -> "cancelled", "error" -> "error".
 
@@ -107,7 +116,13 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvHandoff
-from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.protocol import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    TopLogprob,
+)
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
 from dynamo_graph.engines.inflight import ActiveRequest, InFlight, checked_prompt
@@ -127,6 +142,7 @@ from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from dynamo_graph.backend.lora import LoraAdapter
     from dynamo_graph.llm.model_source import LocalModel
     from dynamo_graph.router.kv.publisher import KvEventSink
 
@@ -224,6 +240,8 @@ def engine_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
     }
     extra = cfg.engine_args()
     refuse_flag_conflicts(cfg, flags, kwargs, extra, VllmError)
+    if cfg.lora_modules:  # adapters declared on the command line need vLLM's LoRA support
+        kwargs["enable_lora"] = True
     kwargs.update(extra)
     transfer = kv_transfer_config(cfg.disaggregation_mode, extra.get("kv_transfer_config"), VllmError)
     if transfer is not None:
@@ -266,6 +284,8 @@ def sampling_kwargs(
         params["top_k"] = so.top_k if so.top_k > 0 else 0
     if so.seed is not None:
         params["seed"] = so.seed
+    if request.output_options.logprobs is not None:  # the sampled token's, and this many more
+        params["logprobs"] = request.output_options.logprobs
     if so.logit_bias:
         try:
             params["logit_bias"] = {int(k): float(v) for k, v in so.logit_bias.items()}
@@ -290,6 +310,19 @@ def sampling_kwargs(
     if guided:
         params["structured_outputs"] = guided  # turned into StructuredOutputsParams by the engine
     return params
+
+
+def token_logprobs(ids: list[int], positions: Any, top_n: int) -> tuple[list[float], list[list[TopLogprob]]]:
+    """vLLM's per-position logprobs (`{token_id: Logprob(logprob, rank, ...)}`, the sampled token
+    and the `top_n` most likely) as our sampled-token logprobs and top lists (by rank)."""
+    if positions is None or len(positions) != len(ids):
+        raise EngineError(f"vllm sent logprobs for {len(positions or ())} of {len(ids)} tokens")
+    sampled, tops = [], []
+    for token_id, position in zip(ids, positions, strict=True):
+        sampled.append(float(position[token_id].logprob))
+        ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank <= top_n)
+        tops.append([TopLogprob(token_id=tid, logprob=float(lp)) for _, tid, lp in ranked[:top_n]])
+    return sampled, tops
 
 
 # ---- KV events -----------------------------------------------------------------------------------
@@ -365,6 +398,7 @@ class VllmEngine(LLMEngine):
         self._active = InFlight()
         self._ids = itertools.count(1)
         self._closed = False
+        self._loras: dict[str, Any] = {}  # adapter name -> its LoRARequest
 
     @classmethod
     def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> VllmEngine:
@@ -380,6 +414,7 @@ class VllmEngine(LLMEngine):
             from vllm.distributed.kv_events import KVEventBatch
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
         except Exception as err:
@@ -397,6 +432,7 @@ class VllmEngine(LLMEngine):
             "KVEventBatch": KVEventBatch,
             "AsyncEngineArgs": AsyncEngineArgs,
             "TokensPrompt": TokensPrompt,
+            "LoRARequest": LoRARequest,
             "DELTA": RequestOutputKind.DELTA,
             "StructuredOutputsParams": StructuredOutputsParams,
             "AsyncLLM": AsyncLLM,
@@ -478,7 +514,7 @@ class VllmEngine(LLMEngine):
             max_num_seqs=getattr(sched, "max_num_seqs", None),
             max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None),
             data_parallel_size=int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1),
-            capabilities=list(GUIDED_DECODING),  # structured_outputs (above)
+            capabilities=["logprobs", *GUIDED_DECODING],  # logprobs, structured_outputs (above)
         )
 
     def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> ZmqKvSubscriber | None:
@@ -549,6 +585,29 @@ class VllmEngine(LLMEngine):
                 await asyncio.to_thread(llm.shutdown)
             except Exception as err:
                 log.warning("vllm: shutdown failed: %s", err)
+
+    async def load_lora(self, adapter: LoraAdapter) -> None:
+        """`AsyncLLM.add_lora`: vLLM reads and checks the PEFT folder now (rank, modules), so a bad
+        adapter is refused here, not at its first request."""
+        if self._llm is None:
+            raise EngineError("the vllm engine is not started")
+        if not (self.launched_args or {}).get("enable_lora"):
+            raise InvalidArgument(
+                'vllm was started without LoRA support: add {"enable_lora": true} (and max_lora_rank '
+                "if adapters have a rank above 16) to --extra-engine-args",
+                param="lora_name",
+            )
+        lora = self._vllm["LoRARequest"](adapter.name, adapter.lora_id, adapter.path)
+        try:
+            await self._llm.add_lora(lora)
+        except Exception as err:
+            raise InvalidArgument(f"vllm cannot load the adapter: {err}", param="lora_path") from None
+        self._loras[adapter.name] = lora
+
+    async def unload_lora(self, name: str) -> None:
+        lora = self._loras.pop(name, None)
+        if lora is not None and self._llm is not None:
+            await self._llm.remove_lora(lora.lora_int_id)
 
     async def abort(self, context: Context) -> None:
         await self._active.abort(context, self._abort)
@@ -637,6 +696,7 @@ class VllmEngine(LLMEngine):
                 param="prompt",
             )
         params = self._sampling_params(request, kv_params)
+        top_n = request.output_options.logprobs
         if context.is_stopped():
             yield LLMEngineOutput(finish_reason="cancelled", completion_usage=CompletionUsage(len(prompt), 0))
             return
@@ -651,6 +711,9 @@ class VllmEngine(LLMEngine):
                 kw: dict[str, Any] = {}
                 if request.dp_rank is not None:
                     kw["data_parallel_rank"] = request.dp_rank
+                lora = self._loras.get(request.model)
+                if lora is not None:
+                    kw["lora_request"] = lora
                 stream = llm.generate(
                     self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
                 )
@@ -659,6 +722,8 @@ class VllmEngine(LLMEngine):
                     ids = list(completion.token_ids) if completion is not None else []
                     sent += len(ids)
                     out = LLMEngineOutput(token_ids=ids)
+                    if top_n is not None and ids:
+                        out.log_probs, out.top_logprobs = token_logprobs(ids, completion.logprobs, top_n)
                     if cached is None and res.num_cached_tokens is not None:
                         cached = int(res.num_cached_tokens)
                     if first and (ids or res.finished):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -319,3 +320,47 @@ def test_missing_package_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "mistralrs", None)
     with pytest.raises(MistralrsError, match=r"pip install 'dyngraph\[mistralrs\]'"):
         import_mistralrs()
+
+
+def test_http_logprobs_and_guided_decoding(server: ServerProcess, tiny_model: Path) -> None:
+    """What the card advertises is served (logprobs, guided_choice/regex/json); guided_grammar
+    (mistral.rs parses Lark, not GBNF) is a 400 naming the field and the engine."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    kw: dict[str, Any] = {
+        "model": tiny_model.name,
+        "messages": [{"role": "user", "content": "What is the capital of Tuvalu?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 8
+    for entry in content:  # greedy: the sampled token is the most likely one
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == entry.top_logprobs[0].logprob < 0
+    streamed = [
+        e for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+    plain = {k: v for k, v in kw.items() if "logprobs" not in k}
+    for _ in range(3):
+        choice = client.chat.completions.create(**plain, extra_body={"guided_choice": ["yes", "no"]})
+        assert choice.choices[0].message.content in ("yes", "no")
+    digits = client.chat.completions.create(**plain, extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content or "")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = client.chat.completions.create(
+        **plain, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    )
+    assert (constrained.choices[0].message.content or "").startswith("{")  # the tiny model rambles on in JSON
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**plain, extra_body={"guided_grammar": 'root ::= "yes"'})
+    assert err.value.body["param"] == "guided_grammar" and "mistralrs" in err.value.body["message"]  # type: ignore[index]
