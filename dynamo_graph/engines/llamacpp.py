@@ -83,6 +83,11 @@ an aggregated run's. `prompt_tokens_evaluated` counts the prompt tokens the cont
 at debug level (DYN_LOG=info,dynamo_graph.engines.llamacpp=debug) each request logs how many
 prompt tokens came from the cache or a handoff and how many were evaluated.
 
+LoRA adapters (backend/lora.py): `load_lora` loads a GGUF LoRA (`llama_adapter_lora_init`; a
+.gguf file, or a folder holding one: dyngraph.dev.tiny_lora writes both a PEFT folder and its
+GGUF); a request whose `model` is the adapter's name decodes with it. Sequences of different
+adapters take turns in the one context (llamacpp_batch.py).
+
 Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each step, so
 before each token and between prefill chunks; the stream then ends with finish_reason
 "cancelled". Every final chunk carries `completion_usage` (prompt, completion and cached
@@ -130,6 +135,7 @@ from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
     from dynamo_graph.backend.kv_transfer import KvHandoff
+    from dynamo_graph.backend.lora import LoraAdapter
     from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
@@ -167,6 +173,7 @@ class LlamaCppEngine(LLMEngine):
         self._drained.set()
         self._started = False
         self._closed = False
+        self._adapters: dict[str, Any] = {}  # LoRA adapter name -> its llama_adapter_lora_p
 
     @classmethod
     def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> LlamaCppEngine:
@@ -267,6 +274,33 @@ class LlamaCppEngine(LLMEngine):
         while self._jobs:
             self._drained.clear()
             await self._drained.wait()
+
+    async def load_lora(self, adapter: LoraAdapter) -> None:
+        """A GGUF LoRA (`convert_lora_to_gguf.py`'s output, made for this model): the file, or a
+        folder holding one .gguf. llama.cpp frees adapters with the model."""
+        if not self._started:
+            raise EngineError("the llamacpp engine is not started")
+        path, loaded = await asyncio.to_thread(self._init_adapter, Path(adapter.path))
+        if not loaded:
+            raise InvalidArgument(
+                f"llama.cpp could not load {path} as a LoRA adapter of {self.gguf_path.name} (a GGUF "
+                "LoRA made for this model, e.g. by llama.cpp's convert_lora_to_gguf.py)",
+                param="lora_path",
+            )
+        self._adapters[adapter.name] = loaded
+
+    def _init_adapter(self, path: Path) -> tuple[Path, Any]:
+        if path.is_dir():
+            found = sorted(path.glob("*.gguf"))
+            if len(found) != 1:
+                message = f"lora_path {path} holds {len(found)} .gguf files; name the adapter's file"
+                raise InvalidArgument(message, param="lora_path")
+            path = found[0]
+        return path, self._llama_cpp.llama_adapter_lora_init(self._model.model, str(path).encode())
+
+    async def unload_lora(self, name: str) -> None:
+        # Requests running with it finish with it; its memory goes with the model.
+        self._adapters.pop(name, None)
 
     async def abort(self, context: Context) -> None:
         job = self._jobs.get(context)
@@ -430,6 +464,7 @@ class LlamaCppEngine(LLMEngine):
             grammar=grammar,
             logprobs=request.output_options.logprobs,
             end_ids=end_ids,
+            adapter=self._adapters.get(request.model),
         )
 
     def _samplers(self, job: Job) -> list[Any]:

@@ -30,11 +30,18 @@ busy or other sequence shares a longer one, that prefix is copied into the chose
 to the cells' owners, it copies no data). The rest of the free sequence is dropped with
 `llama_memory_seq_rm`; at least one prompt token is always evaluated, for fresh logits. A model
 whose memory is recurrent cannot drop part of a sequence: it starts from an empty one.
+
+LoRA adapters: llama.cpp applies adapters to the whole context (`llama_set_adapters_lora`), not
+per sequence, so a step decodes the sequences of one adapter (or of none) only, and the adapters
+of the running requests take turns step by step, as llama.cpp's server batches only requests of
+equal adapters together. A sequence's cells remember the adapter they were computed with: a
+prefix is reused only for a request of the same adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import threading
 from collections import deque
@@ -58,6 +65,7 @@ class Job:
     """A request's state, shared between the event loop and the loop's thread."""
 
     __slots__ = (
+        "adapter",
         "cached",
         "cancelled",
         "context",
@@ -98,8 +106,10 @@ class Job:
         grammar: str | None = None,
         logprobs: int | None = None,
         end_ids: frozenset[int] = frozenset(),
+        adapter: Any = None,
     ) -> None:
         self.context = context
+        self.adapter = adapter  # the LoRA adapter (llama_adapter_lora_p) to decode with, or None
         self.grammar = grammar
         # End-of-generation ids that end the request unsent (a complete grammar allows only them).
         self.end_ids = end_ids
@@ -167,10 +177,11 @@ class Job:
 class Seq:
     """One sequence id of the context: the ids its KV cells hold and, while busy, its job."""
 
-    __slots__ = ("chains", "id", "job", "todo", "tokens")
+    __slots__ = ("adapter", "chains", "id", "job", "todo", "tokens")
 
     def __init__(self, seq_id: int) -> None:
         self.id = seq_id
+        self.adapter: Any = None  # the LoRA adapter its cells were computed with
         self.tokens: list[int] = []  # the ids whose KV the sequence holds, positions 0..n-1
         self.job: Job | None = None
         self.todo: list[int] = []  # what is left to evaluate: the prompt's rest, or the last token
@@ -206,6 +217,7 @@ class BatchLoop:
         self._seqs = [Seq(i) for i in range(n_seq)]
         self.evaluated = 0  # prompt tokens evaluated (not taken from a cache or a handoff)
         self.steps = 0  # llama_decode calls: one per step, whatever the number of sequences in it
+        self._applied: Any = None  # the LoRA adapter set on the context now
         self._waiting: deque[Job] = deque()
         self._woken: list[Job] = []  # jobs with output whose consumers _flush() wakes
         self._cond = threading.Condition()
@@ -292,7 +304,10 @@ class BatchLoop:
         free = [seq for seq in self._seqs if seq.job is None]
         while queue and free:
             job = queue.pop(0)
-            seq = max(free, key=lambda s: _common_prefix(s.tokens, job.prompt)) if self._reuse else free[0]
+            # The longest usable prefix; among equals, the sequence holding least (keep caches).
+            seq = (
+                max(free, key=lambda s: (_cached_prefix(s, job), -len(s.tokens))) if self._reuse else free[0]
+            )
             free.remove(seq)
             self._start(seq, job)
         with self._cond:
@@ -315,7 +330,8 @@ class BatchLoop:
                 import_sequence(self._lc, self._ctx, job.handoff, seq.id)
                 reuse = job.handoff.num_tokens
             else:
-                reuse = self._reuse_prefix(seq, prompt)
+                reuse = self._reuse_prefix(seq, job)
+            seq.adapter = job.adapter
             seq.tokens = prompt[:reuse]
             seq.todo = prompt[reuse:]
             job.cached = reuse
@@ -345,16 +361,17 @@ class BatchLoop:
             seq.id,
         )
 
-    def _reuse_prefix(self, seq: Seq, prompt: list[int]) -> int:
-        """Keep (or copy in from another sequence) the longest cached prefix of `prompt`, short
-        of its last token; drop the rest of `seq`. Returns its length."""
+    def _reuse_prefix(self, seq: Seq, job: Job) -> int:
+        """Keep (or copy in from another sequence) the longest cached prefix of the job's prompt
+        computed with its LoRA adapter, short of its last token; drop the rest of `seq`.
+        Returns its length."""
         if not self._reuse:
             self._drop(seq)
             return 0
-        limit = len(prompt) - 1
-        own = min(_common_prefix(seq.tokens, prompt), limit)
-        donor = max(self._seqs, key=lambda s: _common_prefix(s.tokens, prompt))
-        shared = min(_common_prefix(donor.tokens, prompt), limit)
+        limit = len(job.prompt) - 1
+        own = min(_cached_prefix(seq, job), limit)
+        donor = max(self._seqs, key=lambda s: _cached_prefix(s, job))
+        shared = min(_cached_prefix(donor, job), limit)
         if shared > own:
             self._lc.llama_memory_seq_rm(self._mem, seq.id, -1, -1)
             self._lc.llama_memory_seq_cp(self._mem, donor.id, seq.id, 0, shared)
@@ -396,6 +413,7 @@ class BatchLoop:
         busy = self._busy()
         if not busy:
             return
+        busy = self._adapter_turn(busy)
         busy.sort(key=_prefilling)  # generating sequences first (one token each), then prompts
         lc, batch = self._lc, self._batch
         n = 0
@@ -436,6 +454,30 @@ class BatchLoop:
             if index >= 0:
                 self._sample(seq, job, index)
 
+    def _adapter_turn(self, busy: list[Seq]) -> list[Seq]:
+        """The sequences of this step: a context decodes with one set of LoRA adapters, so
+        requests of different adapters (or none) take turns, one step each; the context is set
+        to this turn's adapter."""
+        groups: list[Any] = []
+        for seq in busy:
+            adapter = seq.job.adapter if seq.job is not None else None
+            if not any(adapter is g for g in groups):
+                groups.append(adapter)
+        turn = groups[self.steps % len(groups)]
+        if turn is not self._applied:
+            lc = self._lc
+            if turn is None:
+                ret = lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+            else:
+                adapters = (lc.llama_adapter_lora_p_ctypes * 1)(turn)
+                ret = lc.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+            if ret != 0:
+                raise EngineError(
+                    f"llama.cpp could not set the LoRA adapter (llama_set_adapters_lora: {ret})"
+                )
+            self._applied = turn
+        return [seq for seq in busy if seq.job is not None and seq.job.adapter is turn]
+
     def _sample(self, seq: Seq, job: Job, index: int) -> None:
         lc = self._lc
         chains = seq.chains
@@ -475,6 +517,11 @@ def _wake(jobs: list[Job]) -> None:
 
 def _prefilling(seq: Seq) -> bool:
     return seq.job is not None and len(seq.tokens) < len(seq.job.prompt)
+
+
+def _cached_prefix(seq: Seq, job: Job) -> int:
+    """How much of the job's prompt the sequence's cells hold, computed with the job's adapter."""
+    return _common_prefix(seq.tokens, job.prompt) if seq.adapter is job.adapter else 0
 
 
 def _common_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
