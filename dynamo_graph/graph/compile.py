@@ -370,6 +370,9 @@ class _Compiler:
             argv += ["--dyn-tool-call-parser", model.tool_call_parser]
         if model.reasoning_parser:
             argv += ["--dyn-reasoning-parser", model.reasoning_parser]
+        if model.lora_adapters:
+            adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in model.lora_adapters.items())
+            argv += ["--lora-modules", ",".join(adapters)]
         args_file = self._engine_args_file(name, worker)
         if args_file:
             argv += ["--extra-engine-args", args_file]

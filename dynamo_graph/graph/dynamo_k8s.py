@@ -207,6 +207,12 @@ def not_rendered(graph: Graph) -> list[str]:
                 notes.append(f"components.{key}.gpus.tensor_parallel_size: {comp.engine} has no such flag")
             if comp.static:
                 notes.append(f"components.{key}.static: Dynamo's operator always uses discovery")
+    for key, model in sorted(graph.models.items()):
+        if model.lora_adapters:
+            names = ", ".join(model.lora_adapters)
+            notes.append(
+                f"models.{key}.lora_adapters: {names} (declare each as a DynamoModel of modelType lora)"
+            )
     return notes
 
 

@@ -81,6 +81,21 @@ def _env_name(name: str) -> str:
     return name
 
 
+_ADAPTER_NAME_RE = re.compile(r"^[^\s/,=]+$")
+
+
+def _adapter_name(name: str) -> str:
+    if not _ADAPTER_NAME_RE.match(name):
+        raise ValueError(f"LoRA adapter name {name!r} may not hold spaces, '/', ',' or '='")
+    return name
+
+
+def _adapter_path(path: str) -> str:
+    if not path or "," in path:
+        raise ValueError(f"LoRA adapter path {path!r} must be non-empty and hold no ','")
+    return path
+
+
 def _env_value(value: Any) -> Any:
     # YAML reads `FOO: 1` and `FOO: true` as numbers and booleans; the process sees strings.
     if isinstance(value, bool):
@@ -283,6 +298,13 @@ class Model(_Model):
     """How frontends find tool calls in the model's output (--dyn-tool-call-parser)."""
     reasoning_parser: ReasoningParser | None = None
     """How frontends split the model's thinking into `reasoning_content` (--dyn-reasoning-parser)."""
+    lora_adapters: dict[
+        Annotated[str, AfterValidator(_adapter_name)], Annotated[str, AfterValidator(_adapter_path)]
+    ] = Field(default_factory=dict)
+    """LoRA adapters every worker of the model serves beside it, each as its own model name:
+    name -> path (a PEFT folder for vllm, a GGUF LoRA or a folder with one for llamacpp, any path
+    for mocker; relative to the graph file) (--lora-modules). More load at run time through the
+    frontend's POST /v1/load_lora_adapter."""
 
 
 # ---------------------------------------------------------------------------------------------
