@@ -81,7 +81,7 @@ def error_body(
 
 # msgspec's messages end with " - at `$.field[0].sub`"; the path becomes the OpenAI `param`.
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
-_MISSING_RE = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+_MISSING_RE = re.compile(r"Object (missing required|contains unknown) field `(?P<field>[^`]+)`")
 
 
 def from_decode_error(err: msgspec.DecodeError | msgspec.ValidationError) -> HTTPError:

@@ -18,6 +18,7 @@ from tests.system.test_migration import Cluster
 
 ADAPTER = "tiny-sql"
 PROMPT = "SELECT the answer FROM"
+KEY = "sk-lora-test"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def _complete(client: openai.OpenAI, model: str) -> str:
     return answer.choices[0].text
 
 
-def _models(cluster: Cluster) -> dict[str, dict]:
-    data = httpx.get(f"{cluster.frontend.base_url}/v1/models", timeout=10).json()["data"]
+def _models(cluster: Cluster, **kw: object) -> dict[str, dict]:
+    data = httpx.get(f"{cluster.frontend.base_url}/v1/models", timeout=10, **kw).json()["data"]  # type: ignore[arg-type]
     return {m["id"]: m for m in data}
 
 
@@ -77,35 +78,34 @@ def test_adapter_loaded_at_run_time_is_served_only_where_loaded(make_cluster, ti
 
 
 def test_unknown_adapters_and_bad_loads_are_named(make_cluster, tiny_lora: Path, tmp_path: Path) -> None:
-    cluster = make_cluster(workers=1, limit=None, speedup=20.0)
-    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
+    """Behind the frontend's API key, like every /v1/ route; every mistake a 4xx naming its field."""
+    cluster = make_cluster(workers=1, limit=None, speedup=20.0, frontend_env={"DYN_API_KEY": KEY})
+    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
     assert err.value.body["param"] == "model"  # type: ignore[index]
 
+    body = {"lora_name": "x", "lora_path": str(tiny_lora)}
+    assert _post(cluster, "load_lora_adapter", body).status_code == 401
+    assert _post(cluster, "unload_lora_adapter", {"lora_name": "x"}).status_code == 401
+    auth = {"headers": {"Authorization": f"Bearer {KEY}"}}
     cases = [
         ("unload_lora_adapter", {"lora_name": "no-such-adapter"}, 404, "lora_name"),
         ("load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "lora_path"),
         ("load_lora_adapter", {"lora_name": "x"}, 400, "lora_path"),
         ("load_lora_adapter", {"lora_name": cluster.model, "lora_path": str(tiny_lora)}, 400, "lora_name"),
-        (
-            "load_lora_adapter",
-            {"lora_name": "x", "lora_path": str(tiny_lora), "base_model": "nope"},
-            404,
-            "base_model",
-        ),
-        (
-            "load_lora_adapter",
-            {"lora_name": "x", "lora_path": str(tiny_lora), "instance_ids": ["abc"]},
-            400,
-            "instance_ids",
-        ),
+        ("load_lora_adapter", {**body, "base_model": "nope"}, 404, "base_model"),
+        ("load_lora_adapter", {**body, "instance_ids": ["abc"]}, 400, "instance_ids"),
+        ("load_lora_adapter", {**body, "instance_ids": ["not hex"]}, 400, "instance_ids"),
+        ("load_lora_adapter", {**body, "bogus": 1}, 400, "bogus"),
     ]
-    for route, body, status, param in cases:
-        answer = _post(cluster, route, body)
-        assert answer.status_code == status, (body, answer.text)
-        assert answer.json()["error"]["param"] == param, (body, answer.text)
-    assert list(_models(cluster)) == [cluster.model]  # nothing half-loaded
+    for route, sent, status, param in cases:
+        answer = _post(cluster, route, sent, **auth)
+        assert answer.status_code == status, (sent, answer.text)
+        assert answer.json()["error"]["param"] == param, (sent, answer.text)
+    assert list(_models(cluster, **auth)) == [cluster.model]  # nothing half-loaded
+    assert _post(cluster, "load_lora_adapter", body, **auth).status_code == 200
+    assert set(_models(cluster, **auth)) == {cluster.model, "x"}
 
 
 def test_adapters_declared_on_the_command_line_come_up_with_the_worker(make_cluster, tiny_lora: Path) -> None:
