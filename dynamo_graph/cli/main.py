@@ -386,6 +386,21 @@ def tiny_model_command(
     err.print(f"tiny model written to {path}")
 
 
+@dev_app.command(
+    "tiny-lora", help="Build a LoRA adapter of the tiny model (PEFT folder + GGUF LoRA) into DIR."
+)
+def tiny_lora_command(
+    out_dir: Annotated[Path, typer.Argument(help="folder to write")],
+    base_model: Annotated[
+        str, typer.Option("--base-model", help="recorded in adapter_config.json")
+    ] = "tiny-model",
+    seed: Annotated[int, typer.Option("--seed", help="another seed, another adapter")] = 1,
+) -> None:
+    from dynamo_graph.dev.tiny_lora import build_tiny_lora
+
+    err.print(f"tiny LoRA adapter written to {build_tiny_lora(out_dir, base_model, seed=seed)}")
+
+
 @app.command("version", help="Print the version.")
 def version_command() -> None:
     print(__version__)
