@@ -7,6 +7,7 @@ Needs vLLM: these run in .venv-vllm (`make test-vllm`); elsewhere the module is 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -24,7 +25,8 @@ import pytest_asyncio
 
 from dynamo_graph.backend.lora import LoraAdapter, lora_id
 from dynamo_graph.backend.protocol import OutputOptions, PreprocessedRequest
-from dynamo_graph.dev.tiny_lora import build_tiny_lora
+from dynamo_graph.dev.tiny_lora import GGUF_LORA_NAME, build_tiny_lora
+from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.vllm import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
 from tests.integration.engine_helpers import collect, greedy_request, ids
@@ -108,7 +110,7 @@ async def test_logprobs_are_vllms_own(engine: VllmEngine, prompt_ids: list[int])
 
 @in_module_loop
 async def test_an_adapter_changes_greedy_output_as_in_vllm(
-    engine: VllmEngine, prompt_ids: list[int], tiny_lora: Path
+    engine: VllmEngine, prompt_ids: list[int], tiny_lora: Path, tiny_model: Path
 ) -> None:
     base = ids(await collect(engine, _request(prompt_ids)))
     await engine.load_lora(LoraAdapter("sql", str(tiny_lora), lora_id("sql")))
@@ -117,6 +119,17 @@ async def test_an_adapter_changes_greedy_output_as_in_vllm(
         engine, prompt_ids, engine._vllm["LoRARequest"]("sql", lora_id("sql"), str(tiny_lora))
     )
     assert with_adapter == list(own.token_ids) and with_adapter != base
+    if importlib.util.find_spec("llama_cpp") is not None:  # the GGUF form of the same adapter
+        import llama_cpp
+
+        llm = llama_cpp.Llama(
+            model_path=str(tiny_model / GGUF_NAME),
+            lora_path=str(tiny_lora / GGUF_LORA_NAME),
+            n_ctx=512,
+            verbose=False,
+        )
+        gguf_ids = list(itertools.islice(llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0), N))
+        assert gguf_ids == with_adapter
     await engine.unload_lora("sql")
     assert ids(await collect(engine, _request(prompt_ids, model="sql"))) == base
 
