@@ -1,4 +1,4 @@
-"""LoRA adapters a worker serves beside its base model, each under its own model name.
+"""LoRA adapters an engine serves beside its base model, each under its own model name.
 
 A worker's engine loads an adapter (`LLMEngine.load_lora`), and the worker then publishes a
 model card for it — the base card under the adapter's name, with `lora` naming the base model —
@@ -9,7 +9,9 @@ it; unloading deletes the card, and the model leaves `/v1/models` with its last 
 Adapters come from the worker's command line (`--lora-modules NAME=PATH,...`, what a graph's
 `lora_adapters` compile to) or at run time through the worker's `lora` endpoint, which the
 frontend's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` call (frontend/lora.py).
-Engines see an adapter's requests by their `model`: the adapter's name.
+Engines see an adapter's requests by their `model`: the adapter's name. In-process serving
+(`dyngraph run in=http out=ENGINE`) uses the same manager, publishing to the frontend's registry
+instead (inputs/lora_local.py).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from xxhash import xxh3_64_intdigest
 
-from dynamo_graph.backend.errors import InvalidArgument, ModelNotFound
+from dynamo_graph.backend.errors import EngineError, InvalidArgument, ModelNotFound
 from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.card import LORA_ENDPOINT, ModelDeploymentCard, slugify
 
@@ -32,7 +34,14 @@ if TYPE_CHECKING:
     from dynamo_graph.runtime.runtime import Endpoint
 
 log = logging.getLogger(__name__)
-__all__ = ["LORA_ENDPOINT", "LoraAdapter", "LoraManager", "lora_handler", "parse_lora_modules"]
+__all__ = [
+    "LORA_ENDPOINT",
+    "LoraAdapter",
+    "LoraManager",
+    "discovery_publisher",
+    "lora_handler",
+    "parse_lora_modules",
+]
 
 MAX_NAME_LEN = 256
 _NAME = re.compile(r"^[^\s/]+$")
@@ -97,18 +106,20 @@ def parse_lora_modules(text: str | None) -> list[tuple[str, str]]:
     return pairs
 
 
-class LoraManager:
-    """The adapters one worker serves: loads them into its engine, publishes their cards."""
+# Makes an adapter's card known (a worker: in discovery; in-process serving: to the frontend's
+# registry), or with None, withdraws it.
+Publish = Callable[[str, ModelDeploymentCard | None], Awaitable[None]]
 
-    def __init__(self, engine: AdapterEngine, endpoint: Endpoint, card: ModelDeploymentCard) -> None:
+
+class LoraManager:
+    """The adapters one engine serves: loads them into it and publishes their cards."""
+
+    def __init__(self, engine: AdapterEngine, card: ModelDeploymentCard, publish: Publish) -> None:
         self.engine = engine
-        self.endpoint = endpoint
         self.card = card
+        self.publish = publish
         self.adapters: dict[str, LoraAdapter] = {}
         self._lock = asyncio.Lock()  # one load/unload at a time: engines are not re-entrant here
-
-    def _key(self, name: str) -> str:
-        return self.endpoint.name.card_key(self.endpoint.instance_id, slugify(name))
 
     async def load(self, name: Any, path: Any) -> tuple[LoraAdapter, bool]:
         """Load and publish the adapter; (adapter, False) when it was loaded already from the
@@ -134,9 +145,7 @@ class LoraManager:
             adapter = LoraAdapter(name, path, lora_id(name))
             await self.engine.load_lora(adapter)
             self.adapters[name] = adapter
-            discovery = self.endpoint.runtime.discovery
-            if discovery is not None:
-                await discovery.put(self._key(name), self.card.for_adapter(name, path).to_json())
+            await self.publish(name, self.card.for_adapter(name, path))
             log.info("LoRA adapter %r loaded from %s (id %d)", name, path, adapter.lora_id)
             return adapter, True
 
@@ -146,13 +155,34 @@ class LoraManager:
             adapter = self.adapters.get(name) if isinstance(name, str) else None
             if adapter is None:
                 raise ModelNotFound(f"The lora adapter {name!r} is not loaded here", param="lora_name")
-            discovery = self.endpoint.runtime.discovery
-            if discovery is not None:
-                await discovery.delete(self._key(adapter.name))
+            await self.publish(adapter.name, None)
             del self.adapters[adapter.name]
             await self.engine.unload_lora(adapter.name)
             log.info("LoRA adapter %r unloaded", adapter.name)
             return adapter
+
+    async def load_declared(self, lora_modules: str | None) -> None:
+        """The adapters of `--lora-modules`; a RunConfigError names the one that failed."""
+        for name, path in parse_lora_modules(lora_modules):
+            try:
+                await self.load(name, path)
+            except EngineError as err:
+                raise RunConfigError(f"--lora-modules {name}={path}: {err.message}") from None
+
+
+def discovery_publisher(endpoint: Endpoint) -> Publish:
+    """A worker's adapter cards: one key below its own card, under its lease."""
+
+    async def publish(name: str, card: ModelDeploymentCard | None) -> None:
+        discovery = endpoint.runtime.discovery
+        assert discovery is not None, "adapter cards need discovery"
+        key = endpoint.name.card_key(endpoint.instance_id, slugify(name))
+        if card is None:
+            await discovery.delete(key)
+        else:
+            await discovery.put(key, card.to_json())
+
+    return publish
 
 
 def lora_handler(manager: LoraManager):

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
-from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.handlers import (
     Closing,
     InflightCap,
@@ -39,7 +38,7 @@ from dynamo_graph.backend.handlers import (
     tokens_handler,
 )
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
-from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, lora_handler, parse_lora_modules
+from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publisher, lora_handler
 from dynamo_graph.backend.run_config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
@@ -254,12 +253,8 @@ async def _serve_lora_adapters(
         if cfg.lora_modules:
             raise RunConfigError("--lora-modules needs discovery (adapter cards); not with --static-worker")
         return
-    manager = LoraManager(engine, endpoint, card)
-    for adapter, path in parse_lora_modules(cfg.lora_modules):
-        try:
-            await manager.load(adapter, path)
-        except EngineError as err:
-            raise RunConfigError(f"--lora-modules {adapter}={path}: {err.message}") from None
+    manager = LoraManager(engine, card, discovery_publisher(endpoint))
+    await manager.load_declared(cfg.lora_modules)
     control = runtime.namespace(name.namespace).component(name.component).endpoint(LORA_ENDPOINT)
     await control.start_serving(lora_handler(manager))
 

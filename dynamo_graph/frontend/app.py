@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import Response
 
-    from dynamo_graph.frontend.lora import LoraAdmin
+    from dynamo_graph.frontend.lora import AdapterAdmin
 
 log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
@@ -212,7 +212,7 @@ class FrontendApp:
         body_limit: int | None = None,
         limits: FrontendLimits | None = None,
         api_keys: ApiKeys | None = None,
-        lora: LoraAdmin | None = None,
+        lora: AdapterAdmin | None = None,
     ) -> None:
         """`lora`: serve the LoRA adapter routes (frontend/lora.py) through it."""
         if limits is None:

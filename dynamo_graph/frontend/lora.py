@@ -7,11 +7,12 @@ backend/lora.py); each then publishes the adapter's model card and the model wat
 and routes it to them only. The answer waits until that has happened (up to
 DYN_LORA_WAIT_S, default 10 s), so a client may use the adapter as soon as it has its 200.
 
-Two extensions, since a graph has many workers and may serve several models: `base_model` (the
-model the adapter applies to; may be left out when the frontend serves one base model) and
-`instance_ids` (hex, as /health shows them: load it on these workers only; default: all the
-base model's workers). Unloading unloads it from every worker that serves it. Both routes sit
-behind the API key when one is set (every /v1/ route does).
+In-process serving (`dyngraph run in=http out=ENGINE`) serves the same routes with its own
+admin (inputs/lora_local.py). Two extensions, since a graph has many workers and may serve
+several models: `base_model` (the model the adapter applies to; may be left out when the
+frontend serves one base model) and `instance_ids` (hex, as /health shows them: load it on
+these workers only; default: all the base model's workers). Unloading unloads it from every
+worker that serves it. Both routes sit behind the API key when one is set (as every /v1/ route).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -61,6 +62,15 @@ def _instance_id(value: str | int) -> int:
     except ValueError:
         message = f"instance_ids: {value!r} is not a hex instance id"
         raise HTTPError(400, message, param="instance_ids") from None
+
+
+class AdapterAdmin(Protocol):
+    """What the routes call: LoraAdmin (workers found by discovery), or in-process serving's
+    (inputs/lora_local.py). Each returns the success line, or raises HTTPError / RequestError."""
+
+    async def load(self, request: LoadLoraAdapter) -> str: ...
+
+    async def unload(self, request: UnloadLoraAdapter) -> str: ...
 
 
 class LoraAdmin:
@@ -118,9 +128,6 @@ class LoraAdmin:
         return serving[0], serving[1], base
 
     async def load(self, request: LoadLoraAdapter) -> str:
-        if request.load_inplace:
-            message = "load_inplace is not supported: unload the adapter, then load it"
-            raise HTTPError(400, message, param="load_inplace")
         if request.lora_name in self.watcher.registry.names():
             served = self.watcher.serving(request.lora_name)
             if served is None or served[2].lora is None:
@@ -198,7 +205,7 @@ _UNLOAD = msgspec.json.Decoder(UnloadLoraAdapter)
 class LoraRoutes:
     """The two routes as one raw ASGI handler (the app's dispatcher sends both paths here)."""
 
-    def __init__(self, admin: LoraAdmin, body_limit: int) -> None:
+    def __init__(self, admin: AdapterAdmin, body_limit: int) -> None:
         self.admin = admin
         self.body_limit = body_limit
 
@@ -212,7 +219,11 @@ class LoraRoutes:
         try:
             body = await read_body(receive, self.body_limit)
             if scope["path"].rstrip("/") == LOAD_PATH:
-                message = await self.admin.load(_LOAD.decode(body))
+                load = _LOAD.decode(body)
+                if load.load_inplace:
+                    message = "load_inplace is not supported: unload the adapter, then load it"
+                    raise HTTPError(400, message, param="load_inplace")
+                message = await self.admin.load(load)
             else:
                 message = await self.admin.unload(_UNLOAD.decode(body))
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -233,4 +244,4 @@ class LoraRoutes:
         await send({"type": "http.response.body", "body": message.encode()})
 
 
-__all__ = ["LOAD_PATH", "UNLOAD_PATH", "LoraAdmin", "LoraRoutes"]
+__all__ = ["LOAD_PATH", "UNLOAD_PATH", "AdapterAdmin", "LoraAdmin", "LoraRoutes"]

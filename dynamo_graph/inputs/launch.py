@@ -26,7 +26,7 @@ from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
-    from dynamo_graph.frontend.lora import LoraAdmin
+    from dynamo_graph.frontend.lora import AdapterAdmin
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.llm.pipeline import ModelPipeline
     from dynamo_graph.router.disagg import DisaggConfig
@@ -154,7 +154,7 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: LoraAdmin | None = None) -> FrontendApp:
+def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> FrontendApp:
     """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV),
     and with `lora`, the LoRA adapter routes."""
     from dynamo_graph.frontend.app import FrontendApp
@@ -173,7 +173,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: LoraAdmin | None
     return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora)
 
 
-async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: LoraAdmin | None = None) -> None:
+async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
     from dynamo_graph.frontend.app import make_server
 
     app = frontend_app(cfg, registry, lora)
@@ -345,7 +345,13 @@ async def run_async(cfg: RunConfig) -> int:
         assert cfg.input_arg is not None
         return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
     if _discovers_workers(cfg):
+        if cfg.lora_modules:
+            raise RunConfigError(
+                "--lora-modules is a worker's flag: the frontend lists the adapters workers load"
+            )
         return await _run_frontend(cfg)
+    if cfg.lora_modules and cfg.input != "http":
+        raise RunConfigError(f"--lora-modules serves adapters as models over HTTP: not with in={cfg.input}")
     started = await start_engine(cfg)
     pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.
@@ -353,10 +359,13 @@ async def run_async(cfg: RunConfig) -> int:
     try:
         if cfg.input == "http":
             from dynamo_graph.frontend.models import ModelRegistry
+            from dynamo_graph.inputs.lora_local import LocalLoraAdmin
 
             registry = ModelRegistry()
             registry.add(pipeline)
-            await _serve_http(cfg, registry)
+            lora = LocalLoraAdmin(started, registry)
+            await lora.load_declared(cfg.lora_modules)
+            await _serve_http(cfg, registry, lora)
             return 0
         return await _drive_input(cfg, pipeline, echo=echo)
     finally:

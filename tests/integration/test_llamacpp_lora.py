@@ -21,6 +21,7 @@ from dynamo_graph.engines.llamacpp import LlamaCppEngine
 from dynamo_graph.engines.llamacpp_args import LlamaCppArgs
 from dynamo_graph.llm.model_source import resolve_model
 from tests.integration.engine_helpers import collect, greedy_request, ids
+from tests.procs import running_server
 
 if os.environ.get("CI"):
     import llama_cpp  # CI installs the llamacpp extra: a missing package must fail, not skip
@@ -116,3 +117,18 @@ async def test_a_file_that_is_not_a_lora_is_refused(
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(InvalidArgument, match=r"2 \.gguf files"):
         await engine.load_lora(LoraAdapter("bad", str(tmp_path), lora_id("bad")))
+
+
+def test_http_adapter_of_lora_modules(
+    tiny_model: Path, tiny_lora: Path, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`dyngraph run in=http out=llamacpp --lora-modules`: the adapter is a model of its own."""
+    import openai
+
+    args = ["out=llamacpp", "--model-path", str(tiny_model), "--lora-modules", f"sql={tiny_lora}"]
+    tok = resolve_model(str(tiny_model)).load_tokenizer()
+    lora_ref = llama_cpp_own(tiny_model / GGUF_NAME, tiny_lora / GGUF_LORA_NAME)
+    with running_server(args, log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="sql", prompt=prompts[0], max_tokens=N, temperature=0)
+        assert answer.choices[0].text == tok.decode(lora_ref(prompts[0]), skip_special_tokens=False)

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
+from tests.procs import running_server
 from tests.system.routing_helpers import served_by
 from tests.system.test_distributed import wait_for
 from tests.system.test_migration import Cluster
@@ -117,3 +118,29 @@ def test_adapters_declared_on_the_command_line_come_up_with_the_worker(make_clus
     assert len(texts) == 3  # each adapter its own output
     cluster.workers[0].stop()
     wait_for(lambda: not _models(cluster), 30, "the models to leave with their worker")
+
+
+def test_in_process_serving_has_the_same_routes(tiny_model: Path, tiny_lora: Path, tmp_path: Path) -> None:
+    """`dyngraph run in=http out=mocker`, as vLLM's own server: adapters of --lora-modules and
+    of the routes are models of the one process."""
+    args = ["out=mocker", "--model-path", str(tiny_model), "--lora-modules", f"declared={tiny_lora}"]
+    with running_server(args, log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        data = {m.id: m for m in client.models.list().data}
+        assert set(data) == {tiny_model.name, "declared"}
+        assert data["declared"].model_extra["parent"] == tiny_model.name  # type: ignore[index]
+        url = f"{server.base_url}/v1"
+        body = {"lora_name": "runtime", "lora_path": str(tiny_lora)}
+        assert httpx.post(f"{url}/load_lora_adapter", json=body, timeout=30).status_code == 200
+        texts = {_complete(client, name) for name in (tiny_model.name, "declared", "runtime")}
+        assert len(texts) == 3
+        wrong = httpx.post(f"{url}/load_lora_adapter", json={**body, "instance_ids": ["1"]}, timeout=30)
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "instance_ids"
+        assert (
+            httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "runtime"}, timeout=30).status_code
+            == 200
+        )
+        missing = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "runtime"}, timeout=30)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
+        with pytest.raises(openai.NotFoundError):
+            _complete(client, "runtime")
