@@ -66,7 +66,8 @@ logprob and the top N by rank: vLLM's own values, streamed with their tokens.
 LoRA adapters (backend/lora.py): `load_lora` calls `AsyncLLM.add_lora(LoRARequest(name, id, path))`
 (a PEFT folder; vLLM must run with `enable_lora`, set automatically when `--lora-modules` declares
 adapters, else through `--extra-engine-args`), and a request whose `model` is the adapter's name
-runs with its `lora_request`; `unload_lora` calls `remove_lora`.
+runs with its `lora_request`; `unload_lora` calls `remove_lora`. KV events of adapter blocks
+(`lora_id` set) are not bridged: they are not the base model's cache.
 
 Finish reasons: vLLM's "stop" (eos or a stop token id: it is the last id of the final chunk; the
 postprocessor hides it), "length", "abort" -> "cancelled", "error" -> "error".
@@ -359,6 +360,12 @@ class VllmKvEventBridge(KvBlockBridge):
                 self.warn_once(kind, "ignoring unknown KV event %s", kind)
 
     def _stored(self, event: Any, rank: int) -> None:
+        if getattr(event, "lora_id", None) is not None:
+            # A LoRA adapter's blocks are not the base model's cache (vLLM keys them by adapter)
+            # and adapters are not kv-routed: not reported, nor later their removal.
+            for h in event.block_hashes:
+                self.mark_partial(block_hash_u64(h), rank)
+            return
         size = self.event_block_size(event.block_size)
         if size <= 0:
             return

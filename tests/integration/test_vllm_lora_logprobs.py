@@ -6,6 +6,7 @@ Needs vLLM: these run in .venv-vllm (`make test-vllm`); elsewhere the module is 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import itertools
 import json
@@ -29,7 +30,9 @@ from dynamo_graph.dev.tiny_lora import GGUF_LORA_NAME, build_tiny_lora
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.vllm import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.router.kv.hashing import local_block_hashes
 from tests.integration.engine_helpers import collect, greedy_request, ids
+from tests.integration.test_vllm_engine import LONG, Sink
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.test_distributed import wait_for
 
@@ -64,6 +67,7 @@ async def engine(tiny_model: Path) -> AsyncIterator[VllmEngine]:
             **ENGINE_ARGS,
         }
     )
+    eng.kv_event_sink = Sink()
     await eng.start()
     yield eng
     await eng.cleanup()
@@ -130,6 +134,21 @@ async def test_an_adapter_changes_greedy_output_as_in_vllm(
         )
         gguf_ids = list(itertools.islice(llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0), N))
         assert gguf_ids == with_adapter
+    # KV events: an adapter's blocks are not reported as the base model's cache.
+    sink = engine.kv_event_sink
+    assert isinstance(sink, Sink)
+    tok = resolve_model(str(tiny_model)).load_tokenizer()
+    adapter_prompt, base_prompt = (tok.encode(f"{n}: {LONG}").ids for n in ("adapter", "base"))
+    await collect(engine, _request(adapter_prompt, model="sql"))
+    await collect(engine, _request(base_prompt))
+    first_block = {local_block_hashes(p, 32)[0]: p for p in (adapter_prompt, base_prompt)}
+    for _ in range(100):  # events arrive in order: once the base prompt's are in, all are
+        seen = {b.tokens_hash for b in sink.blocks()}
+        if local_block_hashes(base_prompt, 32)[0] in seen:
+            break
+        await asyncio.sleep(0.05)
+    assert {h for h in first_block if h in seen} == {local_block_hashes(base_prompt, 32)[0]}
+
     await engine.unload_lora("sql")
     assert ids(await collect(engine, _request(prompt_ids, model="sql"))) == base
 
