@@ -41,8 +41,11 @@ def _models(cluster: Cluster, **kw: object) -> dict[str, dict]:
     return {m["id"]: m for m in data}
 
 
-def test_adapter_loaded_at_run_time_is_served_only_where_loaded(make_cluster, tiny_lora: Path) -> None:
-    cluster = make_cluster(workers=2, limit=None, speedup=20.0)
+@pytest.mark.parametrize("router", ["round-robin", "kv"])
+def test_adapter_loaded_at_run_time_is_served_only_where_loaded(
+    make_cluster, tiny_lora: Path, router: str
+) -> None:
+    cluster = make_cluster(workers=2, limit=None, speedup=20.0, router=router)
     one, other = cluster.routable()
     client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
     base_text = _complete(client, cluster.model)
