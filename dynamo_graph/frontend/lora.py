@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -128,11 +129,13 @@ class LoraAdmin:
         return serving[0], serving[1], base
 
     async def load(self, request: LoadLoraAdapter) -> str:
-        if request.lora_name in self.watcher.registry.names():
-            served = self.watcher.serving(request.lora_name)
-            if served is None or served[2].lora is None:
-                raise HTTPError(400, f"`{request.lora_name}` is the name of a base model", param="lora_name")
+        served = self.watcher.serving(request.lora_name)
+        if served is not None and served[2].lora is None:
+            raise HTTPError(400, f"`{request.lora_name}` is the name of a base model", param="lora_name")
         endpoint, workers, base = self._base(request)
+        if served is not None and served[2].lora is not None and served[2].lora.base_model != base:
+            message = f"`{request.lora_name}` is an adapter of `{served[2].lora.base_model}` already"
+            raise HTTPError(400, message, param="lora_name")
         targets = workers
         if request.instance_ids is not None:
             targets = sorted({_instance_id(v) for v in request.instance_ids})
@@ -154,7 +157,7 @@ class LoraAdmin:
                     answer = await self._control(endpoint, instance_id, body)
                     if isinstance(answer, dict) and answer.get("loaded"):
                         loaded.append(instance_id)
-            except BaseException:
+            except Exception:
                 await self._undo(endpoint, request.lora_name, loaded)
                 raise
             name = request.lora_name
@@ -184,7 +187,7 @@ class LoraAdmin:
         log.info("LoRA adapter %r unloaded from %d worker(s)", name, len(workers))
         return f"Success: LoRA adapter '{name}' removed successfully."
 
-    async def _wait(self, done: Any, name: str) -> None:
+    async def _wait(self, done: Callable[[], bool], name: str) -> None:
         deadline = time.monotonic() + self.wait_s
         while not done():
             if time.monotonic() > deadline:
