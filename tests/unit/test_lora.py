@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -126,5 +127,53 @@ async def test_mocker_adapters_draw_other_tokens_deterministically() -> None:
         assert len({tuple(base), tuple(a), tuple(b)}) == 3 and await run("a") == a
         await engine.unload_lora("a")
         assert await run("a") == base
+    finally:
+        await engine.cleanup()
+
+
+async def test_mocker_adapter_blocks_are_their_own_and_unreported() -> None:
+    """As vLLM keys blocks by adapter: an adapter's prompt never hits the base model's cache, and
+    its blocks are not reported to the router (which indexes the base model's by tokens)."""
+    from dynamo_graph.backend.lora import LoraAdapter
+
+    class Sink:
+        def __init__(self) -> None:
+            self.stored_blocks: list[int] = []
+
+        def stored(self, parent_hash, blocks, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
+            self.stored_blocks.extend(b.block_hash for b in blocks)
+
+        def removed(self, block_hashes, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def cleared(self, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def load(self, metrics) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    engine = MockerEngine(MockerArgs(speedup_ratio=1e6, block_size=16), vocab_size=512)
+    sink = engine.kv_event_sink = Sink()
+    await engine.start()
+
+    async def run(model: str) -> tuple[int | None, int]:
+        req = PreprocessedRequest(
+            model=model,
+            token_ids=list(range(1, 70)),
+            stop_conditions=StopConditions(max_tokens=2),
+            sampling_options=SamplingOptions(temperature=0.0),
+        )
+        outs = [out async for out in engine.generate(req, Context())]
+        await asyncio.sleep(0.01)
+        return outs[0].cached_tokens, len(sink.stored_blocks)
+
+    try:
+        await engine.load_lora(LoraAdapter("a", "/a", lora_id("a")))
+        assert await run("a") == (0, 0)  # computed, not reported
+        assert (await run("base"))[0] == 0  # the adapter's blocks are not the base model's
+        reported = len(sink.stored_blocks)
+        assert reported >= 4
+        assert await run("a") == (64, reported)  # its own blocks again: a hit, still unreported
+        assert await run("base") == (64, reported)
     finally:
         await engine.cleanup()

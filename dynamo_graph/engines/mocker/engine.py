@@ -28,8 +28,9 @@ pass computed, `removed` for evicted cached blocks, `cleared` for every rank at 
 always when the rank goes idle). With prefix caching off no KV events are sent (as vLLM).
 
 LoRA adapters (backend/lora.py): any path is accepted; a request whose `model` names a loaded
-adapter draws other tokens (the adapter's id is mixed into its seed). Unlike vLLM, the prefix
-cache is shared between the base model and its adapters (blocks are not keyed by adapter).
+adapter draws other tokens (the adapter's id is mixed into its seed). As in vLLM, an adapter's
+KV blocks are its own (their hashes chain from its id): they serve only its requests, and their
+`stored` events are not sent (the router indexes the base model's blocks by their tokens).
 """
 
 from __future__ import annotations
@@ -357,6 +358,7 @@ class MockerEngine(LLMEngine):
             min_tokens=sc.min_tokens or 0,
             stop_ids=stop_ids,
             sampler=sampler,
+            adapter=None if adapter is None else adapter.lora_id,
         )
 
     # ---- the forward-pass loop of one rank ---------------------------------------------

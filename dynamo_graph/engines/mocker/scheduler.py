@@ -124,6 +124,7 @@ class MockSequence:
     """One request inside a scheduler: its tokens, progress, blocks and output channel."""
 
     __slots__ = (
+        "adapter",
         "cached_tokens",
         "cancelled",
         "context",
@@ -156,8 +157,12 @@ class MockSequence:
         sampler: TokenSampler,
         min_tokens: int = 0,
         stop_ids: frozenset[int] = frozenset(),
+        adapter: int | None = None,
     ) -> None:
         self.context = context
+        # A LoRA adapter's id: its blocks are its own (chained from the id, as vLLM keys blocks
+        # by adapter), so they never serve the base model or another adapter, and unreported.
+        self.adapter = adapter
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(self.tokens)
         self.max_tokens = max_tokens
@@ -188,7 +193,7 @@ class MockSequence:
     def hash_blocks(self, block_size: int) -> None:
         """Hashes of every full block of the known tokens (prompt + generated so far)."""
         self.local_hashes = local_block_hashes(self.tokens, block_size)
-        self.seq_hashes = sequence_hashes(self.local_hashes)
+        self.seq_hashes = sequence_hashes(self.local_hashes, self.adapter)
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
@@ -398,7 +403,8 @@ class Scheduler:
             blocks.append(StoredBlock(seq_hashes[j], local_hashes[j]))
         seq.num_cached = full
         seq.num_private -= full - first
-        self._events.append(("stored", seq_hashes[first - 1] if first else None, blocks))
+        if seq.adapter is None:  # the router indexes the base model's blocks by their tokens
+            self._events.append(("stored", seq_hashes[first - 1] if first else None, blocks))
 
     def _sample(self, seq: MockSequence) -> LLMEngineOutput:
         token = seq.sampler.next()
@@ -408,7 +414,7 @@ class Scheduler:
         if self.prefix_caching and len(seq.tokens) % bs == 0:
             local = local_block_hashes(seq.tokens[-bs:], bs)[0]
             seq.local_hashes.append(local)
-            seq.seq_hashes.append(chain_hash(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
+            seq.seq_hashes.append(chain_hash(seq.seq_hashes[-1] if seq.seq_hashes else seq.adapter, local))
         finish: FinishReason | None = None
         if token in seq.stop_ids and seq.generated > seq.min_tokens:
             finish = "stop"
