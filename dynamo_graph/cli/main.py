@@ -285,7 +285,7 @@ def render_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
     fmt: Annotated[
-        str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid | k8s | dynamo-k8s")
+        str, typer.Option("--format", "-f", help="yaml | json | shell | mermaid | k8s | dynamo-k8s | slurm")
     ] = "yaml",
 ) -> None:
     from dynamo_graph.graph.errors import GraphError
@@ -333,26 +333,38 @@ def up_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+    target: Annotated[
+        str, typer.Option("--target", help="local (this machine and ssh hosts) | slurm (one Slurm job)")
+    ] = "local",
 ) -> None:
+    from dynamo_graph.graph.slurm import commands as slurm
     from dynamo_graph.graph.supervise import commands
 
     out = Console(soft_wrap=True)
+    if target not in ("local", "slurm"):
+        raise _fail(f"--target must be local or slurm, not {target!r}")
+    if target == "slurm":  # the job runs detached: Slurm supervises it
+        raise typer.Exit(slurm.up(_build_or_exit(graph_file, overrides), out))
     if not detach:
         built = _build_or_exit(graph_file, overrides)
-        with _graph_problems(graph_file):  # preflight on the graph's hosts
+        with _graph_problems(graph_file):  # Slurm nodes in the graph; preflight on the graph's hosts
+            slurm.before_local_up(built)
             raise typer.Exit(commands.up_foreground(built, out))
     with commands.DetachedUp(_state_of(graph_file)) as up:  # the supervisor boots while we load
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):
+            slurm.before_local_up(built)
             code = up.run(built, out)
     raise typer.Exit(code)
 
 
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
 def status_command(graph_file: GraphFile) -> None:
+    from dynamo_graph.graph.slurm import commands as slurm
     from dynamo_graph.graph.supervise import commands
 
-    raise typer.Exit(commands.status(_state_of(graph_file), Console(soft_wrap=True)))
+    state, out = _state_of(graph_file), Console(soft_wrap=True)
+    raise typer.Exit((slurm.status if slurm.is_slurm_graph(state) else commands.status)(state, out))
 
 
 @app.command("logs", help="Print a graph's process logs, prefixed; -f follows.")
@@ -369,9 +381,11 @@ def logs_command(
 
 @app.command("down", help="Stop a graph: SIGTERM, grace period, SIGKILL; checks nothing is left.")
 def down_command(graph_file: GraphFile) -> None:
+    from dynamo_graph.graph.slurm import commands as slurm
     from dynamo_graph.graph.supervise import commands
 
-    raise typer.Exit(commands.down(_state_of(graph_file), Console(soft_wrap=True)))
+    state, out = _state_of(graph_file), Console(soft_wrap=True)
+    raise typer.Exit((slurm.down if slurm.is_slurm_graph(state) else commands.down)(state, out))
 
 
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")

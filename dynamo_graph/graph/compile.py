@@ -18,6 +18,7 @@ component named, so two components on one host never share a GPU (validate.py ch
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy, port_placeholder
@@ -50,8 +51,11 @@ def _resolve_path(path: str, graph_dir: Path) -> str:
 
 
 class _Compiler:
-    def __init__(self, graph: Graph, graph_file: Path, state_dir: Path) -> None:
+    def __init__(
+        self, graph: Graph, graph_file: Path, state_dir: Path, nodes: Mapping[str, str] | None = None
+    ) -> None:
         self.graph = graph
+        self.nodes = nodes
         self.graph_dir = graph_file.parent.resolve()
         self.graph_file = graph_file.resolve()
         self.state_dir = state_dir.resolve()
@@ -65,7 +69,7 @@ class _Compiler:
         """Where managed infra binds: as configured, else where other hosts can reach it."""
         if configured:
             return configured
-        local = self.graph.host(LOCAL).advertise_host
+        local = self.nodes[LOCAL] if self.nodes else self.graph.host(LOCAL).advertise_host
         return local if self.multi_host and local else "127.0.0.1"
 
     def _host_env(self, host: str) -> dict[str, str]:
@@ -73,7 +77,7 @@ class _Compiler:
         host's routable address."""
         h = self.graph.host(host)
         env = dict(sorted(h.env.items()))
-        address = h.advertise_host or (h.ssh.address if h.ssh else None)
+        address = self.nodes[host] if self.nodes else h.advertise_host or (h.ssh.address if h.ssh else None)
         if self.multi_host and address:
             env |= {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address}
         return env
@@ -198,17 +202,20 @@ class _Compiler:
     def _workdir(self, host: str) -> str:
         """Local: relative to the graph file. Remote: as written (the remote resolves `~`)."""
         workdir = self.graph.host(host).workdir
-        if host != LOCAL:
+        if host != LOCAL and self.nodes is None:
             return workdir or REMOTE_HOME
         return _resolve_path(workdir, self.graph_dir) if workdir else str(self.graph_dir)
 
     def remote_hosts(self) -> dict[str, RemoteHost]:
         """Connection and interpreter of every remote host a process runs on."""
         used = {p for comp in self.graph.components.values() for p in _hosts_of(comp)} - {LOCAL}
-        hosts = {}
+        hosts: dict[str, RemoteHost] = {}
+        if self.nodes is not None:
+            return hosts  # the scheduler starts them
         for key in sorted(used):
             h = self.graph.host(key)
-            assert h.ssh is not None, "validation requires `ssh` on every host but local"
+            if h.ssh is None:
+                continue  # a node of a Slurm job (`slurm:`): only `up --target slurm` runs it
             python = f"{h.venv.rstrip('/')}/bin/python" if h.venv else h.python or "python3"
             hosts[key] = RemoteHost(
                 address=h.ssh.address,
@@ -450,6 +457,10 @@ def _hosts_of(comp: Frontend | Worker) -> list[str]:
     return comp.hosts_of_replicas() if isinstance(comp, Worker) else [comp.host]
 
 
-def compile_graph(graph: Graph, *, graph_file: Path, state_dir: Path) -> Plan:
-    """The launch plan of a validated graph (deterministic)."""
-    return _Compiler(graph, graph_file, state_dir).plan()
+def compile_graph(
+    graph: Graph, *, graph_file: Path, state_dir: Path, nodes: Mapping[str, str] | None = None
+) -> Plan:
+    """The launch plan of a validated graph (deterministic). `nodes` (host key -> address) is for
+    a scheduler that places hosts on nodes sharing this filesystem (graph/slurm/): addresses come
+    from it, workdirs are as on the local host, and no host is reached over ssh."""
+    return _Compiler(graph, graph_file, state_dir, nodes).plan()

@@ -26,11 +26,12 @@ from dynamo_graph.graph.dynamo_k8s import render_dynamo_k8s
 from dynamo_graph.graph.k8s import render_k8s
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.schema import Graph
+from dynamo_graph.graph.slurm.script import render_slurm
 from dynamo_graph.graph.supervise import agent
 from dynamo_graph.graph.validate import Engines
 from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
 
-FORMATS = ("yaml", "json", "shell", "mermaid", "k8s", "dynamo-k8s")
+FORMATS = ("yaml", "json", "shell", "mermaid", "k8s", "dynamo-k8s", "slurm")
 ENGINES_OF_FORMAT: dict[str, Engines] = {"dynamo-k8s": "dynamo"}
 """Formats whose workers run another project's engines (the validation they need: validate.Engines)."""
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
@@ -257,6 +258,7 @@ RENDERERS = {
     "mermaid": render_mermaid,
     "k8s": render_k8s,
     "dynamo-k8s": render_dynamo_k8s,
+    "slurm": render_slurm,
 }
 
 

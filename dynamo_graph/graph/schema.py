@@ -611,6 +611,54 @@ class Kubernetes(_Model):
 
 
 # ---------------------------------------------------------------------------------------------
+# Slurm target (`up --target slurm`, `render -f slurm`)
+# ---------------------------------------------------------------------------------------------
+
+# sbatch's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
+_SLURM_TIME_RE = r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$"
+SBATCH_MANAGED = (
+    "--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gres", "--gpus", "-G",
+    "--gpus-per-node", "--gpus-per-task", "--output", "-o", "--error", "-e", "--job-name", "-J",
+    "--partition", "-p", "--account", "-A", "--time", "-t", "--qos", "-q", "--chdir", "-D",
+)  # fmt: skip
+"""sbatch options the Slurm target sets from the graph: `slurm.sbatch` may not repeat them."""
+
+
+def _sbatch_option(option: str) -> str:
+    if not option.startswith("-") or any(c in option for c in "\n\r"):
+        raise ValueError(f"{option!r} is not an sbatch option (e.g. `--constraint=h100`)")
+    name = option.split("=", 1)[0]
+    if name in SBATCH_MANAGED:
+        raise ValueError(
+            f"{name} is set by dyngraph from the graph (replicas, GPUs, placement, `slurm.*` keys); "
+            "remove it here"
+        )
+    return option
+
+
+class Slurm(_Model):
+    """The Slurm job `up --target slurm` submits (and `render -f slurm` prints): one allocation
+    with a node per host key the components use (`local` first), each process an `srun` step.
+    Hosts other than `local` then need no `ssh`: they are nodes of the allocation."""
+
+    partition: str | None = None
+    """Partition to run in (`--partition`); default the cluster's."""
+    account: str | None = None
+    """Account charged (`--account`)."""
+    qos: str | None = None
+    """Quality of service (`--qos`)."""
+    time: Annotated[str, Field(pattern=_SLURM_TIME_RE)] | None = None
+    """Time limit (`--time`): `MM`, `HH:MM:SS`, `D-HH:MM`, ... or `UNLIMITED`; default the
+    partition's."""
+    job_name: Name | None = None
+    """Job name (`--job-name`); default the graph's name."""
+    gres: Name = "gpu"
+    """GRES name of the GPUs (`--gres=<gres>:N` per node, per step)."""
+    sbatch: list[Annotated[str, AfterValidator(_sbatch_option)]] = []
+    """Further sbatch options, one per item: `--constraint=h100`, `--exclusive`, `--mem=0`."""
+
+
+# ---------------------------------------------------------------------------------------------
 # The graph
 # ---------------------------------------------------------------------------------------------
 
@@ -636,16 +684,21 @@ class Graph(_Model):
     """Frontends and workers by name (`kind: frontend` or `kind: worker`)."""
     kubernetes: Kubernetes = Kubernetes()
     """Images, namespace, secrets and model storage for the Kubernetes renderers."""
+    slurm: Slurm | None = None
+    """The Slurm job of `up --target slurm`; with it, hosts are nodes of the allocation."""
 
-    @field_validator("hosts")
-    @classmethod
-    def _ssh_only_remote(cls, hosts: dict[str, Host]) -> dict[str, Host]:
-        for key, host in hosts.items():
+    @model_validator(mode="after")
+    def _ssh_only_remote(self) -> Graph:
+        for key, host in self.hosts.items():
             if key == LOCAL and host.ssh is not None:
-                raise field_error(f"{key}.ssh", "`local` is this machine: it takes no `ssh` block")
-            if key != LOCAL and host.ssh is None:
-                raise field_error(f"{key}.ssh", "a host other than `local` needs `ssh: {address: ...}`")
-        return hosts
+                raise field_error(f"hosts.{key}.ssh", "`local` is this machine: it takes no `ssh` block")
+            if key != LOCAL and host.ssh is None and self.slurm is None:
+                raise field_error(
+                    f"hosts.{key}.ssh",
+                    "a host other than `local` needs `ssh: {address: ...}` (or a `slurm:` section, "
+                    "where hosts are nodes of the job)",
+                )
+        return self
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Graph:
@@ -670,6 +723,16 @@ class Graph(_Model):
 
     def frontends(self) -> dict[str, Frontend]:
         return {k: c for k, c in self.components.items() if isinstance(c, Frontend)}
+
+    def slurm_nodes(self) -> list[str]:
+        """Host keys in the order of a Slurm job's nodes: each key the components use is a node,
+        `local` (where managed etcd / nats run) first, the others sorted."""
+        used = {h for w in self.workers().values() for h in w.hosts_of_replicas()}
+        used |= {f.host for f in self.frontends().values()}
+        etcd, nats = self.infra.etcd, self.infra.nats
+        if (etcd is not None and etcd.managed) or (nats is not None and nats.managed) or not used:
+            used.add(LOCAL)
+        return sorted(used, key=lambda h: (h != LOCAL, h))
 
 
 def export_json_schema() -> dict[str, Any]:

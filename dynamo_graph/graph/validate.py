@@ -531,6 +531,8 @@ def check_multi_host(graph: Graph) -> Iterator[Problem]:
             f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
             "their own host's loopback; use `event_plane: nats`",
         )
+    if graph.slurm is not None:
+        return  # addresses come from the job's nodes (graph/slurm/)
     if graph.runtime.request_plane == "tcp":
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):
@@ -560,6 +562,29 @@ def check_multi_host(graph: Graph) -> Iterator[Problem]:
             yield Problem(path, f"{why}, which cannot reach {url}")
 
 
+def check_slurm(graph: Graph) -> Iterator[Problem]:
+    """On Slurm, the scheduler gives out GPUs (GRES) and hosts are nodes whose address others
+    use: GPUs cannot be named by id, and a frontend on any node but the first must bind an
+    address the job's first node (where readiness is checked) reaches."""
+    if graph.slurm is None:
+        return
+    for key, worker in graph.workers().items():
+        for field in ("gpu_ids", "base_gpu_id"):
+            if getattr(worker.gpus, field) is not None:
+                yield Problem(
+                    f"components.{key}.gpus.{field}",
+                    "on Slurm the scheduler picks each step's GPUs (GRES); give only `per_replica`",
+                )
+    first = graph.slurm_nodes()[0]
+    for key, frontend in graph.frontends().items():
+        if frontend.host != first and _loopback(frontend.http.host):
+            yield Problem(
+                f"components.{key}.http.host",
+                f"host {frontend.host!r} is not the job's first node, which cannot reach "
+                f"{frontend.http.host} there; bind 0.0.0.0",
+            )
+
+
 def _hosts_used(graph: Graph) -> set[str]:
     used = set()
     for comp in graph.components.values():
@@ -582,6 +607,7 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_kv_transfer,
     check_planes,
     check_multi_host,
+    check_slurm,
 )
 
 Engines = Literal["dyngraph", "dynamo"]

@@ -1,0 +1,214 @@
+"""`dyngraph up --target slurm | status | down` for a graph that runs as a Slurm job; each returns
+an exit code. `logs` needs nothing of its own: the steps write to the state dir's `logs/`.
+
+`up` writes the sbatch script (script.py) and the placeholder plan to the state dir, submits the
+job, and waits until every process is ready (0) or one failed (1), then writes the plan with
+the nodes' addresses and ports the job picked, so `status` and `logs` show what runs where.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from dynamo_graph.graph.errors import GraphError, Problem
+from dynamo_graph.graph.plan import LOCAL, Plan
+from dynamo_graph.graph.slurm import job
+from dynamo_graph.graph.slurm.job import JobRecord, SlurmError, SlurmState
+from dynamo_graph.graph.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
+from dynamo_graph.graph.supervise.logs import tail_lines
+from dynamo_graph.graph.supervise.state import StateDir
+from dynamo_graph.graph.supervise.ui import frontend_url, status_table
+from dynamo_graph.graph.validate import locate
+
+if TYPE_CHECKING:
+    from dynamo_graph.graph.build import Built
+
+POLL_S = 0.2
+FAILURE_LOG_LINES = 20
+CANCEL_TIMEOUT_S = 120.0  # scancel: SIGTERM, then Slurm's KillWait (30 s by default), then SIGKILL
+
+
+def is_slurm_graph(state: StateDir) -> bool:
+    """Whether the graph's last `up` was `--target slurm` (so status / down ask Slurm)."""
+    return SlurmState(state).job() is not None
+
+
+def before_local_up(built: Built) -> None:
+    """Before a graph runs without Slurm: its hosts must all be reachable without it, and no job of
+    it may still run. Raises GraphError; forgets a previous, ended job of the graph."""
+    used = {p.host for p in built.plan.processes} - {LOCAL} - set(built.plan.hosts)
+    problems = [
+        Problem(f"hosts.{h}.ssh", "a Slurm node (no `ssh`): run the graph with `dyngraph up --target slurm`")
+        for h in sorted(used)
+    ]
+    slurm_state = SlurmState(StateDir(built.plan.state_dir))
+    if (record := slurm_state.job()) is not None:
+        try:
+            active = job.job_state(record.job_id)[0] in job.ACTIVE
+        except SlurmError:
+            active = False  # no Slurm here (any more): nothing of it can run
+        if active:
+            problems.append(Problem("", f"it runs as Slurm job {record.job_id}; `dyngraph down` it first"))
+        else:
+            slurm_state.job_file.unlink(missing_ok=True)
+    if problems:
+        loaded = built.loaded
+        raise GraphError([locate(p, loaded.source, str(loaded.file)) for p in problems])
+
+
+def up(built: Built, console: Console) -> int:
+    plan, graph = built.plan, built.graph
+    state = StateDir(plan.state_dir)
+    slurm_state = SlurmState(state)
+    with state.lock():
+        if state.supervisor() is not None:
+            console.print(f"[bold red]error:[/] graph {plan.graph} runs locally; `dyngraph down` it first")
+            return 1
+        previous = slurm_state.job()
+        try:
+            if previous is not None and job.job_state(previous.job_id)[0] in job.ACTIVE:
+                console.print(
+                    f"graph {plan.graph} already runs as Slurm job {previous.job_id}; changing a running "
+                    f"job is not supported: `dyngraph down {plan.graph_file}`, then `up` again"
+                )
+                return 1
+            placeholders = slurm_plan(graph, plan)
+            state.ensure()
+            state.write_plan(placeholders)
+            slurm_state.write_script(render_slurm(graph, plan))
+            _clear(slurm_state)
+            job_id = job.submit(slurm_state.script, secret_env(placeholders))
+        except SlurmError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 1
+        slurm_state.write_job(JobRecord(job_id, str(slurm_state.script), time.time()))
+    console.print(f"graph {plan.graph}: Slurm job {job_id} ({slurm_state.script})", highlight=False)
+    return _wait_ready(console, state, placeholders, graph.slurm_nodes(), job_id)
+
+
+def _clear(slurm_state: SlurmState) -> None:
+    """Forget the events of a previous job before the new one writes its own."""
+    shutil.rmtree(slurm_state.job_dir, ignore_errors=True)
+
+
+def _deadline(plan: Plan) -> float:
+    longest = max((p.readiness.timeout_s for p in plan.processes), default=0.0)
+    depth = 1 + max((len(p.depends_on) for p in plan.processes), default=0)
+    return time.monotonic() + longest * depth + 30.0
+
+
+def _wait_ready(console: Console, state: StateDir, plan: Plan, hosts: list[str], job_id: str) -> int:
+    slurm_state = SlurmState(state)
+    started = time.monotonic()
+    deadline: float | None = None
+    said_pending = False
+    while deadline is None or time.monotonic() < deadline:
+        job_state, reason = job.job_state(job_id)
+        if job_state == "PENDING" and not said_pending:
+            console.print(f"job {job_id} is pending ({reason}); waiting for its nodes", highlight=False)
+            said_pending = True
+        if job_state == "RUNNING" and deadline is None:
+            deadline = _deadline(plan)
+        if job_state not in job.ACTIVE:
+            console.print(f"[bold red]error:[/] job {job_id} ended ({job_state}) before it was ready")
+            _print_tail(console, state.root / "slurm" / f"job-{job_id}.out", f"job-{job_id}")
+            return 1
+        records = job.records(slurm_state, plan, True)
+        failed = [r for r in records.values() if r.state == "failed"]
+        if failed:
+            for record in failed:
+                console.print(f"[bold red]{record.name} failed[/] ({record.message}); last log lines:")
+                _print_tail(console, state.log_file(record.name), record.name)
+            console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
+            return 1
+        if records and all(r.state == "ready" for r in records.values()):
+            filled = _write_filled(state, plan)
+            console.print(status_table(filled, records, None))
+            _print_nodes(console, slurm_state, filled, hosts)
+            elapsed = time.monotonic() - started
+            console.print(f"graph {plan.graph}: {len(records)} processes ready in {elapsed:.2f} s")
+            return 0
+        time.sleep(POLL_S)
+    console.print(f"[bold red]error:[/] processes not ready in time; see `dyngraph status {plan.graph_file}`")
+    return 1
+
+
+def _write_filled(state: StateDir, plan: Plan) -> Plan:
+    resolved = SlurmState(state).resolved()
+    filled = fill_plan(plan, resolved) if resolved else plan
+    state.write_plan(filled)
+    return filled
+
+
+def _print_nodes(console: Console, slurm_state: SlurmState, plan: Plan, hosts: list[str]) -> None:
+    resolved = slurm_state.resolved() or {}
+    used = [h for h in hosts if any(p.host == h for p in plan.processes)]
+    nodes = ", ".join(f"{h} = {node_of(h, hosts, resolved)}" for h in used)
+    console.print(f"nodes: {nodes}", highlight=False)
+    for spec in plan.processes:
+        if url := frontend_url(spec):
+            where = node_of(spec.host, hosts, resolved)
+            console.print(f"{spec.name}: {url.split(' on host ')[0]} on node {where}", highlight=False)
+
+
+def _print_tail(console: Console, path: Path, name: str) -> None:
+    for line in tail_lines(path, FAILURE_LOG_LINES):
+        console.print(f"  {name} | {line}", highlight=False, markup=False)
+
+
+def status(state: StateDir, console: Console) -> int:
+    slurm_state = SlurmState(state)
+    record = slurm_state.job()
+    plan = state.read_plan()
+    assert record is not None, "is_slurm_graph() said so"
+    if plan is None:
+        console.print(f"graph in {state.root} has never run")
+        return 0
+    try:
+        job_state, reason = job.job_state(record.job_id)
+        running_steps = job.steps(record.job_id)
+    except SlurmError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 1
+    active = job_state in job.ACTIVE
+    records = job.records(slurm_state, plan, active)
+    console.print(status_table(plan, records, None))
+    why = f" ({reason})" if reason and reason != "None" else ""
+    known = job_state or "gone (Slurm no longer lists it)"
+    console.print(f"Slurm job {record.job_id}: {known}{why}", highlight=False)
+    for name, rec in records.items():
+        step = running_steps.get(name)
+        if step or rec.message:
+            console.print(f"  {name}: {'step ' + step if step else 'no step running'}; {rec.message or 'ok'}")
+    return 0
+
+
+def down(state: StateDir, console: Console) -> int:
+    slurm_state = SlurmState(state)
+    record = slurm_state.job()
+    assert record is not None, "is_slurm_graph() said so"
+    with state.lock():
+        try:
+            job_state, _ = job.job_state(record.job_id)
+            if job_state not in job.ACTIVE:
+                console.print(f"graph {state.root.name} is not running (job {record.job_id}: {job_state})")
+                return 0
+            job.cancel(record.job_id)
+            ended = job.wait_ended(record.job_id, CANCEL_TIMEOUT_S)
+            left = job.steps(record.job_id)
+        except SlurmError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 1
+    if not ended or left:
+        console.print(
+            f"[bold red]error:[/] Slurm job {record.job_id} did not end in {CANCEL_TIMEOUT_S:g} s; "
+            f"steps still listed: {', '.join(left) or '-'}"
+        )
+        return 1
+    console.print(f"graph {state.root.name}: cancelled Slurm job {record.job_id}; no step of it is left")
+    return 0

@@ -1,0 +1,170 @@
+"""Slurm's command line as dyngraph uses it (sbatch, squeue, scontrol, scancel), and what the job
+of a graph leaves in the state dir, read back as the supervisor's process records.
+
+The cluster is the one the environment names (SLURM_CONF, or the client's default): dyngraph
+starts no daemon. Accounting (sacct) is often off, and squeue forgets a job soon after it ends,
+so the processes' states come from the events the job script writes (script.py) and the job's
+own state from squeue, then `scontrol show job`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import msgspec
+
+from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.slurm.script import JOB_DIR
+from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_write
+
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"})
+COMMAND_TIMEOUT_S = 30.0
+
+
+class SlurmError(Exception):
+    """A Slurm command that is missing or failed; the message says which and why."""
+
+
+class JobRecord(msgspec.Struct):
+    """`slurm/job.json`: the job a graph runs as."""
+
+    job_id: str
+    script: str
+    submitted_at: float
+
+
+def slurm(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+    """Run a Slurm client command; its stdout. Raises SlurmError when it is missing or fails."""
+    if shutil.which(argv[0]) is None:
+        raise SlurmError(f"`{argv[0]}` is not installed here: the Slurm target needs Slurm's client commands")
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer in {COMMAND_TIMEOUT_S:g} s") from None
+    if check and done.returncode != 0:
+        raise SlurmError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+class SlurmState:
+    """The Slurm part of a graph's state dir."""
+
+    def __init__(self, state: StateDir) -> None:
+        self.state = state
+        self.root = state.root / "slurm"
+        self.job_file = self.root / "job.json"
+        self.script = self.root / "job.sbatch"
+        self.job_dir = state.root / JOB_DIR
+
+    def job(self) -> JobRecord | None:
+        try:
+            return msgspec.json.decode(self.job_file.read_bytes(), type=JobRecord)
+        except FileNotFoundError:
+            return None
+
+    def write_job(self, record: JobRecord) -> None:
+        atomic_write(self.job_file, msgspec.json.encode(record))
+
+    def write_script(self, text: str) -> None:
+        atomic_write(self.script, text)
+        self.script.chmod(0o700)
+
+    def resolved(self) -> dict[str, str] | None:
+        """The nodes' names and addresses and the ports the job picked, once it has."""
+        try:
+            text = (self.job_dir / "resolved.env").read_text()
+        except FileNotFoundError:
+            return None
+        return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+    def events(self, name: str) -> list[list[str]]:
+        try:
+            return [line.split() for line in (self.job_dir / "steps" / name).read_text().splitlines()]
+        except FileNotFoundError:
+            return []
+
+    def finished(self, name: str) -> bool:
+        """The script is done with the process (no more restarts)."""
+        return (self.job_dir / "steps" / f"{name}.done").exists()
+
+
+def submit(script: Path, secrets: dict[str, str]) -> str:
+    """sbatch the script (secret values reach the job through sbatch's environment); the job id."""
+    out = slurm("sbatch", "--parsable", str(script), env={**os.environ, **secrets})
+    return out.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> tuple[str | None, str]:
+    """(state, reason) of a job: RUNNING, PENDING, ... or None when Slurm no longer knows it."""
+    out = slurm("squeue", "-h", "-j", job_id, "-o", "%T|%r", check=False).strip()
+    if out:
+        state, _, reason = out.partition("|")
+        return state, reason
+    shown = slurm("scontrol", "-o", "show", "job", job_id, check=False)
+    fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
+    return fields.get("JobState"), fields.get("Reason", "")
+
+
+def steps(job_id: str) -> dict[str, str]:
+    """Step name -> `STEPID STATE` of the job's running steps."""
+    out = slurm("squeue", "-h", "-s", "-j", job_id, "-O", "StepId:|,StepName:|,StepState:|", check=False)
+    running = {}
+    for line in out.splitlines():
+        step_id, name, state = (part.strip() for part in line.split("|")[:3])
+        running[name] = f"{step_id} {state}"
+    return running
+
+
+def cancel(job_id: str) -> None:
+    slurm("scancel", job_id)
+
+
+def wait_ended(job_id: str, timeout_s: float) -> bool:
+    """True once the job is no longer active (or unknown), within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = job_state(job_id)
+        if state not in ACTIVE and not steps(job_id):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, ProcessRecord]:
+    """The processes' states from the job's events, as the supervisor would record them."""
+    out = {}
+    restart_never = {p.name: p.restart.policy == "never" for p in plan.processes}
+    for proc in plan.processes:
+        record = ProcessRecord(proc.name, proc.component, proc.replica, proc.host)
+        events = slurm_state.events(proc.name)
+        starts = [i for i, e in enumerate(events) if e[0] == "start"]
+        exits = [e for e in events if e[0] == "exit"]
+        record.restarts = max(len(starts) - 1, 0)
+        record.last_exit = int(exits[-1][1]) if exits else None
+        current = events[starts[-1] :] if starts else events
+        kinds = [e[0] for e in current]
+        if starts:
+            record.started_at = float(events[starts[-1]][1])
+        if "blocked" in kinds:
+            record.state, record.message = "failed", f"{current[-1][2]} never became ready"
+        elif "crashloop" in kinds:
+            record.state = "failed"
+            record.message = f"ran {len(starts)} times, exit {record.last_exit} each (restart policy)"
+        elif "exit" in kinds:
+            done = slurm_state.finished(proc.name) or restart_never[proc.name]
+            record.state = ("exited" if record.last_exit == 0 else "failed") if done else "restarting"
+            record.message = f"step ended with exit {record.last_exit}"
+        elif "unready" in kinds:
+            record.state, record.message = "failed", f"not ready in {proc.readiness.timeout_s:g} s"
+        elif "ready" in kinds:
+            record.state = "ready"
+        if not job_active and record.state in ("starting", "ready", "restarting"):
+            record.state = "stopped"
+        out[proc.name] = record
+    return out

@@ -1,0 +1,306 @@
+"""The sbatch script of a graph: its launch plan as one Slurm job, each process an `srun` step.
+
+The plan is the compiler's (compile.py), compiled with each host's address left as a
+`{node:HOST}` placeholder; the script fills those from the allocation (`NodeAddr` of the node a
+host key became, nodes.py) and `{port:NAME}` placeholders with ports free on the owning node,
+then starts every process as a step on its node, in dependency order, restarted by its policy.
+
+What the job leaves for `status`, `logs` and `down` lives in the graph's state dir, which the
+nodes must share (as Slurm's own `--output` files are usually shared):
+
+    logs/<process>.log         each step's output (appended across restarts, with start markers)
+    slurm/job/resolved.env     the nodes, their addresses and the ports picked (shell words)
+    slurm/job/steps/<process>  one event a line: `start TS RUN`, `ready TS`, `unready TS`,
+                               `exit RC TS`, `crashloop TS`, `blocked TS DEPENDENCY`
+
+The text is a pure function of the graph and where its file lives (snapshot-tested). No secret
+is written into it: an env value whose name looks secret is read from a variable of the job's
+environment (`DYNGRAPH_SECRET_<n>`), which `up --target slurm` sets for sbatch.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from dynamo_graph.graph.compile import compile_graph
+from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.schema import Graph, Slurm
+from dynamo_graph.redact import is_secret_name
+
+SECRET_VAR = "DYNGRAPH_SECRET_"
+JOB_DIR = "slurm/job"  # under the state dir: the running job's records (see the module docstring)
+_PLACEHOLDER = re.compile(r"\{(port|node):([^}]+)\}")
+_LOOPBACK = re.compile(r"(//|^)(127\.0\.0\.1|localhost|0\.0\.0\.0)(?=:)")  # in a probe's target
+
+_FUNCTIONS = r"""
+node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
+
+# run_step NAME POLICY MAX_RESTARTS BACKOFF_S BACKOFF_MAX_S PROBE_KIND PROBE_TARGET PROBE_TIMEOUT_S
+#          SRUN_OPTIONS... COMMAND...: one process as a step, restarted by its policy.
+run_step() {
+  local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 kind=$6 target=$7 timeout=$8 run=0 rc
+  shift 8
+  local events=$JOB/steps/$name log=$STATE/logs/$name.log
+  while :; do
+    run=$((run + 1))
+    echo "--- dyngraph: started $name (run $run) at $(date) ---" >> "$log"
+    echo "start $(date +%s) $run" >> "$events"
+    "$PY" -m dynamo_graph.graph.slurm.probe "$events" "$log" "$kind" "$target" "$timeout" &
+    srun --nodes=1 --ntasks=1 --exact --job-name="$name" --output="$log" --open-mode=append "$@"
+    rc=$?
+    echo "exit $rc $(date +%s)" >> "$events"
+    if [ "$policy" = never ] || { [ "$policy" = on-failure ] && [ "$rc" = 0 ]; }; then return; fi
+    if [ "$run" -gt "$max" ]; then echo "crashloop $(date +%s)" >> "$events"; return; fi
+    sleep "$delay"
+    delay=$(awk -v d="$delay" -v m="$delay_max" 'BEGIN { d *= 2; print (d > m) ? m : d }')
+  done
+}
+
+# await_ready NAME DEPENDENCY...: until each dependency is ready; 1 (recorded) if one never will be.
+await_ready() {
+  local name=$1 dep
+  shift
+  for dep in "$@"; do
+    until grep -q '^ready' "$JOB/steps/$dep" 2>/dev/null; do
+      if grep -qE '^(unready|crashloop|blocked)' "$JOB/steps/$dep" 2>/dev/null \
+          || { [ -e "$JOB/steps/$dep.done" ] && ! grep -q '^ready' "$JOB/steps/$dep"; }; then
+        echo "blocked $(date +%s) $dep" >> "$JOB/steps/$name"
+        return 1
+      fi
+      sleep 0.2
+    done
+  done
+}
+"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The allocation: host key -> node index, and what the busiest node needs."""
+
+    hosts: list[str]  # host key of node i
+    tasks_per_node: int
+    gpus_per_node: int
+    gpus: dict[str, int]  # process name -> GPUs of its step
+
+    def node(self, host: str) -> int:
+        return self.hosts.index(host)
+
+
+def address_placeholder(host: str) -> str:
+    """Where a host's node address goes in a plan compiled for Slurm; the script fills it in."""
+    return "{node:" + host + "}"
+
+
+def slurm_plan(graph: Graph, plan: Plan) -> Plan:
+    """The graph's plan with node addresses as placeholders (compiled again: same compiler)."""
+    hosts = graph.slurm_nodes()
+    return compile_graph(
+        graph,
+        graph_file=Path(plan.graph_file),
+        state_dir=Path(plan.state_dir),
+        nodes={h: address_placeholder(h) for h in hosts},
+    )
+
+
+def layout(graph: Graph, plan: Plan) -> Layout:
+    hosts = graph.slurm_nodes()
+    tasks = dict.fromkeys(hosts, 0)
+    gpus_on = dict.fromkeys(hosts, 0)
+    gpus: dict[str, int] = {}
+    workers = graph.workers()
+    for proc in plan.processes:
+        tasks[proc.host] += 1
+        worker = workers.get(proc.component)
+        gpus[proc.name] = worker.gpus.per_replica if worker is not None else 0
+        gpus_on[proc.host] += gpus[proc.name]
+    return Layout(hosts, max(tasks.values()), max(gpus_on.values()), gpus)
+
+
+def secret_env(plan: Plan) -> dict[str, str]:
+    """`DYNGRAPH_SECRET_<n>` -> value, for every distinct secret env value, which the script reads
+    from the job's environment instead of holding it (numbered in plan order)."""
+    out: dict[str, str] = {}
+    for proc in plan.processes:
+        for key, value in proc.env.items():
+            if is_secret_name(key) and value and value not in out.values():
+                out[f"{SECRET_VAR}{len(out)}"] = value
+    return out
+
+
+def python_of(graph: Graph, host: str) -> str:
+    """The interpreter with dyngraph on a host's node: the host's `venv` / `python`, else this one."""
+    h = graph.host(host)
+    if h.venv:
+        return f"{h.venv.rstrip('/')}/bin/python"
+    return h.python or sys.executable
+
+
+def _var(kind: str, name: str) -> str:
+    return ("PORT_" if kind == "port" else "ADDR_") + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def _word(text: str) -> str:
+    """A shell word of `text` with its placeholders expanded as variables."""
+    quoted = shlex.quote(text)
+    out = _PLACEHOLDER.sub(lambda m: "'\"$" + _var(m.group(1), m.group(2)) + "\"'", quoted)
+    return out.removeprefix("''").removesuffix("''") or "''"
+
+
+def _header(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
+    slurm = graph.slurm or Slurm()
+    options = [
+        f"--job-name={slurm.job_name or graph.name}",
+        f"--nodes={len(lay.hosts)}",
+        f"--ntasks-per-node={lay.tasks_per_node}",
+    ]
+    if lay.gpus_per_node:
+        options.append(f"--gres={slurm.gres}:{lay.gpus_per_node}")
+    for flag, value in (
+        ("partition", slurm.partition),
+        ("account", slurm.account),
+        ("qos", slurm.qos),
+        ("time", slurm.time),
+    ):
+        if value is not None:
+            options.append(f"--{flag}={value}")
+    options += [f"--chdir={plan.state_dir}", f"--output={plan.state_dir}/slurm/job-%j.out", *slurm.sbatch]
+    return [f"#SBATCH {shlex.quote(o)}" for o in options]
+
+
+def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
+    lines = ['mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")']
+    for i, host in enumerate(lay.hosts):
+        lines.append(f'NODE_{i}=${{NODES[{i}]}} {_var("node", host)}=$(node_addr "${{NODES[{i}]}}")')
+        lines.append(f"PY_{i}={shlex.quote(python_of(graph, host))}")
+    lines.append("PY=$PY_0  # the batch step runs on the first node: readiness is checked from there")
+    owner = {name: p.host for p in plan.processes for name in p.ports}
+    auto = sorted(
+        {m[1] for p in plan.processes for t in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(t)}
+        & set(owner)
+    )
+    resolved = [f"NODE_{i} {_var('node', h)}" for i, h in enumerate(lay.hosts)]
+    for i, host in enumerate(lay.hosts):
+        names = [n for n in auto if owner[n] == host]
+        if not names:
+            continue
+        ask = f'"$PY_{i}" -m dynamo_graph.graph.supervise.agent ports {len(names)}'
+        if i > 0:  # a port is free where it listens: ask that node
+            on_node = f'--nodelist="$NODE_{i}" --job-name=dyngraph-ports'
+            ask = f"srun --overlap --nodes=1 --ntasks=1 {on_node} {ask}"
+        lines.append(f"read -r {' '.join(_var('port', n) for n in names)} < <({ask} | tr -d '[],')")
+        resolved += [_var("port", n) for n in names]
+    words = " ".join(f"{v}=${v}" for group in resolved for v in group.split())
+    lines.append(f"printf '%s\\n' {words} > \"$JOB/resolved.env\"")
+    return lines
+
+
+def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str], slurm: Slurm) -> str:
+    i = lay.node(proc.host)
+    probe = proc.readiness
+    target = probe.target
+    if i > 0 and probe.kind != "log":  # checked from the first node: at this node's address
+        target = _LOOPBACK.sub(r"\1" + address_placeholder(proc.host), target)
+    srun = [f'--nodelist="$NODE_{i}"', f"--chdir={_word(proc.workdir)}"]
+    if lay.gpus_per_node:  # a step has only the GPUs it asks for
+        gpus = lay.gpus[proc.name]
+        srun.append(f"--gres={slurm.gres}:{gpus}" if gpus else "--gres=none")
+    env = ["PYTHONUNBUFFERED=1"]
+    for key, value in proc.env.items():
+        if key == "CUDA_VISIBLE_DEVICES":
+            continue  # Slurm binds the step's GPUs and sets it
+        if is_secret_name(key) and value:
+            var = next(v for v, s in secrets.items() if s == value)
+            env.append(f'{key}="${var}"')
+        else:
+            env.append(f"{key}={_word(value)}")
+    argv = proc.argv
+    command = (
+        [f'"$PY_{i}"', "-m", "dynamo_graph", *map(_word, argv[1:])]
+        if argv[0] == "dyngraph"
+        else [*map(_word, argv)]
+    )
+    r = proc.restart
+    head = [
+        "run_step",
+        proc.name,
+        r.policy,
+        str(r.max_restarts),
+        f"{r.backoff_s:g}",
+        f"{r.backoff_max_s:g}",
+        probe.kind,
+        _word(target),
+        f"{probe.timeout_s:g}",
+    ]
+    body = " \\\n    ".join([" ".join(head), " ".join(srun), "env " + " ".join(env), " ".join(command)])
+    waits = f"await_ready {proc.name} {' '.join(proc.depends_on)} && " if proc.depends_on else ""
+    return f'{{ {waits}{body}; touch "$JOB/steps/{proc.name}.done"; }} &'
+
+
+def render_slurm(graph: Graph, plan: Plan) -> str:
+    """The sbatch script (deterministic text)."""
+    plan = slurm_plan(graph, plan)
+    slurm = graph.slurm or Slurm()
+    lay = layout(graph, plan)
+    secrets = secret_env(plan)
+    lines = [
+        "#!/bin/bash",
+        *_header(graph, plan, lay),
+        f"# dyngraph graph {plan.graph!r} ({plan.graph_file}) as one Slurm job: {len(plan.processes)} "
+        f"processes on {len(lay.hosts)} node(s) ({', '.join(lay.hosts)}), each an srun step.",
+        f"# Submit with `dyngraph up --target slurm {plan.graph_file}`; `status`, `logs`, `down` follow it.",
+    ]
+    if secrets:
+        lines.append(f"# Secret env values come from the job's environment: {', '.join(secrets)}.")
+    lines += [
+        "set -uo pipefail",
+        f"STATE={shlex.quote(plan.state_dir)}",
+        f"JOB=$STATE/{JOB_DIR}",
+        'rm -rf "$JOB" && mkdir -p "$JOB/steps" "$STATE/logs"',
+        _FUNCTIONS.strip("\n"),
+        "",
+        *_nodes_and_ports(graph, plan, lay),
+    ]
+    for path, text in plan.files.items():
+        lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
+        lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
+    for proc in plan.processes:
+        lines.append("")
+        lines.append(f"# {proc.name} on {proc.host} (node {lay.node(proc.host)})")
+        lines.append(_step(graph, proc, lay, secrets, slurm))
+    lines += ["", "wait"]
+    return "\n".join(lines) + "\n"
+
+
+def fill_plan(plan: Plan, resolved: dict[str, str]) -> Plan:
+    """The plan with the addresses and ports the job picked (its `resolved.env`) in place of the
+    placeholders, and each process's host shown with its node: what `status` and `logs` read."""
+
+    def sub(text: str) -> str:
+        return _PLACEHOLDER.sub(lambda m: resolved.get(_var(m.group(1), m.group(2)), m.group(0)), text)
+
+    processes = []
+    for proc in plan.processes:
+        ports = {k: int(resolved.get(_var("port", k), 0)) or v for k, v in proc.ports.items()}
+        processes.append(
+            msgspec.structs.replace(
+                proc,
+                argv=[sub(a) for a in proc.argv],
+                env={k: sub(v) for k, v in proc.env.items()},
+                ports=ports,
+                readiness=msgspec.structs.replace(proc.readiness, target=sub(proc.readiness.target)),
+            )
+        )
+    return msgspec.structs.replace(plan, processes=processes)
+
+
+def node_of(host: str, hosts: list[str], resolved: dict[str, str]) -> str:
+    """`NODE (ADDRESS)` a host key became in the job."""
+    i = hosts.index(host)
+    return f"{resolved.get(f'NODE_{i}', '?')} ({resolved.get(_var('node', host), '?')})"
