@@ -88,7 +88,7 @@ def up(built: Built, console: Console) -> int:
             return 1
         slurm_state.write_job(JobRecord(job_id, str(slurm_state.script), time.time()))
     console.print(f"graph {plan.graph}: Slurm job {job_id} ({slurm_state.script})", highlight=False)
-    return _wait_ready(console, state, placeholders, graph.slurm_nodes(), job_id)
+    return _wait_ready(console, state, placeholders, job_id)
 
 
 def _clear(slurm_state: SlurmState) -> None:
@@ -102,7 +102,7 @@ def _deadline(plan: Plan) -> float:
     return time.monotonic() + longest * depth + 30.0
 
 
-def _wait_ready(console: Console, state: StateDir, plan: Plan, hosts: list[str], job_id: str) -> int:
+def _wait_ready(console: Console, state: StateDir, plan: Plan, job_id: str) -> int:
     slurm_state = SlurmState(state)
     started = time.monotonic()
     deadline: float | None = None
@@ -110,7 +110,8 @@ def _wait_ready(console: Console, state: StateDir, plan: Plan, hosts: list[str],
     while deadline is None or time.monotonic() < deadline:
         job_state, reason = job.job_state(job_id)
         if job_state == "PENDING" and not said_pending:
-            console.print(f"job {job_id} is pending ({reason}); waiting for its nodes", highlight=False)
+            why = f" ({reason})" if reason and reason != "None" else ""
+            console.print(f"job {job_id} is pending{why}; waiting for its nodes", highlight=False)
             said_pending = True
         if job_state == "RUNNING" and deadline is None:
             deadline = _deadline(plan)
@@ -129,7 +130,7 @@ def _wait_ready(console: Console, state: StateDir, plan: Plan, hosts: list[str],
         if records and all(r.state == "ready" for r in records.values()):
             filled = _write_filled(state, plan)
             console.print(status_table(filled, records, None))
-            _print_nodes(console, slurm_state, filled, hosts)
+            _print_nodes(console, slurm_state, filled)
             elapsed = time.monotonic() - started
             console.print(f"graph {plan.graph}: {len(records)} processes ready in {elapsed:.2f} s")
             return 0
@@ -145,10 +146,11 @@ def _write_filled(state: StateDir, plan: Plan) -> Plan:
     return filled
 
 
-def _print_nodes(console: Console, slurm_state: SlurmState, plan: Plan, hosts: list[str]) -> None:
+def _print_nodes(console: Console, slurm_state: SlurmState, plan: Plan) -> None:
+    """Which node each host key became, and where the frontends serve."""
     resolved = slurm_state.resolved() or {}
-    used = [h for h in hosts if any(p.host == h for p in plan.processes)]
-    nodes = ", ".join(f"{h} = {node_of(h, hosts, resolved)}" for h in used)
+    hosts = sorted({p.host for p in plan.processes}, key=lambda h: (h != LOCAL, h))  # Graph.slurm_nodes
+    nodes = ", ".join(f"{h} = {node_of(h, hosts, resolved)}" for h in hosts)
     console.print(f"nodes: {nodes}", highlight=False)
     for spec in plan.processes:
         if url := frontend_url(spec):
@@ -181,6 +183,8 @@ def status(state: StateDir, console: Console) -> int:
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
     console.print(f"Slurm job {record.job_id}: {known}{why}", highlight=False)
+    if active and slurm_state.resolved():
+        _print_nodes(console, slurm_state, plan)
     for name, rec in records.items():
         step = running_steps.get(name)
         if step or rec.message:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -155,16 +156,27 @@ def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, 
             record.state, record.message = "failed", f"{current[-1][2]} never became ready"
         elif "crashloop" in kinds:
             record.state = "failed"
-            record.message = f"ran {len(starts)} times, exit {record.last_exit} each (restart policy)"
+            record.message = f"ran {len(starts)} times, last exit {_exit(record.last_exit)} (restart policy)"
         elif "exit" in kinds:
             done = slurm_state.finished(proc.name) or restart_never[proc.name]
             record.state = ("exited" if record.last_exit == 0 else "failed") if done else "restarting"
-            record.message = f"step ended with exit {record.last_exit}"
+            record.message = f"step ended with exit {_exit(record.last_exit)}"
         elif "unready" in kinds:
             record.state, record.message = "failed", f"not ready in {proc.readiness.timeout_s:g} s"
         elif "ready" in kinds:
             record.state = "ready"
+        if record.state in ("starting", "ready") and exits:
+            record.message = f"restarted after exit {_exit(record.last_exit)}"
         if not job_active and record.state in ("starting", "ready", "restarting"):
             record.state = "stopped"
         out[proc.name] = record
     return out
+
+
+def _exit(code: int | None) -> str:
+    """srun's exit code, with the signal that killed the task (128 + N) named."""
+    try:
+        name = signal.Signals(code - 128).name if code is not None and code > 128 else None
+    except ValueError:
+        name = None
+    return f"{code} ({name})" if name else str(code)

@@ -1,0 +1,211 @@
+"""`dyngraph up --target slurm` on a real Slurm cluster that the test builds (tests/slurmcluster.py):
+one node, and two nodes with the second slurmd in a network namespace.
+
+The graph becomes one job whose steps are the plan's processes; the official openai client talks
+to the frontend, `status` reads the job and its steps, `down` cancels it. What counts as "left
+running" is every process that carries the cluster's SLURM_CONF (slurmstepd, the steps and their
+children), and on the second node every process in its namespace but its slurmd.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.procs import free_port, run_cli
+from tests.slurmcluster import SlurmCluster, missing_requirements
+
+UP_TIMEOUT_S = 120.0
+
+
+def _cluster(tmp_path_factory: pytest.TempPathFactory, nodes: int) -> Iterator[SlurmCluster]:
+    if why := missing_requirements(nodes):
+        if os.environ.get("CI"):  # CI runs as root and installs slurm-wlm + munge (make services)
+            pytest.fail(f"Slurm tests cannot run: {why}")
+        pytest.skip(why)
+    cluster = SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}"), nodes)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    yield from _cluster(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    yield from _cluster(tmp_path_factory, 2)
+
+
+class SlurmGraph:
+    """A graph file: a frontend and two mocker workers, run with `--target slurm` on `cluster`."""
+
+    def __init__(self, tmp_path: Path, cluster: SlurmCluster, tiny_model: Path, graph: dict[str, Any]):
+        self.cluster = cluster
+        self.port = free_port()
+        self.file = tmp_path / "slurm-graph.yaml"
+        graph = {
+            "name": "sl",
+            "slurm": {"job_name": "dyngraph-test", "time": "30:00"},
+            "models": {"tiny-model": {"path": str(tiny_model.resolve())}},
+            **graph,
+        }
+        graph["components"]["frontend"] = {"kind": "frontend", "http": {"port": self.port}}
+        self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+
+    def cli(self, *args: str, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        env = {"SLURM_CONF": str(self.cluster.conf)}
+        return run_cli([args[0], str(self.file), *args[1:]], env=env, timeout=timeout)
+
+    def up(self) -> None:
+        done = self.cli("up", "--target", "slurm")
+        assert done.returncode == 0, done.stdout + done.stderr + self.cluster.log_tail()
+
+    def chat(self) -> str:
+        url = f"http://127.0.0.1:{self.port}/v1"
+        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=20)
+        reply = client.chat.completions.create(
+            model="tiny-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=4
+        )
+        return reply.choices[0].message.content or ""
+
+    def steps(self) -> dict[str, str]:
+        """Step name -> step id, from Slurm."""
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-O", "StepId:|,StepName:|"],
+            env=self.cluster.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        rows = (line.split("|") for line in out.splitlines())
+        return {name.strip(): step.strip() for step, name, *_ in rows}
+
+
+@pytest.fixture
+def make_graph(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., SlurmGraph]]:
+    made: list[SlurmGraph] = []
+
+    def make(cluster: SlurmCluster, **graph: Any) -> SlurmGraph:
+        made.append(SlurmGraph(tmp_path, cluster, tiny_model, graph))
+        return made[-1]
+
+    yield make
+    for graph in made:  # a failed test still leaves nothing running
+        graph.cli("down", timeout=180)
+
+
+def _workers(replicas: int = 2, **worker: Any) -> dict[str, Any]:
+    backend = {"kind": "worker", "model": "tiny-model", "engine": "mocker", "replicas": replicas, **worker}
+    return {"backend": backend}
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def test_one_node_serves_the_openai_client_and_down_leaves_nothing(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers())
+    graph.up()
+    assert graph.chat()
+    assert set(graph.steps()) >= {"frontend-0", "backend-0", "backend-1"}
+    status = graph.cli("status")
+    assert status.returncode == 0
+    assert "RUNNING" in status.stdout and status.stdout.count("ready") == 3, status.stdout
+    logs = graph.cli("logs", "backend")
+    assert "serving model tiny-model" in logs.stdout
+    assert one_node.processes(), "the steps carry the cluster's SLURM_CONF"
+
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert graph.steps() == {}
+    _wait(lambda: not one_node.processes())
+    assert "not running" in graph.cli("down").stdout
+
+
+def test_a_killed_step_is_reported_by_status(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers(restart={"policy": "never"}))
+    graph.up()
+    subprocess.run(["scancel", "--signal=KILL", graph.steps()["backend-1"]], env=one_node.env(), check=True)
+
+    def reported() -> bool:
+        return "failed" in graph.cli("status").stdout
+
+    _wait(reported)
+    status = graph.cli("status").stdout
+    assert "backend-1: no step running; step ended with exit 137 (SIGKILL)" in status, status
+    assert status.count("ready") == 2, status  # the frontend and the other worker serve on
+    assert graph.chat()
+    assert graph.cli("down").returncode == 0
+
+
+def test_a_killed_step_restarts_by_its_policy(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers(replicas=1, restart={"backoff_s": 0.2}))
+    graph.up()
+    first = graph.steps()["backend-0"]
+    subprocess.run(["scancel", "--signal=KILL", first], env=one_node.env(), check=True)
+    _wait(lambda: graph.steps().get("backend-0") not in (None, first))
+    _wait(lambda: "restarted after exit 137 (SIGKILL)" in graph.cli("status").stdout)
+    _wait(lambda: graph.cli("status").stdout.count("ready") == 2)
+    assert graph.chat()
+
+
+def test_two_nodes_workers_on_the_second_serve_at_its_address(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    second = two_nodes.addresses["dg2"]
+    graph = make_graph(
+        two_nodes,
+        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
+        infra={"etcd": {"managed": True}},
+        hosts={"gpu": {}},
+        components=_workers(placement=["gpu"]),
+    )
+    graph.up()
+    assert graph.chat()
+    logs = graph.cli("logs", "backend").stdout
+    assert logs.count(f"over {{'tcp': '{second}:") == 2, logs  # registered at the second node's address
+    assert "127.0.0.1" not in "".join(line for line in logs.splitlines() if "over {" in line)
+    assert f"gpu = dg2 ({second})" in graph.cli("status").stdout
+    in_namespace = _namespace_commands(two_nodes)
+    assert sum("in=dyn://sl.backend.generate" in c for c in in_namespace) == 2, in_namespace
+    assert not any("in=http" in c for c in in_namespace)  # the frontend runs on the first node
+
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    _wait(lambda: not two_nodes.processes())
+    _wait(lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)))
+
+
+def _namespace_commands(cluster: SlurmCluster) -> list[str]:
+    assert cluster.ns is not None
+    argv = ["ip", "netns", "pids", cluster.ns]
+    pids = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
+    commands = []
+    for pid in pids.split():
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return commands
