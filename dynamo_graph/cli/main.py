@@ -344,7 +344,9 @@ def up_command(
     if target not in ("local", "slurm"):
         raise _fail(f"--target must be local or slurm, not {target!r}")
     if target == "slurm":  # the job runs detached: Slurm supervises it
-        raise typer.Exit(slurm.up(_build_or_exit(graph_file, overrides), out))
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            raise typer.Exit(slurm.up(built, out))
     if not detach:
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):  # Slurm nodes in the graph; preflight on the graph's hosts

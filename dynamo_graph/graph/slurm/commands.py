@@ -77,10 +77,11 @@ def up(built: Built, console: Console) -> int:
                     f"job is not supported: `dyngraph down {plan.graph_file}`, then `up` again"
                 )
                 return 1
+            script = render_slurm(graph, plan)  # GraphError without a `slurm:` section
             placeholders = slurm_plan(graph, plan)
             state.ensure()
             state.write_plan(placeholders)
-            slurm_state.write_script(render_slurm(graph, plan))
+            slurm_state.write_script(script)
             _clear(slurm_state)
             job_id = job.submit(slurm_state.script, secret_env(placeholders))
         except SlurmError as e:

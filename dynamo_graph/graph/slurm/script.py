@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from dynamo_graph.graph.compile import compile_graph
+from dynamo_graph.graph.errors import GraphError, Location, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import Graph, Slurm
 from dynamo_graph.redact import is_secret_name
@@ -153,8 +154,7 @@ def _word(text: str) -> str:
     return out.removeprefix("''").removesuffix("''") or "''"
 
 
-def _header(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
-    slurm = graph.slurm or Slurm()
+def _header(graph: Graph, slurm: Slurm, plan: Plan, lay: Layout) -> list[str]:
     options = [
         f"--job-name={slurm.job_name or graph.name}",
         f"--nodes={len(lay.hosts)}",
@@ -244,14 +244,26 @@ def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str],
 
 
 def render_slurm(graph: Graph, plan: Plan) -> str:
-    """The sbatch script (deterministic text)."""
+    """The sbatch script (deterministic text). Raises GraphError for a graph without a `slurm:`
+    section: the section is what validates it for Slurm (hosts as nodes, GPUs by GRES)."""
+    slurm = graph.slurm
+    if slurm is None:
+        raise GraphError(
+            [
+                Problem(
+                    "slurm",
+                    "the Slurm target needs a `slurm:` section (`slurm: {}` for the cluster's defaults, or "
+                    "`+slurm.partition=NAME` on the command line)",
+                    Location(plan.graph_file),
+                )
+            ]
+        )
     plan = slurm_plan(graph, plan)
-    slurm = graph.slurm or Slurm()
     lay = layout(graph, plan)
     secrets = secret_env(plan)
     lines = [
         "#!/bin/bash",
-        *_header(graph, plan, lay),
+        *_header(graph, slurm, plan, lay),
         f"# dyngraph graph {plan.graph!r} ({plan.graph_file}) as one Slurm job: {len(plan.processes)} "
         f"processes on {len(lay.hosts)} node(s) ({', '.join(lay.hosts)}), each an srun step.",
         f"# Submit with `dyngraph up --target slurm {plan.graph_file}`; `status`, `logs`, `down` follow it.",

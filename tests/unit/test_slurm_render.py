@@ -1,0 +1,209 @@
+"""`render -f slurm`: the sbatch script of a graph, and the `slurm:` section's validation.
+
+The script is run for real in tests/system/test_slurm.py; here: its text is deterministic
+(snapshot), sized from replicas, GPUs and placement, holds no secret, passes `bash -n`, and a
+graph that cannot run on Slurm is refused with file:line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dynamo_graph.graph.build import build
+from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.render import render
+from dynamo_graph.graph.slurm.job import SlurmState, records
+from dynamo_graph.graph.slurm.script import fill_plan, secret_env, slurm_plan
+from dynamo_graph.graph.supervise.state import StateDir
+from tests.procs import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_GRAPH = ROOT / "tests" / "fixtures" / "slurm" / "gpu-cluster.yaml"
+SNAPSHOT = ROOT / "tests" / "fixtures" / "snapshots" / "slurm-gpu-cluster.sh"
+
+
+def _script(path: Path, overrides: list[str] = ()) -> str:
+    built = build(path, overrides)
+    return render(built.graph, built.plan, "slurm")
+
+
+def _write(tmp_path: Path, graph: dict[str, Any]) -> Path:
+    path = tmp_path / "graph.yaml"
+    path.write_text(yaml.safe_dump(graph, sort_keys=False))
+    return path
+
+
+def _graph(**changes: Any) -> dict[str, Any]:
+    graph: dict[str, Any] = {
+        "name": "g",
+        "slurm": {},
+        "models": {"m": {"path": "org/model"}},
+        "components": {
+            "frontend": {"kind": "frontend"},
+            "backend": {"kind": "worker", "model": "m", "engine": "mocker", "replicas": 2},
+        },
+    }
+    graph.update(changes)
+    return graph
+
+
+def test_snapshot() -> None:
+    """Output is deterministic and reviewed: UPDATE_SNAPSHOTS=1 rewrites the file."""
+    text = _script(GPU_GRAPH).replace(str(ROOT), "<repo>")
+    assert text == _script(GPU_GRAPH).replace(str(ROOT), "<repo>")
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text()
+
+
+def test_script_is_valid_bash(tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(_script(GPU_GRAPH))
+    done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_allocation_is_sized_from_replicas_gpus_and_placement() -> None:
+    text = _script(GPU_GRAPH)
+    header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    # local: etcd, nats, frontend; gpu: 2 decode replicas with 2 GPUs each
+    assert header[:5] == [
+        "#SBATCH --job-name=gpu-cluster",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=3",
+        "#SBATCH --gres=gpu:4",
+        "#SBATCH --partition=gpu",
+    ]
+    assert "#SBATCH --constraint=h100" in header and "#SBATCH --exclusive" in header
+    decode = text[text.index("# decode-0") : text.index("# decode-1")]
+    assert '--nodelist="$NODE_1"' in decode and "--gres=gpu:2" in decode
+    assert "CUDA_VISIBLE_DEVICES" not in text  # Slurm binds each step's GPUs
+    frontend = text[text.index("# frontend-0") :]
+    assert '--nodelist="$NODE_0"' in frontend and "--gres=none" in frontend
+    assert "{ run_step etcd " in text and "{ run_step nats " in text  # managed infra: steps on node 0
+    assert text.index("# etcd on local (node 0)") < text.index("# decode-0")
+    # workers advertise their node's address; managed infra binds the first node's
+    assert 'DYN_TCP_ADVERTISE_HOST="$ADDR_GPU"' in decode
+    assert "ETCD_ENDPOINTS='http://'\"$ADDR_LOCAL\"" in decode
+
+
+def test_no_secret_value_in_the_script() -> None:
+    built = build(GPU_GRAPH)
+    text = render(built.graph, built.plan, "slurm")
+    assert "hf_not_in_the_script" not in text
+    assert 'HF_TOKEN="$DYNGRAPH_SECRET_0"' in text
+    assert secret_env(slurm_plan(built.graph, built.plan)) == {"DYNGRAPH_SECRET_0": "hf_not_in_the_script"}
+
+
+def test_one_node_by_default(tmp_path: Path) -> None:
+    text = _script(_write(tmp_path, _graph()))
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --ntasks-per-node=3" in text
+    assert "--gres" not in text  # no GPUs asked for: no GRES anywhere
+
+
+def test_graph_without_a_slurm_section_is_refused(tmp_path: Path) -> None:
+    graph = _graph()
+    del graph["slurm"]
+    path = _write(tmp_path, graph)
+    with pytest.raises(GraphError, match="needs a `slurm:` section"):
+        _script(path)
+    assert "#SBATCH --partition=debug" in _script(path, ["+slurm.partition=debug"])
+
+
+@pytest.mark.parametrize(
+    ("slurm", "where", "message"),
+    [
+        ({"time": "tomorrow"}, "slurm.time", "'tomorrow'"),
+        ({"sbatch": ["--nodes=4"]}, "slurm.sbatch.0", "--nodes is set by dyngraph"),
+        ({"sbatch": ["constraint=a100"]}, "slurm.sbatch.0", "is not an sbatch option"),
+        ({"partitoin": "x"}, "slurm.partitoin", "did you mean 'partition'"),
+    ],
+)
+def test_slurm_section_errors_name_file_line_and_key(
+    tmp_path: Path, slurm: dict[str, Any], where: str, message: str
+) -> None:
+    path = _write(tmp_path, _graph(slurm=slurm))
+    done = run_cli(["validate", str(path)])
+    assert done.returncode == 2
+    assert f"{path}:3: {where}: " in done.stderr or f"{path}:4: {where}: " in done.stderr, done.stderr
+    assert message in done.stderr
+
+
+def test_gpu_ids_are_refused_on_slurm(tmp_path: Path) -> None:
+    graph = _graph(hosts={"local": {"gpus": 4}})
+    graph["components"]["backend"]["gpus"] = {"per_replica": 1, "gpu_ids": [0, 1]}
+    done = run_cli(["validate", str(_write(tmp_path, graph))])
+    assert done.returncode == 2
+    assert "components.backend.gpus.gpu_ids: on Slurm the scheduler picks each step's GPUs" in done.stderr
+
+
+def test_hosts_are_nodes_without_ssh_only_with_a_slurm_section(tmp_path: Path) -> None:
+    graph = _graph(
+        hosts={"n2": {}},
+        runtime={"discovery": "etcd"},
+        infra={"etcd": {"managed": True}},
+    )
+    graph["components"]["backend"]["placement"] = ["n2"]
+    path = _write(tmp_path, graph)
+    assert run_cli(["validate", str(path)]).returncode == 0  # no advertise_host needed either
+    del graph["slurm"]
+    done = run_cli(["validate", str(_write(tmp_path, graph))])
+    assert done.returncode == 2 and "hosts.n2.ssh: a host other than `local` needs `ssh" in done.stderr
+
+
+def test_local_up_refuses_slurm_nodes_with_file_line(tmp_path: Path) -> None:
+    graph = _graph(hosts={"n2": {}}, runtime={"discovery": "etcd"}, infra={"etcd": {"managed": True}})
+    graph["components"]["backend"]["placement"] = ["n2"]
+    path = _write(tmp_path, graph)
+    done = run_cli(["up", "-d", str(path)], timeout=60)
+    assert done.returncode == 2
+    assert f"{path}:" in done.stderr and "hosts.n2.ssh: a Slurm node (no `ssh`)" in done.stderr
+    assert not (tmp_path / ".dyngraph" / "graph" / "supervisor.pid").exists()
+
+
+def test_frontend_off_the_first_node_must_bind_a_reachable_address(tmp_path: Path) -> None:
+    graph = _graph(hosts={"n2": {}})
+    graph["components"]["frontend"]["host"] = "n2"
+    done = run_cli(["validate", str(_write(tmp_path, graph))])
+    assert done.returncode == 2
+    assert "components.frontend.http.host: host 'n2' is not the job's first node" in done.stderr
+
+
+def test_records_follow_the_step_events(tmp_path: Path) -> None:
+    """What `status` shows, from the events the script writes (script.py's docstring)."""
+    built = build(_write(tmp_path, _graph()))
+    plan = slurm_plan(built.graph, built.plan)
+    state = SlurmState(StateDir(plan.state_dir))
+    steps = state.job_dir / "steps"
+    steps.mkdir(parents=True)
+    (steps / "frontend-0").write_text("start 100 1\nready 101\n")
+    (steps / "backend-0").write_text("start 100 1\nready 101\nexit 137 150\nstart 151 2\nready 152\n")
+    (steps / "backend-1").write_text("start 100 1\nexit 1 101\ncrashloop 102\n")
+    got = records(state, plan, job_active=True)
+    assert got["frontend-0"].state == "ready"
+    assert (got["backend-0"].state, got["backend-0"].restarts) == ("ready", 1)
+    assert got["backend-0"].message == "restarted after exit 137 (SIGKILL)"
+    assert got["backend-1"].state == "failed"
+    assert records(state, plan, job_active=False)["frontend-0"].state == "stopped"
+
+
+def test_fill_plan_puts_the_job_addresses_and_ports_in(tmp_path: Path) -> None:
+    graph = _graph(runtime={"discovery": "etcd"}, infra={"etcd": {"managed": True}}, hosts={"n2": {}})
+    graph["components"]["frontend"]["http"] = {"port": "auto"}
+    graph["components"]["backend"]["placement"] = ["n2"]
+    built = build(_write(tmp_path, graph))
+    plan = slurm_plan(built.graph, built.plan)
+    resolved = {"ADDR_LOCAL": "10.0.0.7", "PORT_ETCD_CLIENT": "2379", "PORT_FRONTEND_0_HTTP": "8123"}
+    filled = fill_plan(plan, resolved)
+    frontend = next(p for p in filled.processes if p.name == "frontend-0")
+    assert frontend.env["ETCD_ENDPOINTS"] == "http://10.0.0.7:2379"
+    assert frontend.argv[frontend.argv.index("--http-port") + 1] == "8123"
+    assert frontend.ports == {"frontend-0.http": 8123}
+    backend = next(p for p in filled.processes if p.name == "backend-0")
+    assert backend.env["DYN_TCP_ADVERTISE_HOST"] == "{node:n2}"  # not resolved: left as it was
