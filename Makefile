@@ -37,11 +37,13 @@ llamacpp: setup
 	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { $(call install_llamacpp,$(BIN)); }
 
 # etcd and nats-server back the distributed tests; openssh-server (+ iproute2 for `ip netns`) the
-# remote-host tests, which run sshd in network namespaces (Debian packages; CI runs as root).
-SERVICE_PACKAGES := etcd-server nats-server openssh-server openssh-client iproute2
+# remote-host tests, which run sshd in network namespaces; slurm-wlm + munge the Slurm tests, which
+# start their own cluster (Debian packages; CI runs as root).
+SERVICE_PACKAGES := etcd-server nats-server openssh-server openssh-client iproute2 slurm-wlm munge
 services:
 	@if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null || [ ! -x /usr/sbin/sshd ] \
-	    || ! command -v ssh-keygen >/dev/null || ! command -v ip >/dev/null; then \
+	    || ! command -v ssh-keygen >/dev/null || ! command -v ip >/dev/null \
+	    || [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); fi; \
 	fi
