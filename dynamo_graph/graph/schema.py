@@ -615,13 +615,26 @@ class Kubernetes(_Model):
 # ---------------------------------------------------------------------------------------------
 
 # sbatch's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
-_SLURM_TIME_RE = r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$"
+_SLURM_TIME_RE = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+_GRES_RE = re.compile(r"^[A-Za-z0-9_\-]+(:[A-Za-z0-9_\-.]+)?$")
 SBATCH_MANAGED = (
     "--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gres", "--gpus", "-G",
     "--gpus-per-node", "--gpus-per-task", "--output", "-o", "--error", "-e", "--job-name", "-J",
     "--partition", "-p", "--account", "-A", "--time", "-t", "--qos", "-q", "--chdir", "-D",
 )  # fmt: skip
 """sbatch options the Slurm target sets from the graph: `slurm.sbatch` may not repeat them."""
+
+
+def _slurm_time(value: str) -> str:
+    if not _SLURM_TIME_RE.match(value):
+        raise ValueError(f"{value!r} is not a Slurm time limit: MM, HH:MM:SS, D-HH:MM or UNLIMITED")
+    return value
+
+
+def _gres(value: str) -> str:
+    if not _GRES_RE.match(value):
+        raise ValueError(f"{value!r} is not a GRES name: `gpu`, or with a type, `gpu:a100`")
+    return value
 
 
 def _sbatch_option(option: str) -> str:
@@ -647,13 +660,13 @@ class Slurm(_Model):
     """Account charged (`--account`)."""
     qos: str | None = None
     """Quality of service (`--qos`)."""
-    time: Annotated[str, Field(pattern=_SLURM_TIME_RE)] | None = None
+    time: Annotated[str, AfterValidator(_slurm_time)] | None = None
     """Time limit (`--time`): `MM`, `HH:MM:SS`, `D-HH:MM`, ... or `UNLIMITED`; default the
     partition's."""
     job_name: Name | None = None
     """Job name (`--job-name`); default the graph's name."""
-    gres: Name = "gpu"
-    """GRES name of the GPUs (`--gres=<gres>:N` per node, per step)."""
+    gres: Annotated[str, AfterValidator(_gres)] = "gpu"
+    """GRES of the GPUs, `name` or `name:type` (`--gres=<gres>:N` per node and per step)."""
     sbatch: list[Annotated[str, AfterValidator(_sbatch_option)]] = []
     """Further sbatch options, one per item: `--constraint=h100`, `--exclusive`, `--mem=0`."""
 

@@ -119,7 +119,8 @@ def test_graph_without_a_slurm_section_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("slurm", "where", "message"),
     [
-        ({"time": "tomorrow"}, "slurm.time", "'tomorrow'"),
+        ({"time": "tomorrow"}, "slurm.time", "'tomorrow' is not a Slurm time limit"),
+        ({"gres": "gpu a100"}, "slurm.gres", "is not a GRES name"),
         ({"sbatch": ["--nodes=4"]}, "slurm.sbatch.0", "--nodes is set by dyngraph"),
         ({"sbatch": ["constraint=a100"]}, "slurm.sbatch.0", "is not an sbatch option"),
         ({"partitoin": "x"}, "slurm.partitoin", "did you mean 'partition'"),

@@ -20,6 +20,7 @@ from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.slurm import job
 from dynamo_graph.graph.slurm.job import JobRecord, SlurmError, SlurmState
 from dynamo_graph.graph.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
+from dynamo_graph.graph.supervise.commands import wait_deadline
 from dynamo_graph.graph.supervise.logs import tail_lines
 from dynamo_graph.graph.supervise.state import StateDir
 from dynamo_graph.graph.supervise.ui import frontend_url, status_table
@@ -97,12 +98,6 @@ def _clear(slurm_state: SlurmState) -> None:
     shutil.rmtree(slurm_state.job_dir, ignore_errors=True)
 
 
-def _deadline(plan: Plan) -> float:
-    longest = max((p.readiness.timeout_s for p in plan.processes), default=0.0)
-    depth = 1 + max((len(p.depends_on) for p in plan.processes), default=0)
-    return time.monotonic() + longest * depth + 30.0
-
-
 def _wait_ready(console: Console, state: StateDir, plan: Plan, job_id: str) -> int:
     slurm_state = SlurmState(state)
     started = time.monotonic()
@@ -114,8 +109,8 @@ def _wait_ready(console: Console, state: StateDir, plan: Plan, job_id: str) -> i
             why = f" ({reason})" if reason and reason != "None" else ""
             console.print(f"job {job_id} is pending{why}; waiting for its nodes", highlight=False)
             said_pending = True
-        if job_state == "RUNNING" and deadline is None:
-            deadline = _deadline(plan)
+        if job_state == "RUNNING" and deadline is None:  # the readiness timeouts start now
+            deadline = wait_deadline(plan)
         if job_state not in job.ACTIVE:
             console.print(f"[bold red]error:[/] job {job_id} ended ({job_state}) before it was ready")
             _print_tail(console, state.root / "slurm" / f"job-{job_id}.out", f"job-{job_id}")

@@ -117,6 +117,8 @@ def steps(job_id: str) -> dict[str, str]:
     out = slurm("squeue", "-h", "-s", "-j", job_id, "-O", "StepId:|,StepName:|,StepState:|", check=False)
     running = {}
     for line in out.splitlines():
+        if line.count("|") < 3:
+            continue
         step_id, name, state = (part.strip() for part in line.split("|")[:3])
         running[name] = f"{step_id} {state}"
     return running

@@ -65,7 +65,7 @@ def _levels(plan: Plan) -> int:
     return max((of(n) for n in deps), default=1)
 
 
-def _wait_deadline(plan: Plan) -> float:
+def wait_deadline(plan: Plan) -> float:
     """Enough for each dependency level to use its readiness timeout, plus a margin."""
     longest = max((p.readiness.timeout_s for p in plan.processes), default=0.0)
     return time.monotonic() + longest * _levels(plan) + 10.0
@@ -75,7 +75,7 @@ def _wait_ready(state: StateDir, plan: Plan) -> list[ProcessRecord]:
     """Poll processes.json until every process is ready; returns the ones that failed or exited
     (empty when all are ready). Raises TimeoutError, or ControlError if the supervisor died."""
     names = [p.name for p in plan.processes]
-    deadline = _wait_deadline(plan)
+    deadline = wait_deadline(plan)
     while time.monotonic() < deadline:
         records = {r.name: r for r in state.read_processes()}
         bad = [records[n] for n in names if n in records and records[n].state in ("failed", "exited")]
