@@ -73,9 +73,11 @@ SHIPPED = sorted(p for p in (ROOT / "graphs").rglob("*.yaml") if ".dyngraph" not
 
 
 @pytest.mark.parametrize("path", [GPU_GRAPH, *SHIPPED], ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_shipped_graph_renders_a_valid_bash_script(tmp_path: Path, path: Path) -> None:
+def test_every_shipped_graph_renders_the_same_valid_bash_script_twice(tmp_path: Path, path: Path) -> None:
+    overrides = [] if path == GPU_GRAPH else ["+slurm={}"]
     script = tmp_path / "job.sbatch"
-    script.write_text(_script(path, [] if path == GPU_GRAPH else ["+slurm={}"]))
+    script.write_text(_script(path, overrides))
+    assert script.read_text() == _script(path, overrides)
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

@@ -178,7 +178,8 @@ def status(state: StateDir, console: Console) -> int:
     console.print(status_table(plan, records, None))
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
-    console.print(f"Slurm job {record.job_id}: {known}{why}", highlight=False)
+    batch_log = slurm_state.root / f"job-{record.job_id}.out"
+    console.print(f"Slurm job {record.job_id}: {known}{why}; its own output: {batch_log}", highlight=False)
     if active and slurm_state.resolved():
         _print_nodes(console, slurm_state, plan)
     for name, rec in records.items():
