@@ -111,6 +111,7 @@ def slurm_plan(graph: Graph, plan: Plan) -> Plan:
 
 
 def layout(graph: Graph, plan: Plan) -> Layout:
+    """Nodes from the graph's hosts; tasks and GPUs per node from the processes placed there."""
     hosts = graph.slurm_nodes()
     tasks = dict.fromkeys(hosts, 0)
     gpus_on = dict.fromkeys(hosts, 0)
@@ -185,7 +186,7 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
         {m[1] for p in plan.processes for t in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(t)}
         & set(owner)
     )
-    resolved = [f"NODE_{i} {_var('node', h)}" for i, h in enumerate(lay.hosts)]
+    resolved = [v for i, h in enumerate(lay.hosts) for v in (f"NODE_{i}", _var("node", h))]
     for i, host in enumerate(lay.hosts):
         names = [n for n in auto if owner[n] == host]
         if not names:
@@ -196,7 +197,7 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
             ask = f"srun --overlap --nodes=1 --ntasks=1 {on_node} {ask}"
         lines.append(f"read -r {' '.join(_var('port', n) for n in names)} < <({ask} | tr -d '[],')")
         resolved += [_var("port", n) for n in names]
-    words = " ".join(f"{v}=${v}" for group in resolved for v in group.split())
+    words = " ".join(f"{v}=${v}" for v in resolved)
     lines.append(f"printf '%s\\n' {words} > \"$JOB/resolved.env\"")
     return lines
 
