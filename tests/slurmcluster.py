@@ -113,7 +113,7 @@ class SlurmCluster:
             _run("ip", "netns", "exec", self.ns, *argv)
 
     def _write_conf(self) -> None:
-        host, d = socket.gethostname(), self.dir
+        host, d = socket.gethostname().split(".")[0], self.dir  # slurmctld matches the short name
         node_lines = [
             f"NodeName={name} NodeAddr={addr} NodeHostname={host if name == 'dg1' else name} "
             "CPUs=16 RealMemory=20000 State=UNKNOWN"
