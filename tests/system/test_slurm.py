@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.procs import free_port, run_cli
 from tests.slurmcluster import SlurmCluster, missing_requirements
 
 UP_TIMEOUT_S = 120.0
+SECRET = "s3cret-never-in-the-script"
 
 
 def _cluster(tmp_path_factory: pytest.TempPathFactory, nodes: int) -> Iterator[SlurmCluster]:
@@ -53,12 +55,13 @@ class SlurmGraph:
 
     def __init__(self, tmp_path: Path, cluster: SlurmCluster, tiny_model: Path, graph: dict[str, Any]):
         self.cluster = cluster
+        self.model = tiny_model.resolve()
         self.port = free_port()
         self.file = tmp_path / "slurm-graph.yaml"
         graph = {
             "name": "sl",
             "slurm": {"job_name": "dyngraph-test", "time": "30:00"},
-            "models": {"tiny-model": {"path": str(tiny_model.resolve())}},
+            "models": {"tiny-model": {"path": str(self.model)}},
             **graph,
         }
         graph["components"]["frontend"] = {"kind": "frontend", "http": {"port": self.port}}
@@ -79,6 +82,9 @@ class SlurmGraph:
             model="tiny-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=4
         )
         return reply.choices[0].message.content or ""
+
+    def script(self) -> Path:
+        return self.file.parent / ".dyngraph" / self.file.stem / "slurm" / "job.sbatch"
 
     def steps(self) -> dict[str, str]:
         """Step name -> step id, from Slurm."""
@@ -122,10 +128,16 @@ def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 def test_one_node_serves_the_openai_client_and_down_leaves_nothing(
     one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
 ) -> None:
-    graph = make_graph(one_node, components=_workers())
+    graph = make_graph(one_node, components=_workers(env={"HF_TOKEN": SECRET}))
     graph.up()
     assert graph.chat()
     assert set(graph.steps()) >= {"frontend-0", "backend-0", "backend-1"}
+    # The secret reaches the workers through the job's environment, never through the script.
+    commands = {p: _cmdline(p) for p in one_node.processes()}
+    workers = [p for p, c in commands.items() if c.startswith(sys.executable) and "in=dyn://" in c]
+    assert len(workers) == 2 and all(f"HF_TOKEN={SECRET}" in _environ(p) for p in workers)
+    assert SECRET not in graph.script().read_text()
+    assert not [c for c in commands.values() if SECRET in c]  # nor on any command line (ps)
     status = graph.cli("status")
     assert status.returncode == 0
     assert "RUNNING" in status.stdout and status.stdout.count("ready") == 3, status.stdout
@@ -138,6 +150,20 @@ def test_one_node_serves_the_openai_client_and_down_leaves_nothing(
     assert graph.steps() == {}
     _wait(lambda: not one_node.processes())
     assert "not running" in graph.cli("down").stdout
+
+
+def test_a_process_that_fails_is_reported_by_up_and_down_cleans_up(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph], tmp_path: Path
+) -> None:
+    graph = make_graph(one_node, components=_workers(replicas=1, restart={"policy": "never"}))
+    graph.file.write_text(graph.file.read_text().replace(str(graph.model), str(tmp_path / "no-model")))
+    done = graph.cli("up", "--target", "slurm")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "backend-0 failed (step ended with exit 2); last log lines:" in done.stdout, done.stdout
+    assert "model path" in done.stdout and "does not exist" in done.stdout  # the worker's own error
+    assert "the rest keeps running" in done.stdout
+    assert graph.cli("down").returncode == 0
+    _wait(lambda: not one_node.processes())
 
 
 def test_a_killed_step_is_reported_by_status(
@@ -198,14 +224,22 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
     _wait(lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)))
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _namespace_commands(cluster: SlurmCluster) -> list[str]:
     assert cluster.ns is not None
     argv = ["ip", "netns", "pids", cluster.ns]
     pids = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
-    commands = []
-    for pid in pids.split():
-        try:
-            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return commands
+    return [c for c in map(_cmdline, map(int, pids.split())) if c]

@@ -110,7 +110,7 @@ def test_no_secret_value_in_the_script() -> None:
     built = build(GPU_GRAPH)
     text = render(built.graph, built.plan, "slurm")
     assert "hf_not_in_the_script" not in text
-    assert 'HF_TOKEN="$DYNGRAPH_SECRET_0"' in text
+    assert '{ export HF_TOKEN="$DYNGRAPH_SECRET_0"; await_ready decode-0 ' in text
     assert secret_env(slurm_plan(built.graph, built.plan)) == {"DYNGRAPH_SECRET_0": "hf_not_in_the_script"}
 
 

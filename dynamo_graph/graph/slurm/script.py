@@ -212,13 +212,13 @@ def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str],
     if lay.gpus_per_node:  # a step has only the GPUs it asks for
         gpus = lay.gpus[proc.name]
         srun.append(f"--gres={slurm.gres}:{gpus}" if gpus else "--gres=none")
-    env = ["PYTHONUNBUFFERED=1"]
+    env, exports = ["PYTHONUNBUFFERED=1"], []
     for key, value in proc.env.items():
         if key == "CUDA_VISIBLE_DEVICES":
             continue  # Slurm binds the step's GPUs and sets it
-        if is_secret_name(key) and value:
+        if is_secret_name(key) and value:  # srun passes its environment on: no secret in any argv
             var = next(v for v, s in secrets.items() if s == value)
-            env.append(f'{key}="${var}"')
+            exports.append(f'{key}="${var}"')
         else:
             env.append(f"{key}={_word(value)}")
     argv = proc.argv
@@ -241,7 +241,8 @@ def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str],
     ]
     body = " \\\n    ".join([" ".join(head), " ".join(srun), "env " + " ".join(env), " ".join(command)])
     waits = f"await_ready {proc.name} {' '.join(proc.depends_on)} && " if proc.depends_on else ""
-    return f'{{ {waits}{body}; touch "$JOB/steps/{proc.name}.done"; }} &'
+    export = f"export {' '.join(exports)}; " if exports else ""  # in this process's subshell only
+    return f'{{ {export}{waits}{body}; touch "$JOB/steps/{proc.name}.done"; }} &'
 
 
 def render_slurm(graph: Graph, plan: Plan) -> str:
