@@ -90,7 +90,11 @@ def up(built: Built, console: Console) -> int:
             return 1
         slurm_state.write_job(JobRecord(job_id, str(slurm_state.script), time.time()))
     console.print(f"graph {plan.graph}: Slurm job {job_id} ({slurm_state.script})", highlight=False)
-    return _wait_ready(console, state, placeholders, job_id)
+    try:
+        return _wait_ready(console, state, placeholders, job_id)
+    except KeyboardInterrupt:
+        console.print(f"job {job_id} goes on; `dyngraph down {plan.graph_file}` cancels it", highlight=False)
+        return 130
 
 
 def _clear(slurm_state: SlurmState) -> None:
