@@ -1,0 +1,119 @@
+"""The end of a `dyngraph test` run: a summary table on the terminal and a JUnit XML file for CI.
+
+JUnit: one `<testsuite>` per graph file, one `<testcase>` per check; a failed expectation is a
+`<failure>` (its message names the check and what was unmet), a graph that is invalid or did not
+come up is an `<error>` (with the problems, or the failed process's last log lines). CI systems
+(GitHub Actions reporters, GitLab, Jenkins) show these without further set-up.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dynamo_graph.smoke.results import CheckResult, GraphResult
+
+_STYLE = {"passed": "green", "failed": "bold red", "error": "bold red", "skipped": "dim"}
+_VERDICT = {
+    0: ("passed", "green"),
+    1: ("failed", "bold red"),
+    2: ("error", "bold red"),
+    130: ("interrupted", "yellow"),
+}
+
+
+def summary(results: list[GraphResult]) -> Table:
+    table = Table(title="dyngraph test", title_justify="left")
+    for column in ("graph", "check", "result", "time", "detail"):
+        table.add_column(column, overflow="fold")
+    for result in results:
+        label = f"{result.file} ({result.graph})" if result.graph else result.file
+        rows: list[tuple[str, str, str, str]] = [
+            (c.name, c.outcome, f"{c.seconds:.2f} s", "; ".join(c.failures) or c.detail)
+            for c in result.checks
+        ]
+        if result.problems:
+            rows.append(("validate", "error", "-", f"{len(result.problems)} problem(s)"))
+        if result.interrupted:
+            rows.append(("-", "interrupted", "-", "stopped by a signal"))
+        for i, (name, outcome, seconds, detail) in enumerate(rows):
+            table.add_row(
+                label if i == 0 else "",
+                name,
+                Text(outcome, style=_STYLE.get(outcome, "yellow")),
+                seconds,
+                detail,
+            )
+        table.add_section()
+    return table
+
+
+def print_summary(console: Console, results: list[GraphResult]) -> None:
+    console.print(summary(results))
+    for result in results:
+        verdict, style = _VERDICT[result.status]
+        checks = sum(c.outcome == "passed" for c in result.checks)
+        line = Text(f"{result.file}: ")
+        line.append(verdict, style=style)
+        line.append(f", {checks}/{len(result.checks)} checks passed in {result.seconds:.1f} s")
+        if result.state_dir:
+            line.append(f"; state and logs kept in {result.state_dir}")
+        console.print(line, highlight=False)
+
+
+def _testcase(suite: ET.Element, check: CheckResult, classname: str) -> None:
+    case = ET.SubElement(suite, "testcase", name=check.name, classname=classname, time=f"{check.seconds:.3f}")
+    if check.outcome in ("failed", "error"):
+        tag = "failure" if check.outcome == "failed" else "error"
+        message = f"{check.name}: {check.failures[0]}" if check.failures else check.name
+        node = ET.SubElement(case, tag, message=message, type=tag)
+        node.text = "\n".join(check.failures) + (f"\n\n{check.output}" if check.output else "")
+    elif check.outcome == "skipped":
+        ET.SubElement(case, "skipped")
+    if check.detail:
+        ET.SubElement(case, "system-out").text = check.detail
+
+
+def _suite(root: ET.Element, result: GraphResult) -> None:
+    checks = list(result.checks)
+    if result.problems:
+        checks.append(CheckResult("validate", "error", 0.0, result.problems))
+    if result.interrupted:
+        checks.append(CheckResult("interrupted", "error", 0.0, ["the run was stopped by a signal"]))
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        name=result.file,
+        tests=str(len(checks)),
+        failures=str(sum(c.outcome == "failed" for c in checks)),
+        errors=str(sum(c.outcome == "error" for c in checks)),
+        skipped=str(sum(c.outcome == "skipped" for c in checks)),
+        time=f"{result.seconds:.3f}",
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        hostname=socket.gethostname(),
+    )
+    props = ET.SubElement(suite, "properties")
+    for name, value in (("graph", result.graph), ("python", platform.python_version())):
+        ET.SubElement(props, "property", name=name, value=value)
+    classname = result.graph or Path(result.file).stem
+    for check in checks:
+        _testcase(suite, check, classname)
+
+
+def write_junit(path: Path, results: list[GraphResult], seconds: float) -> None:
+    """Write the JUnit XML of the run (the folder is created)."""
+    root = ET.Element("testsuites", name="dyngraph test", time=f"{seconds:.3f}")
+    for result in results:
+        _suite(root, result)
+    for key in ("tests", "failures", "errors", "skipped"):
+        root.set(key, str(sum(int(s.get(key, "0")) for s in root)))
+    ET.indent(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
