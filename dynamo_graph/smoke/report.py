@@ -20,7 +20,6 @@ from rich.text import Text
 
 from dynamo_graph.smoke.results import CheckResult, GraphResult
 
-_STYLE = {"passed": "green", "failed": "bold red", "error": "bold red", "skipped": "dim"}
 _VERDICT = {
     0: ("passed", "green"),
     1: ("failed", "bold red"),
@@ -29,43 +28,43 @@ _VERDICT = {
 }
 
 
+def _why(result: GraphResult) -> str:
+    """What went wrong, in a line: the failed checks by name, or the graph's own problem."""
+    if result.problems:
+        return f"invalid: {len(result.problems)} problem(s)"
+    if result.up_failure:
+        return f"did not come up: {result.up_failure}"
+    failed = [c.name for c in result.checks if c.outcome != "passed"]
+    why = f"failed: {', '.join(failed)}" if failed else ""
+    return "; ".join(filter(None, [why, "interrupted" if result.interrupted else ""]))
+
+
 def summary(results: list[GraphResult]) -> Table:
+    """One row per graph file: its verdict, checks passed, time, and what failed."""
     table = Table(title="dyngraph test", title_justify="left")
-    for column in ("graph", "check", "result", "time", "detail"):
+    for column in ("graph", "result", "checks", "time", "why"):
         table.add_column(column, overflow="fold")
     for result in results:
-        label = f"{result.file} ({result.graph})" if result.graph else result.file
-        rows: list[tuple[str, str, str, str]] = [
-            (c.name, c.outcome, f"{c.seconds:.2f} s", "; ".join(c.failures) or c.detail)
-            for c in result.checks
-        ]
-        if result.problems:
-            rows.append(("validate", "error", "-", f"{len(result.problems)} problem(s)"))
-        if result.interrupted:
-            rows.append(("-", "interrupted", "-", "stopped by a signal"))
-        for i, (name, outcome, seconds, detail) in enumerate(rows):
-            table.add_row(
-                label if i == 0 else "",
-                name,
-                Text(outcome, style=_STYLE.get(outcome, "yellow")),
-                seconds,
-                detail,
-            )
-        table.add_section()
+        verdict, style = _VERDICT[result.status]
+        passed = sum(c.outcome == "passed" for c in result.checks)
+        table.add_row(
+            f"{result.file} ({result.graph})" if result.graph else result.file,
+            Text(verdict, style=style),
+            f"{passed}/{len(result.checks)}",
+            f"{result.seconds:.1f} s",
+            _why(result),
+        )
     return table
 
 
 def print_summary(console: Console, results: list[GraphResult]) -> None:
     console.print(summary(results))
     for result in results:
-        verdict, style = _VERDICT[result.status]
-        checks = sum(c.outcome == "passed" for c in result.checks)
-        line = Text(f"{result.file}: ")
-        line.append(verdict, style=style)
-        line.append(f", {checks}/{len(result.checks)} checks passed in {result.seconds:.1f} s")
         if result.state_dir:
-            line.append(f"; state and logs kept in {result.state_dir}")
-        console.print(line, highlight=False)
+            console.print(f"{result.file}: state and logs kept in {result.state_dir}", highlight=False)
+    counts = [sum(r.status == code for r in results) for code in (0, 1, 2, 130)]
+    words = ("passed", "failed", "error", "interrupted")
+    console.print(", ".join(f"{n} {w}" for n, w in zip(counts, words, strict=True) if n) or "no graphs")
 
 
 def _testcase(suite: ET.Element, check: CheckResult, classname: str) -> None:
