@@ -34,7 +34,9 @@ def movable_ports_auto(graph: Graph) -> Graph:
     return graph
 
 
-def isolated_plan(graph: Graph, graph_file: Path, parent: Path | None = None) -> Plan:
-    """The plan of `graph` with free ports and a new state dir (`dyngraph-test-<stem>-*`)."""
+def isolated(graph: Graph, graph_file: Path, parent: Path | None = None) -> tuple[Graph, Plan]:
+    """The graph with its movable ports `auto`, and its plan in a new state dir
+    (`dyngraph-test-<stem>-*` under `parent`, default the temp dir)."""
+    graph = movable_ports_auto(graph)
     state = tempfile.mkdtemp(prefix=f"dyngraph-test-{graph_file.stem}-", dir=parent)
-    return compile_graph(movable_ports_auto(graph), graph_file=graph_file, state_dir=Path(state))
+    return graph, compile_graph(graph, graph_file=graph_file, state_dir=Path(state))

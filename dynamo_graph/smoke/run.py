@@ -7,6 +7,7 @@ the worst over the graphs. After an interrupt no further graph is started.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.markup import escape
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.supervise.preflight import preflight
-from dynamo_graph.smoke.isolate import isolated_plan
+from dynamo_graph.smoke.isolate import isolated
 from dynamo_graph.smoke.report import print_summary, write_junit
 from dynamo_graph.smoke.results import GraphResult, exit_code
 from dynamo_graph.smoke.session import run_session
@@ -29,12 +30,15 @@ def check_graph(
     """Validate, preflight and run one graph file's checks."""
     result = GraphResult(str(file))
     console.print(f"[bold]{escape(str(file))}[/]", highlight=False)
+    plan = None
     try:
         built = build(file, overrides)
         result.graph = built.graph.name
-        plan = isolated_plan(built.graph, built.loaded.file)
-        preflight(built.graph, plan, built.loaded.source, str(built.loaded.file), check_ports=True)
+        graph, plan = isolated(built.graph, built.loaded.file)
+        preflight(graph, plan, built.loaded.source, str(built.loaded.file), check_ports=True)
     except GraphError as e:
+        if plan is not None:  # nothing was started in it
+            shutil.rmtree(plan.state_dir, ignore_errors=True)
         result.problems = [str(p) for p in e.problems]
         for problem in result.problems:
             console.print(f"  [bold red]error:[/] {escape(problem)}", highlight=False)

@@ -2,9 +2,9 @@
 it serves, run its checks in order, and tear it down whatever happens.
 
 The supervisor runs in this process (`supervise`, as in `dyngraph up` in the foreground) with
-the checks alongside; when they end, it stops every process in reverse dependency order. Its
-SIGINT / SIGTERM handling is what makes Ctrl-C (or a CI job's cancellation) stop the graph: the
-checks are cancelled and the run reported as interrupted. A process that exits before the graph
+the checks alongside; when they end, it stops every process in reverse dependency order. Ctrl-C
+(or a CI job's cancellation: SIGTERM) cancels the checks, which ends the run the same way, and
+the run is reported as interrupted. A process that exits before the graph
 is up means the graph did not come up, even if its restart policy would try again: a smoke test
 wants to hear about a worker that cannot start at once, with its last log lines, not after a
 crash loop's backoff.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -65,11 +66,24 @@ class Session:
         self._check_teardown()
 
     async def _alongside(self, sup: Supervisor) -> None:
+        """The checks, which SIGINT / SIGTERM cancel: their end stops the graph. (The supervisor's
+        own handlers would stop the processes first, and a frontend draining its requests could
+        let a check finish as if nothing had happened.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._interrupt, task, sig)
         try:
             await self._checks(sup)
         except asyncio.CancelledError:
             self.result.interrupted = True
             raise
+
+    def _interrupt(self, task: asyncio.Task[None], sig: signal.Signals) -> None:
+        if not task.done():
+            self.console.print(f"  [yellow]{sig.name}: stopping the graph[/]", highlight=False)
+            task.cancel()
 
     async def _checks(self, sup: Supervisor) -> None:
         started = time.monotonic()
