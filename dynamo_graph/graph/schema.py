@@ -607,7 +607,12 @@ class TokenCount(_Model):
         return self
 
 
-Tokens = Annotated[int, Field(ge=0)] | TokenCount
+def _exact_count(value: Any) -> Any:
+    return {"min": value, "max": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Tokens = Annotated[TokenCount, BeforeValidator(_exact_count, json_schema_input_type=int | TokenCount)]
+"""A token count: a number, or `{min: .., max: ..}`."""
 
 
 def _as_list(value: Any) -> Any:

@@ -36,11 +36,11 @@ def unmet(answer: Answer, expect: Expect) -> list[str]:
     return failures
 
 
-def _count_unmet(got: int | None, wanted: int | TokenCount) -> str:
+def _count_unmet(got: int | None, wanted: TokenCount) -> str:
     if got is None:
         return "missing from usage"
-    if isinstance(wanted, int):
-        return "" if got == wanted else f"{got}, expected {wanted}"
+    if wanted.min is not None and wanted.min == wanted.max:
+        return "" if got == wanted.min else f"{got}, expected {wanted.min}"
     if wanted.min is not None and got < wanted.min:
         return f"{got}, expected at least {wanted.min}"
     if wanted.max is not None and got > wanted.max:
