@@ -262,3 +262,15 @@ def test_junit_names_the_failed_check_and_exit_codes(tmp_path: Path) -> None:
     assert error is not None and "boom" in (error.text or "")
     invalid = root.find("testsuite[@name='d.yaml']/testcase[@name='validate']/error")
     assert invalid is not None and "required key is missing" in (invalid.text or "")
+
+
+def test_the_example_ci_workflow_runs_dyngraph_test_with_junit() -> None:
+    import yaml
+
+    workflow = Path(__file__).resolve().parents[2] / "examples" / "ci" / "github-actions-dyngraph-test.yml"
+    steps = yaml.safe_load(workflow.read_text())["jobs"]["smoke"]["steps"]
+    runs = [s.get("run", "") for s in steps]
+    assert any(r.startswith("pip install dyngraph") for r in runs)
+    (test_step,) = [s for s in steps if s.get("run", "").startswith("dyngraph test ")]
+    junit = test_step["run"].split("--junit ")[1]
+    assert any(s.get("with", {}).get("report_paths") == junit for s in steps)
