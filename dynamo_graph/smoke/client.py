@@ -56,13 +56,17 @@ def _path(request: SmokeChat | SmokeCompletion) -> str:
 
 
 async def send(
-    client: httpx.AsyncClient, base_url: str, request: SmokeChat | SmokeCompletion, model: str
+    client: httpx.AsyncClient,
+    base_url: str,
+    request: SmokeChat | SmokeCompletion,
+    model: str,
+    headers: dict[str, str] | None = None,
 ) -> Answer:
     """Send the request; raises httpx errors (connection, timeout) to the caller."""
     body = request_body(request, model)
     answer = Answer()
     started = time.perf_counter()
-    async with client.stream("POST", base_url + _path(request), json=body) as response:
+    async with client.stream("POST", base_url + _path(request), json=body, headers=headers) as response:
         answer.status = response.status_code
         if response.status_code != 200 or not body.get("stream"):
             raw = await response.aread()

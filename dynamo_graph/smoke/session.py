@@ -13,6 +13,7 @@ crash loop's backoff.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import time
@@ -33,7 +34,7 @@ from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import frontend_url
 from dynamo_graph.smoke.defaults import default_checks, served_models
 from dynamo_graph.smoke.results import CheckResult, GraphResult
-from dynamo_graph.smoke.steps import Target, run_check
+from dynamo_graph.smoke.steps import Address, Target, listed_models, run_check
 
 FAILURE_LOG_LINES = 30
 MODELS_TIMEOUT_S = 60.0  # after every process is ready, until the frontends list their models
@@ -91,14 +92,14 @@ class Session:
         if failed is not None:
             self._up_failed(*failed, time.monotonic() - started)
             return
-        urls = self._frontend_urls(sup)
+        frontends = self._frontends(sup)
         async with httpx.AsyncClient(timeout=None) as client:
-            if missing := await self._wait_models(client, urls):
+            if missing := await self._wait_models(client, frontends):
                 self._up_failed("models", missing, "", time.monotonic() - started)
                 return
             self.console.print(f"  up in {time.monotonic() - started:.2f} s", highlight=False)
             graph = self.built.graph
-            target = Target(graph, sup, urls, client)
+            target = Target(graph, sup, frontends, client)
             for index, check in enumerate(graph.tests if graph.tests is not None else default_checks(graph)):
                 outcome = await run_check(target, check, index)
                 self.result.checks.append(outcome)
@@ -125,40 +126,48 @@ class Session:
     def _tail(self, process: str) -> str:
         return "\n".join(tail_lines(self.state.log_file(process), FAILURE_LOG_LINES))
 
-    def _frontend_urls(self, sup: Supervisor) -> dict[str, str]:
-        """Each frontend's `http://host:port`, from the running plan (its `auto` ports filled)."""
-        urls: dict[str, str] = {}
+    def _frontends(self, sup: Supervisor) -> dict[str, Address]:
+        """Each frontend's `http://host:port` from the running plan (its `auto` ports filled), and
+        an API key from the variables its `api_key_env` names (as `up` passes them on)."""
+        frontends: dict[str, Address] = {}
         for spec in (sup.plan or self.plan).processes:
-            if (url := frontend_url(spec)) is not None and spec.component not in urls:
-                urls[spec.component] = url.split(" on host ")[0].removesuffix("/v1")
-        return urls
+            if (url := frontend_url(spec)) is None or spec.component in frontends:
+                continue
+            keys = [
+                key.strip()
+                for name in self.built.graph.frontends()[spec.component].api_key_env
+                for key in os.environ.get(name, "").split(",")
+                if key.strip()
+            ]
+            headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+            frontends[spec.component] = Address(url.split(" on host ")[0].removesuffix("/v1"), headers)
+        return frontends
 
-    async def _wait_models(self, client: httpx.AsyncClient, urls: dict[str, str]) -> str:
+    async def _wait_models(self, client: httpx.AsyncClient, frontends: dict[str, Address]) -> str:
         """Wait until each frontend lists the models its workers serve; returns what is missing."""
         graph = self.built.graph
         deployed = {graph.models[w.model].name for w in graph.workers().values() if w.replicas}
-        wanted = {k: [m for m in served_models(graph, k) if m in deployed] for k in urls}
+        wanted = {k: [m for m in served_models(graph, k) if m in deployed] for k in frontends}
         deadline = time.monotonic() + MODELS_TIMEOUT_S
-        missing = ""
-        while time.monotonic() < deadline:
-            missing = ""
-            for key, url in urls.items():
+        while True:
+            missing = []
+            for key, address in frontends.items():
                 try:
-                    listed = [
-                        m.get("id") for m in (await client.get(url + "/v1/models")).json().get("data", [])
-                    ]
+                    listed = await listed_models(client, address)
+                except httpx.HTTPStatusError as e:
+                    if e.response.status_code in (401, 403):  # waiting will not help
+                        names = ", ".join(graph.frontends()[key].api_key_env)
+                        return f"{key}: GET /v1/models: {e.response.status_code}; set a key in {names}"
+                    missing.append(f"{key}: GET /v1/models: {e}")
+                    continue
                 except (httpx.HTTPError, ValueError) as e:
-                    listed = []
-                    missing = f"{key}: GET /v1/models: {e}"
-                absent = [m for m in wanted[key] if m not in listed]
-                if absent:
-                    missing = (
-                        missing or f"{key} does not list {', '.join(absent)} after {MODELS_TIMEOUT_S:g} s"
-                    )
-            if not missing:
-                return ""
+                    missing.append(f"{key}: GET /v1/models: {e}")
+                    continue
+                if absent := [m for m in wanted[key] if m not in listed]:
+                    missing.append(f"{key} does not list {', '.join(absent)} after {MODELS_TIMEOUT_S:g} s")
+            if not missing or time.monotonic() > deadline:
+                return "; ".join(missing)
             await asyncio.sleep(POLL_S * 5)
-        return missing
 
     def _up_failed(self, process: str, why: str, log: str, seconds: float) -> None:
         self.result.up_failure = f"{process}: {why}"

@@ -24,17 +24,25 @@ METRICS_SETTLE_S = 5.0  # counters of a request that just ended may show a momen
 POLL_S = 0.05
 
 
+@dataclass(frozen=True)
+class Address:
+    """Where a frontend listens (`http://host:port`) and the headers it wants (an API key)."""
+
+    url: str
+    headers: dict[str, str]
+
+
 @dataclass
 class Target:
-    """What the checks talk to: the graph, its supervisor, each frontend's base URL."""
+    """What the checks talk to: the graph, its supervisor, each frontend's address."""
 
     graph: Graph
     sup: Supervisor
-    urls: dict[str, str]  # frontend key -> http://host:port
+    frontends: dict[str, Address]  # frontend key -> address
     client: httpx.AsyncClient
 
     def frontend(self, check: SmokeCheck) -> str:
-        return check.frontend or next(iter(self.urls))
+        return check.frontend or next(iter(self.frontends))
 
 
 def check_name(check: SmokeCheck, index: int) -> str:
@@ -54,17 +62,17 @@ async def run_check(target: Target, check: SmokeCheck, index: int) -> CheckResul
 async def _dispatch(target: Target, check: SmokeCheck) -> tuple[list[str], str]:
     if check.fault is not None:
         return await _fault(target, check.fault)
-    base = target.urls[target.frontend(check)]
+    address = target.frontends[target.frontend(check)]
     if check.models is not None:
         async with asyncio.timeout(check.timeout_s):
-            return await _models(target.client, base, check.models)
+            return await _models(target.client, address, check.models)
     if check.metrics is not None:
         async with asyncio.timeout(check.timeout_s + METRICS_SETTLE_S):
-            return await _metrics(target.client, base, check.metrics)
-    return await _request(target, check, base)
+            return await _metrics(target.client, address, check.metrics)
+    return await _request(target, check, address)
 
 
-async def _request(target: Target, check: SmokeCheck, base: str) -> tuple[list[str], str]:
+async def _request(target: Target, check: SmokeCheck, address: Address) -> tuple[list[str], str]:
     request = check.chat or check.completion
     assert request is not None
     model = served_models(target.graph, target.frontend(check))[0]
@@ -72,7 +80,9 @@ async def _request(target: Target, check: SmokeCheck, base: str) -> tuple[list[s
     failures: list[str] = []
     answers: list[Answer] = []
     for i in range(check.repeat):
-        answer = await asyncio.wait_for(send(target.client, base, request, model), check.timeout_s)
+        answer = await asyncio.wait_for(
+            send(target.client, address.url, request, model, address.headers), check.timeout_s
+        )
         answers.append(answer)
         prefix = f"request {i + 1}/{check.repeat}: " if check.repeat > 1 else ""
         failures += [prefix + f for f in unmet(answer, expect)]
@@ -93,24 +103,26 @@ def _measured(answers: list[Answer]) -> str:
     return (f"{len(answers)}x, slowest: " if len(answers) > 1 else "") + ", ".join(parts)
 
 
-async def _models(client: httpx.AsyncClient, base: str, names: list[str]) -> tuple[list[str], str]:
-    response = await client.get(base + "/v1/models")
-    if response.status_code != 200:
-        return [f"GET /v1/models: status {response.status_code}"], ""
-    listed = [m.get("id") for m in response.json().get("data", [])]
+async def listed_models(client: httpx.AsyncClient, address: Address) -> list[str]:
+    """The model ids `/v1/models` lists; raises httpx.HTTPStatusError on an error status."""
+    response = await client.get(address.url + "/v1/models", headers=address.headers)
+    response.raise_for_status()
+    return [str(m.get("id")) for m in response.json().get("data", [])]
+
+
+async def _models(client: httpx.AsyncClient, address: Address, names: list[str]) -> tuple[list[str], str]:
+    listed = await listed_models(client, address)
     missing = [n for n in names if n not in listed]
-    return [f"/v1/models does not list {n!r} (it lists {listed})" for n in missing], ", ".join(
-        map(str, listed)
-    )
+    return [f"/v1/models does not list {n!r} (it lists {listed})" for n in missing], ", ".join(listed)
 
 
-async def _metrics(client: httpx.AsyncClient, base: str, texts: list[str]) -> tuple[list[str], str]:
+async def _metrics(client: httpx.AsyncClient, address: Address, texts: list[str]) -> tuple[list[str], str]:
     """Every expression must hold; polled for a moment, since a request's counters may trail
     its response."""
     exprs = [parse_metric_expr(t) for t in texts]
     deadline = time.monotonic() + METRICS_SETTLE_S
     while True:
-        response = await client.get(base + "/metrics")
+        response = await client.get(address.url + "/metrics", headers=address.headers)
         if response.status_code != 200:
             return [f"GET /metrics: status {response.status_code}"], ""
         values = [e.value(response.text) for e in exprs]

@@ -192,10 +192,17 @@ tests:
     assert not list(Path(tempfile.gettempdir()).glob("dyngraph-test-invalid-smoke-*")), "nothing was started"
 
 
-def test_a_graph_without_tests_gets_the_default_checks(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_graph_without_tests_gets_the_default_checks_with_its_api_key(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     graph = write_graph(tmp_path / "smoke.yaml", tiny_model, tests="")
+    text = graph.read_text().replace(
+        "depends_on: [backend]\n", "depends_on: [backend]\n    api_key_env: [SMOKE_KEY]\n"
+    )
+    graph.write_text(text)
     junit = tmp_path / "junit.xml"
-    result = smoke_cli(graph, "--junit", junit)
+    env = {"SMOKE_KEY": "sk-smoke-1,sk-smoke-2"}
+    result = run_cli(["test", str(graph), "--junit", str(junit)], env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert list(junit_cases(junit)) == ["models listed", "chat", "chat, streamed", "completion"]
 
