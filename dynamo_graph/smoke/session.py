@@ -57,7 +57,8 @@ class Session:
         self.events: list[str] = []
 
     def report(self, process: str, message: str) -> None:
-        """The supervisor's events (ready, exited, restarting), shown with -v."""
+        """The supervisor's events (ready, exited, restarting): shown with -v, and in the JUnit
+        report of a graph that did not come up."""
         self.events.append(f"{process}: {message}")
         if self.verbose:
             self.console.print(f"  [dim]{escape(process)}: {escape(message)}[/]", highlight=False)
@@ -120,7 +121,7 @@ class Session:
             if len(runners) == len(names) and all(r.ready.is_set() for r in runners):
                 return None
             await asyncio.sleep(POLL_S)
-        waiting = [n for n in names if n in sup.runners and not sup.runners[n].ready.is_set()]
+        waiting = [n for n in names if n not in sup.runners or not sup.runners[n].ready.is_set()] or names
         return waiting[0], "not ready in time", self._tail(waiting[0])
 
     def _tail(self, process: str) -> str:
@@ -171,7 +172,12 @@ class Session:
 
     def _up_failed(self, process: str, why: str, log: str, seconds: float) -> None:
         self.result.up_failure = f"{process}: {why}"
-        self.result.checks.append(CheckResult("up", "error", seconds, [self.result.up_failure], output=log))
+        output = "\n".join(
+            ["supervisor:", *self.events, "", f"last log lines of {process}:", log] if log else self.events
+        )
+        self.result.checks.append(
+            CheckResult("up", "error", seconds, [self.result.up_failure], output=output)
+        )
         self.console.print(
             f"  [bold red]did not come up:[/] {escape(self.result.up_failure)}", highlight=False
         )

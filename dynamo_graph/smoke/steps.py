@@ -53,7 +53,9 @@ async def run_check(target: Target, check: SmokeCheck, index: int) -> CheckResul
     started = time.monotonic()
     try:
         failures, detail = await _dispatch(target, check)
-    except (httpx.HTTPError, TimeoutError, ValueError) as e:
+    except TimeoutError:
+        failures, detail = [f"no answer within {check.timeout_s:g} s (timeout_s)"], ""
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # unreachable, or a malformed answer
         failures, detail = [f"{type(e).__name__}: {e}".rstrip(": ")], ""
     outcome = "failed" if failures else "passed"
     return CheckResult(check_name(check, index), outcome, time.monotonic() - started, failures, detail)
