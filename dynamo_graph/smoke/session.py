@@ -89,6 +89,11 @@ class Session:
 
     async def _checks(self, sup: Supervisor) -> None:
         started = time.monotonic()
+        count = len(self.plan.processes)
+        where = f" (state: {self.plan.state_dir})" if self.verbose else ""
+        self.console.print(
+            f"  starting {count} process{'es' if count != 1 else ''}{escape(where)}", highlight=False
+        )
         failed = await self._wait_up(sup)
         if failed is not None:
             self._up_failed(*failed, time.monotonic() - started)

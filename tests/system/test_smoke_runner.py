@@ -125,6 +125,11 @@ def test_a_failing_check_exits_1_and_junit_names_it(tiny_model: Path, tmp_path: 
     expect:
       contains: goodbye
       completion_tokens: 5
+  - name: too slow
+    chat:
+      prompt: The smoke test says hello, slowly
+      max_tokens: 64
+    timeout_s: 0.2
   - name: still runs after a failure
     completion:
       prompt: hello
@@ -133,7 +138,7 @@ def test_a_failing_check_exits_1_and_junit_names_it(tiny_model: Path, tmp_path: 
       completion_tokens: 4
 """
     )
-    graph = write_graph(tmp_path / "smoke.yaml", tiny_model, tests=failing)
+    graph = write_graph(tmp_path / "smoke.yaml", tiny_model, tests=failing, delay_ms=25)
     junit = tmp_path / "junit.xml"
     result = smoke_cli(graph, "--junit", junit)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -144,6 +149,8 @@ def test_a_failing_check_exits_1_and_junit_names_it(tiny_model: Path, tmp_path: 
         "expects what the echo never says: text does not contain 'goodbye'"
     )
     assert "completion_tokens 4, expected 5" in (failure.text or "")
+    slow = cases["too slow"].find("failure")
+    assert slow is not None and slow.get("message") == "too slow: no answer within 0.2 s (timeout_s)"
     assert cases["still runs after a failure"].find("failure") is None
     assert cases["chat echoes"].find("failure") is None
     (state,) = kept_states(result.stdout)  # kept because a check failed
