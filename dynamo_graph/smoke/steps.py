@@ -46,7 +46,10 @@ class Target:
 
 
 def check_name(check: SmokeCheck, index: int) -> str:
-    return check.name or f"{index + 1}: {check.kind}"
+    """The check's `name`, else its position and kind (`3: chat, streamed`)."""
+    request = check.chat or check.completion
+    streamed = ", streamed" if request is not None and request.stream else ""
+    return check.name or f"{index + 1}: {check.kind}{streamed}"
 
 
 async def run_check(target: Target, check: SmokeCheck, index: int) -> CheckResult:
