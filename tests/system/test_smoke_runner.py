@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,7 +84,8 @@ def kept_states(output: str) -> list[StateDir]:
 
 
 def assert_nothing_left(state: StateDir) -> None:
-    """Every process the run recorded is gone, and no port of its plan listens."""
+    """Every process the run recorded is gone, and no port of its plan listens; then the state
+    dir goes."""
     records = state.read_processes()
     assert records, f"no process records in {state.root}"
     alive = [r.name for r in records if r.pid is not None and pid_alive(r.pid, r.start_ticks)]
@@ -92,6 +94,7 @@ def assert_nothing_left(state: StateDir) -> None:
     ports = [p for p in plan_ports(plan) if listening(p)]
     assert not alive and not ports, f"left running: {alive}, ports {ports}"
     assert state.supervisor() is None
+    shutil.rmtree(state.root)  # kept by the run for this check (a failing test leaves it to look at)
 
 
 def junit_cases(path: Path) -> dict[str, ET.Element]:
