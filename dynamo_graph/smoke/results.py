@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Outcome = Literal["passed", "failed", "error", "skipped"]
+Outcome = Literal["passed", "failed", "error"]
 
 
 @dataclass
