@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm
+.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,14 @@ test: setup llamacpp services
 	$(BIN)/ruff check dynamo_graph tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
+
+# The CI smoke graphs as a user's CI runs them: `dyngraph test` brings each up isolated, runs the
+# checks in its `tests:` section, tears it down, and writes a JUnit report (echo-etcd-nats needs
+# etcd and nats-server).
+SMOKE_JUNIT ?= .cache/reports/smoke-junit.xml
+
+smoke: setup services $(MODEL_DIR)/tokenizer.json
+	$(BIN)/dyngraph test graphs/ci/*.yaml --junit $(SMOKE_JUNIT)
 
 test-all: setup
 	$(BIN)/pytest -q -m ''

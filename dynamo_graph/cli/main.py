@@ -374,6 +374,27 @@ def down_command(graph_file: GraphFile) -> None:
     raise typer.Exit(commands.down(_state_of(graph_file), Console(soft_wrap=True)))
 
 
+@app.command("test", help="Smoke-test graphs: bring each up isolated, run its `tests`, tear it down.")
+def test_command(
+    graph_files: Annotated[list[Path], typer.Argument(help="graph YAML files", show_default=False)],
+    junit: Annotated[Path | None, typer.Option("--junit", help="write a JUnit XML report here")] = None,
+    override: Annotated[
+        list[str] | None, typer.Option("--override", "-o", help="Hydra-style override for every graph")
+    ] = None,
+    keep_state: Annotated[
+        bool, typer.Option("--keep-state", help="keep each run's state dir and logs (kept anyway on failure)")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="show the supervisor's events")] = False,
+) -> None:
+    from dynamo_graph.smoke.run import run_tests
+
+    console = Console(soft_wrap=True)
+    code = run_tests(
+        graph_files, override or [], console, junit=junit, verbose=verbose, keep_state=keep_state
+    )
+    raise typer.Exit(code)
+
+
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")
 def tiny_model_command(
     out_dir: Annotated[Path, typer.Argument(help="folder to write")],

@@ -280,6 +280,29 @@ def _dangling(path: str, name: str, known: Iterable[str], what: str) -> Iterator
         yield Problem(path, f"no {what} named {name!r}" + _suggest(name, known, listing=True))
 
 
+def check_tests(graph: Graph) -> Iterator[Problem]:
+    """Smoke checks name a frontend that exists, a model it serves, and a replica that runs."""
+    frontends = graph.frontends()
+    for i, check in enumerate(graph.tests or []):
+        where = f"tests.{i}"
+        if check.frontend is not None:
+            yield from _dangling(f"{where}.frontend", check.frontend, frontends, "frontend")
+        elif not frontends:
+            yield Problem(where, "the graph has no frontend to send checks to")
+        frontend = frontends.get(check.frontend or next(iter(frontends), ""))
+        request = check.chat or check.completion
+        if frontend is not None and request is not None and request.model is not None:
+            served = [graph.models[k].name or k for k in frontend.models or graph.models if k in graph.models]
+            yield from _dangling(f"{where}.{check.kind}.model", request.model, served, "model served")
+        if check.fault is not None:
+            fault, path = check.fault, f"{where}.fault"
+            yield from _dangling(f"{path}.kill", fault.kill, graph.components, "component")
+            comp = graph.components.get(fault.kill)
+            replicas = comp.replicas if isinstance(comp, Worker) else 1
+            if comp is not None and fault.replica >= replicas:
+                yield Problem(f"{path}.replica", f"{fault.kill} runs {replicas} replica(s), counted from 0")
+
+
 def check_cycles(graph: Graph) -> Iterator[Problem]:
     """`depends_on` must order the components: a cycle could never start."""
     deps = {
@@ -582,6 +605,7 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_kv_transfer,
     check_planes,
     check_multi_host,
+    check_tests,
 )
 
 Engines = Literal["dyngraph", "dynamo"]

@@ -36,7 +36,8 @@ async def supervise(
     alongside: Callable[[Supervisor], Awaitable[None]] | None = None,
 ) -> None:
     """Run until a `stop` request, SIGINT or SIGTERM, then stop everything. `alongside` (the
-    foreground's log streaming) runs meanwhile and is cancelled once every process stopped."""
+    foreground's log streaming, `dyngraph test`'s checks) runs meanwhile: when it returns, the
+    graph stops too; if still running, it is cancelled once every process stopped."""
     state.ensure()
     for name in FRESH_DIRS:
         shutil.rmtree(state.root / name, ignore_errors=True)
@@ -62,6 +63,7 @@ async def supervise(
             await sup.apply(plan)
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
+            extra.add_done_callback(lambda _: shutdown.set())
         await shutdown.wait()
     finally:
         server.close()
