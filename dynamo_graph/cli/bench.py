@@ -103,6 +103,7 @@ def bench_command(
     ] = None,
 ) -> None:
     from dynamo_graph.bench.command import BenchError, Options, bench
+    from dynamo_graph.bench.graphs import GraphNotReady
     from dynamo_graph.bench.measure import Load, Settings
     from dynamo_graph.bench.server import ServerError
 
@@ -137,7 +138,7 @@ def bench_command(
     try:
         with graph_problems(graph_file or Path("-")):
             code = bench(options, Console(soft_wrap=True), err)
-    except (BenchError, ServerError) as e:
+    except (BenchError, ServerError, GraphNotReady) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
