@@ -149,8 +149,6 @@ async def _read_response(reader: asyncio.StreamReader, start: float, result: Res
         else:  # a 200 that is not a stream: the server ignored "stream"
             result.error = "the response was not streamed"
         return reusable
-    if status != b"200":
-        result.error = f"HTTP {status.decode()}"
     buf = b""
     last: list[float] = []
     while True:
@@ -159,7 +157,10 @@ async def _read_response(reader: asyncio.StreamReader, start: float, result: Res
             await reader.readline()
             break
         buf += (await reader.readexactly(size + 2))[:-2]
-        buf = _handle_events(buf, time.perf_counter(), start, last, result)
+        if status == b"200":
+            buf = _handle_events(buf, time.perf_counter(), start, last, result)
+    if status != b"200":
+        result.error = f"HTTP {status.decode()}: {buf[:300].decode(errors='replace')}"
     if not result.output_tokens:
         result.output_tokens = result.tokens
     result.ok = not result.error and result.tokens > 0
