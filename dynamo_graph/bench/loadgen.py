@@ -169,7 +169,7 @@ async def _read_response(reader: asyncio.StreamReader, start: float, result: Res
     return reusable
 
 
-class _Connections:
+class Connections:
     """Kept-alive connections to the target, reused by whoever sends next."""
 
     def __init__(self, target: Target) -> None:
@@ -195,7 +195,9 @@ class _Connections:
         self.idle.clear()
 
 
-async def _send(conns: _Connections, wire: bytes, result: Result, clock0: float, timeout_s: float) -> Result:
+async def send(conns: Connections, wire: bytes, result: Result, clock0: float, timeout_s: float) -> Result:
+    """One request on a kept-alive (or new) connection, its stream read into `result`; errors are
+    recorded there, never raised. For loads of another shape (multi-turn conversations)."""
     conn = None
     try:
         conn = await asyncio.wait_for(conns.take(), timeout_s)
@@ -241,7 +243,7 @@ async def run_closed(
 ) -> Run:
     """`concurrency` users send `requests` in order, each its next one when the last ends."""
     wires = [encode_request(target, r.body) for r in requests]
-    conns = _Connections(target)
+    conns = Connections(target)
     results: list[Result] = []
     queue = iter(range(len(wires)))
     clock0 = time.perf_counter()
@@ -251,7 +253,7 @@ async def run_closed(
         for index in queue:
             if time.perf_counter() >= deadline:
                 return
-            result = await _send(conns, wires[index], Result(index), clock0, request_timeout_s)
+            result = await send(conns, wires[index], Result(index), clock0, request_timeout_s)
             results.append(result)
             if on_result:
                 on_result(result)
@@ -273,7 +275,7 @@ async def run_open(
 ) -> Run:
     """Every request at its own `at` (seconds from the start), however many are in flight."""
     wires = [encode_request(target, r.body) for r in requests]
-    conns = _Connections(target)
+    conns = Connections(target)
     results: list[Result] = []
     clock0 = time.perf_counter()
     tasks: set[asyncio.Task[Result]] = set()
@@ -292,7 +294,7 @@ async def run_open(
             delay = request.at - (time.perf_counter() - clock0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.ensure_future(_send(conns, wires[index], Result(index), clock0, request_timeout_s))
+            task = asyncio.ensure_future(send(conns, wires[index], Result(index), clock0, request_timeout_s))
             tasks.add(task)
             task.add_done_callback(done)
         while tasks:
