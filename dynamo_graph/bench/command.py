@@ -85,11 +85,13 @@ def _settings_for(settings: Settings, built: Built | None, err: Console) -> Sett
     return settings
 
 
-def _finish(measured: Measured, meta: dict, out_dir: Path, stem: str, fmt: str | None) -> Path:
+def _finish(
+    measured: Measured, meta: dict, out_dir: Path, stem: str, fmt: str | None, label: str = ""
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "dyngraph-bench", **meta, **measured.result}
     if fmt:
-        title = f"{(meta.get('graph') or {}).get('name') or result['url']} {stem}"
+        title = f"{(meta.get('graph') or {}).get('name') or result['url']} {label}"
         paths = report.draw(measured, out_dir, stem, fmt, title)
         result["plots"] = [p.name for p in paths]
     measured.result = result
@@ -167,7 +169,7 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
             continue
         meta = {**provenance(), "graph": graph_provenance(built.plan, [*options.overrides, *overrides])}
         meta["variant"] = {"overrides": overrides}
-        path = _finish(measured, meta, out_dir, f"v{number}-{report.slug(name)}", fmt)
+        path = _finish(measured, meta, out_dir, f"v{number}-{report.slug(name)}", fmt, name)
         code = max(code, 1 if measured.failed else 0)
         done.append((name, measured.result))
         summary["variants"].append(

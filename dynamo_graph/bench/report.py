@@ -31,7 +31,8 @@ def table(rows: list[tuple[str, dict]]) -> Table:
     """One row per (variant, load point): counts, throughput, and p50 / p90 / p99 latencies."""
     t = Table(title="dyngraph bench (latencies in ms: p50/p90/p99)", title_justify="left")
     sweep = len(rows) > 1
-    for column in ("variant", "load", "ok/sent", "req/s", "out tok/s", "TTFT", "ITL", "end to end"):
+    columns = ("variant", "load", "ok/sent", "req/s", "out tok/s", "cached", "TTFT", "ITL", "end to end")
+    for column in columns:
         if column != "variant" or sweep:
             t.add_column(column, justify="left" if column in ("variant", "load") else "right")
     for variant, result in rows:
@@ -43,6 +44,7 @@ def table(rows: list[tuple[str, dict]]) -> Table:
                 f"{s['ok']}/{s['requests']}" if not s["failed"] else f"[red]{s['ok']}/{s['requests']}[/]",
                 f"{s['requests_per_s']:.2f}",
                 f"{s['output_tokens_per_s']:.1f}",
+                f"{s['cached_tokens'] / s['prompt_tokens']:.0%}" if s["prompt_tokens"] else "-",
                 _ms(s["ttft_ms"]),
                 _ms(s["itl_ms"]),
                 _ms(s["e2e_ms"]),

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import free_port, run_cli
+from tests.procs import DYNGRAPH, free_port, run_cli
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs" / "ci"
 WORKLOAD = ["--input-len", "48", "--output-len", "8"]
@@ -231,3 +233,61 @@ def test_trace_replay_against_a_graph(tmp_path: Path, tiny_model: Path) -> None:
     starts = [r["start_s"] for r in point["requests"]]
     assert starts[-1] >= 29 * 0.1 / 4 - 0.01  # not sooner than the trace says
     assert point["summary"]["cached_tokens"] > 0
+
+
+def test_ctrl_c_mid_sweep_brings_the_variant_down(tmp_path: Path, tiny_model: Path) -> None:
+    graph, overrides = copy_graph(tmp_path, tiny_model)
+    state = tmp_path / ".dyngraph" / graph.stem
+    # slow workers and a long load, so that the interrupt lands while requests are in flight
+    slow = "components.backend.engine_args.speedup_ratio=0.2"
+    proc = subprocess.Popen(
+        [
+            *DYNGRAPH,
+            "bench",
+            str(graph),
+            *overrides,
+            slow,
+            "--sweep",
+            "components.backend.replicas=1,2",
+            "-c",
+            "2",
+            "-n",
+            "400",
+            "--output-len",
+            "64",
+            "--no-plots",
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not served(state):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.stderr else ""
+            )
+            time.sleep(0.1)
+        time.sleep(1.0)  # the load is running
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert not (state / "supervisor.pid").exists()
+    records = json.loads((state / "processes.json").read_text())
+    assert records and all(r["state"] in ("stopped", "exited") for r in records), records
+    assert not (tmp_path / "out" / "sweep.json").exists()  # the sweep did not pretend to finish
+
+
+def served(state: Path) -> bool:
+    """The variant's processes are all ready (processes.json, as `up -d` waits on it)."""
+    try:
+        records = json.loads((state / "processes.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return len(records) >= 2 and all(r["state"] == "ready" for r in records)
