@@ -103,7 +103,8 @@ def machine() -> dict:
 
 def _command_line() -> list[str]:
     """This process's command line, with the value of --api-key masked."""
-    argv = [Path(sys.argv[0]).name, *sys.argv[1:]]
+    program = Path(sys.argv[0]).name
+    argv = ["dyngraph" if program == "__main__.py" else program, *sys.argv[1:]]  # python -m dynamo_graph
     for i, arg in enumerate(argv):
         if arg.startswith("--api-key="):
             argv[i] = "--api-key=***"
