@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from dynamo_graph.bench import graphs, plots, report, server, workload
 from dynamo_graph.bench.measure import Measured, Settings, measure, prepare, progress_bar
-from dynamo_graph.bench.provenance import graph_provenance, provenance
+from dynamo_graph.bench.provenance import graph_provenance, plan_hash, provenance
 from dynamo_graph.graph.build import Built, build
 
 
@@ -158,7 +158,7 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
     for number, (overrides, built) in enumerate(builds, 1):
         name = report.variant_label(overrides)
         err.print(f"[bold]variant {escape(name)}[/]: bringing the graph up", highlight=False)
-        entry = {"overrides": overrides, "hash": graph_provenance(built.plan, []).get("hash")}
+        entry = {"overrides": overrides, "hash": plan_hash(built.plan)}
         try:
             with graphs.brought_up(built, err) as url, progress_bar() as bar:
                 measured = measure(server.Endpoint.parse(url), settings, prepared, bar, name)
@@ -173,18 +173,7 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
         code = max(code, 1 if measured.failed else 0)
         done.append((name, measured.result))
         summary["variants"].append(
-            {
-                **entry,
-                "result": path.name,
-                "points": [
-                    {
-                        "label": p["label"],
-                        "load": p["load"],
-                        "summary": {k: v for k, v in p["summary"].items() if k != "errors"},
-                    }
-                    for p in measured.result["points"]
-                ],
-            }
+            {**entry, "result": path.name, "points": report.summaries(measured.result)}
         )
     if fmt and done:
         title = f"{builds[0][1].plan.graph}: " + " x ".join(options.sweeps)
@@ -196,7 +185,8 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
 
 
 def bench(options: Options, out: Console, err: Console) -> int:
-    """Raises BenchError, GraphError (a graph with problems), ServerError or WorkloadError."""
+    """Raises BenchError (bad input), GraphError (a graph with problems), ServerError (the
+    frontend cannot be asked) or GraphNotReady (the graph is not running, or already is)."""
     if (options.graph_file is None) == (options.url is None):
         raise BenchError("give a graph file or --url URL (one of them)")
     if options.sweeps and options.graph_file is None:

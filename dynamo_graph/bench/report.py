@@ -52,6 +52,15 @@ def table(rows: list[tuple[str, dict]]) -> Table:
     return t
 
 
+def summaries(result: dict) -> list[dict]:
+    """A result's points without their per-request rows and timelines: what a sweep's
+    summary file keeps of each variant."""
+    return [
+        {"label": p["label"], "load": p["load"], "summary": p["summary"], "server": p["server"]}
+        for p in result["points"]
+    ]
+
+
 def slug(text: str) -> str:
     """A file name for a variant: `router.mode=kv` -> `router.mode-kv`."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "result"
