@@ -52,9 +52,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_routing import completion_body, free_port, stop
 
-from dynamo_graph.bench.loadgen import Request, Result, Run, Target, run_open
+from dynamo_graph.bench.loadgen import Request, Run, Target, run_open
 from dynamo_graph.bench.report import write_json
 from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
 from dynamo_graph.bench.workload import vocab_range
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from dynamo_graph.bench.loadgen import Request, Result, Target, run_closed
+from dynamo_graph.bench.loadgen import Request, Target, run_closed
 from dynamo_graph.bench.report import write_json
 from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")

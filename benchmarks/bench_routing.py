@@ -92,9 +92,10 @@ from pathlib import Path
 
 import httpx
 
-from dynamo_graph.bench.loadgen import Connections, Result, Target, encode_request, send
+from dynamo_graph.bench.loadgen import Connections, Target, encode_request, send
 from dynamo_graph.bench.report import write_json
 from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
 from dynamo_graph.bench.workload import vocab_range
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dynamo_graph.bench import loadgen, server, stats, workload
 from dynamo_graph.bench.loadgen import Run, Target
+from dynamo_graph.bench.stream import Result
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def measure(
         task = progress.add_task(f"{name}{' ' if name else ''}{load.label}", total=len(requests), failed=0)
         failed = 0
 
-        def advance(result: loadgen.Result, task: int = task) -> None:
+        def advance(result: Result, task: int = task) -> None:
             nonlocal failed
             failed += not result.ok
             progress.update(task, advance=1, failed=failed)

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dynamo_graph.bench.loadgen import Result, Run
+from dynamo_graph.bench.loadgen import Run
+from dynamo_graph.bench.stream import Result
 
 PERCENTILES = (50, 90, 99)
 

@@ -15,8 +15,9 @@ import pytest
 
 from dynamo_graph.bench import plots, stats, workload
 from dynamo_graph.bench.graphs import sweep_variants
-from dynamo_graph.bench.loadgen import Result, Run
+from dynamo_graph.bench.loadgen import Run
 from dynamo_graph.bench.report import variant_label
+from dynamo_graph.bench.stream import Result
 
 
 @pytest.fixture(scope="module")
