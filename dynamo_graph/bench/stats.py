@@ -47,6 +47,11 @@ def summarize(run: Run) -> dict:
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "ttft_ms": distribution_ms([r.ttft for r in ok]),
         "itl_ms": distribution_ms([g for r in ok for g in r.gaps]),
+        # time per output token after the first, per request (vLLM's TPOT): unlike ITL, not
+        # split by how the tokens were grouped into reads
+        "tpot_ms": distribution_ms(
+            [(r.total - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),
         "e2e_ms": distribution_ms([r.total for r in ok]),
     }
 

@@ -99,7 +99,15 @@ def test_poisson_arrivals_have_the_rate(vocab: workload.Vocabulary) -> None:
 def test_summary_percentiles_and_throughput() -> None:
     rng = random.Random(0)
     results = [
-        Result(i, ok=True, start=i * 0.1, ttft=0.01 * (i + 1), total=0.1, output_tokens=10, prompt_tokens=5)
+        Result(
+            i,
+            ok=True,
+            start=i * 0.1,
+            ttft=0.01 * (i + 1),
+            total=0.01 * (i + 1) + 0.09,
+            output_tokens=10,
+            prompt_tokens=5,
+        )
         for i in range(100)
     ]
     for r in results:
@@ -112,9 +120,11 @@ def test_summary_percentiles_and_throughput() -> None:
     assert summary["ttft_ms"]["p50"] == pytest.approx(505.0)
     assert summary["ttft_ms"]["p99"] == pytest.approx(990.1)
     assert 1.0 <= summary["itl_ms"]["p50"] <= 3.0
-    line = stats.timeline(results, 10.0 + 0.1)
+    assert summary["tpot_ms"]["p50"] == pytest.approx(10.0)  # 90 ms for the 9 tokens after the first
+    assert summary["e2e_ms"]["p50"] == pytest.approx(595.0)
+    line = stats.timeline(results, 10.0 + 1.0)
     assert len(line["t_s"]) == 20  # five requests a bin at least
-    assert sum(v * (10.1 / 20) for v in line["requests_per_s"]) == pytest.approx(100, rel=1e-3)
+    assert sum(v * (11.0 / 20) for v in line["requests_per_s"]) == pytest.approx(100, rel=1e-3)
 
 
 def test_sweep_variants_are_the_cartesian_product() -> None:
