@@ -20,11 +20,17 @@ from dynamo_graph.graph.plan import Plan
 
 
 def plan_hash(plan: Plan) -> str:
-    """sha256 of the compiled plan, with the state dir and the graph's folder written as
-    placeholders: the same graph in another checkout hashes the same, any change to what runs
-    (argv, env, replicas, engine args) does not."""
+    """sha256 of the compiled plan, with the state dir, the graph's folder and its git work tree
+    written as placeholders: the same graph in another checkout hashes the same (paths such as
+    `../../.cache/model` resolve inside the work tree), any change to what runs (argv, env,
+    replicas, engine args) does not."""
     text = msgspec.json.encode(plan, order="sorted").decode()
-    text = text.replace(plan.state_dir, "$STATE_DIR").replace(str(Path(plan.graph_file).parent), "$GRAPH_DIR")
+    folder = Path(plan.graph_file).parent
+    places = [(plan.state_dir, "$STATE_DIR"), (str(folder), "$GRAPH_DIR")]
+    if (top := _git(folder, "rev-parse", "--show-toplevel")) is not None:
+        places.append((top, "$WORK_TREE"))
+    for place, placeholder in places:
+        text = text.replace(place, placeholder)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
