@@ -6,9 +6,7 @@ Thin on purpose: parse, call into the package, print. `run` takes dynamo-run's w
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,10 +15,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from dynamo_graph import __version__
+from dynamo_graph.cli.bench import HELP as BENCH_HELP
+from dynamo_graph.cli.bench import bench_command
+from dynamo_graph.cli.problems import graph_problems as _graph_problems
+from dynamo_graph.cli.problems import problems as _problems
 
 if TYPE_CHECKING:  # the commands import the graph layer when they run, to start fast
     from dynamo_graph.graph.build import Built
-    from dynamo_graph.graph.errors import GraphError
     from dynamo_graph.graph.validate import Engines
 
 app = typer.Typer(
@@ -241,25 +242,6 @@ def run_command(
     raise typer.Exit(code)
 
 
-def _problems(graph_file: Path, error: GraphError) -> typer.Exit:
-    for problem in error.problems:
-        err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
-    count = len(error.problems)
-    err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
-    return typer.Exit(2)
-
-
-@contextlib.contextmanager
-def _graph_problems(graph_file: Path) -> Iterator[None]:
-    """Print a GraphError's problems (a bad graph, or preflight on its hosts) and exit 2."""
-    from dynamo_graph.graph.errors import GraphError
-
-    try:
-        yield
-    except GraphError as e:
-        raise _problems(graph_file, e) from None
-
-
 def _build_or_exit(graph_file: Path, overrides: list[str] | None, engines: Engines = "dyngraph") -> Built:
     from dynamo_graph.graph.build import build
 
@@ -393,6 +375,9 @@ def test_command(
         graph_files, override or [], console, junit=junit, verbose=verbose, keep_state=keep_state
     )
     raise typer.Exit(code)
+
+
+app.command("bench", help=BENCH_HELP)(bench_command)
 
 
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")
