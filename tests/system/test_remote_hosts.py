@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from openai import OpenAI
@@ -27,9 +29,11 @@ from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
 from tests.procs import free_port, run_cli
 from tests.sshhosts import SshHosts, missing_requirements
+from tests.system.routing_helpers import opening_messages
 
 VENV = Path(__file__).resolve().parents[2] / ".venv"
 SECRET = "s3cret-never-on-a-command-line"
+MOCKER_ARGS = {"block_size": 16, "speedup_ratio": 50.0, "num_gpu_blocks": 4096}
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +346,76 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert graph.remote_pids() == []
+
+
+def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """KV events over zmq across hosts: each remote worker's publisher binds and announces its
+    host's address, the kv router here subscribes to both, and a conversation's follow-up goes to
+    the worker that holds its blocks, with the overlap the router learnt from that worker's events
+    (with events on, the router's index knows only what events told it)."""
+    graph = make_graph(
+        **{
+            "runtime.event_plane": "zmq",
+            "components.frontend.router": {"mode": "kv"},
+            "components.frontend.env": {"DYN_LOG": "info,dynamo_graph.router=debug"},
+            "components.backend.engine": "mocker",
+            "components.backend.engine_args": {
+                "block_size": 16,
+                "speedup_ratio": 50.0,
+                "num_gpu_blocks": 4096,
+            },
+        }
+    )
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    hosts = {_instance_of(graph, f"backend-{i}"): f"h{i}" for i in range(2)}
+    http = httpx.Client(base_url=f"http://127.0.0.1:{graph.port}", timeout=30)
+
+    def chat(messages: list[dict]) -> dict:
+        body = {"model": "tiny-model", "messages": messages, "max_tokens": 8}
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    served: dict[str, int] = {}
+    for conv in range(8):
+        messages = opening_messages(conv)
+        home, first = _served_by(http, lambda m=messages: chat(m))
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "And now?"}]
+        again, _ = _served_by(http, lambda m=messages: chat(m))
+        assert again == home, f"conversation {conv}'s follow-up left {hosts[home]}"
+        served[hosts[home]] = served.get(hosts[home], 0) + 1
+    assert set(served) == {"h0", "h1"}, served
+    # The router saw overlap on both hosts' workers: their events reached it across the veths.
+    routed = re.findall(
+        r"-> ([0-9a-f]+) rank 0 \(overlap (\d+) of", (graph.state / "logs/frontend-0.log").read_text()
+    )
+    overlapped = {hosts[instance] for instance, blocks in routed if int(blocks) > 0}
+    assert overlapped == {"h0", "h1"}, routed
+
+
+def _instance_of(graph: RemoteGraph, process: str) -> str:
+    """A worker's instance id (hex), from the line it logs when it serves."""
+    found = re.search(r"instance ([0-9a-f]+) serving", (graph.state / f"logs/{process}.log").read_text())
+    assert found, process
+    return found.group(1)
+
+
+def _served_by(http: httpx.Client, send: Callable[[], dict]) -> tuple[str, dict]:
+    """The worker instance whose request count `send` raised (the frontend's /health counts)."""
+
+    def counts() -> dict[str, int]:
+        details = http.get("/health").json()["details"]["tiny-model"]
+        return {i["instance_id"]: i["requests"] for i in details["instances"]}
+
+    before = counts()
+    body = send()
+    after = counts()
+    changed = [i for i in after if after[i] != before.get(i, 0)]
+    assert len(changed) == 1, (before, after)
+    return changed[0], body
 
 
 def test_preflight_reports_every_host_problem_and_starts_nothing(

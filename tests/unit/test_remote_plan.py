@@ -125,14 +125,13 @@ def test_oversubscribed_host_is_a_validation_error(tmp_path: Path) -> None:
     assert "components.decode.gpus.per_replica: asks for 3 GPU(s) on host 'gpu1' (5 with" in str(err.value)
 
 
-def test_kv_events_across_hosts_need_nats(tmp_path: Path) -> None:
-    with pytest.raises(GraphError) as err:
-        _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv")
-    assert (
-        "runtime.event_plane: components run on host 'gpu1' and components.frontend routes by KV events"
-        in str(err.value)
-    )
-    _build(tmp_path, GRAPH, "+components.frontend.router.mode=kv")  # over nats: fine
+def test_zmq_kv_events_across_hosts_bind_each_host_s_address(tmp_path: Path) -> None:
+    """A kv router on one host subscribes to zmq publishers on the others: workers bind and announce
+    their host's address (the request plane's DYN_TCP_HOST / DYN_TCP_ADVERTISE_HOST)."""
+    plan = _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv").plan
+    env = {p.name: p.env for p in plan.processes}
+    assert env["prefill-1"]["DYN_EVENT_PLANE"] == "zmq"
+    assert (env["prefill-1"]["DYN_TCP_HOST"], env["prefill-0"]["DYN_TCP_HOST"]) == ("10.0.0.3", "10.0.0.2")
 
 
 @pytest.mark.parametrize(
