@@ -90,13 +90,6 @@ class _K8s:
             self.notes.append(
                 "runtime.discovery file cannot span pods: discovery goes through an in-cluster etcd"
             )
-        if self.graph.runtime.event_plane == "zmq" and any(
-            f.router.mode == "kv" and f.router.use_kv_events for f in self.graph.frontends().values()
-        ):
-            self.notes.append(
-                "runtime.event_plane zmq binds loopback: KV events do not reach a kv router in another pod; "
-                "use event_plane nats"
-            )
         if any(w.placement != ["local"] for w in self.graph.workers().values()):
             self.notes.append("hosts and placement: the Kubernetes scheduler places the pods")
 
