@@ -267,7 +267,9 @@ components:
     ),
     (
         "multi-host-zmq-kv-events-without-advertise",
-        MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}").replace("echo_core", "mocker")
+        MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}").replace(
+            "echo_core", "mocker"
+        )
         + "    placement: [local, gpu1]\n"
         + "runtime: {discovery: etcd, request_plane: nats, event_plane: zmq}\n"
         + "infra: {etcd: {endpoints: ['http://10.0.0.1:2379']}, nats: {url: 'nats://10.0.0.1:4222'}}\n"
