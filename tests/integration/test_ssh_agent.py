@@ -48,7 +48,7 @@ def start_agent(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(
-        code: str, grace: float = 5.0, tag: str = "dg-test/p-0", heartbeat: float = 0.0
+        code: str, grace: float = 5.0, tag: str = "dg-test/p-0", heartbeat: float = 0.0, reattach: float = 0.0
     ) -> tuple[subprocess.Popen[bytes], int]:
         proc = subprocess.Popen(
             [sys.executable, "-m", agent.MODULE, "run"],
@@ -58,7 +58,7 @@ def start_agent(tmp_path: Path) -> Iterator:
         )
         started.append(proc)
         request = agent.run_request(
-            [sys.executable, "-c", code], {"S": SECRET}, str(tmp_path), tag, grace, heartbeat
+            [sys.executable, "-c", code], {"S": SECRET}, str(tmp_path), tag, grace, heartbeat, reattach
         )
         assert proc.stdin is not None and proc.stderr is not None
         proc.stdin.write(request.encode())
@@ -109,6 +109,70 @@ def test_a_silent_supervisor_counts_as_gone(start_agent) -> None:
     assert _wait_gone(pid, 5)
     assert 0.3 < time.monotonic() - started < 3
     assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
+
+
+COUNTER = (
+    "import itertools, time\nfor i in itertools.count():\n    print(i, flush=True)\n    time.sleep(0.05)"
+)
+
+
+def _attach(tag: str) -> subprocess.Popen[bytes]:
+    """`attach` as a new ssh channel runs it: its own stdin, stdout and stderr."""
+    return subprocess.Popen(
+        [sys.executable, "-m", agent.MODULE, "attach", tag],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_a_lost_channel_is_re_attached_with_the_output_kept_meanwhile(start_agent) -> None:
+    tag = f"dg-test-{os.getpid()}/re-0"
+    proc, pid = start_agent(COUNTER, tag=tag, reattach=10.0)
+    assert proc.stdout.readline() == b"0\n"
+    proc.stdin.close()  # the connection is cut: the process goes on, its output kept
+    time.sleep(0.5)
+    assert _alive(pid)
+    again = _attach(tag)
+    try:
+        assert again.stderr.readline().decode().split()[:2] == ["pid", str(pid)]
+        numbers = [int(again.stdout.readline()) for _ in range(20)]
+        assert numbers == list(range(numbers[0], numbers[0] + 20))  # nothing lost in between
+        assert numbers[0] <= 3  # what it printed while detached came first
+        again.stdin.write(b"term\n")  # the re-attached channel is the supervisor's now
+        again.stdin.flush()
+        assert again.stderr.readline().decode().split() == ["exit", str(-signal.SIGTERM)]
+        assert again.wait(10) == 0 and proc.wait(10) == 0
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait(10)
+    assert not _alive(pid)
+
+
+def test_a_process_ended_while_detached_is_reported_to_whoever_re_attaches(start_agent) -> None:
+    tag = f"dg-test-{os.getpid()}/re-1"
+    proc, pid = start_agent("import sys, time; time.sleep(0.3); sys.exit(3)", tag=tag, reattach=10.0)
+    proc.stdin.close()
+    assert _wait_gone(pid, 5)
+    again = _attach(tag)
+    _, err = again.communicate(timeout=10)
+    assert err.decode().split() == ["pid", str(pid), "0", "exit", "3"]
+    assert proc.wait(10) == 0
+
+
+def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
+    tag = f"dg-test-{os.getpid()}/re-2"
+    proc, pid = start_agent(SLEEPER, tag=tag, reattach=0.5)
+    assert proc.stdout.readline().decode().strip() == SECRET
+    proc.stdin.close()
+    started = time.monotonic()
+    assert _wait_gone(pid, 5)
+    assert time.monotonic() - started > 0.4
+    assert proc.wait(10) == 0
+    late = _attach(tag)
+    assert late.communicate(timeout=10)[1] == b"gone\n" and late.returncode == 3
+    assert not agent.socket_path(tag).exists()
 
 
 def test_killing_the_agent_kills_its_process(start_agent) -> None:
