@@ -25,10 +25,11 @@ import yaml
 from openai import OpenAI
 
 from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
+from dynamo_graph.graph.supervise.agent import REATTACH_S
 from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
 from tests.procs import free_port, run_cli
-from tests.sshhosts import SshHosts, missing_requirements
+from tests.sshhosts import SshHost, SshHosts, missing_requirements
 from tests.system.routing_helpers import opening_messages
 
 VENV = Path(__file__).resolve().parents[2] / ".venv"
@@ -176,6 +177,10 @@ class Load:
         self._thread.join(15)
 
 
+def _state(graph: RemoteGraph, name: str) -> str:
+    return graph.processes()[name]["state"]
+
+
 def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
     record = graph.processes()[name]
     return record["state"] == "ready" and record["pid"] not in (None, old_pid)
@@ -220,15 +225,39 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert graph.processes()["backend-0"]["restarts"] == 1
     assert graph.processes()["backend-0"]["pid"] in h0.pids()
 
-    # Cut the ssh connection to h1 (kill the sshd child serving it): its worker stops with the
-    # session, no orphan; the supervisor reconnects and starts it again.
-    old = graph.processes()["backend-1"]["pid"]
-    sessions = h1.session_pids()
-    assert sessions, "the supervisor holds a connection to h1"
-    for pid in sessions:
-        os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not alive(old), 15, "the worker of the cut connection to stop")
-    wait_for(lambda: _restarted(graph, "backend-1", old), 30, "backend-1 back over a new connection")
+    # Cut the ssh connection to h1 (kill the sshd child serving it) while h1's sshd takes no new
+    # ones: the worker runs on, status shows h1 disconnected; once sshd answers again the
+    # supervisor re-attaches it: the same pid, no restart counted.
+    old = graph.processes()["backend-1"]
+    cut_connection(h1)
+    try:
+        wait_for(
+            lambda: graph.processes()["backend-1"]["state"] == "reconnecting", 15, "backend-1 reconnecting"
+        )
+        status = run_cli(["status", str(graph.file)], env={"COLUMNS": "200"})
+        row = next(line for line in status.stdout.splitlines() if "h1" in line)
+        assert "h1 (disconnected)" in row and "reconnecting" in row and str(old["pid"]) in row, status.stdout
+        assert alive(old["pid"])
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    wait_for(lambda: _state(graph, "backend-1") == "ready", 30, "backend-1 re-attached")
+    again = graph.processes()["backend-1"]
+    assert (again["pid"], again["restarts"]) == (old["pid"], old["restarts"])
+    assert "re-attached on host 'h1'" in (graph.state / "logs/backend-1.log").read_text()
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
+    # Cut again, and the worker dies while nobody watches it: once back, the supervisor learns its
+    # exit and restarts it per policy (counted), on h1 again.
+    cut_connection(h1)
+    try:
+        wait_for(
+            lambda: graph.processes()["backend-1"]["state"] == "reconnecting", 15, "backend-1 reconnecting"
+        )
+        os.kill(old["pid"], signal.SIGKILL)
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    wait_for(lambda: _restarted(graph, "backend-1", old["pid"]), 30, "backend-1 restarted")
+    assert graph.processes()["backend-1"]["restarts"] == old["restarts"] + 1
     assert graph.processes()["backend-1"]["pid"] in h1.pids()
     wait_for(lambda: _answers(graph), 15, "the graph to answer again")
 
@@ -249,6 +278,16 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert graph.remote_pids() == [] and not [p for p in pids if alive(p)]
     assert h0.listening_ports() == [] and h1.listening_ports() == []
     assert [p for p in ports if not refuses(*p)] == []
+
+
+def cut_connection(host: SshHost) -> None:
+    """Kill the sshd children serving the supervisor's connections to `host`, with its sshd
+    listener stopped (SIGSTOP: new connections wait) until the caller sends SIGCONT."""
+    sessions = host.session_pids()
+    assert sessions, f"the supervisor holds a connection to {host.key}"
+    os.kill(host.sshd_pid(), signal.SIGSTOP)
+    for pid in sessions:
+        os.kill(pid, signal.SIGKILL)
 
 
 def _answers(graph: RemoteGraph) -> bool:
@@ -283,7 +322,8 @@ def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     assert remote
     supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]
     os.kill(supervisor, signal.SIGKILL)
-    wait_for(lambda: graph.remote_pids() == [], 15, "the remote processes to stop with their sessions")
+    # Nobody re-attaches them: their agents stop them once agent.REATTACH_S has passed.
+    wait_for(lambda: graph.remote_pids() == [], 15 + REATTACH_S, "the remote processes to stop")
     assert not [p for p in remote if alive(p)]
     down = graph.cli("down")  # stops the local orphans (frontend, etcd, nats) and checks the hosts
     assert down.returncode == 0, down.stdout + down.stderr
@@ -327,8 +367,9 @@ def _group_alive(pgid: int) -> bool:
 def test_partition_stops_the_remote_process_and_the_graph_heals(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    """A silent network partition (no FIN, no RST): the agent's heartbeat watchdog stops the
-    worker on the far side; once the network is back the supervisor reconnects and restarts it."""
+    """A silent network partition (no FIN, no RST) that lasts: the agent's heartbeat watchdog
+    notices, waits REATTACH_S for the supervisor, then stops the worker on the far side; once the
+    network is back the supervisor reconnects and restarts it."""
     graph = make_graph(**{"components.backend.restart.max_restarts": 20})
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -337,8 +378,10 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
     try:
         started = time.monotonic()
-        wait_for(lambda: not alive(worker), 20, "the partitioned worker to be stopped by its agent")
-        assert time.monotonic() - started >= 4  # the heartbeat ran out, nothing closed the channel
+        wait_for(
+            lambda: not alive(worker), 30 + REATTACH_S, "the partitioned worker to be stopped by its agent"
+        )
+        assert time.monotonic() - started >= 4 + REATTACH_S  # the heartbeat ran out, then the wait
     finally:
         subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
     wait_for(lambda: _restarted(graph, "backend-1", worker), 60, "backend-1 back once the network is")
