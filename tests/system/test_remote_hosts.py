@@ -367,14 +367,25 @@ def _group_alive(pgid: int) -> bool:
 def test_partition_stops_the_remote_process_and_the_graph_heals(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    """A silent network partition (no FIN, no RST) that lasts: the agent's heartbeat watchdog
-    notices, waits REATTACH_S for the supervisor, then stops the worker on the far side; once the
-    network is back the supervisor reconnects and restarts it."""
+    """A silent network partition (no FIN, no RST). A short one, that the supervisor notices
+    (keepalives) but that ends within REATTACH_S: the worker ran on and is re-attached, no restart.
+    One that lasts: the agent's heartbeat watchdog notices, waits REATTACH_S for the supervisor,
+    then stops the worker on the far side; once the network is back the supervisor reconnects
+    and restarts it."""
     graph = make_graph(**{"components.backend.restart.max_restarts": 20})
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
     h1 = ssh_hosts.hosts[1]
     worker = graph.processes()["backend-1"]["pid"]
+    subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
+    try:
+        wait_for(lambda: _state(graph, "backend-1") == "reconnecting", 20, "the supervisor to notice")
+    finally:
+        subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
+    wait_for(lambda: _state(graph, "backend-1") == "ready", REATTACH_S + 10, "backend-1 re-attached")
+    assert (graph.processes()["backend-1"]["pid"], graph.processes()["backend-1"]["restarts"]) == (worker, 0)
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
     subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
     try:
         started = time.monotonic()

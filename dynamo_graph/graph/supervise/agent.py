@@ -218,6 +218,7 @@ class _Agent:
         self.listener = self._listen(self.path) if self.reattach_s > 0 else None
 
     def _listen(self, path: Path) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX)
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
             info = path.parent.stat()
@@ -225,12 +226,12 @@ class _Agent:
                 raise PermissionError(f"{path.parent} is not this user's alone")
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a previous run of this process's agent
-            sock = socket.socket(socket.AF_UNIX)
             sock.bind(str(path))
             sock.listen(4)
             self.path_inode = path.stat().st_ino
             return sock
         except OSError as e:
+            sock.close()
             print(f"dyngraph: no re-attaching to this process ({e}): it stops with its channel", flush=True)
             return None
 
