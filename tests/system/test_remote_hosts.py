@@ -24,8 +24,10 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from dynamo_graph.graph.build import build
 from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
 from dynamo_graph.graph.supervise.agent import REATTACH_S
+from dynamo_graph.graph.supervise.ports import fill_plan
 from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
 from tests.procs import free_port, run_cli
@@ -78,12 +80,14 @@ class RemoteGraph:
                 },
             },
         }
-        for key, value in changes.items():  # "a.b.c": value
+        for key, value in changes.items():  # "a.b.c": value (None: leave it out)
             node = graph
             *path, last = key.split(".")
             for part in path:
                 node = node.setdefault(part, {})
             node[last] = value
+            if value is None:
+                del node[last]
         self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
 
     def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
@@ -587,3 +591,44 @@ async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts,
         await pool.close()
     assert codes == [-signal.SIGTERM] * 12
     assert not [p for p in procs if p.pid and alive(p.pid)]
+
+
+async def test_side_channel_ports_of_replicas_on_one_host_are_distinct_and_free_there(
+    ssh_hosts: SshHosts, tmp_path: Path, tiny_model: Path
+) -> None:
+    """vLLM prefill/decode workers, two of each on h0: each process's NIXL side-channel port is
+    one of its own, free on h0 when `up` asks (the agent's `ports`), and bound on h0's address."""
+    graph = RemoteGraph(
+        tmp_path,
+        ssh_hosts,
+        tiny_model,
+        **{
+            "components.backend": None,
+            **{
+                f"components.{role}": {
+                    "kind": "worker",
+                    "model": "tiny-model",
+                    "engine": "vllm",
+                    "role": role,
+                    "replicas": 2,
+                    "placement": ["h0"],
+                    "engine_args": {"kv_transfer_config": {"kv_connector": "NixlConnector"}},
+                }
+                for role in ("prefill", "decode")
+            },
+        },
+    )
+    plan = build(graph.file, []).plan
+    pool = SshHosts_(dict(plan.hosts))
+    ports: dict[str, int] = {}
+    try:
+        await pool.allocate_ports(plan, ports)
+    finally:
+        await pool.close()
+    workers = [p for p in fill_plan(plan, ports).processes if p.host == "h0"]
+    side = {p.name: int(p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in workers}
+    assert sorted(side) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert len(set(side.values())) == 4 and side == {n: ports[f"{n}.nixl"] for n in side}
+    h0 = ssh_hosts.hosts[0]
+    assert {p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for p in workers} == {h0.address}
+    assert not set(side.values()) & set(h0.listening_ports())
