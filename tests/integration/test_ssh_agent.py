@@ -161,6 +161,41 @@ def test_a_process_ended_while_detached_is_reported_to_whoever_re_attaches(start
     assert proc.wait(10) == 0
 
 
+def test_output_kept_while_detached_is_bounded_and_the_loss_said(start_agent) -> None:
+    """Beyond SPOOL_MAX the oldest output goes; the re-attached channel first says how much."""
+    tag = f"dg-test-{os.getpid()}/re-3"
+    lines = agent.SPOOL_MAX // 50 + 20_000  # 50-byte lines, about 1 MiB more than is kept
+    code = (
+        "import sys, time\n"
+        "print('started', flush=True); time.sleep(0.5)\n"
+        f"sys.stdout.write(''.join('%049d\\n' % i for i in range({lines}))); sys.stdout.flush()\n"
+        "print('done', flush=True); time.sleep(60)\n"
+    )
+    proc, pid = start_agent(code, tag=tag, reattach=10.0)
+    assert proc.stdout.readline() == b"started\n"
+    proc.stdin.close()
+    proc.stdout.close()  # nobody reads the old channel any more
+    time.sleep(3)  # it writes everything while detached
+    again = _attach(tag)
+    try:
+        assert again.stderr.readline().decode().split()[:2] == ["pid", str(pid)]
+        first = again.stdout.readline().decode()
+        assert first.startswith("dyngraph: ") and first.endswith(" bytes of output lost while detached\n")
+        kept = b""
+        while not kept.endswith(b"done\n"):
+            kept += again.stdout.read1(65536)
+        assert agent.SPOOL_MAX - 50 <= len(kept) <= agent.SPOOL_MAX
+        assert kept.endswith(b"%049d\ndone\n" % (lines - 1))
+        assert int(first.split()[1]) + len(kept) == lines * 50 + len(b"done\n")
+        again.stdin.write(b"term\n")
+        again.stdin.flush()
+        assert again.stderr.readline().decode().split() == ["exit", str(-signal.SIGTERM)]
+    finally:
+        if again.poll() is None:
+            again.kill()
+        again.wait(10)
+
+
 def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
     tag = f"dg-test-{os.getpid()}/re-2"
     proc, pid = start_agent(SLEEPER, tag=tag, reattach=0.5)

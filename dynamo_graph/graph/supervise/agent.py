@@ -154,20 +154,20 @@ def _command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "dynamo_graph", *argv[1:]] if argv[0] == "dyngraph" else argv
 
 
-def _write_all(fd: int, data: bytes, timeout: float = WRITE_TIMEOUT_S) -> bool:
-    """Write all of `data` to a non-blocking fd; False when it is closed or takes nothing for
-    `timeout` seconds (a stalled channel must not stall the agent)."""
+def _send(fd: int, data: bytes, timeout: float = WRITE_TIMEOUT_S) -> bytes:
+    """Write `data` to a non-blocking fd; returns what could not be written (the fd is closed, or
+    took nothing for `timeout` seconds: a stalled channel must not stall the agent)."""
     view = memoryview(data)
     while view:
         if not select.select([], [fd], [], timeout)[1]:
-            return False
+            break
         try:
             view = view[os.write(fd, view) :]
         except BlockingIOError:
             continue
         except OSError:
-            return False
-    return True
+            break
+    return bytes(view)
 
 
 class _Link:
@@ -178,11 +178,19 @@ class _Link:
         self.out, self.ctl = fds[1], fds[2]
         self.fds = fds
         self.conn = conn  # the `attach` process's socket: it exits when this closes
+        self.stalled = False  # output that did not go through: the rest waits for the next channel
         for fd in fds[1:]:
             os.set_blocking(fd, False)
 
     def report(self, line: str) -> bool:
-        return _write_all(self.ctl, (line + "\n").encode())
+        return not _send(self.ctl, (line + "\n").encode())
+
+    def output(self, data: bytes) -> bytes:
+        """Send process output; what did not go (nor will after it, to keep the order) is returned."""
+        if not self.stalled:
+            data = _send(self.out, data)
+            self.stalled = bool(data)
+        return data
 
     def close(self) -> None:
         """Let go of the channel, so that ssh ends it (stdio is pointed at /dev/null instead)."""
@@ -239,10 +247,11 @@ class _Agent:
         """The process's output to the channel; kept in the spool while there is none."""
         while chunk := os.read(pipe, 65536):
             with self.cond:
-                if self.link is None or not _write_all(self.link.out, chunk):
-                    self._keep(chunk)
+                self._keep(chunk if self.link is None else self.link.output(chunk))
 
     def _keep(self, chunk: bytes) -> None:
+        if not chunk:
+            return
         self.spool += chunk
         if len(self.spool) > SPOOL_MAX:
             self.dropped += len(self.spool) - SPOOL_MAX
@@ -295,11 +304,11 @@ class _Agent:
 
     def _flush_spool(self) -> None:
         assert self.link is not None
-        if self.dropped:
-            self._keep(f"dyngraph: {self.dropped} bytes of output lost while detached\n".encode())
+        if self.dropped:  # the oldest output went: say so before what is left
+            self.spool[:0] = f"dyngraph: {self.dropped} bytes of output lost while detached\n".encode()
             self.dropped = 0
-        if self.spool and _write_all(self.link.out, bytes(self.spool)):
-            self.spool.clear()
+        rest = self.link.output(bytes(self.spool))
+        self.spool[:] = rest
 
     def stop(self) -> None:
         _killpg(self.child.pid, signal.SIGTERM)
