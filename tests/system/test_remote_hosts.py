@@ -32,7 +32,7 @@ from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
 from tests.procs import free_port, run_cli
 from tests.sshhosts import SshHost, SshHosts, missing_requirements
-from tests.system.routing_helpers import opening_messages
+from tests.system.routing_helpers import opening_messages, served_by
 
 VENV = Path(__file__).resolve().parents[2] / ".venv"
 SECRET = "s3cret-never-on-a-command-line"
@@ -89,6 +89,11 @@ class RemoteGraph:
             if value is None:
                 del node[last]
         self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+
+    @property
+    def base_url(self) -> str:
+        """The frontend's (as tests.procs.ServerProcess has it, for the routing helpers)."""
+        return f"http://127.0.0.1:{self.port}"
 
     def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
@@ -429,7 +434,7 @@ def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
     hosts = {_instance_of(graph, f"backend-{i}"): f"h{i}" for i in range(2)}
-    http = httpx.Client(base_url=f"http://127.0.0.1:{graph.port}", timeout=30)
+    http = httpx.Client(base_url=graph.base_url, timeout=30)
 
     def chat(messages: list[dict]) -> dict:
         body = {"model": "tiny-model", "messages": messages, "max_tokens": 8}
@@ -440,9 +445,9 @@ def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
     served: dict[str, int] = {}
     for conv in range(8):
         messages = opening_messages(conv)
-        home, first = _served_by(http, lambda m=messages: chat(m))
+        home, first = served_by(graph, "tiny-model", lambda m=messages: chat(m))
         messages += [first["choices"][0]["message"], {"role": "user", "content": "And now?"}]
-        again, _ = _served_by(http, lambda m=messages: chat(m))
+        again, _ = served_by(graph, "tiny-model", lambda m=messages: chat(m))
         assert again == home, f"conversation {conv}'s follow-up left {hosts[home]}"
         served[hosts[home]] = served.get(hosts[home], 0) + 1
     assert set(served) == {"h0", "h1"}, served
@@ -459,21 +464,6 @@ def _instance_of(graph: RemoteGraph, process: str) -> str:
     found = re.search(r"instance ([0-9a-f]+) serving", (graph.state / f"logs/{process}.log").read_text())
     assert found, process
     return found.group(1)
-
-
-def _served_by(http: httpx.Client, send: Callable[[], dict]) -> tuple[str, dict]:
-    """The worker instance whose request count `send` raised (the frontend's /health counts)."""
-
-    def counts() -> dict[str, int]:
-        details = http.get("/health").json()["details"]["tiny-model"]
-        return {i["instance_id"]: i["requests"] for i in details["instances"]}
-
-    before = counts()
-    body = send()
-    after = counts()
-    changed = [i for i in after if after[i] != before.get(i, 0)]
-    assert len(changed) == 1, (before, after)
-    return changed[0], body
 
 
 def test_preflight_reports_every_host_problem_and_starts_nothing(
