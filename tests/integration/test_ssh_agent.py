@@ -232,6 +232,24 @@ def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
     assert not _alive(pid)
 
 
+def test_scan_kill_clears_the_sockets_that_killed_agents_left(start_agent) -> None:
+    tag = f"dg-clear-{os.getpid()}/w-0"
+    proc, pid = start_agent(SLEEPER, tag=tag, reattach=10.0)
+    path = agent.socket_path(tag)
+    assert path.exists() and path.parent.name == f"dg-clear-{os.getpid()}"
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    proc.kill()  # SIGKILL: nothing of the agent's own cleanup runs
+    assert _wait_gone(pid, 5) and path.exists()
+    out = subprocess.run(
+        [sys.executable, "-m", agent.MODULE, "scan", tag.split("/")[0] + "/", "--kill", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert json.loads(out.stdout) == {}
+    assert not path.exists() and not path.parent.exists()
+
+
 def test_probe_reports_versions_paths_gpus_and_taken_ports(tmp_path: Path) -> None:
     """`probe` as preflight runs it; GPUs counted from `nvidia-smi -L` (a stand-in printing what
     the real one prints on a machine with two GPUs, one split by MIG)."""

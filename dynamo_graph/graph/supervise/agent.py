@@ -94,11 +94,45 @@ def run_request(
     return json.dumps({**request, "heartbeat_s": heartbeat_s, "reattach_s": reattach_s}) + "\n"
 
 
+def _sockets_root() -> Path:
+    """A folder only this user can enter, in the temp dir (not XDG_RUNTIME_DIR, which logind
+    removes with the user's last session: a cut connection may be that)."""
+    return Path(tempfile.gettempdir()) / f"dyngraph-agents-{os.getuid()}"
+
+
 def socket_path(tag: str) -> Path:
-    """Where the `run` agent of process `tag` waits for `attach`: in a folder only this user can
-    enter (the temp dir, not XDG_RUNTIME_DIR, which logind removes with the user's last session)."""
-    folder = Path(tempfile.gettempdir()) / f"dyngraph-agents-{os.getuid()}"
-    return folder / f"{hashlib.sha1(tag.encode()).hexdigest()[:24]}.sock"
+    """Where the `run` agent of process `tag` (`<graph id>/<name>`) waits for `attach`: one
+    folder per graph, which `scan --kill` clears."""
+    graph, _, name = tag.rpartition("/")
+    return _sockets_root() / _safe(graph) / f"{hashlib.sha1(name.encode()).hexdigest()[:24]}.sock"
+
+
+def _safe(graph: str) -> str:
+    return graph if graph.replace("-", "").isalnum() else hashlib.sha1(graph.encode()).hexdigest()[:24]
+
+
+def _private_folder(path: Path) -> None:
+    """Make `path` (and its parents up to the sockets root) this user's alone, or raise."""
+    for folder in (_sockets_root(), path):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = folder.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(f"{folder} is not this user's alone")
+
+
+def _clear_sockets(prefix: str) -> None:
+    """Remove the sockets of a graph's agents that are gone (nothing listens), and then its folder."""
+    folder = socket_path(f"{prefix.rstrip('/')}/-").parent
+    for path in folder.glob("*.sock"):
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only when empty
 
 
 class _Stdin:
@@ -228,10 +262,7 @@ class _Agent:
     def _listen(self, path: Path) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX)
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            info = path.parent.stat()
-            if info.st_uid != os.getuid() or info.st_mode & 0o077:
-                raise PermissionError(f"{path.parent} is not this user's alone")
+            _private_folder(path.parent)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a previous run of this process's agent
             sock.bind(str(path))
@@ -409,7 +440,8 @@ def _tagged(prefix: str) -> dict[int, str]:
 
 def scan(prefix: str, kill_grace: float | None) -> int:
     """Print the graph's processes on this host as JSON `{pid: tag}`; with a grace, stop them
-    first (SIGTERM, the grace, SIGKILL) and print what is still there."""
+    first (SIGTERM, the grace, SIGKILL), clear the re-attach sockets their agents left, and print
+    what is still there."""
     if kill_grace is not None:
         for pid in _tagged(prefix):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -423,6 +455,7 @@ def scan(prefix: str, kill_grace: float | None) -> int:
         deadline = time.monotonic() + 5.0
         while _tagged(prefix) and time.monotonic() < deadline:
             time.sleep(0.05)
+        _clear_sockets(prefix)
     print(json.dumps({str(pid): tag for pid, tag in sorted(_tagged(prefix).items())}))
     return 0
 
