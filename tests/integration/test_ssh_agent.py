@@ -207,7 +207,7 @@ def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
     assert proc.wait(10) == 0
     late = _attach(tag)
     assert late.communicate(timeout=10)[1] == b"gone\n" and late.returncode == 3
-    assert not agent.socket_path(tag).exists()
+    assert not agent.socket_path(tag).parent.exists()  # its graph's folder too
 
 
 def test_killing_the_agent_kills_its_process(start_agent) -> None:

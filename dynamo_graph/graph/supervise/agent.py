@@ -262,10 +262,16 @@ class _Agent:
     def _listen(self, path: Path) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX)
         try:
-            _private_folder(path.parent)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a previous run of this process's agent
-            sock.bind(str(path))
+            for attempt in range(3):  # the graph's last agent here may remove the folder meanwhile
+                _private_folder(path.parent)
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # a previous run of this process's agent
+                try:
+                    sock.bind(str(path))
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
             sock.listen(4)
             self.path_inode = path.stat().st_ino
             return sock
@@ -363,6 +369,7 @@ class _Agent:
             with contextlib.suppress(OSError):
                 if self.path.stat().st_ino == self.path_inode:
                     self.path.unlink()  # ours, not a newer run's of the same process
+                self.path.parent.rmdir()  # the graph's last one on this host
             self.listener.close()
 
 
