@@ -1,6 +1,7 @@
-"""The remote agent (graph/supervise/agent.py) run here as ssh would run it: a real subprocess fed
-on stdin. It must stop its process when told, when its stdin closes (the supervisor or the
-connection is gone) and when it is itself killed, and keep env values off command lines."""
+"""The remote agent (graph/supervise/agent.py, agent_run.py) run here as ssh would run it: a
+real subprocess fed on stdin. It must stop its process when told, when its stdin closes (the
+supervisor or the connection is gone) and nobody re-attaches in time, and when it is itself
+killed; keep env values off command lines; and hand its process to `attach` over a new channel."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dynamo_graph
-from dynamo_graph.graph.supervise import agent
+from dynamo_graph.graph.supervise import agent, agent_run
 
 SECRET = "agent-secret-value"
 SLEEPER = "import os, signal, time; print(os.environ['S'], flush=True); time.sleep(60)"
@@ -164,7 +165,7 @@ def test_a_process_ended_while_detached_is_reported_to_whoever_re_attaches(start
 def test_output_kept_while_detached_is_bounded_and_the_loss_said(start_agent) -> None:
     """Beyond SPOOL_MAX the oldest output goes; the re-attached channel first says how much."""
     tag = f"dg-test-{os.getpid()}/re-3"
-    lines = agent.SPOOL_MAX // 50 + 20_000  # 50-byte lines, about 1 MiB more than is kept
+    lines = agent_run.SPOOL_MAX // 50 + 20_000  # 50-byte lines, about 1 MiB more than is kept
     code = (
         "import sys, time\n"
         "print('started', flush=True); time.sleep(0.5)\n"
@@ -184,7 +185,7 @@ def test_output_kept_while_detached_is_bounded_and_the_loss_said(start_agent) ->
         kept = b""
         while not kept.endswith(b"done\n"):
             kept += again.stdout.read1(65536)
-        assert agent.SPOOL_MAX - 50 <= len(kept) <= agent.SPOOL_MAX
+        assert agent_run.SPOOL_MAX - 50 <= len(kept) <= agent_run.SPOOL_MAX
         assert kept.endswith(b"%049d\ndone\n" % (lines - 1))
         assert int(first.split()[1]) + len(kept) == lines * 50 + len(b"done\n")
         again.stdin.write(b"term\n")
@@ -207,7 +208,7 @@ def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
     assert proc.wait(10) == 0
     late = _attach(tag)
     assert late.communicate(timeout=10)[1] == b"gone\n" and late.returncode == 3
-    assert not agent.socket_path(tag).parent.exists()  # its graph's folder too
+    assert not agent_run.socket_path(tag).parent.exists()  # its graph's folder too
 
 
 def test_killing_the_agent_kills_its_process(start_agent) -> None:
@@ -235,7 +236,7 @@ def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
 def test_scan_kill_clears_the_sockets_that_killed_agents_left(start_agent) -> None:
     tag = f"dg-clear-{os.getpid()}/w-0"
     proc, pid = start_agent(SLEEPER, tag=tag, reattach=10.0)
-    path = agent.socket_path(tag)
+    path = agent_run.socket_path(tag)
     assert path.exists() and path.parent.name == f"dg-clear-{os.getpid()}"
     assert path.parent.stat().st_mode & 0o777 == 0o700
     proc.kill()  # SIGKILL: nothing of the agent's own cleanup runs
