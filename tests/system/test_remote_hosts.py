@@ -30,7 +30,7 @@ from dynamo_graph.graph.supervise.agent import REATTACH_S
 from dynamo_graph.graph.supervise.ports import fill_plan
 from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
-from tests.procs import free_port, run_cli
+from tests.procs import DYNGRAPH, free_port, run_cli
 from tests.sshhosts import SshHost, SshHosts, missing_requirements
 from tests.system.routing_helpers import opening_messages, served_by
 
@@ -409,6 +409,32 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert graph.remote_pids() == []
+
+
+def test_down_while_a_host_is_disconnected_stops_its_process_once_re_attached(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    """`down` during a reconnect: the `term` goes out over the re-attached channel, and nothing of
+    the graph is left on the host."""
+    graph = make_graph()
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    h1 = ssh_hosts.hosts[1]
+    worker = graph.processes()["backend-1"]["pid"]
+    cut_connection(h1)
+    try:
+        wait_for(lambda: _state(graph, "backend-1") == "reconnecting", 15, "backend-1 reconnecting")
+        down = subprocess.Popen(
+            [*DYNGRAPH, "down", str(graph.file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        time.sleep(1.0)
+        assert down.poll() is None and alive(worker)  # waiting for h1
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    out, _ = down.communicate(timeout=60)
+    assert down.returncode == 0, out
+    assert not alive(worker) and graph.remote_pids() == []
+    assert "re-attached on host 'h1'" in (graph.state / "logs/backend-1.log").read_text()
 
 
 def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
