@@ -278,11 +278,16 @@ class _Agent:
             self.listener.settimeout(left)
             try:
                 conn, _ = self.listener.accept()
+            except OSError:
+                continue  # timed out: the loop ends
+            try:
                 conn.settimeout(5.0)
                 _, fds, _, _ = socket.recv_fds(conn, 16, 3)
             except OSError:
-                continue  # timed out (the loop ends), or a caller that sent no channel
-            if len(fds) != 3:
+                fds = []
+            if len(fds) != 3:  # a caller that sent no channel
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             with self.cond:
