@@ -329,7 +329,9 @@ async def _shut_down(
 
 async def _kv_event_publisher(runtime: DistributedRuntime, name: EndpointName) -> KvEventPublisher | None:
     """The engine's KV events and load on the event plane, on the endpoint's channel. A static
-    worker has no discovery for zmq to announce its socket in: it publishes only over NATS."""
+    worker has no discovery for zmq to announce its socket in: it publishes only over NATS. zmq
+    binds and announces the request plane's addresses (DYN_TCP_HOST / DYN_TCP_ADVERTISE_HOST), so
+    a kv router on another host reaches a worker whose graph gives it its host's address."""
     from dynamo_graph.router.kv.publisher import KvEventPublisher
     from dynamo_graph.runtime.events import create_event_publisher, event_plane_kind
 
@@ -337,11 +339,14 @@ async def _kv_event_publisher(runtime: DistributedRuntime, name: EndpointName) -
     if runtime.discovery is None and kind == "zmq":
         log.warning("a static worker cannot announce zmq KV events (no discovery): kv routers will predict")
         return None
-    publisher = await create_event_publisher(
-        kind,
-        discovery=runtime.discovery,
-        namespace=name.namespace,
-        component=name.component,
-        publisher_id=runtime.instance_id,
-    )
+    try:
+        publisher = await create_event_publisher(
+            kind,
+            discovery=runtime.discovery,
+            namespace=name.namespace,
+            component=name.component,
+            publisher_id=runtime.instance_id,
+        )
+    except ValueError as e:  # an address setting the zmq plane cannot bind
+        raise RunConfigError(f"KV events: {e}") from None
     return KvEventPublisher(publisher, runtime.instance_id)

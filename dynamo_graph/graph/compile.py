@@ -13,6 +13,8 @@ DYN_TCP_ADVERTISE_HOST) and, for managed etcd / nats, URLs at the address the lo
 advertises; the plan's `hosts` tells the ssh launcher how to reach each remote host. GPUs are
 given out per host: explicit ids as written, the rest in graph order from the lowest GPU no
 component named, so two components on one host never share a GPU (validate.py checks counts).
+Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
+process too, so two replicas on one host never share one.
 """
 
 from __future__ import annotations
@@ -68,15 +70,36 @@ class _Compiler:
         local = self.graph.host(LOCAL).advertise_host
         return local if self.multi_host and local else "127.0.0.1"
 
+    def _address(self, host: str) -> str | None:
+        """The address other hosts reach `host` at, in a multi-host graph (None: loopback)."""
+        h = self.graph.host(host)
+        return (h.advertise_host or (h.ssh.address if h.ssh else None)) if self.multi_host else None
+
     def _host_env(self, host: str) -> dict[str, str]:
         """The host's own `env`; in a multi-host graph, workers also listen on and advertise their
-        host's routable address."""
-        h = self.graph.host(host)
-        env = dict(sorted(h.env.items()))
-        address = h.advertise_host or (h.ssh.address if h.ssh else None)
-        if self.multi_host and address:
+        host's routable address (the request plane, and zmq KV event publishers)."""
+        env = dict(sorted(self.graph.host(host).env.items()))
+        if address := self._address(host):
             env |= {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address}
         return env
+
+    def _side_channels(self, worker: Worker, process: str, host: str) -> tuple[dict[str, str], list[str]]:
+        """Ports an engine opens beside our planes, one per process (env, port names): vLLM's NIXL
+        handshake listener (of a worker with a KV connector), bound on its host's address. A
+        variable the graph sets (the host's or the component's `env`) pins it instead.
+        (SGLang's prefill bootstrap server would be the next: validation refuses SGLang P/D.)"""
+        nixl = worker.role != "agg" or "kv_transfer_config" in (worker.engine_args or {})
+        if worker.engine != "vllm" or not nixl:
+            return {}, []
+        pinned = {*worker.env, *self.graph.host(host).env}
+        env: dict[str, str] = {}
+        ports: list[str] = []
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in pinned:
+            ports.append(f"{process}.nixl")
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = port_placeholder(ports[-1])
+        if "VLLM_NIXL_SIDE_CHANNEL_HOST" not in pinned:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._address(host) or "127.0.0.1"
+        return env, ports
 
     # ---- runtime planes and infra ----------------------------------------------------------
 
@@ -400,7 +423,9 @@ class _Compiler:
                 "DYN_SHUTDOWN_GRACE_S": f"{max(worker.shutdown_grace_s - 3.0, 0.0):g}",
                 **dict(sorted(worker.env.items())),
             }
-            ports: dict[str, int | str] = {}
+            side_env, side_ports = self._side_channels(worker, f"{name}-{replica}", host)
+            env = {**side_env, **env}  # the graph's own `env` (above) wins
+            ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
                 port_name = f"{name}-{replica}.tcp"

@@ -537,9 +537,9 @@ def check_planes(graph: Graph) -> Iterator[Problem]:
 
 
 def check_multi_host(graph: Graph) -> Iterator[Problem]:
-    """Components on several hosts need shared discovery (etcd), a request plane that crosses
-    machines (nats, or tcp with an address other hosts reach each worker host at), KV events a
-    kv router on another host can receive, and infra the remote hosts can reach."""
+    """Components on several hosts need shared discovery (etcd), request and event planes that
+    cross machines (nats, or tcp / zmq with an address other hosts reach each worker host at),
+    and infra the remote hosts can reach."""
     remote = sorted(h for h in _hosts_used(graph) if h != LOCAL and h in graph.hosts)
     if not remote:
         return
@@ -547,22 +547,22 @@ def check_multi_host(graph: Graph) -> Iterator[Problem]:
     if graph.runtime.discovery != "etcd":
         yield Problem("runtime.discovery", f"{why}: use `discovery: etcd` (file discovery is one machine)")
     kv_routed = [k for k, f in graph.frontends().items() if f.router.mode == "kv" and f.router.use_kv_events]
-    if graph.runtime.event_plane == "zmq" and kv_routed:
-        # Workers' zmq publishers bind and announce 127.0.0.1: a router on another host cannot subscribe.
-        yield Problem(
-            "runtime.event_plane",
-            f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
-            "their own host's loopback; use `event_plane: nats`",
-        )
+    # Workers listen on their host's address on the tcp request plane, and zmq KV publishers bind
+    # the same address: both need one that the other hosts reach.
+    needs_address = []
     if graph.runtime.request_plane == "tcp":
+        needs_address.append("the tcp request plane")
+    if graph.runtime.event_plane == "zmq" and kv_routed:
+        needs_address.append(f"KV events over zmq (components.{kv_routed[0]} routes by them)")
+    if needs_address:
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):
             spec = graph.host(host)
             if spec.advertise_host is None and spec.ssh is None:
                 yield Problem(
                     f"hosts.{host}.advertise_host",
-                    f"{why}: the tcp request plane needs the address other hosts reach {host!r} at "
-                    "(or use request_plane: nats)",
+                    f"{why}: {' and '.join(needs_address)} {'need' if len(needs_address) > 1 else 'needs'} "
+                    f"the address other hosts reach {host!r} at (or use nats for that plane)",
                 )
     etcd, nats = graph.infra.etcd, graph.infra.nats
     for name, service in (("etcd", etcd), ("nats", nats)):

@@ -401,13 +401,14 @@ def _probe_kind(plan: Plan, name: str) -> str | None:
 def _running(record: ProcessRecord) -> bool:
     """A local process by its verified pid; a remote one as its supervisor last recorded it."""
     if record.host != LOCAL:
-        return record.state in ("starting", "ready")
+        return record.state in ("starting", "ready", "reconnecting")
     return record.pid is not None and pid_alive(record.pid, record.start_ticks)
 
 
 def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list[str], list[str]]:
     """Stop what is left of the graph on each remote host (normally nothing: the agents stop
-    their processes with the supervisor); returns what would not stop and the hosts not reached."""
+    their processes with the supervisor, or agent.REATTACH_S after it died); returns what would
+    not stop and the hosts not reached."""
     if plan is None or not plan.hosts:
         return [], []
     from dynamo_graph.graph.supervise.ssh import sweep_hosts

@@ -30,7 +30,8 @@ import msgspec
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.supervise.local import pid_alive, pid_start_ticks
 
-ProcState = Literal["starting", "ready", "restarting", "exited", "failed", "stopped"]
+# reconnecting: on a remote host whose connection was lost; still running there, being re-attached.
+ProcState = Literal["starting", "ready", "reconnecting", "restarting", "exited", "failed", "stopped"]
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux; keep a margin
 
 

@@ -7,7 +7,10 @@ backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a ru
 left `failed` and its last log lines are reported.
 
 Processes on remote hosts run through the ssh launcher (ssh.py), which the supervisor loads only
-for a plan that has remote hosts; runners treat its processes exactly as local ones.
+for a plan that has remote hosts; runners treat its processes exactly as local ones, but for one
+more state: `reconnecting` while the connection to their host is lost and the launcher tries to
+re-attach to the process, which runs on meanwhile. Re-attached, it is the same run (no restart
+counted); if it ended meanwhile or could not be re-attached, that is its exit, as for any other.
 
 `apply(plan)` is both the first start and every later `up`: it diffs the new plan against the
 running one by each process's launch identity (argv, env, workdir, host), restarts what
@@ -119,6 +122,8 @@ class Runner:
     async def _one_run(self, attempt: int) -> tuple[int, bool]:
         """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
         self.proc = self.sup.launcher(self.spec)
+        if not isinstance(self.proc, LocalProcess):
+            self.proc.on_link = self._link_changed
         self._start = asyncio.ensure_future(self.proc.start(attempt))
         try:
             await asyncio.shield(self._start)
@@ -147,6 +152,17 @@ class Runner:
         code = await exited
         self._set(last_exit=code)
         return code, code != 0 or not self.ready.is_set()
+
+    def _link_changed(self, attached: bool, why: str) -> None:
+        """A remote process's connection was lost (it runs on, unwatched) or it was re-adopted over
+        a new one: the same run, so no restart is counted."""
+        if attached:
+            self._set(state="ready" if self.ready.is_set() else "starting", message="")
+            pid = self.proc.pid if self.proc else None
+            self.sup.report(self.spec.name, f"re-attached over a new connection (pid {pid}), not restarted")
+        else:
+            self._set(state="reconnecting", message=why)
+            self.sup.report(self.spec.name, why)
 
     async def _probe_until_ready(
         self, proc: LocalProcess | RemoteProcess, exited: asyncio.Future[int]
