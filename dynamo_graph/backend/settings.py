@@ -39,6 +39,9 @@ class EngineSettings:
     # The worker's part in disaggregated serving (agg, prefill or decode): engines with a native KV
     # connector configure its role from it (vLLM's kv_role, SGLang's disaggregation_mode, ...).
     disaggregation_mode: str = "agg"
+    # Serve the model's embeddings (`/v1/embeddings`) instead of generating: the engine's
+    # embedding mode (EngineSpec.embedding_target), published as model type "embedding".
+    embedding: bool = False
     # dynamo-run hands python engine files its --http-port among their arguments.
     http_port: int = 8080
     # Arguments after `--` on the command line, for the engine's own parser.

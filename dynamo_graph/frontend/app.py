@@ -27,6 +27,7 @@ from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_f
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
 from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
@@ -145,11 +146,19 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     import msgspec
 
     from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
+    from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
     from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
     from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
 
-    types = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest]
-    (chat, comp, resp, msgs, count), components = msgspec.json.schema_components(
+    types = [
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponsesRequest,
+        MessagesRequest,
+        CountTokensRequest,
+        EmbeddingsRequest,
+    ]
+    (chat, comp, resp, msgs, count, embed), components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -171,6 +180,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         ("/v1/responses", resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
         ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
         ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
+        ("/v1/embeddings", embed, "Create embeddings (OpenAI)", "OpenAIError"),
     ]:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
@@ -227,6 +237,7 @@ class FrontendApp:
             "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
+            "/v1/embeddings": EmbeddingsHandler(models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)

@@ -33,8 +33,14 @@ import msgspec
 
 from dynamo_graph.frontend.metrics import DISAGG, count_migration
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
+from dynamo_graph.frontend.remote import (
+    KvRoutedTokensBackend,
+    RemoteEmbedder,
+    RemoteTextBackend,
+    RemoteTokensBackend,
+)
 from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.llm.protocol import PreprocessedRequest
@@ -91,9 +97,10 @@ def build_remote_pipeline(
     *,
     migration_limit: int | None = None,
     disagg: DisaggConfig | None = None,
-) -> tuple[ModelPipeline, DisaggRouter | None]:
+) -> tuple[ModelPipeline | EmbeddingPipeline, DisaggRouter | None]:
     """The model's pipeline, and for a tokens-input model the disaggregation router inside it.
-    `migration_limit`: the frontend's, or None to take the card's."""
+    `migration_limit`: the frontend's, or None to take the card's. Embedding models are routed
+    by the client's picker (no KV cache to aim at) and retried elsewhere when a worker fails."""
     if card.model_input == "text":
         return TextPipeline(card, RemoteTextBackend(client)), None
     # The frontend tokenizes: it needs the model's tokenizer files, from the same path (one host,
@@ -106,6 +113,10 @@ def build_remote_pipeline(
         theirs, ours = card.files.get(name), local.files.get(name)
         if theirs is not None and ours is not None and theirs.checksum != ours.checksum:
             raise CardMismatch(f"{name} at {ours.path} differs from the worker's ({theirs.checksum})")
+    limit = migration_limit_for(card, migration_limit)
+    if "embedding" in card.model_type:
+        embedder = RemoteEmbedder(client, limit, model=card.display_name, on_migrate=count_migration)
+        return EmbeddingPipeline(card, model.load_tokenizer(), embedder), None
     uncached: UncachedTokens | None = None
     if router is not None:
         kv_router = router
@@ -120,7 +131,6 @@ def build_remote_pipeline(
         hooks=DISAGG,
         decode_uncached=uncached,
     )
-    limit = migration_limit_for(card, migration_limit)
     backend = Migration(disagg_router, limit, model=card.display_name, on_migrate=count_migration)
     return tokens_pipeline(card, model, backend), disagg_router
 
@@ -239,7 +249,7 @@ class ModelWatcher:
     ) -> _Model | None:
         """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
         name = card.display_name
-        kv = self.router_mode == "kv" and card.model_input == "tokens"
+        kv = self.router_mode == "kv" and card.model_input == "tokens" and "embedding" not in card.model_type
         client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
@@ -249,7 +259,8 @@ class ModelWatcher:
             log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
             return None
         if self.router_mode == "kv" and not kv:
-            log.warning("model %r takes text, not tokens: kv routing needs tokens; round-robin", name)
+            why = "serves embeddings" if "embedding" in card.model_type else "takes text, not tokens"
+            log.warning("model %r %s: kv routing needs generation from tokens; round-robin", name, why)
         model = await self._started_pool(card, endpoint, client, router)
         model.disagg = disagg
         prefill = self._prefill.get(name)
