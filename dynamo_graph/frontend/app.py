@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
+from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
@@ -146,6 +147,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     import msgspec
 
     from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
+    from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
     from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
     from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
     from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
@@ -157,8 +159,9 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         MessagesRequest,
         CountTokensRequest,
         EmbeddingsRequest,
+        GenerateRequest,
     ]
-    (chat, comp, resp, msgs, count, embed), components = msgspec.json.schema_components(
+    (chat, comp, resp, msgs, count, embed, tokens), components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -181,6 +184,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
         ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
         ("/v1/embeddings", embed, "Create embeddings (OpenAI)", "OpenAIError"),
+        ("/inference/v1/generate", tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
     ]:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
@@ -238,6 +242,7 @@ class FrontendApp:
             "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
             "/v1/embeddings": EmbeddingsHandler(models, self.metrics, limits, self.admission),
+            "/inference/v1/generate": GenerateTokensHandler(models, self.metrics, limits, self.admission),
         }
         with contextlib.suppress(RuntimeError):  # no running loop: built on first use
             asyncio.get_running_loop().call_later(API_WARMUP_S, self._build_api_soon)

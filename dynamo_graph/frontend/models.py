@@ -23,6 +23,7 @@ AnyPipeline = ModelPipeline | EmbeddingPipeline
 CHAT_ENDPOINTS = ["/v1/chat/completions", "/v1/responses", "/v1/messages"]
 COMPLETIONS_ENDPOINTS = ["/v1/completions"]
 EMBEDDING_ENDPOINTS = ["/v1/embeddings"]
+TOKENS_ENDPOINT = "/inference/v1/generate"  # token-in/token-out: tokens-input models
 
 
 def endpoints(pipeline: AnyPipeline) -> list[str]:
@@ -33,6 +34,8 @@ def endpoints(pipeline: AnyPipeline) -> list[str]:
         routes.append("/v1/messages/count_tokens")
     if "completions" in types:
         routes += COMPLETIONS_ENDPOINTS
+        if isinstance(pipeline, TokensPipeline):
+            routes.append(TOKENS_ENDPOINT)
     if "embedding" in types:
         routes += EMBEDDING_ENDPOINTS
     return routes

@@ -401,6 +401,43 @@ class OpenAIHandler:
         await send_json(send, 200, body)
         return True
 
+    async def _gathered(
+        self,
+        pipeline: ModelPipeline,
+        prepared: Prepared,
+        request: Any,
+        context: Context,
+        send: Send,
+        metrics: ModelMetrics,
+        start: float,
+        deadline: float | None,
+    ) -> bool:
+        """The stream gathered into one response by a writer with `body()` (the other API
+        surfaces, token-in/token-out): their `_unary`."""
+        writer = self.writer(request, prepared)
+        first = True
+        finished = False
+        deltas = pipeline.stream(prepared, context)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for delta in deltas:
+                    if delta.visible():
+                        if first:
+                            metrics.ttft.observe(time.perf_counter() - start)
+                            first = False
+                        writer.delta(delta)
+                    if delta.finish_reason is not None:
+                        writer.finish(delta.finish_reason)
+                        finished = True
+        except Exception as err:
+            http_err = await self._failure(err, context, deltas)
+            await send_json(send, http_err.status, self.error_body(http_err))
+            return False
+        if not finished:  # cancelled by the client: nobody is listening
+            return False
+        await send_json(send, 200, writer.body())
+        return True
+
 
 def _check_caps(request: AnyRequest) -> None:
     """Caps that hold for every model: choices per request."""
