@@ -166,6 +166,9 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
         # Only when set, so cards without parsers keep the checksums they always had.
         if self.tool_call_parser is not None or self.reasoning_parser is not None:
             content.append([self.tool_call_parser, self.reasoning_parser])
+        # An embedding worker of a model name that generating workers serve must not join their pool.
+        if "embedding" in self.model_type:
+            content.append("embedding")
         return hashlib.blake2b(msgspec.json.encode(content)).hexdigest()
 
     def to_json(self) -> bytes:

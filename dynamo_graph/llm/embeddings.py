@@ -78,6 +78,9 @@ class EmbeddingPipeline:
         if all(type(x) is int for x in items):
             return [self._checked(items, 0)]
         if all(isinstance(x, str) for x in items):
+            empty = next((i for i, x in enumerate(items) if not x), None)
+            if empty is not None:
+                raise RequestValidationError(f"input[{empty}] is an empty string: nothing to embed", "input")
             return [e.ids for e in self._encode_batch(items, add_special_tokens=True)]
         if all(isinstance(x, list) for x in items):
             for i, ids in enumerate(items):
