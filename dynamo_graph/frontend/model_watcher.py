@@ -221,7 +221,10 @@ class ModelWatcher:
         self, card: ModelDeploymentCard, endpoint: EndpointName, kv: bool
     ) -> tuple[Client, KvRouter | None]:
         """A pool's client (routing to the instances whose cards are accepted) and KV router."""
-        client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
+        # The client's own picker: round-robin under a KV router, and for the models a KV router
+        # cannot route (text input, embeddings) when the frontend's mode is kv.
+        mode = "round-robin" if self.router_mode == "kv" else self.router_mode
+        client = Client(self.runtime, endpoint, router_mode=mode)
         client.allowed = set()
         return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
 

@@ -114,7 +114,10 @@ def test_stop_ids_min_tokens_and_max_tokens(echo: ServerProcess) -> None:
         ({"token_ids": [1, 999999]}, "token_ids"),
         ({"token_ids": [1], "sampling_params": {"max_tokens": 100000}}, "sampling_params.max_tokens"),
         ({"token_ids": [1], "sampling_params": {"temperature": 9}}, "sampling_params.temperature"),
-        ({"token_ids": [1], "sampling_params": {"min_tokens": 9, "max_tokens": 2}}, "sampling_params.min_tokens"),
+        (
+            {"token_ids": [1], "sampling_params": {"min_tokens": 9, "max_tokens": 2}},
+            "sampling_params.min_tokens",
+        ),
         ({"token_ids": [1], "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
         ({"token_ids": [1], "output_mode": "text"}, "output_mode"),
         ({"model": "nope", "token_ids": [1]}, "model"),
