@@ -43,6 +43,7 @@ class VllmEmbeddingEngine(EmbeddingEngine):
         self.engine_args = {"runner": "pooling", "convert": "embed", **engine_args}
         self._llm: Any = None
         self._vllm: dict[str, Any] = {}
+        self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
         self._ids = itertools.count(1)
         self.context_length = 0
         self.vocab_size = 0
@@ -84,6 +85,12 @@ class VllmEmbeddingEngine(EmbeddingEngine):
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        try:  # vLLM's errors about the request itself: the client's 400
+            from vllm.exceptions import VLLMClientError
+
+            self._client_errors = (ValueError, TypeError, VLLMClientError)
+        except ImportError:
+            self._client_errors = (ValueError, TypeError)
         self._vllm = {
             "PoolingParams": PoolingParams,
             "AsyncEngineArgs": AsyncEngineArgs,
@@ -98,12 +105,12 @@ class VllmEmbeddingEngine(EmbeddingEngine):
         rids = [f"{context.id}-{next(self._ids)}" for _ in request.token_ids]
         try:
             params = self._vllm["PoolingParams"](task="embed", dimensions=request.dimensions)
-        except (ValueError, TypeError) as err:
+        except self._client_errors as err:
             raise InvalidArgument(str(err), param="dimensions") from None
         jobs = [self._one(ids, params, rid) for ids, rid in zip(request.token_ids, rids, strict=True)]
         try:
             vectors = await asyncio.gather(*jobs)
-        except (ValueError, TypeError) as err:  # vLLM's checks of the request
+        except self._client_errors as err:  # vLLM's checks of the request
             raise InvalidArgument(str(err), param="input") from None
         finally:
             if context.is_stopped():
