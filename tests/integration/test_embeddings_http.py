@@ -153,3 +153,11 @@ def test_llamacpp_without_pooling_says_how_to_set_it(tiny_model: Path, tmp_path:
     )
     assert done.returncode != 0
     assert '"pooling"' in done.stderr + done.stdout
+
+
+def test_an_embedding_model_is_not_chatted_with_on_stdin(tiny_model: Path) -> None:
+    from tests.procs import run_cli
+
+    done = run_cli(["run", "out=mocker", str(tiny_model), "--embedding"], input_text="hi\n", timeout=60)
+    assert done.returncode != 0
+    assert "serve it with in=http" in done.stderr + done.stdout
