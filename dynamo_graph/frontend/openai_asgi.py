@@ -209,13 +209,17 @@ class OpenAIHandler:
             _check_context(pipeline, request)
             prepared = self._prepare(pipeline, request)
         except HTTPError as err:
-            if err.status == 413:
-                self.admission.count("body_too_large")
-            await send_json(send, err.status, self.error_body(err))
+            await self._refuse(send, err)
             return
         except ConnectionResetError:
             return
         await self._serve(pipeline, prepared, original, receive, send, deadline)
+
+    async def _refuse(self, send: Send, err: HTTPError) -> None:
+        """Answer a request refused before it ran."""
+        if err.status == 413:
+            self.admission.count("body_too_large")
+        await send_json(send, err.status, self.error_body(err))
 
     def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
         """(the request the pipeline runs, the request as the client sent it): one and the same

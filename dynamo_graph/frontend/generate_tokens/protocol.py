@@ -8,7 +8,7 @@ apply as on `/v1/completions`); `param_names` maps that request's fields back to
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -54,56 +54,36 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     output_mode: Literal["tokens"] = "tokens"
 
 
+# The sampling fields a completions request takes under the same names.
+_SAMPLING = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop_token_ids",
+    "logprobs",
+    "logit_bias",
+    "n",
+)
+
+
 def to_completion(request: GenerateRequest, model: str) -> CompletionRequest:
     sp = request.sampling_params
-    fields: dict[str, Any] = {
-        k: getattr(sp, k)
-        for k in (
-            "max_tokens",
-            "min_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "seed",
-            "stop_token_ids",
-            "logprobs",
-            "logit_bias",
-            "n",
-        )
-    }
     return CompletionRequest(
         model=model,
         prompt=request.token_ids,
         stream=request.stream,
         stream_options=request.stream_options,
         ignore_eos=sp.ignore_eos,
-        **fields,
+        **{key: getattr(sp, key) for key in _SAMPLING},
     )
 
 
 # Completions request field (as the preprocessor names it in errors) -> this request's field.
-PARAM_NAMES = {
-    "prompt": "token_ids",
-    **{
-        key: f"sampling_params.{key}"
-        for key in (
-            "max_tokens",
-            "min_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "stop_token_ids",
-            "logprobs",
-            "logit_bias",
-            "n",
-            "best_of",
-            "repetition_penalty",
-        )
-    },
-}
+PARAM_NAMES = {"prompt": "token_ids"} | {key: f"sampling_params.{key}" for key in _SAMPLING}

@@ -58,9 +58,7 @@ class EmbeddingsHandler(OpenAIHandler):
             except RequestValidationError as err:
                 raise HTTPError(400, err.message, param=err.param, code="invalid_request") from None
         except HTTPError as err:
-            if err.status == 413:
-                self.admission.count("body_too_large")
-            await send_json(send, err.status, self.error_body(err))
+            await self._refuse(send, err)
             return
         except ConnectionResetError:
             return
