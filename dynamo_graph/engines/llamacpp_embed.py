@@ -79,7 +79,12 @@ class LlamaCppEmbeddingEngine(EmbeddingEngine):
         if ignored:
             raise LlamaCppError(f"{SOURCE}: {', '.join(ignored)} do not apply to an embedding worker")
         if cfg.context_length is not None:
-            data.setdefault("n_ctx", cfg.context_length)
+            if data.get("n_ctx", cfg.context_length) != cfg.context_length:
+                raise LlamaCppError(
+                    f"--context-length {cfg.context_length} conflicts with n_ctx={data['n_ctx']!r} in "
+                    f"{SOURCE}; give one of them"
+                )
+            data["n_ctx"] = cfg.context_length
         args = LlamaCppArgs.from_dict(data)
         if args.n_ctx is None and model.context_length:
             args = LlamaCppArgs(n_ctx=model.context_length, llama_kwargs=args.llama_kwargs)
