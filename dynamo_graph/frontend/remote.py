@@ -12,6 +12,7 @@ models are not migrated: their streams are text, whose tokens the frontend never
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ from dynamo_graph.runtime.transport.base import CannotConnect
 
 if TYPE_CHECKING:
     from dynamo_graph.router.kv.router import KvRouter
+
+log = logging.getLogger(__name__)
 
 
 class RemoteTokensBackend:
@@ -176,5 +179,12 @@ class RemoteEmbedder:
                 failed = failed_instance(err)
                 if failed is not None:
                     exclude.add(failed)
+                log.warning(
+                    "embedding request %s: %s from instance %s; sending it to another (%d retries left)",
+                    context.id,
+                    type(err).__name__,
+                    "?" if failed is None else f"{failed:x}",
+                    retries,
+                )
                 if self.on_migrate is not None:
                     self.on_migrate(self.model, "new_request")

@@ -5,7 +5,9 @@ embedded planes (file discovery, tcp, zmq KV events)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -76,3 +78,38 @@ def test_tokens_are_kv_routed_and_embeddings_spread(graph: ServerProcess, tiny_m
         "/v1/chat/completions", json={"model": EMBED, "messages": [{"role": "user", "content": "x"}]}
     )
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+
+
+def test_an_embedding_request_whose_worker_dies_is_retried(tiny_model: Path, tmp_path: Path) -> None:
+    """One slow embedding worker (its simulated prefill takes seconds) and one fast one; the
+    worker killed mid-request leaves a broken stream, which the frontend sends to the other."""
+    planes = embedded_planes_env(tmp_path)
+    argv = [*DYNGRAPH, "run", "in=dyn://r.emb.generate", "out=mocker", str(tiny_model), "--embedding"]
+    workers = []
+    for speedup in (0.01, 100.0):
+        args = tmp_path / f"mocker-{speedup}.json"
+        args.write_text(json.dumps({"speedup_ratio": speedup, "embedding_dim": 16}))
+        workers.append(WorkerProcess([*argv, "--extra-engine-args", str(args)], env=planes, log_dir=tmp_path))
+    frontend = ServerProcess(["out=auto", "--migration-limit", "1"], env=planes, log_dir=tmp_path)
+    try:
+        frontend.wait_ready(path="/live")
+        wait_for(lambda: len(instances(frontend, tiny_model.name)) == 2, 30, "both embedding workers")
+        body = {"model": tiny_model.name, "input": "word " * 100}
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(httpx.post, f"{frontend.base_url}/v1/embeddings", json=body, timeout=60)]
+            answers.append(
+                pool.submit(httpx.post, f"{frontend.base_url}/v1/embeddings", json=body, timeout=60)
+            )
+            time.sleep(1.0)  # the fast worker has answered its request; the slow one is computing
+            workers[0].kill9()
+            responses = [a.result() for a in answers]
+        assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+        assert responses[0].json()["data"] == responses[1].json()["data"]
+        metrics = httpx.get(f"{frontend.base_url}/metrics").text
+        migrated = f'migration_type="new_request",model="{tiny_model.name}"'
+        label = f"dynamo_frontend_model_migration_total{{{migrated}}} 1.0"
+        assert label in metrics, metrics
+    finally:
+        frontend.stop()
+        for worker in workers:
+            worker.stop()
