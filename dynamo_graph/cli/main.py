@@ -167,6 +167,9 @@ def run_command(
         bool,
         typer.Option("--enforce-disagg", help="frontend: never prefill locally (no prefill worker: 503)"),
     ] = False,
+    embedding: Annotated[
+        bool, typer.Option("--embedding", help="worker: serve the model's embeddings (/v1/embeddings)")
+    ] = False,
     discovery_backend: Annotated[
         str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
     ] = None,
@@ -230,6 +233,7 @@ def run_command(
         "router_conditional_disagg": router_conditional_disagg,
         "max_local_prefill_length": max_local_prefill_length,
         "enforce_disagg": enforce_disagg,
+        "embedding": embedding,
         "discovery_backend": discovery_backend,
         "request_plane": request_plane,
         "event_plane": event_plane,

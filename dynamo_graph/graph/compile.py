@@ -409,6 +409,8 @@ class _Compiler:
             argv += ["--static-worker"]
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role]
+        if worker.embedding:
+            argv += ["--embedding"]
         depends_on, restart = self._common(name)
         procs = []
         on_host: dict[str, int] = {}

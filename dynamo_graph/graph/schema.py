@@ -58,6 +58,8 @@ KV_CONNECTOR_UNSERVED: dict[str, str] = {
 """Engines whose connector is mapped but does not fit the frontend's prefill -> decode flow yet, and why."""
 
 ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
+# Engines with an embedding mode (`embedding: true`; engines/__init__.py EngineSpec.embedding_target).
+EMBEDDING_ENGINES = ("mocker", "llamacpp", "vllm")
 
 # Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow
 # runtime/names.py: letters, digits, '_' and '-', no dots.
@@ -491,6 +493,9 @@ class Worker(_Component):
     """GPU use per replica."""
     role: Literal["agg", "prefill", "decode"] = "agg"
     """`agg` does whole requests; a model with `prefill` workers needs `decode` ones and back."""
+    embedding: bool = False
+    """Serve the model's embeddings (`/v1/embeddings`) instead of generating (--embedding):
+    engines mocker, llamacpp (set `pooling` in engine_args for a model without one), vllm."""
     static: bool = False
     """Serve without discovery on fixed ports (--static-worker); needs `tcp_port` and the tcp
     request plane."""
@@ -521,6 +526,21 @@ class Worker(_Component):
     def _one_engine_args(self) -> Worker:
         if self.engine_args is not None and self.engine_args_file is not None:
             raise field_error("engine_args_file", "give either `engine_args` or `engine_args_file`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _embedding_worker(self) -> Worker:
+        if not self.embedding:
+            return self
+        if self.engine not in EMBEDDING_ENGINES:
+            raise field_error(
+                "embedding",
+                f"engine {self.engine} has no embedding mode ({', '.join(EMBEDDING_ENGINES)} have)",
+            )
+        if self.role != "agg":
+            raise field_error(
+                "embedding", f"an embedding worker has no prefill/decode split; not role {self.role}"
+            )
         return self
 
     def endpoint_name(self) -> EndpointName:
