@@ -269,8 +269,22 @@ Overrides = Annotated[
 
 
 @app.command("validate", help="Check a graph file: exit 0, or 2 with every problem (file:line, key path).")
-def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+def validate_command(
+    graph_file: GraphFile,
+    overrides: Overrides = None,
+    preflight: Annotated[
+        bool,
+        typer.Option(
+            "--preflight", help="also check its hosts as `up` does: models, engines, env, GPUs, ports"
+        ),
+    ] = False,
+) -> None:
     built = _build_or_exit(graph_file, overrides)
+    if preflight:
+        from dynamo_graph.graph.supervise import commands
+
+        with _graph_problems(graph_file):  # ports a running graph holds are its own
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
     procs = len(built.plan.processes)
     err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
 

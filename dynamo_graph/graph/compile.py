@@ -49,6 +49,12 @@ def _resolve_path(path: str, graph_dir: Path) -> str:
     return path if local is None else str(local)
 
 
+def _file_path(path: str, graph_dir: Path) -> str:
+    """A file the graph names that can only be local (engine args, a Python engine), relative to
+    the graph file: never a hub id, even when it does not exist (yet)."""
+    return str((graph_dir / Path(path).expanduser()).resolve())
+
+
 class _Compiler:
     def __init__(self, graph: Graph, graph_file: Path, state_dir: Path) -> None:
         self.graph = graph
@@ -300,7 +306,7 @@ class _Compiler:
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
         if worker.engine_args_file is not None:
-            return _resolve_path(worker.engine_args_file, self.graph_dir)
+            return _file_path(worker.engine_args_file, self.graph_dir)
         if worker.engine_args is None:
             return None
         path = str(self.state_dir / "engine-args" / f"{name}.json")
@@ -347,9 +353,7 @@ class _Compiler:
 
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
-        engine = (
-            _resolve_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
-        )
+        engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
         argv = [
             "dyngraph",
             "run",

@@ -155,7 +155,7 @@ class DetachedUp:
         if self.orphans:
             console.print(f"[bold red]error:[/] processes of a previous run would not stop: {self.orphans}")
             return 1
-        _preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
+        preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
         _write_resolved(state, built)
         try:
             if self.daemon is not None:
@@ -185,12 +185,12 @@ class DetachedUp:
         return 0
 
 
-def _preflight(built: Built, *, check_ports: bool) -> None:
+def preflight(built: Built, *, check_ports: bool) -> None:
     """Raises GraphError (exit 2 in the CLI) with every problem of the graph's hosts."""
-    from dynamo_graph.graph.supervise.preflight import preflight
+    from dynamo_graph.graph.supervise.preflight import preflight as check
 
     loaded = built.loaded
-    preflight(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
+    check(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
 
 
 def up_foreground(built: Built, console: Console) -> int:
@@ -203,7 +203,7 @@ def up_foreground(built: Built, console: Console) -> int:
             if orphans := _reap_orphans(state):
                 console.print(f"[bold red]error:[/] processes of a previous run would not stop: {orphans}")
                 return 1
-            _preflight(built, check_ports=True)
+            preflight(built, check_ports=True)
             _write_resolved(state, built)
             state.write_pid(os.getpid())  # claim the graph before releasing the lock
     if running:
