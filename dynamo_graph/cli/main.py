@@ -342,10 +342,19 @@ def up_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="preflight, then print what would change (as `diff`); start nothing"),
+    ] = False,
 ) -> None:
     from dynamo_graph.graph.supervise import commands
 
     out = Console(soft_wrap=True)
+    if dry_run:
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
+        raise typer.Exit(_print_diff(built, out))
     if not detach:
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):  # preflight on the graph's hosts
@@ -355,6 +364,20 @@ def up_command(
         with _graph_problems(graph_file):
             code = up.run(built, out)
     raise typer.Exit(code)
+
+
+def _print_diff(built: Built, out: Console) -> int:
+    from dynamo_graph.graph.diff import print_diff
+
+    return print_diff(built, out)
+
+
+@app.command(
+    "diff", help="What `up` would change in the running graph, per process (+ ~ -); exit 1 if anything."
+)
+def diff_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+    built = _build_or_exit(graph_file, overrides)
+    raise typer.Exit(_print_diff(built, Console(soft_wrap=True)))
 
 
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")

@@ -258,10 +258,11 @@ def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Cal
     changed = graph.up("components.backend.replicas=1", "+components.backend.env.DYN_EXAMPLE=1")
     assert changed.returncode == 0, changed.stdout + changed.stderr
     changes = [line for line in changed.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")]
-    assert changes == ["~ backend-0", "- backend-1"], changed.stdout
+    # the frontend depends on the backend (depends_on): it restarts with the changed backend-0
+    assert changes == ["~ backend-0", "~ frontend-0 (restarts with backend-0)", "- backend-1"], changed.stdout
     after = graph.processes()
     assert after["backend-0"]["pid"] != before["backend-0"]["pid"]
-    assert after["frontend-0"]["pid"] == before["frontend-0"]["pid"]
+    assert after["frontend-0"]["pid"] != before["frontend-0"]["pid"]
     assert "backend-1" not in after and not pid_alive(before["backend-1"]["pid"])
     # the only replica was replaced: the frontend sees the new instance a moment later
     wait_for(lambda: _answers(graph), 15, "the model to answer from the new backend-0")

@@ -140,6 +140,12 @@ class StateDir:
     def write_ports(self, ports: dict[str, int]) -> None:
         atomic_write(self.ports_file, msgspec.json.format(msgspec.json.encode(dict(sorted(ports.items())))))
 
+    def read_ports(self) -> dict[str, int]:
+        try:
+            return msgspec.json.decode(self.ports_file.read_bytes(), type=dict[str, int])
+        except FileNotFoundError:
+            return {}
+
     def write_processes(self, records: list[ProcessRecord]) -> None:
         atomic_write(self.processes_file, msgspec.json.format(msgspec.json.encode(records)))
 
