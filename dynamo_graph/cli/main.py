@@ -380,6 +380,15 @@ def diff_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
     raise typer.Exit(_print_diff(built, Console(soft_wrap=True)))
 
 
+@app.command("ls", help="List the graphs running on this machine, with their state and frontends.")
+def ls_command(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON, for scripts")] = False,
+) -> None:
+    from dynamo_graph.graph.supervise.listing import ls
+
+    raise typer.Exit(ls(Console(soft_wrap=True), as_json))
+
+
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
 def status_command(graph_file: GraphFile) -> None:
     from dynamo_graph.graph.supervise import commands
