@@ -396,7 +396,7 @@ def status_command(graph_file: GraphFile) -> None:
     raise typer.Exit(commands.status(_state_of(graph_file), Console(soft_wrap=True)))
 
 
-@app.command("logs", help="Print a graph's process logs, prefixed; -f follows.")
+@app.command("logs", help="Print a graph's process logs, prefixed and interleaved by time; -f follows.")
 def logs_command(
     graph_file: GraphFile,
     process: Annotated[str | None, typer.Argument(help="a component or process name")] = None,

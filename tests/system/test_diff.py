@@ -1,14 +1,19 @@
 """`dyngraph diff` and `up --dry-run` against a running CI smoke graph (real supervisor and
-processes): they tell what `up` then does, and change nothing themselves."""
+processes): they tell what `up` then does, and change nothing themselves; and `up` in the
+foreground on that running graph, which attaches to it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.system.test_supervisor import Graph
+from tests.procs import DYNGRAPH
+from tests.system.test_supervisor import Graph, pid_alive, wait_for
 
 
 @pytest.fixture
@@ -66,3 +71,40 @@ def test_diff_tells_what_up_does(graph: Graph) -> None:
     assert all(after[n]["pid"] != before[n]["pid"] for n in ("backend-0", "frontend-0"))
     assert graph.chat()
     assert graph.cli("diff", *graph.overrides, *changed).returncode == 0
+
+
+def test_foreground_up_attaches_to_a_running_graph(graph: Graph, tmp_path: Path) -> None:
+    """`up` in the foreground on a graph `up -d` started: the changes are applied, the logs of
+    every process follow (interleaved as they come), and Ctrl-C stops the graph."""
+    up = graph.up("components.backend.replicas=1")
+    assert up.returncode == 0, up.stdout + up.stderr
+    output = tmp_path / "attached.out"
+    with output.open("wb") as out:
+        attached = subprocess.Popen(
+            [*DYNGRAPH, "up", str(graph.file), *graph.overrides, "components.backend.replicas=1"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: "attached to its logs" in output.read_text(), 30, "up to attach")
+        backend = graph.processes()["backend-0"]["pid"]
+        os.kill(backend, signal.SIGKILL)  # the supervisor restarts it: its new run shows up here
+        wait_for(lambda: _prefixed(output, "backend-0", "started backend-0 (run 2)"), 30, "its log")
+        wait_for(lambda: "restarting" in output.read_text(), 10, "the supervisor's report")
+        pids = [r["pid"] for r in graph.processes().values()]
+        attached.send_signal(signal.SIGINT)
+        assert attached.wait(60) == 0, output.read_text()
+    finally:
+        if attached.poll() is None:
+            attached.kill()
+    text = output.read_text()
+    assert "no changes" in text and "stopping the graph (Ctrl-C)" in text
+    assert not (graph.state / "supervisor.pid").exists()
+    wait_for(lambda: not any(pid_alive(p) for p in pids if p), 10, "every process to be gone")
+
+
+def _prefixed(output: Path, process: str, text: str) -> bool:
+    """Whether a line `process | ...text...` was printed."""
+    lines = output.read_text().splitlines()
+    return any(line.split(" | ")[0].strip() == process and text in line for line in lines)

@@ -27,7 +27,7 @@ from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.supervise import control, probes
 from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
-from dynamo_graph.graph.supervise.logs import LogFollower, tail_lines
+from dynamo_graph.graph.supervise.logs import LogFollower, interleaved, tail_lines
 from dynamo_graph.graph.supervise.ports import listening, plan_ports
 from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
 from dynamo_graph.graph.supervise.supervisor import Supervisor
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 DAEMON_START_TIMEOUT_S = 15.0
 FAILURE_LOG_LINES = 20
 POLL_S = 0.02
+ATTACH_POLL_S = 0.1
 
 
 # ---- up ---------------------------------------------------------------------------------------
@@ -194,7 +195,8 @@ def preflight(built: Built, *, check_ports: bool) -> None:
 
 
 def up_foreground(built: Built, console: Console) -> int:
-    """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all."""
+    """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all.
+    On a graph already running in the background: apply the changes, then attach to it."""
     plan = built.plan
     state = StateDir(plan.state_dir)
     with state.lock():
@@ -209,7 +211,8 @@ def up_foreground(built: Built, console: Console) -> int:
     if running:
         console.print(f"graph {plan.graph} already runs in the background: applying the changes to it")
         with DetachedUp(state) as up:
-            return up.run(built, console)
+            code = up.run(built, console)
+        return code or attach(state, console)
     prefix = Prefixer(console, [p.name for p in plan.processes])
     started = time.monotonic()
 
@@ -234,6 +237,30 @@ def up_foreground(built: Built, console: Console) -> int:
             follower.poll()
 
     asyncio.run(supervise(state, prefix.event, plan, alongside=stream))
+    return 0
+
+
+def attach(state: StateDir, console: Console) -> int:
+    """`up` in the foreground on a graph that runs in the background: follow its processes' logs
+    and the supervisor's reports until Ctrl-C, which stops the graph as `down` does (as
+    `docker compose up` does), or until something else stops it."""
+    plan = state.read_plan()
+    names = [p.name for p in plan.processes] if plan else []
+    prefix = Prefixer(console, names)
+    follower = LogFollower(prefix.line)
+    for name in names:
+        follower.add(name, state.log_file(name), from_end=True)
+    follower.add("dyngraph", state.supervisor_log, from_end=True)
+    console.print("attached to its logs; Ctrl-C stops the graph (`dyngraph up -d` leaves it running)")
+    try:
+        while state.supervisor() is not None:
+            follower.poll()
+            time.sleep(ATTACH_POLL_S)
+    except KeyboardInterrupt:
+        console.print("stopping the graph (Ctrl-C)")
+        return down(state, console)
+    follower.poll()
+    console.print("the graph was stopped")
     return 0
 
 
@@ -295,9 +322,8 @@ def logs(state: StateDir, console: Console, selector: str | None, follow: bool, 
             console.print(f"[bold red]error:[/] no process or component named {selector!r}", highlight=False)
             return 1
     prefix = Prefixer(console, names)
-    for name in names:
-        for line in tail_lines(state.log_file(name), lines):
-            prefix.line(name, line)
+    for name, line in interleaved({name: tail_lines(state.log_file(name), lines) for name in names}):
+        prefix.line(name, line)
     if not follow:
         return 0
     follower = LogFollower(prefix.line)

@@ -51,7 +51,9 @@ def mark_start(log_path: Path, name: str, attempt: int) -> int:
     """Write the start marker of a run to its log; returns where the run's output begins."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        log.write(f"{START_MARKER}{name} (run {attempt}) at {time.ctime()} ---\n".encode())
+        now = time.time()  # UTC and milliseconds, so `dyngraph logs` can order it among the others
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        log.write(f"{START_MARKER}{name} (run {attempt}) at {stamp} ---\n".encode())
         return log.tell()
 
 
