@@ -70,7 +70,7 @@ def test_missing_model_names_its_key_and_how_to_build_the_tiny_model(
     assert done.returncode == 2, done.stdout + done.stderr
     assert elapsed < FAST_S
     line = _line_of(file, "path:")
-    assert f"{file}:{line}: models.tiny-model.path: model {missing} does not exist" in done.stderr
+    assert f"{file}:{line}: models.tiny-model.path: {missing} does not exist" in done.stderr
     assert f"`make run`, or `dyngraph dev tiny-model {missing}`" in done.stderr
     _assert_nothing_started(file)
 
@@ -83,7 +83,7 @@ def test_a_folder_that_is_not_a_model(tmp_path: Path, tiny_model: Path) -> None:
     done, _ = _up(file, "-d")
     assert done.returncode == 2, done.stdout + done.stderr
     assert (
-        f"models.tiny-model.path: model {folder} is not a Hugging Face model folder: it has no tokenizer.json"
+        f"models.tiny-model.path: {folder} is not a Hugging Face model folder: it has no tokenizer.json"
         in (done.stderr)
     )
     _assert_nothing_started(file)

@@ -144,7 +144,7 @@ def _found(
         hint = ""
         if not remote and why == "does not exist" and Path(path).name == TINY_MODEL_DIR:
             hint = f"; build the tiny test model with `make run`, or `dyngraph dev tiny-model {path}`"
-        yield Problem(need.models[path][0], f"{where}model {path} {why}{there}{hint}")
+        yield Problem(need.models[path][0], f"{where}{path} {why}{there}{hint}")
     for package in found.get("modules_missing", []):
         key, engine = need.modules[package]
         yield Problem(
