@@ -29,7 +29,7 @@ from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
 from dynamo_graph.graph.supervise.logs import LogFollower, interleaved, tail_lines
 from dynamo_graph.graph.supervise.ports import listening, plan_ports
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
+from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, record_alive
 from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
 
@@ -289,7 +289,9 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
     # A remote process's http / tcp probe only means something from its host: the supervisor runs
     # those; here they show as "-".
     live = [
-        n for n, r in records.items() if _running(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
+        n
+        for n, r in records.items()
+        if record_alive(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
     ]
     results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
     return dict(zip(live, results, strict=False))
@@ -354,7 +356,7 @@ def down(state: StateDir, console: Console) -> int:
         plan = state.read_plan()
         records = state.read_processes()
         sup = state.supervisor()
-        live = [r for r in records if _running(r)]
+        live = [r for r in records if record_alive(r)]
         if sup is None and not live:
             state.clear_runtime_files()
             console.print(f"graph in {state.root} is not running")
@@ -409,7 +411,7 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
     Returns the names of any still alive after that."""
 
     def alive() -> list[ProcessRecord]:
-        return [r for r in records if r.host == LOCAL and _running(r)]
+        return [r for r in records if r.host == LOCAL and record_alive(r)]
 
     for record in alive():
         kill_verified(record.pid, record.start_ticks, signal.SIGTERM)  # type: ignore[arg-type]
@@ -422,13 +424,6 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
 
 def _probe_kind(plan: Plan, name: str) -> str | None:
     return next((p.readiness.kind for p in plan.processes if p.name == name), None)
-
-
-def _running(record: ProcessRecord) -> bool:
-    """A local process by its verified pid; a remote one as its supervisor last recorded it."""
-    if record.host != LOCAL:
-        return record.state in ("starting", "ready")
-    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
 
 
 def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list[str], list[str]]:

@@ -13,10 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dynamo_graph.graph.plan import LOCAL
 from dynamo_graph.graph.supervise import registry
-from dynamo_graph.graph.supervise.local import pid_alive
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
+from dynamo_graph.graph.supervise.state import StateDir, record_alive
 from dynamo_graph.graph.supervise.ui import frontend_url
 
 _STYLE = {"running": "green", "starting": "yellow", "degraded": "bold red", "supervisor gone": "bold red"}
@@ -32,25 +30,19 @@ class GraphRow:
     supervisor_pid: int | None
 
 
-def _alive(record: ProcessRecord) -> bool:
-    if record.host != LOCAL:
-        return record.state in ("starting", "ready")
-    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
-
-
 def _row(root: Path) -> GraphRow | None:
     """The graph in `root`, or None once nothing of it runs (its entry is then dropped)."""
     state = StateDir(root)
     sup = state.supervisor()
     records = state.read_processes()
-    if sup is None and not any(_alive(r) for r in records):
+    if sup is None and not any(record_alive(r) for r in records):
         registry.leave(root)
         return None
     plan = state.read_plan()
     counts = Counter(r.state for r in records)
     if sup is None:
         status = "supervisor gone"
-        counts = Counter("left running" for r in records if _alive(r))
+        counts = Counter("left running" for r in records if record_alive(r))
     elif counts["failed"]:
         status = "degraded"
     elif plan is not None and counts["ready"] == len(plan.processes):

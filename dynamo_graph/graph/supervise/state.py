@@ -27,7 +27,7 @@ from typing import Literal
 
 import msgspec
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.supervise.local import pid_alive, pid_start_ticks
 
 ProcState = Literal["starting", "ready", "restarting", "exited", "failed", "stopped"]
@@ -48,6 +48,14 @@ class ProcessRecord(msgspec.Struct):
     started_at: float | None = None  # wall clock of the current run's start
     last_exit: int | None = None  # return code; negative: killed by that signal
     message: str = ""
+
+
+def record_alive(record: ProcessRecord) -> bool:
+    """A local process by its verified pid; a remote one as its supervisor last recorded it (a
+    remote pid means nothing here)."""
+    if record.host != LOCAL:
+        return record.state in ("starting", "ready")
+    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
 
 
 class SupervisorPid(msgspec.Struct):
