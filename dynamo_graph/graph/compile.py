@@ -229,6 +229,16 @@ class _Compiler:
             )
         return hosts
 
+    def local_python(self) -> str | None:
+        """`hosts.local.venv`'s python or `hosts.local.python` (a path relative to the graph file,
+        or a name looked up on PATH); None when neither is given."""
+        local = self.graph.host(LOCAL)
+        if local.venv:
+            return str(Path(_file_path(local.venv, self.graph_dir)) / "bin" / "python")
+        if local.python and "/" in local.python:
+            return _file_path(local.python, self.graph_dir)
+        return local.python
+
     def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
         out = "auto"
         endpoints = {
@@ -444,6 +454,7 @@ class _Compiler:
             files=dict(sorted(self.files.items())),
             processes=processes,
             hosts=self.remote_hosts(),
+            local_python=self.local_python(),
         )
 
 

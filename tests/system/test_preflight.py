@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,39 @@ def test_gpus_the_placement_needs(tmp_path: Path, tiny_model: Path, smi: str, ha
     two = _fake_nvidia_smi(tmp_path, ONE_GPU + "\necho 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'")
     ok = run_cli(["validate", "--preflight", str(file)], timeout=60, env=two)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_local_interpreter_without_dyngraph(tmp_path: Path, tiny_model: Path) -> None:
+    venv = tmp_path / "bare-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    file = _write_graph(tmp_path, tiny_model)
+    file.write_text(file.read_text() + f"hosts:\n  local:\n    venv: {venv}\n")
+    done, elapsed = _up(file, "-d")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert elapsed < FAST_S
+    line = _line_of(file, "venv:")
+    assert (
+        f"{file}:{line}: hosts.local.venv: host 'local': dyngraph is not installed for {venv}/bin/python"
+        in (done.stderr)
+    )
+    _assert_nothing_started(file)
+
+
+def test_local_processes_run_with_the_graph_s_interpreter(tmp_path: Path, tiny_model: Path) -> None:
+    """`hosts.local.python` runs preflight's probe and every local `dyngraph` process."""
+    calls = tmp_path / "calls.log"
+    wrapper = tmp_path / "bin" / "python-wrapper"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    file = _write_graph(tmp_path, tiny_model)
+    file.write_text(file.read_text() + f"hosts:\n  local:\n    python: {wrapper}\n")
+    try:
+        done, _ = _up(file, "-d")
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = calls.read_text().splitlines()
+        assert lines[0] == "-m dynamo_graph.graph.supervise.agent probe"
+        runs = sorted(line.split()[3] for line in lines[1:])
+        assert runs == ["in=dyn://pre.backend.generate", "in=http"], lines
+    finally:
+        assert run_cli(["down", str(file)], timeout=90).returncode == 0

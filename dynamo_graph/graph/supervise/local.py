@@ -57,19 +57,21 @@ def mark_start(log_path: Path, name: str, attempt: int) -> int:
         return log.tell()
 
 
-def command_line(spec: ProcessSpec) -> list[str]:
-    """The argv to exec: the plan's leading `dyngraph` runs as this interpreter's module."""
+def command_line(spec: ProcessSpec, python: str | None = None) -> list[str]:
+    """The argv to exec: the plan's leading `dyngraph` runs as a module of `python` (the plan's
+    local interpreter), or of this interpreter."""
     if spec.argv[0] == "dyngraph":
-        return [sys.executable, "-m", "dynamo_graph", *spec.argv[1:]]
+        return [python or sys.executable, "-m", "dynamo_graph", *spec.argv[1:]]
     return list(spec.argv)
 
 
 class LocalProcess:
     """One run of a spec: started by `start`, reaped by `wait`, stopped by `stop`."""
 
-    def __init__(self, spec: ProcessSpec, log_path: Path) -> None:
+    def __init__(self, spec: ProcessSpec, log_path: Path, python: str | None = None) -> None:
         self.spec = spec
         self.log_path = log_path
+        self.python = python
         self.proc: asyncio.subprocess.Process | None = None
         self.log_offset = 0  # where this run's output starts in the log
         self.start_ticks: int | None = None
@@ -87,7 +89,7 @@ class LocalProcess:
             self.started_at = time.time()
             try:
                 self.proc = await asyncio.create_subprocess_exec(
-                    *command_line(self.spec),
+                    *command_line(self.spec, self.python),
                     cwd=self.spec.workdir,
                     env=env,
                     stdin=asyncio.subprocess.DEVNULL,

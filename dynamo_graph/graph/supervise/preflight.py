@@ -11,11 +11,11 @@ free. The agent's `answer` (agent.py) finds all of that on a host.
 
 On every remote host (all at the same time): the ssh connection (reachable, host key, login),
 then one run of the agent's `probe` with the host's python, which also tells whether that python
-runs dyngraph at a compatible version. On this host the agent's checks run in-process, except the
-engine packages, which the interpreter that runs local processes is asked about in a subprocess
-(its own sys.path, not this process's). Port checks are skipped when the graph already runs (its
-own processes hold them). A graph with problems raises GraphError: the CLI prints it and exits
-2, and nothing has been started anywhere.
+runs dyngraph at a compatible version. On this host the probe runs as a subprocess of the
+interpreter that runs local processes (`hosts.local.venv` / `python`, else this one), so engine
+packages are looked up on its sys.path, not this process's. Port checks are skipped when the
+graph already runs (its own processes hold them). A graph with problems raises GraphError: the
+CLI prints it and exits 2, and nothing has been started anywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_graph import __version__
 from dynamo_graph.graph.errors import GraphError, Problem
-from dynamo_graph.graph.plan import Plan, ProcessSpec, RemoteHost
+from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 from dynamo_graph.graph.supervise import agent
 from dynamo_graph.graph.validate import SourceLocator, fixed_ports, locate
@@ -56,13 +56,14 @@ class _HostNeeds:
     gpus: int = 0
     gpu_users: list[str] = field(default_factory=list)
     ports: dict[int, str] = field(default_factory=dict)  # port -> key
+    workdir: str | None = None  # where the host's processes run
 
-    def ask(self, *, modules: bool = True) -> dict[str, Any]:
+    def ask(self) -> dict[str, Any]:
         """What the agent's `answer` is asked on the host."""
         return {
             "paths": sorted(self.paths),
             "models": [[p, config, gguf] for p, (_, config, gguf) in sorted(self.models.items())],
-            "modules": sorted(self.modules) if modules else [],
+            "modules": sorted(self.modules),
             "env": sorted(self.env),
             "gpus": self.gpus > 0,
             "ports": [[ANY_ADDRESS, p] for p in self.ports],
@@ -104,7 +105,9 @@ def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]
             for i, name in enumerate(comp.api_key_env):
                 if name not in spec.env:
                     need.env.setdefault(name, f"components.{spec.component}.api_key_env.{i}")
-        if spec.host != LOCAL and graph.host(spec.host).workdir:
+        if spec.argv[0] == "dyngraph":  # not managed etcd / nats, which run in the state dir
+            need.workdir = spec.workdir
+        if graph.host(spec.host).workdir:
             need.paths.setdefault(spec.workdir, f"hosts.{spec.host}.workdir")
         if devices := spec.env.get("CUDA_VISIBLE_DEVICES"):
             need.gpus = max(need.gpus, 1 + max(int(d) for d in devices.split(",")))
@@ -171,25 +174,34 @@ def _found(
         yield Problem(need.ports[port], f"port {port} is already taken on host {host!r}")
 
 
-def _probe_problems(
-    graph: Graph, host: str, remote: RemoteHost, need: _HostNeeds, out: str
-) -> Iterator[Problem]:
+def _probe_problems(graph: Graph, host: str, python: str, need: _HostNeeds, out: str) -> Iterator[Problem]:
     found = json.loads(out)
     where = f"host {host!r}"
-    python = tuple(int(x) for x in found["python"].split(".")[:2])
-    if python < MIN_PYTHON:
+    version = tuple(int(x) for x in found["python"].split(".")[:2])
+    if version < MIN_PYTHON:
         yield Problem(
             _python_key(graph, host),
-            f"{where}: {remote.python} is Python {found['python']}; dyngraph needs "
+            f"{where}: {python} is Python {found['python']}; dyngraph needs "
             f"{'.'.join(map(str, MIN_PYTHON))} or newer",
         )
     if found["version"].split(".")[:2] != __version__.split(".")[:2]:
         yield Problem(
             _python_key(graph, host),
-            f"{where}: {remote.python} has dyngraph {found['version']}; this one is {__version__}, and "
+            f"{where}: {python} has dyngraph {found['version']}; this one is {__version__}, and "
             f"the two must share major.minor (install dyngraph {__version__} there)",
         )
-    yield from _found(graph, host, need, found, remote.python)
+    yield from _found(graph, host, need, found, python)
+
+
+def _agent_failed(python: str, exit_status: int | None, stderr: str) -> str | None:
+    """Why `python -m <agent>` did not answer, or None when it did."""
+    if exit_status == 127 or "No such file" in stderr:
+        return f"{python} not found"
+    if "No module named" in stderr:
+        return f"dyngraph is not installed for {python} (need dyngraph {__version__})"
+    if exit_status != 0:
+        return f"{python} could not run dyngraph's agent: {stderr.strip()[-300:]}"
+    return None
 
 
 async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeeds) -> list[Problem]:
@@ -200,53 +212,40 @@ async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeed
         done = await pool.run(host, "probe", stdin=json.dumps(need.ask()) + "\n")
     except SshError as e:
         return [Problem(_ssh_key(graph, host, e), str(e))]
-    stderr = done.stderr
-    if done.exit_status == 127 or "No such file" in stderr:
-        why = f"{remote.python} not found"
-    elif "No module named" in stderr:
-        why = f"dyngraph is not installed for {remote.python} (need dyngraph {__version__})"
-    elif done.exit_status != 0:
-        why = f"{remote.python} could not run dyngraph's agent: {stderr.strip()[-300:]}"
-    else:
-        return list(_probe_problems(graph, host, remote, need, last_line(done.stdout)))
-    return [Problem(_python_key(graph, host), f"{describe(host, remote)}: {why}")]
+    if why := _agent_failed(remote.python, done.exit_status, done.stderr):
+        return [Problem(_python_key(graph, host), f"{describe(host, remote)}: {why}")]
+    return list(_probe_problems(graph, host, remote.python, need, last_line(done.stdout)))
 
 
-def _local_modules(packages: list[str]) -> list[str]:
-    """The packages the interpreter that runs local processes (this one: see local.command_line)
-    cannot import, asked in a subprocess with the environment they inherit, so that this
-    process's own sys.path does not answer. Raises OSError when that interpreter cannot answer."""
-    if not packages:
-        return []
+def _check_local(graph: Graph, plan: Plan, need: _HostNeeds) -> list[Problem]:
+    """The agent's probe run by the interpreter that runs local processes (see local.command_line),
+    so that engine packages are looked up on its sys.path, not this process's."""
+    python = plan.local_python or sys.executable
+    # In their workdir, as they run: `python -m` puts it first on sys.path.
+    cwd = need.workdir if need.workdir and Path(need.workdir).is_dir() else "/"
     try:
         done = subprocess.run(
-            [sys.executable, "-m", agent.MODULE, "probe"],
-            input=json.dumps({"modules": packages}) + "\n",
+            [python, "-m", agent.MODULE, "probe"],
+            input=json.dumps(need.ask()) + "\n",
             capture_output=True,
             text=True,
             timeout=LOCAL_PROBE_TIMEOUT_S,
+            cwd=cwd,
         )
-    except subprocess.TimeoutExpired as e:
-        raise OSError(f"no answer in {LOCAL_PROBE_TIMEOUT_S:g} s") from e
-    if done.returncode != 0:
-        raise OSError(done.stderr.strip()[-300:])
-    return list(json.loads(done.stdout.splitlines()[-1])["modules_missing"])
-
-
-def _check_local(graph: Graph, need: _HostNeeds) -> list[Problem]:
-    found = agent.answer(need.ask(modules=False))
-    problems = []
-    try:
-        found["modules_missing"] = _local_modules(sorted(need.modules))
-    except OSError as e:
-        key = next(iter(need.modules.values()))[0]
-        problems.append(Problem(key, f"{sys.executable} could not tell which engine packages it has: {e}"))
-    return problems + list(_found(graph, LOCAL, need, found, sys.executable))
+    except FileNotFoundError:
+        why: str | None = f"{python} not found"
+    except subprocess.TimeoutExpired:
+        why = f"{python} did not answer dyngraph's agent in {LOCAL_PROBE_TIMEOUT_S:g} s"
+    else:
+        why = _agent_failed(python, done.returncode, done.stderr)
+    if why:
+        return [Problem(_python_key(graph, LOCAL), f"host 'local': {why}")]
+    return list(_probe_problems(graph, LOCAL, python, need, done.stdout.splitlines()[-1]))
 
 
 async def _check_all(graph: Graph, plan: Plan, check_ports: bool) -> list[Problem]:
     needs = _needs(graph, plan, check_ports)
-    problems = _check_local(graph, needs[LOCAL]) if LOCAL in needs else []
+    problems = _check_local(graph, plan, needs[LOCAL]) if LOCAL in needs else []
     if not plan.hosts:
         return problems
     from dynamo_graph.graph.supervise.ssh import SshHosts

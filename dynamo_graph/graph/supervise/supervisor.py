@@ -191,7 +191,7 @@ class Supervisor:
         """One run of `spec`, on this host or over ssh."""
         log = self.state.log_file(spec.name)
         if spec.host == LOCAL:
-            return LocalProcess(spec, log)
+            return LocalProcess(spec, log, self.plan.local_python if self.plan else None)
         from dynamo_graph.graph.supervise.agent import graph_tag
         from dynamo_graph.graph.supervise.ssh import RemoteProcess
 
