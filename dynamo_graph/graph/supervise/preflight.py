@@ -245,17 +245,18 @@ def _check_local(graph: Graph, plan: Plan, need: _HostNeeds) -> list[Problem]:
 
 async def _check_all(graph: Graph, plan: Plan, check_ports: bool) -> list[Problem]:
     needs = _needs(graph, plan, check_ports)
-    problems = _check_local(graph, plan, needs[LOCAL]) if LOCAL in needs else []
+    local = [asyncio.to_thread(_check_local, graph, plan, needs[LOCAL])] if LOCAL in needs else []
     if not plan.hosts:
-        return problems
+        return [p for found in await asyncio.gather(*local) for p in found]
     from dynamo_graph.graph.supervise.ssh import SshHosts
 
     pool = SshHosts(dict(plan.hosts), tries=1)  # preflight reports an unreachable host at once
     try:
-        found = await asyncio.gather(*(_check_remote(graph, pool, h, needs[h]) for h in sorted(plan.hosts)))
+        remote = (_check_remote(graph, pool, h, needs[h]) for h in sorted(plan.hosts))
+        found = await asyncio.gather(*local, *remote)  # every host at the same time, this one too
     finally:
         await pool.close()
-    return problems + [p for host in found for p in host]
+    return [p for host in found for p in host]
 
 
 def preflight(
