@@ -51,7 +51,7 @@ class _HostNeeds:
 
     paths: dict[str, str] = field(default_factory=dict)  # path -> key
     models: dict[str, tuple[str, str | None, bool]] = field(default_factory=dict)  # path -> key, config, gguf
-    modules: dict[str, tuple[str, str]] = field(default_factory=dict)  # package -> key, engine
+    modules: dict[str, dict[str, str]] = field(default_factory=dict)  # package -> {key: engine}
     env: dict[str, str] = field(default_factory=dict)  # variable -> key
     gpus: int = 0
     gpu_users: list[str] = field(default_factory=list)
@@ -91,7 +91,7 @@ def _worker_needs(need: _HostNeeds, spec: ProcessSpec, key: str, worker: Worker)
     if worker.engine.endswith(".py"):
         need.paths.setdefault(next(a for a in spec.argv if a.startswith("out="))[4:], f"{where}.engine")
     if (package := ENGINE_PACKAGES.get(worker.engine)) is not None:
-        need.modules.setdefault(package, (f"{where}.engine", worker.engine))
+        need.modules.setdefault(package, {})[f"{where}.engine"] = worker.engine
 
 
 def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]:
@@ -149,12 +149,13 @@ def _found(
             hint = f"; build the tiny test model with `make run`, or `dyngraph dev tiny-model {path}`"
         yield Problem(need.models[path][0], f"{where}{path} {why}{there}{hint}")
     for package in found.get("modules_missing", []):
-        key, engine = need.modules[package]
-        yield Problem(
-            key,
-            f"{where}engine {engine} needs the Python package {package!r}, which {python} cannot import"
-            f"{there}: install dyngraph's `{engine}` extra for it (pip install 'dyngraph[{engine}]')",
-        )
+        for key, engine in need.modules[package].items():
+            yield Problem(
+                key,
+                f"{where}engine {engine} needs the Python package {package!r}, which {python} cannot "
+                f"import{there}: install dyngraph's `{engine}` extra for it "
+                f"(pip install 'dyngraph[{engine}]')",
+            )
     for name in found.get("env_unset", []):
         yield Problem(
             need.env[name],
