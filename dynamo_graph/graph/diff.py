@@ -28,13 +28,15 @@ _STYLE = {"+": "green", "~": "yellow", "-": "red"}
 
 
 def _argv_changes(old: list[str], new: list[str]) -> Iterator[str]:
-    """Each changed stretch of the command line, with the flag before it for context."""
-    old, new = redact_argv(old), redact_argv(new)
+    """Each changed stretch of the command line, with the flag before it for context. Compared
+    as it runs, shown redacted (a changed secret shows as `*** -> ***`)."""
+    old_shown, new_shown = redact_argv(old), redact_argv(new)  # one word for each word
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
         if tag == "equal":
             continue
         flag = old[i1 - 1] if i1 > 0 and old[i1 - 1].startswith("--") and tag != "insert" else ""
-        before, after = " ".join([flag, *old[i1:i2]]).strip(), " ".join([flag, *new[j1:j2]]).strip()
+        before = " ".join([flag, *old_shown[i1:i2]]).strip()
+        after = " ".join([flag, *new_shown[j1:j2]]).strip()
         if tag == "replace":
             yield f"argv: {before} -> {after}"
         elif tag == "delete":

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from dynamo_graph.graph.supervise import agent
 
@@ -64,3 +67,12 @@ def test_probe_answers_an_old_style_question() -> None:
     """A supervisor of the same major.minor that asks only paths, GPUs and ports still gets its answer."""
     found = _probe({"paths": ["/"], "gpus": False, "ports": []})
     assert found["missing"] == [] and found["models"] == {} and found["modules_missing"] == []
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU machine (nvidia-smi)")
+def test_nvidia_smi_and_nvml_count_the_same_gpus() -> None:
+    """On a GPU machine (the lead's H100): both counts preflight may use agree, and see a GPU."""
+    by_smi, note = agent.gpu_count()
+    by_nvml, nvml_note = agent._nvml_gpu_count()
+    assert note == "" and nvml_note == ""
+    assert by_smi == by_nvml >= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dynamo_graph.graph.diff import field_changes
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy
 from dynamo_graph.graph.supervise.changes import moved_hosts, plan_changes
 
@@ -68,3 +69,27 @@ def test_engine_args_count_by_content_and_moved_hosts_restart() -> None:
     moved = moved_hosts(old, new)
     assert moved == {"h1"}
     assert plan_changes({p.name: p for p in old.processes}, old.files, new, moved).changed == ["w-0", "r-0"]
+
+
+def test_field_changes_name_what_differs_and_hide_secrets() -> None:
+    old = _spec("w-0", argv=("--max-inflight", "8", "--api-key", "old-secret", "--static-worker"))
+    new = msgspec.structs.replace(
+        _spec("w-0", argv=("--max-inflight", "16", "--api-key", "new-secret", "--migration-limit", "2")),
+        env={"A": "2", "HF_TOKEN": "hf_secret", "NATS_SERVER": "nats://user:pw@h:4222"},
+        workdir="/elsewhere",
+    )
+    lines = field_changes(old, new, {}, {})
+    assert lines == [
+        "argv: --max-inflight 8 -> --max-inflight 16",
+        "argv: --api-key *** --static-worker -> --api-key *** --migration-limit 2",
+        "env A: 1 -> 2",
+        "env HF_TOKEN: + ***",
+        "env NATS_SERVER: + nats://***@h:4222",
+        "workdir: /w -> /elsewhere",
+    ]
+    assert not any("secret" in line for line in lines)
+    assert field_changes(old, msgspec.structs.replace(old, argv=old.argv[:-1]), {}, {}) == [
+        "argv: - --static-worker"
+    ]
+    grown = msgspec.structs.replace(old, argv=[*old.argv, "--migration-limit", "2"])
+    assert field_changes(old, grown, {}, {}) == ["argv: + --migration-limit 2"]
