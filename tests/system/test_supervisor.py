@@ -216,28 +216,40 @@ def test_foreground_up_stops_on_ctrl_c(make_graph: Callable[[str], Graph], tmp_p
     assert_all_gone(pids, graph.ports())
 
 
-def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+def _broken_model(tmp_path: Path, tiny_model: Path) -> Path:
+    """A model folder preflight accepts (tokenizer and config) whose config.json does not parse:
+    the worker fails at start, which only a crash loop can tell."""
+    folder = tmp_path / "broken-model"
+    folder.mkdir()
+    shutil.copy(tiny_model / "tokenizer.json", folder)
+    (folder / "config.json").write_text("not json")
+    return folder
+
+
+def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path) -> None:
     graph = make_graph("echo.yaml")
     up = graph.up(
         "components.backend.replicas=1",
-        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        f"models.tiny-model.path={_broken_model(tmp_path, tiny_model)}",
         "+components.backend.restart.max_restarts=2",
         "+components.backend.restart.backoff_s=0.1",
     )
     assert up.returncode == 1, up.stdout + up.stderr
     assert "backend-0 failed" in up.stdout and "crash loop" in up.stdout
-    assert "no-such-model" in up.stdout  # the worker's own error, from its log
+    assert "broken-model/config.json: cannot read JSON" in up.stdout  # the worker's own error, from its log
     assert graph.processes()["backend-0"]["restarts"] == 2
     supervisor_log = (graph.state / "supervisor.log").read_text()
     assert "crash loop" in supervisor_log
 
 
-def test_failed_dependency_fails_its_dependents(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+def test_failed_dependency_fails_its_dependents(
+    make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path
+) -> None:
     """A frontend waiting on a worker that gave up is marked failed, not left `starting`."""
     graph = make_graph("echo.yaml")
     up = graph.up(
         "components.backend.replicas=1",
-        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        f"models.tiny-model.path={_broken_model(tmp_path, tiny_model)}",
         "+components.backend.restart.max_restarts=1",
         "+components.backend.restart.backoff_s=0.1",
         "+components.frontend.depends_on=[backend]",
