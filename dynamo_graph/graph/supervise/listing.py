@@ -70,7 +70,7 @@ def ls(console: Console, as_json: bool) -> int:
         return 0
     table = Table(title_justify="left")
     for column in ("graph", "state", "processes", "frontend", "file"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # whole URLs and paths, wrapped, never cut
     for row in rows:
         table.add_row(
             row.graph,
