@@ -104,16 +104,20 @@ def print_diff(built: Built, console: Console) -> int:
             f"graph {new.graph} is not running: `up` would start all {len(new.processes)} processes"
         )
     old = {p.name: p for p in running.processes} if running else {}
+    old_files = running.files if running else {}
+    specs = {p.name: p for p in new.processes}
+    moved = moved_hosts(running, new)
     for line in changes.lines():
         console.print(Text(line, style=_STYLE[line[0]]), highlight=False)
         name = line[2:].split(" ")[0]
-        if name in changes.changed:
-            for field in field_changes(
-                old[name], _spec(new, name), running.files if running else {}, new.files
-            ):
-                console.print(f"    {field}", highlight=False, markup=False)
-            if _spec(new, name).host in moved_hosts(running, new):
-                console.print(f"    host {_spec(new, name).host}: reached differently", highlight=False)
+        if name not in changes.changed:
+            continue
+        for field in field_changes(old[name], specs[name], old_files, new.files):
+            console.print(f"    {field}", highlight=False, markup=False)
+        if specs[name].host in moved:
+            console.print(
+                f"    host {specs[name].host}: reached differently (ssh or python)", highlight=False
+            )
     for line in replica_changes(running, new):
         console.print(line, highlight=False)
     if not changes.lines():
@@ -122,7 +126,3 @@ def print_diff(built: Built, console: Console) -> int:
     counts = (len(changes.added), len(changes.restarted), len(changes.removed))
     console.print("{} to start, {} to restart, {} to stop".format(*counts), highlight=False)
     return 1
-
-
-def _spec(plan: Plan, name: str) -> ProcessSpec:
-    return next(p for p in plan.processes if p.name == name)
