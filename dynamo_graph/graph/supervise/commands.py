@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.supervise import control, probes
+from dynamo_graph.graph.supervise import control, probes, registry
 from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
 from dynamo_graph.graph.supervise.logs import LogFollower, interleaved, tail_lines
@@ -358,7 +358,7 @@ def down(state: StateDir, console: Console) -> int:
         sup = state.supervisor()
         live = [r for r in records if record_alive(r)]
         if sup is None and not live:
-            state.clear_runtime_files()
+            _forget_supervisor(state)
             console.print(f"graph in {state.root} is not running")
             return 0
         grace = _grace(plan)
@@ -373,7 +373,7 @@ def down(state: StateDir, console: Console) -> int:
                 kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
         remote, unchecked = _stop_remote(state, plan, grace)
         leftovers = _stop_leftovers(records, grace) + remote
-        state.clear_runtime_files()
+        _forget_supervisor(state)
         ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
     for why in unchecked:
         console.print(f"[bold red]error:[/] cannot check what is left of the graph on {why}", highlight=False)
@@ -389,6 +389,12 @@ def down(state: StateDir, console: Console) -> int:
     return 0
 
 
+def _forget_supervisor(state: StateDir) -> None:
+    """Its pid and socket files, and its entry in `dyngraph ls` (left behind when it was killed)."""
+    state.clear_runtime_files()
+    registry.leave(state.root)
+
+
 def _grace(plan: Plan | None) -> float:
     return max((p.shutdown_grace_s for p in plan.processes), default=10.0) if plan else 10.0
 
@@ -402,7 +408,7 @@ def _reap_orphans(state: StateDir) -> list[str]:
     remote, _ = _stop_remote(state, plan, _grace(plan))
     leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + remote
     if not leftovers:
-        state.clear_runtime_files()
+        _forget_supervisor(state)
     return leftovers
 
 
