@@ -260,8 +260,22 @@ Overrides = Annotated[
 
 
 @app.command("validate", help="Check a graph file: exit 0, or 2 with every problem (file:line, key path).")
-def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+def validate_command(
+    graph_file: GraphFile,
+    overrides: Overrides = None,
+    preflight: Annotated[
+        bool,
+        typer.Option(
+            "--preflight", help="also check its hosts as `up` does: models, engines, env, GPUs, ports"
+        ),
+    ] = False,
+) -> None:
     built = _build_or_exit(graph_file, overrides)
+    if preflight:
+        from dynamo_graph.graph.supervise import commands
+
+        with _graph_problems(graph_file):  # ports a running graph holds are its own
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
     procs = len(built.plan.processes)
     err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
 
@@ -319,10 +333,19 @@ def up_command(
     graph_file: GraphFile,
     overrides: Overrides = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="preflight, then print what would change (as `diff`); start nothing"),
+    ] = False,
 ) -> None:
     from dynamo_graph.graph.supervise import commands
 
     out = Console(soft_wrap=True)
+    if dry_run:
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
+        raise typer.Exit(_print_diff(built, out))
     if not detach:
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):  # preflight on the graph's hosts
@@ -334,6 +357,29 @@ def up_command(
     raise typer.Exit(code)
 
 
+def _print_diff(built: Built, out: Console) -> int:
+    from dynamo_graph.graph.diff import print_diff
+
+    return print_diff(built, out)
+
+
+@app.command(
+    "diff", help="What `up` would change in the running graph, per process (+ ~ -); exit 1 if anything."
+)
+def diff_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+    built = _build_or_exit(graph_file, overrides)
+    raise typer.Exit(_print_diff(built, Console(soft_wrap=True)))
+
+
+@app.command("ls", help="List the graphs running on this machine, with their state and frontends.")
+def ls_command(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON, for scripts")] = False,
+) -> None:
+    from dynamo_graph.graph.supervise.listing import ls
+
+    raise typer.Exit(ls(Console(soft_wrap=True), as_json))
+
+
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
 def status_command(graph_file: GraphFile) -> None:
     from dynamo_graph.graph.supervise import commands
@@ -341,7 +387,7 @@ def status_command(graph_file: GraphFile) -> None:
     raise typer.Exit(commands.status(_state_of(graph_file), Console(soft_wrap=True)))
 
 
-@app.command("logs", help="Print a graph's process logs, prefixed; -f follows.")
+@app.command("logs", help="Print a graph's process logs, prefixed and interleaved by time; -f follows.")
 def logs_command(
     graph_file: GraphFile,
     process: Annotated[str | None, typer.Argument(help="a component or process name")] = None,

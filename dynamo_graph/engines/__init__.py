@@ -115,8 +115,15 @@ FILE_ENGINES: dict[str, EngineSpec] = {
 PLANNED_ENGINES: tuple[str, ...] = ()
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
-# The package each of those needs, to tell "installed" without importing it.
-ENGINE_PACKAGES = {"mistralrs": "mistralrs", "llamacpp": "llama_cpp", "vllm": "vllm"}
+# The package each engine needs (its dyngraph extra has the engine's name), to tell "installed"
+# without importing it; `dyngraph up`'s preflight asks the worker's interpreter.
+ENGINE_PACKAGES = {
+    "mistralrs": "mistralrs",
+    "llamacpp": "llama_cpp",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "trtllm": "tensorrt_llm",
+}
 
 
 class UnknownEngineError(RunConfigError):

@@ -51,6 +51,12 @@ def _resolve_path(path: str, graph_dir: Path) -> str:
     return path if local is None else str(local)
 
 
+def _file_path(path: str, graph_dir: Path) -> str:
+    """A file the graph names that can only be local (engine args, a Python engine), relative to
+    the graph file: never a hub id, even when it does not exist (yet)."""
+    return str((graph_dir / Path(path).expanduser()).resolve())
+
+
 class _Compiler:
     def __init__(self, graph: Graph, graph_file: Path, state_dir: Path) -> None:
         self.graph = graph
@@ -246,6 +252,16 @@ class _Compiler:
             )
         return hosts
 
+    def local_python(self) -> str | None:
+        """`hosts.local.venv`'s python or `hosts.local.python` (a path relative to the graph file,
+        or a name looked up on PATH); None when neither is given."""
+        local = self.graph.host(LOCAL)
+        if local.venv:
+            return str(Path(_file_path(local.venv, self.graph_dir)) / "bin" / "python")
+        if local.python and "/" in local.python:
+            return _file_path(local.python, self.graph_dir)
+        return local.python
+
     def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
         out = "auto"
         endpoints = {
@@ -323,7 +339,7 @@ class _Compiler:
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
         if worker.engine_args_file is not None:
-            return _resolve_path(worker.engine_args_file, self.graph_dir)
+            return _file_path(worker.engine_args_file, self.graph_dir)
         if worker.engine_args is None:
             return None
         path = str(self.state_dir / "engine-args" / f"{name}.json")
@@ -370,9 +386,7 @@ class _Compiler:
 
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
-        engine = (
-            _resolve_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
-        )
+        engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
         argv = [
             "dyngraph",
             "run",
@@ -470,6 +484,7 @@ class _Compiler:
             files=dict(sorted(self.files.items())),
             processes=processes,
             hosts=self.remote_hosts(),
+            local_python=self.local_python(),
         )
 
 

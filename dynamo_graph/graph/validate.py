@@ -178,6 +178,17 @@ def _without_tags(loc: list[str | int], data: Any) -> list[str | int]:
     return out
 
 
+def schema_knows(path: str) -> bool:
+    """Whether the graph schema has the dotted key `path` (names of models, components and hosts
+    are free, and a component's keys are those of any kind)."""
+    node: Any = Graph
+    for part in path.split("."):
+        node = _step(node, int(part) if part.isdigit() else part)
+        if node is None:
+            return False
+    return True
+
+
 def _fields_at(loc: list[str | int]) -> list[str]:
     """Field names of the model at a pydantic error path, for did-you-mean on unknown keys."""
     node: Any = Graph

@@ -4,7 +4,8 @@ ssh, with the host's own python (`python -m dynamo_graph.graph.supervise.agent C
     run     start one process of the plan and watch over it (see below)
     attach  hand this ssh channel to the `run` agent of a process whose channel was lost
     scan    list (and with --kill, stop) the processes of a graph on this host
-    probe   what preflight needs to know: versions, paths, GPUs, ports taken
+    probe   what preflight needs to know: versions, paths, model files, engine packages, env,
+            GPUs, ports taken
     ports   N free ports on this host (for `auto` ports of processes that run here)
 
 `run` and `attach`, the watchdog that keeps a remote process from running unsupervised and lets
@@ -16,7 +17,9 @@ graph carries `DYNGRAPH_PROC=<graph id>/<name>` in its environment, which `scan`
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
+import importlib.util
 import json
 import os
 import shlex
@@ -111,9 +114,11 @@ def scan(prefix: str, kill_grace: float | None) -> int:
 
 
 def gpu_count() -> tuple[int, str]:
+    """NVIDIA GPUs on this host, and why there are none when none are found: `nvidia-smi -L`,
+    else NVML (libnvidia-ml, which the driver installs even where nvidia-smi is not on PATH)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0, "nvidia-smi not found"
+        return _nvml_gpu_count()
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -121,6 +126,21 @@ def gpu_count() -> tuple[int, str]:
     if out.returncode != 0:
         return 0, f"nvidia-smi failed: {(out.stderr or out.stdout).strip()[:200]}"
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")), ""
+
+
+def _nvml_gpu_count() -> tuple[int, str]:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0, "no NVIDIA GPU found: nvidia-smi is not on PATH and the NVML library is not installed"
+    if (code := nvml.nvmlInit_v2()) != 0:
+        return 0, f"NVML could not start (error {code}): is the NVIDIA driver loaded?"
+    count = ctypes.c_uint(0)
+    try:
+        code = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    finally:
+        nvml.nvmlShutdown()
+    return (count.value, "") if code == 0 else (0, f"NVML could not count GPUs (error {code})")
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -135,23 +155,63 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def probe() -> int:
-    """Reads `{"paths": [...], "gpus": bool, "ports": [[host, port], ...]}`; prints what it found."""
-    ask: dict[str, Any] = json.loads(sys.stdin.readline())
-    gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
-    print(
-        json.dumps(
-            {
-                "version": dynamo_graph.__version__,
-                "python": ".".join(map(str, sys.version_info[:3])),
-                "executable": sys.executable,
-                "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
-                "gpus": gpus,
-                "gpu_note": gpu_note,
-                "taken": [[h, p] for h, p in ask.get("ports", []) if port_taken(h, p)],
-            }
+TOKENIZER_FILES = ("tokenizer.json",)
+"""What the pre/post-processor loads a model's tokenizer from (llm/model_source.py), unless the
+model is a GGUF, which embeds its own."""
+
+
+def model_problem(path: str, config: str | None, gguf: bool) -> str | None:
+    """Why a worker could not load the model at `path` (with `--model-config` folder `config`), or
+    None. `gguf`: the engine (llama.cpp) needs a .gguf file, or a folder with one."""
+    model = Path(path).expanduser()
+    if not model.exists():
+        return "does not exist"
+    if model.is_file():
+        return (
+            None
+            if model.suffix.lower() == ".gguf"
+            else "is a file but not a .gguf (give an HF model's folder)"
         )
-    )
+    if gguf:
+        return None if any(model.glob("*.gguf")) else "holds no .gguf file, which llama.cpp needs"
+    folders = [model, *([Path(config).expanduser()] if config else [])]
+    lacks = []
+    if not any((f / name).is_file() for f in folders for name in TOKENIZER_FILES):
+        lacks.append(" or ".join(TOKENIZER_FILES))
+    if not (model / "config.json").is_file():
+        lacks.append("config.json")
+    return f"is not a Hugging Face model folder: it has no {' and no '.join(lacks)}" if lacks else None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
+
+
+def answer(ask: dict[str, Any]) -> dict[str, Any]:
+    """What preflight asked about this host (see `probe`), found by this interpreter."""
+    gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
+    models = {p: why for p, config, gguf in ask.get("models", []) if (why := model_problem(p, config, gguf))}
+    return {
+        "version": dynamo_graph.__version__,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+        "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
+        "models": models,
+        "modules_missing": [m for m in ask.get("modules", []) if not _importable(m)],
+        "env_unset": [n for n in ask.get("env", []) if not os.environ.get(n, "").strip()],
+        "gpus": gpus,
+        "gpu_note": gpu_note,
+        "taken": [[h, p] for h, p in ask.get("ports", []) if port_taken(h, p)],
+    }
+
+
+def probe() -> int:
+    """Reads `{"paths": [...], "models": [[path, config, gguf], ...], "modules": [...], "env": [...],
+    "gpus": bool, "ports": [[host, port], ...]}` (each optional); prints what it found."""
+    print(json.dumps(answer(json.loads(sys.stdin.readline()))))
     return 0
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.supervise import control
+from dynamo_graph.graph.supervise import control, registry
 from dynamo_graph.graph.supervise.state import StateDir
 from dynamo_graph.graph.supervise.supervisor import Report, Supervisor
 
@@ -42,6 +42,7 @@ async def supervise(
     for name in FRESH_DIRS:
         shutil.rmtree(state.root / name, ignore_errors=True)
     state.write_pid(os.getpid())
+    registry.enter(state.root)  # `dyngraph ls` lists it
     sup = Supervisor(state, report)
     shutdown = asyncio.Event()
 
@@ -74,6 +75,7 @@ async def supervise(
             with contextlib.suppress(asyncio.CancelledError):
                 await extra
         state.clear_runtime_files()
+        registry.leave(state.root)
         report("dyngraph", "stopped")
 
 
