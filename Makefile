@@ -7,12 +7,12 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm
+.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,mistralrs]'
+	$(BIN)/pip install -q -e '.[test,mistralrs,plot]'
 	touch $@
 
 setup: $(BIN)/dyngraph
@@ -53,6 +53,14 @@ test: setup llamacpp services
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
+# The CI smoke graphs as a user's CI runs them: `dyngraph test` brings each up isolated, runs the
+# checks in its `tests:` section, tears it down, and writes a JUnit report (echo-etcd-nats needs
+# etcd and nats-server).
+SMOKE_JUNIT ?= .cache/reports/smoke-junit.xml
+
+smoke: setup services $(MODEL_DIR)/tokenizer.json
+	$(BIN)/dyngraph test graphs/ci/*.yaml --junit $(SMOKE_JUNIT)
+
 test-all: setup
 	$(BIN)/pytest -q -m ''
 
@@ -89,4 +97,5 @@ vllm:
 test-vllm: vllm $(MODEL_DIR)/tokenizer.json
 	DYNGRAPH_TINY_MODEL=$(MODEL_DIR) VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/pytest -q -m vllm \
 	  tests/integration/test_vllm_engine.py tests/integration/test_vllm_lora_logprobs.py \
+	  tests/integration/test_vllm_embeddings.py \
 	  tests/system/test_vllm_kv_routing.py tests/system/test_vllm_disagg.py

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,8 +50,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routing import TurnResult, build_request, free_port, stop, stream_turn, vocab_range
-from loadgen import percentile, write_result
+from bench_routing import completion_body, free_port, stop
+
+from dynamo_graph.bench.loadgen import Request, Run, Target, run_open
+from dynamo_graph.bench.report import write_json
+from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
+from dynamo_graph.bench.workload import vocab_range
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,32 +176,14 @@ def workload(args: argparse.Namespace, vocab: tuple[int, int]) -> list[tuple[flo
         out.append((t, [rng.randrange(*vocab) for _ in range(n)]))
 
 
-async def run_load(
-    port: int, model: str, plan: list[tuple[float, list[int]]], max_tokens: int
-) -> tuple[list[TurnResult], float]:
-    results: list[TurnResult] = []
-
-    async def one(index: int, at: float, prompt: list[int]) -> None:
-        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        result = TurnResult(index, 0, ok=False)
-        try:
-            await asyncio.wait_for(
-                stream_turn(reader, writer, build_request(port, model, prompt, max_tokens), result), 120
-            )
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as err:
-            result.error = result.error or f"{type(err).__name__}: {err}"
-        finally:
-            writer.close()
-        results.append(result)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(i, at, p) for i, (at, p) in enumerate(plan)))
-    return results, time.perf_counter() - start
+def run_load(port: int, model: str, plan: list[tuple[float, list[int]]], max_tokens: int) -> Run:
+    """The plan's requests at their arrival times (open loop), each on its own connection."""
+    target = Target("127.0.0.1", port, "/v1/completions", keep_alive=False)
+    requests = [Request(completion_body(model, prompt, max_tokens), at) for at, prompt in plan]
+    return asyncio.run(run_open(target, requests, max_seconds=float("inf"), request_timeout_s=120.0))
 
 
-def summarize(results: list[TurnResult], wall: float) -> dict:
+def summarize(results: list[Result], wall: float) -> dict:
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.gaps]
     ms = 1000.0
@@ -212,7 +198,7 @@ def summarize(results: list[TurnResult], wall: float) -> dict:
         "itl_p99_ms": round(percentile(gaps, 99) * ms, 2),
         "itl_p999_ms": round(percentile(gaps, 99.9) * ms, 2),
         "itl_max_ms": round(max(gaps, default=0.0) * ms, 2),
-        "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall, 1) if wall else 0.0,
+        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
         "latency_p50_ms": round(percentile([r.total for r in ok], 50) * ms, 2),
     }
 
@@ -221,9 +207,9 @@ def run_deployment(args: argparse.Namespace, name: str, prefill: int, run_dir: P
     dep = Deployment(args, name, prefill, run_dir)
     try:
         warm = [(0.05 * i, p) for i, (_, p) in enumerate(plan[: args.workers])]
-        asyncio.run(run_load(dep.port, dep.model, warm, 4))  # imports, connections; not measured
-        results, wall = asyncio.run(run_load(dep.port, dep.model, plan, args.max_tokens))
-        return {**summarize(results, wall), "metrics": dep.metrics()}
+        run_load(dep.port, dep.model, warm, 4)  # imports, connections; not measured
+        run = run_load(dep.port, dep.model, plan, args.max_tokens)
+        return {**summarize(run.results, run.wall_s), "metrics": dep.metrics()}
     finally:
         dep.close()
 
@@ -302,7 +288,7 @@ def main() -> None:
         "points": points,
         "disagg_over_agg": ratios,
     }
-    write_result(args.out, result)
+    print(f"wrote {write_json(Path(args.out), result)}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ from pathlib import Path
 
 import httpx
 
+from dynamo_graph.bench.loadgen import Request, Target, run_closed
+from dynamo_graph.bench.stats import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "Once upon a time, in a land far away, there lived",
@@ -160,69 +163,39 @@ class Server:
         self._log.close()
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, extra: dict[str, object]) -> tuple[float, int]:
-    body = {
+def body(prompt: str, extra: dict[str, object]) -> dict:
+    return {
         "model": "tiny",
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},  # tokens from usage: a chunk may hold several
+        **extra,
     }
-    body.update(extra)
-    start = time.perf_counter()
-    ttft, usage_tokens, text_chunks = None, None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("choices") and data["choices"][0].get("text"):
-                text_chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-            if data.get("usage"):
-                usage_tokens = data["usage"]["completion_tokens"]
-    # llama_cpp.server sends no usage when streaming; it streams one token per chunk.
-    tokens = usage_tokens if usage_tokens is not None else text_chunks
-    return (ttft if ttft is not None else time.perf_counter() - start), tokens
 
 
-async def load(url: str, concurrency: int, requests: int, max_s: float, extra: dict[str, object]) -> dict:
-    ttfts: list[float] = []
-    tokens = 0
-    done = failed = 0
-    deadline = time.monotonic() + max_s
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        await one_request(client, PROMPTS[0], extra)  # warm-up
-        start = time.perf_counter()
-
-        async def user(i: int) -> None:
-            nonlocal tokens, done, failed
-            while done < requests and time.monotonic() < deadline:
-                done += 1
-                try:
-                    ttft, n = await one_request(client, PROMPTS[(i + done) % len(PROMPTS)], extra)
-                except httpx.HTTPError:  # counted: a server that breaks under load shows it
-                    failed += 1
-                    continue
-                ttfts.append(ttft)
-                tokens += n
-
-        await asyncio.gather(*(user(i) for i in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    ttfts.sort()
-    if not ttfts:
+def load(url: str, concurrency: int, requests: int, max_s: float, extra: dict[str, object]) -> dict:
+    """A closed loop of `concurrency` users over the prompts, after one unmeasured request.
+    llama_cpp.server sends no usage when streaming: its tokens are its chunks (one token each)."""
+    target = Target("127.0.0.1", int(url.rsplit(":", 1)[1]), "/v1/completions")
+    asyncio.run(run_closed(target, [Request(body(PROMPTS[0], extra))], concurrency=1, max_seconds=max_s))
+    batch = [Request(body(PROMPTS[i % len(PROMPTS)], extra)) for i in range(requests)]
+    run = asyncio.run(run_closed(target, batch, concurrency=concurrency, max_seconds=max_s))
+    ok = [r for r in run.results if r.ok]
+    elapsed = run.wall_s
+    failed = len(run.results) - len(ok)  # counted: a server that breaks under load shows it
+    if not ok:
         return {"requests": 0, "failed": failed, "seconds": round(elapsed, 3), "tokens_per_s": 0.0}
+    ttfts = [r.ttft for r in ok]
     return {
-        "requests": len(ttfts),
+        "requests": len(ok),
         "failed": failed,
         "seconds": round(elapsed, 3),
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "requests_per_s": round(len(ttfts) / elapsed, 2),
-        "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 2),
-        "ttft_ms_p99": round(1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 2),
+        "tokens_per_s": round(sum(r.output_tokens for r in ok) / elapsed, 1),
+        "requests_per_s": round(len(ok) / elapsed, 2),
+        "ttft_ms_p50": round(1000 * percentile(ttfts, 50), 2),
+        "ttft_ms_p99": round(1000 * percentile(ttfts, 99), 2),
     }
 
 
@@ -234,7 +207,7 @@ def bench_engine(bench: EngineBench, model: Path, args: argparse.Namespace, logs
             ready = server.wait_ready(bench.ready_timeout_s)
             runs = {}
             for c in args.concurrency:
-                runs[str(c)] = asyncio.run(load(server.url, c, args.requests, args.max_seconds, bench.body))
+                runs[str(c)] = load(server.url, c, args.requests, args.max_seconds, bench.body)
                 print(f"{bench.name:9} {side:9} c={c:<3} {runs[str(c)]}", flush=True)
             out["servers"][side] = {"ready_s": round(ready, 1), "runs": runs}
         finally:

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import percentile, run_load, write_result
+from dynamo_graph.bench.loadgen import Request, Target, run_closed
+from dynamo_graph.bench.report import write_json
+from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -110,19 +112,12 @@ def measure(
 ) -> dict:
     """One load point. CPU is read for the server `pid` and any `extra_pids` (e.g. workers)."""
 
-    def load(n: int, seconds: float) -> tuple[list, float]:
-        return asyncio.run(
-            run_load(
-                "127.0.0.1",
-                port,
-                path,
-                body,
-                concurrency=concurrency,
-                requests=n,
-                keep_alive=keep_alive,
-                max_seconds=seconds,
-            )
-        )
+    target = Target("127.0.0.1", port, path, keep_alive=keep_alive)
+
+    def load(n: int, seconds: float) -> tuple[list[Result], float]:
+        same = [Request(body)] * n
+        run = asyncio.run(run_closed(target, same, concurrency=concurrency, max_seconds=seconds))
+        return run.results, run.wall_s
 
     load(min(requests, 4 * concurrency), 10)  # warm-up (connections, caches), not counted
     pids = {"server": pid, **(extra_pids or {})}
@@ -136,7 +131,7 @@ def measure(
         "keep_alive": keep_alive,
         "requests": len(results),
         "ok": len(ok),
-        "events_per_request": round(sum(r.events for r in ok) / max(len(ok), 1), 1),
+        "events_per_request": round(sum(r.tokens for r in ok) / max(len(ok), 1), 1),
         "rps": round(len(ok) / wall, 1),
         "ttft_p50_ms": round(percentile([r.ttft for r in ok], 50) * 1000, 2),
         "ttft_p99_ms": round(percentile([r.ttft for r in ok], 99) * 1000, 2),
@@ -198,7 +193,7 @@ def compare_apis(args: argparse.Namespace, argv: list[str], port: int) -> int:
         "summary": summary,
         "rows": rows,
     }
-    write_result(args.out, result)
+    print(f"wrote {write_json(Path(args.out), result)}")
     return 0
 
 
@@ -308,7 +303,7 @@ def main() -> int:
         "rows": rows,
         "ratios_to_floor": ratios,
     }
-    write_result(args.out, result)
+    print(f"wrote {write_json(Path(args.out), result)}")
     return 0
 
 

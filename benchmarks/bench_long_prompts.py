@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_frontend import STREAM_BODY, free_port, measure, start
-from loadgen import write_result
+
+from dynamo_graph.bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -94,8 +95,8 @@ def main() -> int:
     by = {(r["workload"], r["tokenize"]): r["server_cpu_ms_per_request"] for r in rows}
     ratios = {w: round(by[(w, "whole")] / by[(w, "segments")], 2) for w in ("long_prefix", "short")}
     print("whole/segments server CPU per request: " + ", ".join(f"{w} {v}x" for w, v in ratios.items()))
-    write_result(
-        args.out,
+    path = write_json(
+        Path(args.out),
         {
             "benchmark": "long_prompts",
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -104,6 +105,7 @@ def main() -> int:
             "whole_over_segments_cpu": ratios,
         },
     )
+    print(f"wrote {path}")
     return 0
 
 

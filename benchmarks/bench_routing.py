@@ -87,15 +87,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import msgspec
+
+from dynamo_graph.bench.loadgen import Connections, Target, encode_request, send
+from dynamo_graph.bench.report import write_json
+from dynamo_graph.bench.stats import percentile
+from dynamo_graph.bench.stream import Result
+from dynamo_graph.bench.workload import vocab_range
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import percentile, write_result  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 ENDPOINT = "dyn://bench.mocker.generate"
@@ -108,17 +111,6 @@ MODES = {
 
 
 # ---- the workload ----------------------------------------------------------------------------
-
-
-def vocab_range(model: Path) -> tuple[int, int]:
-    """[low, high): the model's ordinary token ids (above its added/special tokens)."""
-    tok = json.loads((model / "tokenizer.json").read_text())
-    size = len(tok["model"]["vocab"])
-    config = model / "config.json"
-    if config.exists():
-        size = min(size, json.loads(config.read_text()).get("vocab_size", size))
-    special = [t["id"] for t in tok.get("added_tokens", []) if t["id"] < size]
-    return (max(special) + 1 if special else 0), size
 
 
 @dataclass
@@ -164,25 +156,16 @@ def make_conversations(
 
 
 @dataclass
-class TurnResult:
-    conv: int
-    turn: int
-    ok: bool
-    error: str = ""
-    ttft: float = 0.0
-    total: float = 0.0
-    tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+class TurnResult(Result):
+    """What the client saw of one turn (dyngraph bench's per-request result), and which turn."""
+
+    conv: int = 0
+    turn: int = 0
 
 
-_decode = msgspec.json.Decoder().decode
-
-
-def build_request(port: int, model: str, prompt: list[int], max_tokens: int) -> bytes:
-    body = {
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    """A streamed /v1/completions request of token ids, usage in the last chunk."""
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -190,104 +173,34 @@ def build_request(port: int, model: str, prompt: list[int], max_tokens: int) -> 
         "stream_options": {"include_usage": True},
         "nvext": {"ignore_eos": True},
     }
-    payload = msgspec.json.encode(body)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n"
-    )
-    return head.encode() + payload
-
-
-async def stream_turn(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, result: TurnResult
-) -> None:
-    """Send one request on a kept-alive connection and read its SSE stream (chunked body)."""
-    start = time.perf_counter()
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = head.split(b" ", 2)[1]
-    headers = head.lower()
-    if b"transfer-encoding: chunked" not in headers:
-        length = 0
-        for line in headers.split(b"\r\n"):
-            if line.startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        body = await reader.readexactly(length)
-        result.error = f"HTTP {status.decode()}: {body[:200].decode(errors='replace')}"
-        return
-    if status != b"200":
-        result.error = f"HTTP {status.decode()}"
-    buf = b""
-    last = None
-    while True:
-        size = int((await reader.readline()).split(b";", 1)[0], 16)
-        if size == 0:
-            await reader.readline()
-            break
-        buf += (await reader.readexactly(size + 2))[:-2]
-        now = time.perf_counter()
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue
-            data = event[6:]
-            if data == b"[DONE]":
-                continue
-            chunk = _decode(data)
-            if "error" in chunk:
-                result.error = str(chunk["error"])[:200]
-            choices = chunk.get("choices")
-            if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.gaps.append(now - last)
-                last = now
-                result.tokens += 1
-            usage = chunk.get("usage")
-            if usage:
-                result.prompt_tokens = usage.get("prompt_tokens", 0)
-                result.completion_tokens = usage.get("completion_tokens", 0)
-                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    result.total = time.perf_counter() - start
-    result.ok = not result.error and result.tokens > 0
 
 
 async def run_point(
     port: int, model: str, convs: list[Conversation], concurrency: int, max_seconds: float
 ) -> tuple[list[TurnResult], float]:
     """`concurrency` conversations at once, each one's turns in order; no new turn after the deadline."""
+    target = Target("127.0.0.1", port, "/v1/completions")
     requests = {
-        (c.index, t): build_request(port, model, prompt, c.max_tokens[t])
+        (c.index, t): encode_request(target, completion_body(model, prompt, c.max_tokens[t]))
         for c in convs
         for t, prompt in enumerate(c.prompts)
     }
     queue = list(reversed(convs))
     results: list[TurnResult] = []
+    start = time.perf_counter()
     deadline = time.monotonic() + max_seconds
 
     async def slot() -> None:
-        conn = None
+        conns = Connections(target)  # one kept-alive connection per slot
         while queue and time.monotonic() < deadline:
             conv = queue.pop()
             for turn in range(len(conv.prompts)):
                 if time.monotonic() >= deadline:
                     break
-                if conn is None:
-                    conn = await asyncio.open_connection("127.0.0.1", port)
-                    conn[1].get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                result = TurnResult(conv.index, turn, ok=False)
-                try:
-                    await asyncio.wait_for(stream_turn(*conn, requests[(conv.index, turn)], result), 60)
-                except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as err:
-                    result.error = result.error or f"{type(err).__name__}: {err}"
-                    conn[1].close()
-                    conn = None
-                results.append(result)
-        if conn is not None:
-            conn[1].close()
+                result = TurnResult(len(results), conv=conv.index, turn=turn)
+                results.append(await send(conns, requests[(conv.index, turn)], result, start, 60.0))
+        conns.close()
 
-    start = time.perf_counter()
     await asyncio.gather(*(slot() for _ in range(concurrency)))
     return results, time.perf_counter() - start
 
@@ -326,7 +239,7 @@ def summarize(results: list[TurnResult], wall: float) -> dict:
         "ttft_miss_p50_ms": ttft(misses, 50),
         "itl_p50_ms": round(percentile(gaps, 50) * ms, 2),
         "itl_p90_ms": round(percentile(gaps, 90) * ms, 2),
-        "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall, 1) if wall else 0.0,
+        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cache_hit_rate": round(cached / prompt, 3) if prompt else 0.0,
@@ -738,7 +651,7 @@ def main() -> int:
         "ratios": ratio_rows,
         "router_overhead": overhead,
     }
-    write_result(args.out, result)
+    print(f"wrote {write_json(Path(args.out), result)}")
     return 0
 
 

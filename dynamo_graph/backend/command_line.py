@@ -57,6 +57,7 @@ RUN_FLAGS = {  # boolean flags
     "--is-decode-worker": "is_decode_worker",
     "--router-conditional-disagg": "router_conditional_disagg",
     "--enforce-disagg": "enforce_disagg",
+    "--embedding": "embedding",
 }
 RUN_DEFAULTS: dict[str, Any] = {
     "model_path": None,
@@ -91,6 +92,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "router_conditional_disagg": False,
     "max_local_prefill_length": 512,
     "enforce_disagg": False,
+    "embedding": False,
     "dyn_tool_call_parser": None,
     "dyn_reasoning_parser": None,
     "lora_modules": None,

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from dynamo_graph.backend.embedding import EmbeddingEngine
 from dynamo_graph.backend.engine import (
     WIRE_FINISH_REASONS,
     EngineConfig,
@@ -33,7 +34,14 @@ from dynamo_graph.backend.engine import (
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvFetcher, KvFetchError, KvStore
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, CompletionRequest
-from dynamo_graph.llm.protocol import KvImportReport, KvTransferParams, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.protocol import (
+    EmbeddingOutput,
+    KvImportReport,
+    KvTransferParams,
+    LLMEngineOutput,
+    PreprocessedEmbeddingRequest,
+    PreprocessedRequest,
+)
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.names import EndpointName
 
@@ -236,6 +244,29 @@ def prefill_handler(
     return generate
 
 
+def embedding_handler(
+    engine: EmbeddingEngine, closing: Closing | None = None, cap: InflightCap | None = None
+):
+    """An embedding worker's handler: one `EmbeddingOutput` frame per request, under the same
+    in-flight cap, cancellation and shutdown rules as generation."""
+    watch = _watches_cancellation(engine)
+    closing = closing or Closing()
+    cap = cap or InflightCap()
+
+    async def embed(
+        request: PreprocessedEmbeddingRequest, context: Context
+    ) -> AsyncIterator[EmbeddingOutput]:
+        async with _in_flight(engine, context, cap, watch):
+            out = await engine.embed(request, context)
+            if closing.ended:
+                raise EngineShutdown(_SHUTDOWN_MESSAGE)
+            if out.error is not None:
+                raise EngineError(out.error)
+            yield out
+
+    return embed
+
+
 def _openai_request(raw: Any) -> AnyRequest:
     try:
         if isinstance(raw, dict) and "messages" in raw:
@@ -300,6 +331,15 @@ async def run_health_check(
 ) -> None:
     """Send the health-check request through the engine; raise EngineError unless it completes."""
     request: PreprocessedRequest | AnyRequest
+    if isinstance(engine, EmbeddingEngine):
+        try:
+            async with asyncio.timeout(timeout_s):
+                await engine.embed(
+                    msgspec.convert(payload, PreprocessedEmbeddingRequest), Context("health-check")
+                )
+        except TimeoutError:
+            raise EngineError(f"health check did not complete within {timeout_s:.0f}s") from None
+        return
     if config.model_input == "tokens":
         request = msgspec.convert(payload, PreprocessedRequest)
     else:

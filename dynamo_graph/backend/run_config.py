@@ -71,6 +71,8 @@ class RunConfig:
     # prefills locally when none did). --is-prefill-worker / --is-decode-worker: old spellings.
     disaggregation_mode: str = "agg"
     is_prefill_worker: bool = False
+    # The engine's embedding mode: a worker of model type "embedding" (EngineSettings.embedding).
+    embedding: bool = False
     is_decode_worker: bool = False
     # A frontend's part: prompts with fewer uncached tokens than max_local_prefill_length are
     # prefilled on the decode worker (with router_conditional_disagg); enforce_disagg forbids

@@ -42,6 +42,9 @@ class EngineSettings:
     # LoRA adapters declared on the command line (`--lora-modules NAME=PATH,...`; backend/lora.py):
     # engines that must be told at start (vLLM's enable_lora) see them here.
     lora_modules: str | None = None
+    # Serve the model's embeddings (`/v1/embeddings`) instead of generating: the engine's
+    # embedding mode (EngineSpec.embedding_target), published as model type "embedding".
+    embedding: bool = False
     # dynamo-run hands python engine files its --http-port among their arguments.
     http_port: int = 8080
     # Arguments after `--` on the command line, for the engine's own parser.

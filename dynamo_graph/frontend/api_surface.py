@@ -11,21 +11,18 @@ cancellation on disconnect apply unchanged; only decoding, error bodies and outp
 from __future__ import annotations
 
 import abc
-import asyncio
-import time
 from typing import Any, ClassVar, Protocol
 
 import msgspec
 
 from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import Admission, FrontendLimits
-from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
+from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import OVERLOADED, OpenAIHandler, Send, send_json
+from dynamo_graph.frontend.openai_asgi import OVERLOADED, OpenAIHandler
 from dynamo_graph.frontend.responses import StreamWriter
 from dynamo_graph.llm.openai import ChatCompletionRequest
-from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
-from dynamo_graph.runtime.context import Context
+from dynamo_graph.llm.pipeline import Prepared
 
 
 class ResponseWriter(StreamWriter, Protocol):
@@ -79,38 +76,4 @@ class SurfaceHandler(OpenAIHandler, abc.ABC):
     def writer(self, request: Any, prepared: Prepared) -> ResponseWriter:
         """Formats one response, streamed or whole."""
 
-    async def _unary(
-        self,
-        pipeline: ModelPipeline,
-        prepared: Prepared,
-        request: Any,
-        context: Context,
-        send: Send,
-        metrics: ModelMetrics,
-        start: float,
-        deadline: float | None,
-    ) -> bool:
-        """The stream, gathered by the surface's writer into one response."""
-        writer = self.writer(request, prepared)
-        first = True
-        finished = False
-        deltas = pipeline.stream(prepared, context)
-        try:
-            async with asyncio.timeout_at(deadline):
-                async for delta in deltas:
-                    if delta.visible():
-                        if first:
-                            metrics.ttft.observe(time.perf_counter() - start)
-                            first = False
-                        writer.delta(delta)
-                    if delta.finish_reason is not None:
-                        writer.finish(delta.finish_reason)
-                        finished = True
-        except Exception as err:
-            http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err))
-            return False
-        if not finished:  # cancelled by the client: nobody is listening
-            return False
-        await send_json(send, 200, writer.body())
-        return True
+    _unary = OpenAIHandler._gathered

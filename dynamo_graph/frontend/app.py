@@ -23,10 +23,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
+from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
 from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
@@ -147,11 +149,21 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     import msgspec
 
     from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
+    from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
+    from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
     from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
     from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
 
-    types = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest]
-    (chat, comp, resp, msgs, count), components = msgspec.json.schema_components(
+    types = [
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponsesRequest,
+        MessagesRequest,
+        CountTokensRequest,
+        EmbeddingsRequest,
+        GenerateRequest,
+    ]
+    (chat, comp, resp, msgs, count, embed, tokens), components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -173,6 +185,8 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         ("/v1/responses", resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
         ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
         ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
+        ("/v1/embeddings", embed, "Create embeddings (OpenAI)", "OpenAIError"),
+        ("/inference/v1/generate", tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
     ]:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
@@ -231,6 +245,8 @@ class FrontendApp:
             "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
+            "/v1/embeddings": EmbeddingsHandler(models, self.metrics, limits, self.admission),
+            "/inference/v1/generate": GenerateTokensHandler(models, self.metrics, limits, self.admission),
         }
         if lora is not None:
             from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes

@@ -23,7 +23,7 @@ from dynamo_graph.frontend.errors import HTTPError
 
 API_KEY_ENV = "DYN_API_KEY"
 API_KEY_ENV_NAMES = "DYN_API_KEY_ENV"
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIX = ("/v1/", "/inference/")
 
 UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
 

@@ -38,8 +38,14 @@ import msgspec
 
 from dynamo_graph.frontend.metrics import DISAGG, count_migration
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
+from dynamo_graph.frontend.remote import (
+    KvRoutedTokensBackend,
+    RemoteEmbedder,
+    RemoteTextBackend,
+    RemoteTokensBackend,
+)
 from dynamo_graph.llm.card import ModelDeploymentCard
+from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.llm.protocol import PreprocessedRequest
@@ -97,9 +103,10 @@ def build_remote_pipeline(
     *,
     migration_limit: int | None = None,
     disagg: DisaggConfig | None = None,
-) -> tuple[ModelPipeline, DisaggRouter | None]:
+) -> tuple[ModelPipeline | EmbeddingPipeline, DisaggRouter | None]:
     """The model's pipeline, and for a tokens-input model the disaggregation router inside it.
-    `migration_limit`: the frontend's, or None to take the card's."""
+    `migration_limit`: the frontend's, or None to take the card's. Embedding models are routed
+    by the client's picker (no KV cache to aim at) and retried elsewhere when a worker fails."""
     if card.model_input == "text":
         return TextPipeline(card, RemoteTextBackend(client)), None
     # The frontend tokenizes: it needs the model's tokenizer files, from the same path (one host,
@@ -112,6 +119,10 @@ def build_remote_pipeline(
         theirs, ours = card.files.get(name), local.files.get(name)
         if theirs is not None and ours is not None and theirs.checksum != ours.checksum:
             raise CardMismatch(f"{name} at {ours.path} differs from the worker's ({theirs.checksum})")
+    limit = migration_limit_for(card, migration_limit)
+    if "embedding" in card.model_type:
+        embedder = RemoteEmbedder(client, limit, model=card.display_name, on_migrate=count_migration)
+        return EmbeddingPipeline(card, model.load_tokenizer(), embedder), None
     uncached: UncachedTokens | None = None
     if router is not None:
         kv_router = router
@@ -126,7 +137,6 @@ def build_remote_pipeline(
         hooks=DISAGG,
         decode_uncached=uncached,
     )
-    limit = migration_limit_for(card, migration_limit)
     backend = Migration(disagg_router, limit, model=card.display_name, on_migrate=count_migration)
     return tokens_pipeline(card, model, backend), disagg_router
 
@@ -217,7 +227,9 @@ class ModelWatcher:
         self, card: ModelDeploymentCard, endpoint: EndpointName, kv: bool
     ) -> tuple[Client, KvRouter | None]:
         """A pool's client (routing to the instances whose cards are accepted) and KV router."""
-        mode = "round-robin" if self.router_mode == "kv" else self.router_mode  # kv: the router picks
+        # The client's own picker: round-robin under a KV router, and for the models a KV router
+        # cannot route (text input, embeddings) when the frontend's mode is kv.
+        mode = "round-robin" if self.router_mode == "kv" else self.router_mode
         client = Client(self.runtime, endpoint, router_mode=mode)
         client.allowed = set()
         return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
@@ -250,9 +262,14 @@ class ModelWatcher:
     ) -> _Model | None:
         """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
         name = card.display_name
-        # An adapter's KV differs from its base model's, but workers' KV events do not say which
-        # adapter a block belongs to: adapters are routed round-robin among their workers.
-        kv = self.router_mode == "kv" and card.model_input == "tokens" and card.lora is None
+        # Adapters' KV differs from the base model's, but workers' KV events do not say which
+        # adapter a block belongs to: adapters (and embedding models) are routed round-robin.
+        kv = (
+            self.router_mode == "kv"
+            and card.model_input == "tokens"
+            and card.lora is None
+            and "embedding" not in card.model_type
+        )
         client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
@@ -262,7 +279,12 @@ class ModelWatcher:
             log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
             return None
         if self.router_mode == "kv" and not kv:
-            why = "is a LoRA adapter" if card.lora is not None else "takes text, not tokens"
+            if card.lora is not None:
+                why = "is a LoRA adapter"
+            elif "embedding" in card.model_type:
+                why = "serves embeddings"
+            else:
+                why = "takes text, not tokens"
             log.warning("model %r %s: no kv routing for it; round-robin", name, why)
         model = await self._started_pool(card, endpoint, client, router)
         model.disagg = disagg

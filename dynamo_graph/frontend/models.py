@@ -13,22 +13,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.pipeline import ModelPipeline, TokensPipeline
+
+AnyPipeline = ModelPipeline | EmbeddingPipeline
 
 # The routes that serve each model type. Counting a message's tokens needs the frontend's own
 # template and tokenizer: a tokens-input model's.
 CHAT_ENDPOINTS = ["/v1/chat/completions", "/v1/responses", "/v1/messages"]
 COMPLETIONS_ENDPOINTS = ["/v1/completions"]
+EMBEDDING_ENDPOINTS = ["/v1/embeddings"]
+TOKENS_ENDPOINT = "/inference/v1/generate"  # token-in/token-out: tokens-input models
 
 
-def endpoints(pipeline: ModelPipeline) -> list[str]:
-    """The generation routes that serve this model (`/v1/models` lists them)."""
+def endpoints(pipeline: AnyPipeline) -> list[str]:
+    """The routes that serve this model (`/v1/models` lists them)."""
     types = pipeline.card.model_type
     routes = list(CHAT_ENDPOINTS) if "chat" in types else []
     if "chat" in types and isinstance(pipeline, TokensPipeline):
         routes.append("/v1/messages/count_tokens")
     if "completions" in types:
         routes += COMPLETIONS_ENDPOINTS
+        if isinstance(pipeline, TokensPipeline):
+            routes.append(TOKENS_ENDPOINT)
+    if "embedding" in types:
+        routes += EMBEDDING_ENDPOINTS
     return routes
 
 
@@ -39,11 +48,11 @@ InstancesReport = Callable[[], list[dict] | dict[str, Any]]
 
 class ModelRegistry:
     def __init__(self) -> None:
-        self._models: dict[str, ModelPipeline] = {}
+        self._models: dict[str, AnyPipeline] = {}
         self._created: dict[str, int] = {}
         self._instances: dict[str, InstancesReport] = {}
 
-    def add(self, pipeline: ModelPipeline, instances: InstancesReport | None = None) -> None:
+    def add(self, pipeline: AnyPipeline, instances: InstancesReport | None = None) -> None:
         self._models[pipeline.name] = pipeline
         self._created.setdefault(pipeline.name, int(time.time()))
         if instances is not None:
@@ -67,7 +76,7 @@ class ModelRegistry:
             report[name] = {"status": "healthy" if entry.get("instances") else "unhealthy", **entry}
         return report
 
-    def get(self, name: str) -> ModelPipeline | None:
+    def get(self, name: str) -> AnyPipeline | None:
         return self._models.get(name)
 
     def names(self) -> list[str]:

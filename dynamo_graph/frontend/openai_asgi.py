@@ -105,7 +105,7 @@ def _check_content_type(scope: Scope) -> None:
                 )
 
 
-async def _watch_disconnect(receive: Receive, context: Context) -> None:
+async def watch_disconnect(receive: Receive, context: Context) -> None:
     """Cancel the request's generation when the client goes away."""
     while True:
         message = await receive()
@@ -114,7 +114,7 @@ async def _watch_disconnect(receive: Receive, context: Context) -> None:
             return
 
 
-def _as_http_error(err: Exception) -> HTTPError:
+def as_http_error(err: Exception) -> HTTPError:
     if isinstance(err, HTTPError):
         return err
     if isinstance(err, RequestError):
@@ -152,7 +152,7 @@ class OpenAIHandler:
         self.body_limit = limits.body_limit
         self.timeout_s = limits.request_timeout_s
         self.admission = Admission(limits) if admission is None else admission
-        self.decoder = _DECODERS[kind]
+        self.decoder = _DECODERS.get(kind)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -171,47 +171,55 @@ class OpenAIHandler:
         finally:
             admission.release()
 
+    async def _read(self, scope: Scope, receive: Receive, deadline: float | None) -> bytes:
+        """The request body, within the body limit and the request's deadline."""
+        _check_content_type(scope)
+        if deadline is None:
+            return await read_body(receive, self.body_limit)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await read_body(receive, self.body_limit)
+        except TimeoutError:
+            self.admission.count("timeout")
+            raise HTTPError(
+                408, "The request body was not received within the server's time limit", code="timeout"
+            ) from None
+
+    def _model(self, name: str) -> Any:
+        """The model's pipeline; 404 for an unknown model, 400 for one that serves other endpoints."""
+        pipeline = self.models.get(name)
+        if pipeline is None:
+            raise HTTPError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        if self.kind not in pipeline.card.model_type:
+            raise HTTPError(
+                400,
+                f"The model `{name}` does not serve this endpoint; it serves "
+                f"{', '.join(pipeline.card.model_type)}",
+                param="model",
+                code="wrong_endpoint",
+            )
+        return pipeline
+
     async def _handle(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
         try:
-            _check_content_type(scope)
-            if deadline is None:
-                body = await read_body(receive, self.body_limit)
-            else:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        body = await read_body(receive, self.body_limit)
-                except TimeoutError:
-                    self.admission.count("timeout")
-                    raise HTTPError(
-                        408,
-                        "The request body was not received within the server's time limit",
-                        code="timeout",
-                    ) from None
+            body = await self._read(scope, receive, deadline)
             request, original = self.decode(body)
             _check_caps(request)
-            pipeline = self.models.get(request.model)
-            if pipeline is None:
-                raise HTTPError(
-                    404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found"
-                )
-            if self.kind not in pipeline.card.model_type:
-                raise HTTPError(
-                    400,
-                    f"The model `{request.model}` does not serve this endpoint; it serves "
-                    f"{', '.join(pipeline.card.model_type)}",
-                    param="model",
-                    code="wrong_endpoint",
-                )
+            pipeline = self._model(request.model)
             _check_context(pipeline, request)
             prepared = self._prepare(pipeline, request)
         except HTTPError as err:
-            if err.status == 413:
-                self.admission.count("body_too_large")
-            await send_json(send, err.status, self.error_body(err))
+            await self._refuse(send, err)
             return
         except ConnectionResetError:
             return
         await self._serve(pipeline, prepared, original, receive, send, deadline)
+
+    async def _refuse(self, send: Send, err: HTTPError) -> None:
+        """Answer a request refused before it ran."""
+        if err.status == 413:
+            self.admission.count("body_too_large")
+        await send_json(send, err.status, self.error_body(err))
 
     def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
         """(the request the pipeline runs, the request as the client sent it): one and the same
@@ -239,7 +247,7 @@ class OpenAIHandler:
             self.admission.count("timeout")
             with contextlib.suppress(Exception):
                 await deltas.aclose()  # type: ignore[attr-defined]
-        return _as_http_error(err)
+        return as_http_error(err)
 
     @staticmethod
     def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
@@ -264,7 +272,7 @@ class OpenAIHandler:
         """`request`: as the client sent it (`decode`)."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
-        watcher = asyncio.create_task(_watch_disconnect(receive, context))
+        watcher = asyncio.create_task(watch_disconnect(receive, context))
         metrics.inflight += 1
         start = time.perf_counter()
         request_type = "stream" if request.stream else "unary"
@@ -395,6 +403,43 @@ class OpenAIHandler:
             logprobs=logprobs,
         )
         await send_json(send, 200, body)
+        return True
+
+    async def _gathered(
+        self,
+        pipeline: ModelPipeline,
+        prepared: Prepared,
+        request: Any,
+        context: Context,
+        send: Send,
+        metrics: ModelMetrics,
+        start: float,
+        deadline: float | None,
+    ) -> bool:
+        """The stream gathered into one response by a writer with `body()` (the other API
+        surfaces, token-in/token-out): their `_unary`."""
+        writer = self.writer(request, prepared)
+        first = True
+        finished = False
+        deltas = pipeline.stream(prepared, context)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for delta in deltas:
+                    if delta.visible():
+                        if first:
+                            metrics.ttft.observe(time.perf_counter() - start)
+                            first = False
+                        writer.delta(delta)
+                    if delta.finish_reason is not None:
+                        writer.finish(delta.finish_reason)
+                        finished = True
+        except Exception as err:
+            http_err = await self._failure(err, context, deltas)
+            await send_json(send, http_err.status, self.error_body(http_err))
+            return False
+        if not finished:  # cancelled by the client: nobody is listening
+            return False
+        await send_json(send, 200, writer.body())
         return True
 
 

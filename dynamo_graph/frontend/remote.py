@@ -12,17 +12,28 @@ models are not migrated: their streams are text, whose tokens the frontend never
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.llm.openai import AnyRequest
-from dynamo_graph.llm.protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.protocol import (
+    CompletionUsage,
+    EmbeddingOutput,
+    LLMEngineOutput,
+    PreprocessedEmbeddingRequest,
+    PreprocessedRequest,
+)
+from dynamo_graph.router.migration import MIGRATABLE, MigrationHook, failed_instance
 from dynamo_graph.runtime.client import Client, NoInstances
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
 from dynamo_graph.runtime.transport.base import CannotConnect
 
 if TYPE_CHECKING:
     from dynamo_graph.router.kv.router import KvRouter
+
+log = logging.getLogger(__name__)
 
 
 class RemoteTokensBackend:
@@ -131,3 +142,49 @@ class RemoteTextBackend:
                 yield out
         if final is not None:
             yield final
+
+
+class RemoteEmbedder:
+    """Embedding workers, round-robin (or random) through the client's picker. A request whose
+    worker went away is sent again to another one, up to `migration_limit` times: embedding is
+    idempotent, so unlike a broken generation nothing needs carrying over."""
+
+    def __init__(
+        self,
+        client: Client,
+        migration_limit: int,
+        *,
+        model: str = "",
+        on_migrate: MigrationHook | None = None,
+    ) -> None:
+        self.client = client
+        self.migration_limit = max(int(migration_limit), 0)
+        self.model = model
+        self.on_migrate = on_migrate
+
+    async def embed(self, request: PreprocessedEmbeddingRequest, context: Context) -> EmbeddingOutput:
+        exclude: set[int] = set()
+        retries = self.migration_limit
+        while True:
+            try:
+                async for out in self.client.generate(
+                    request, context=context, response_type=EmbeddingOutput, exclude=exclude or None
+                ):
+                    return out
+                raise RequestError("the embedding worker ended its stream without an answer")
+            except MIGRATABLE as err:
+                if retries <= 0 or context.is_stopped():
+                    raise
+                retries -= 1
+                failed = failed_instance(err)
+                if failed is not None:
+                    exclude.add(failed)
+                log.warning(
+                    "embedding request %s: %s from instance %s; sending it to another (%d retries left)",
+                    context.id,
+                    type(err).__name__,
+                    "?" if failed is None else f"{failed:x}",
+                    retries,
+                )
+                if self.on_migrate is not None:
+                    self.on_migrate(self.model, "new_request")

@@ -13,6 +13,8 @@ DYN_TCP_ADVERTISE_HOST) and, for managed etcd / nats, URLs at the address the lo
 advertises; the plan's `hosts` tells the ssh launcher how to reach each remote host. GPUs are
 given out per host: explicit ids as written, the rest in graph order from the lowest GPU no
 component named, so two components on one host never share a GPU (validate.py checks counts).
+Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
+process too, so two replicas on one host never share one.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def _resolve_path(path: str, graph_dir: Path) -> str:
     return path if local is None else str(local)
 
 
+def _file_path(path: str, graph_dir: Path) -> str:
+    """A file the graph names that can only be local (engine args, a Python engine), relative to
+    the graph file: never a hub id, even when it does not exist (yet)."""
+    return str((graph_dir / Path(path).expanduser()).resolve())
+
+
 class _Compiler:
     def __init__(
         self, graph: Graph, graph_file: Path, state_dir: Path, nodes: Mapping[str, str] | None = None
@@ -72,15 +80,41 @@ class _Compiler:
         local = self.nodes[LOCAL] if self.nodes else self.graph.host(LOCAL).advertise_host
         return local if self.multi_host and local else "127.0.0.1"
 
+    def _address(self, host: str) -> str | None:
+        """The address other hosts reach `host` at, in a multi-host graph (None: loopback); on a
+        scheduler's nodes, the node's (`nodes`)."""
+        if not self.multi_host:
+            return None
+        if self.nodes is not None:
+            return self.nodes[host]
+        h = self.graph.host(host)
+        return h.advertise_host or (h.ssh.address if h.ssh else None)
+
     def _host_env(self, host: str) -> dict[str, str]:
         """The host's own `env`; in a multi-host graph, workers also listen on and advertise their
-        host's routable address."""
-        h = self.graph.host(host)
-        env = dict(sorted(h.env.items()))
-        address = self.nodes[host] if self.nodes else h.advertise_host or (h.ssh.address if h.ssh else None)
-        if self.multi_host and address:
+        host's routable address (the request plane, and zmq KV event publishers)."""
+        env = dict(sorted(self.graph.host(host).env.items()))
+        if address := self._address(host):
             env |= {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address}
         return env
+
+    def _side_channels(self, worker: Worker, process: str, host: str) -> tuple[dict[str, str], list[str]]:
+        """Ports an engine opens beside our planes, one per process (env, port names): vLLM's NIXL
+        handshake listener (of a worker with a KV connector), bound on its host's address. A
+        variable the graph sets (the host's or the component's `env`) pins it instead.
+        (SGLang's prefill bootstrap server would be the next: validation refuses SGLang P/D.)"""
+        nixl = worker.role != "agg" or "kv_transfer_config" in (worker.engine_args or {})
+        if worker.engine != "vllm" or not nixl:
+            return {}, []
+        pinned = {*worker.env, *self.graph.host(host).env}
+        env: dict[str, str] = {}
+        ports: list[str] = []
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in pinned:
+            ports.append(f"{process}.nixl")
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = port_placeholder(ports[-1])
+        if "VLLM_NIXL_SIDE_CHANNEL_HOST" not in pinned:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._address(host) or "127.0.0.1"
+        return env, ports
 
     # ---- runtime planes and infra ----------------------------------------------------------
 
@@ -230,6 +264,16 @@ class _Compiler:
             )
         return hosts
 
+    def local_python(self) -> str | None:
+        """`hosts.local.venv`'s python or `hosts.local.python` (a path relative to the graph file,
+        or a name looked up on PATH); None when neither is given."""
+        local = self.graph.host(LOCAL)
+        if local.venv:
+            return str(Path(_file_path(local.venv, self.graph_dir)) / "bin" / "python")
+        if local.python and "/" in local.python:
+            return _file_path(local.python, self.graph_dir)
+        return local.python
+
     def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
         out = "auto"
         endpoints = {
@@ -307,7 +351,7 @@ class _Compiler:
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
         if worker.engine_args_file is not None:
-            return _resolve_path(worker.engine_args_file, self.graph_dir)
+            return _file_path(worker.engine_args_file, self.graph_dir)
         if worker.engine_args is None:
             return None
         path = str(self.state_dir / "engine-args" / f"{name}.json")
@@ -354,9 +398,7 @@ class _Compiler:
 
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
-        engine = (
-            _resolve_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
-        )
+        engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
         argv = [
             "dyngraph",
             "run",
@@ -393,6 +435,8 @@ class _Compiler:
             argv += ["--static-worker"]
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role]
+        if worker.embedding:
+            argv += ["--embedding"]
         depends_on, restart = self._common(name)
         procs = []
         on_host: dict[str, int] = {}
@@ -407,7 +451,9 @@ class _Compiler:
                 "DYN_SHUTDOWN_GRACE_S": f"{max(worker.shutdown_grace_s - 3.0, 0.0):g}",
                 **dict(sorted(worker.env.items())),
             }
-            ports: dict[str, int | str] = {}
+            side_env, side_ports = self._side_channels(worker, f"{name}-{replica}", host)
+            env = {**side_env, **env}  # the graph's own `env` (above) wins
+            ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
                 port_name = f"{name}-{replica}.tcp"
@@ -450,6 +496,7 @@ class _Compiler:
             files=dict(sorted(self.files.items())),
             processes=processes,
             hosts=self.remote_hosts(),
+            local_python=self.local_python(),
         )
 
 

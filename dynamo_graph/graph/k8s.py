@@ -60,6 +60,7 @@ _HOST_ONLY_ENV = {
     "DYN_TCP_HOST",
     "DYN_TCP_ADVERTISE_HOST",
     "DYN_TCP_PORT",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST",
 }
 
 
@@ -89,13 +90,6 @@ class _K8s:
         if self.graph.runtime.discovery == "file":
             self.notes.append(
                 "runtime.discovery file cannot span pods: discovery goes through an in-cluster etcd"
-            )
-        if self.graph.runtime.event_plane == "zmq" and any(
-            f.router.mode == "kv" and f.router.use_kv_events for f in self.graph.frontends().values()
-        ):
-            self.notes.append(
-                "runtime.event_plane zmq binds loopback: KV events do not reach a kv router in another pod; "
-                "use event_plane nats"
             )
         if any(w.placement != ["local"] for w in self.graph.workers().values()):
             self.notes.append("hosts and placement: the Kubernetes scheduler places the pods")
@@ -140,7 +134,8 @@ class _K8s:
     # ---- environment -------------------------------------------------------------------------
 
     def _env(self, proc: ProcessSpec, comp: Frontend | Worker) -> list[dict[str, Any]]:
-        env = {k: v for k, v in proc.env.items() if k not in _HOST_ONLY_ENV}
+        # Ports `up` gives out per host ({port:NAME}) are not needed: each pod has its own network.
+        env = {k: v for k, v in proc.env.items() if k not in _HOST_ONLY_ENV and "{port:" not in v}
         if self.etcd:
             env["DYN_DISCOVERY_BACKEND"] = "etcd"
             env["ETCD_ENDPOINTS"] = f"http://{self.base}-etcd:{ETCD_PORT}"
@@ -155,6 +150,8 @@ class _K8s:
         if isinstance(comp, Worker):
             pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
             out += [{"name": "DYN_TCP_ADVERTISE_HOST", **pod_ip}, {"name": "DYN_TCP_HOST", **pod_ip}]
+            if "VLLM_NIXL_SIDE_CHANNEL_HOST" in proc.env:  # where decode pods reach this one's NIXL
+                out.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", **pod_ip})
         return sorted(out, key=lambda e: e["name"])
 
     # ---- objects -----------------------------------------------------------------------------

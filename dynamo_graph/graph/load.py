@@ -21,7 +21,8 @@ itself). Without `_self_` the file's keys still merge last (Hydra >= 1.1). A tem
 defaults list of its own, and `/name@some.key` places one under `some.key` (Hydra's packages).
 
 Overrides are Hydra's: `a.b=1` changes an existing key, `+a.b=1` adds one, `++a.b=1` adds or
-changes, `~a.b` deletes. `hydra.*` keys are not part of a graph and are refused.
+changes, `~a.b` deletes. A key the graph schema knows (`known_key`) needs no `+`: `a.b=1` sets it
+whether or not the file has it. `hydra.*` keys are not part of a graph and are refused.
 
 Environment. `${env:VAR}` / `${env:VAR,default}` and Hydra's `${oc.env:...}` read the `env`
 mapping given to `load_graph` (default `os.environ`); values are strings, as the process would
@@ -36,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.default_element import ResultDefault
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
+from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -90,10 +91,16 @@ class LoadedGraph:
 
 
 def load_graph(
-    path: str | Path, overrides: Sequence[str] = (), *, env: Mapping[str, str] | None = None
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    known_key: Callable[[str], bool] | None = None,
 ) -> LoadedGraph:
     """Compose, override and resolve a graph file. Raises GraphError with every problem found at
-    the stage that failed (YAML, overrides, composition, interpolation)."""
+    the stage that failed (YAML, overrides, composition, interpolation). `known_key(path)` says
+    whether the schema has a key: `key=value` of such a key sets it even where the file leaves it
+    out (Hydra would want `+key=value` then)."""
     file = Path(os.path.abspath(path))
     environ = os.environ if env is None else env
     root = _parse_yaml(file)
@@ -105,6 +112,8 @@ def load_graph(
     if problems := _check_keys(file, root) + _check_overrides(overrides):
         raise GraphError(problems)
 
+    if known_key is not None:
+        overrides = [_add_known(text, known_key) for text in overrides]
     search_dirs = [*_template_dirs(environ), file.parent]
     defaults_at = next((_loc(file, k) for k, _ in root.value if k.value == "defaults"), Location(str(file)))
     cfg, defaults, config_overrides = _compose(file, search_dirs, list(overrides), defaults_at)
@@ -191,6 +200,14 @@ def _check_overrides(overrides: Sequence[str]) -> list[Problem]:
                 )
             )
     return problems
+
+
+def _add_known(text: str, known_key: Callable[[str], bool]) -> str:
+    """`key=value` as `++key=value` (add or change) when the schema knows `key`; anything else as
+    written. Called on overrides that parsed."""
+    override = _PARSER.parse_override(text)
+    plain = override.type == OverrideType.CHANGE and override.package is None
+    return f"++{text}" if plain and known_key(override.key_or_group) else text
 
 
 def _check_keys(file: Path, root: yaml.MappingNode) -> list[Problem]:

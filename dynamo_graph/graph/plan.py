@@ -66,6 +66,9 @@ class Plan(msgspec.Struct, frozen=True):
     files: dict[str, str]  # files the supervisor writes before launch (engine args), path -> text
     processes: list[ProcessSpec]
     hosts: dict[str, RemoteHost] = {}  # remote hosts the processes run on, by key; `local` is never here
+    # The interpreter that runs local processes' `dyngraph` (hosts.local.python / venv); None: the
+    # supervisor's own.
+    local_python: str | None = None
 
 
 def port_placeholder(name: str) -> str:

@@ -163,7 +163,10 @@ def render_shell(graph: Graph, plan: Plan) -> str:
             )
         else:
             env = " ".join(f"{k}={sub(v)}" for k, v in proc.env.items())
-            command = " ".join(sub(a) for a in proc.argv)
+            argv = proc.argv
+            if plan.local_python and argv[0] == "dyngraph":
+                argv = [plan.local_python, "-m", "dynamo_graph", *argv[1:]]
+            command = " ".join(sub(a) for a in argv)
             lines.append(f"(cd {shlex.quote(proc.workdir)} && {env + ' ' if env else ''}{command}) &")
         if proc.name in awaited and (address := _ADDRESS.match(proc.readiness.target)):
             lines.append(f"wait_tcp {sub(address.group(1))} {sub(address.group(2))}")

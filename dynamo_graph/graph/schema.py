@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
@@ -57,6 +58,8 @@ KV_CONNECTOR_UNSERVED: dict[str, str] = {
 """Engines whose connector is mapped but does not fit the frontend's prefill -> decode flow yet, and why."""
 
 ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
+# Engines with an embedding mode (`embedding: true`; engines/__init__.py EngineSpec.embedding_target).
+EMBEDDING_ENGINES = ("mocker", "llamacpp", "vllm")
 
 # Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow
 # runtime/names.py: letters, digits, '_' and '-', no dots.
@@ -490,6 +493,9 @@ class Worker(_Component):
     """GPU use per replica."""
     role: Literal["agg", "prefill", "decode"] = "agg"
     """`agg` does whole requests; a model with `prefill` workers needs `decode` ones and back."""
+    embedding: bool = False
+    """Serve the model's embeddings (`/v1/embeddings`) instead of generating (--embedding):
+    engines mocker, llamacpp (set `pooling` in engine_args for a model without one), vllm."""
     static: bool = False
     """Serve without discovery on fixed ports (--static-worker); needs `tcp_port` and the tcp
     request plane."""
@@ -520,6 +526,21 @@ class Worker(_Component):
     def _one_engine_args(self) -> Worker:
         if self.engine_args is not None and self.engine_args_file is not None:
             raise field_error("engine_args_file", "give either `engine_args` or `engine_args_file`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _embedding_worker(self) -> Worker:
+        if not self.embedding:
+            return self
+        if self.engine not in EMBEDDING_ENGINES:
+            raise field_error(
+                "embedding",
+                f"engine {self.engine} has no embedding mode ({', '.join(EMBEDDING_ENGINES)} have)",
+            )
+        if self.role != "agg":
+            raise field_error(
+                "embedding", f"an embedding worker has no prefill/decode split; not role {self.role}"
+            )
         return self
 
     def endpoint_name(self) -> EndpointName:
@@ -672,6 +693,177 @@ class Slurm(_Model):
 
 
 # ---------------------------------------------------------------------------------------------
+# Smoke checks (`dyngraph test`)
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenCount(_Model):
+    """A range of token counts; either bound may be left out."""
+
+    min: int | None = Field(None, ge=0)
+    max: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TokenCount:
+        if self.min is not None and self.max is not None and self.max < self.min:
+            raise field_error("max", "must be at least `min`")
+        return self
+
+
+def _exact_count(value: Any) -> Any:
+    return {"min": value, "max": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Tokens = Annotated[TokenCount, BeforeValidator(_exact_count, json_schema_input_type=int | TokenCount)]
+"""A token count: a number, or `{min: .., max: ..}`."""
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+class Expect(_Model):
+    """What a request's answer must be; every given expectation is checked."""
+
+    status: int = Field(200, ge=100, le=599)
+    """HTTP status of the response."""
+    contains: Annotated[list[str], BeforeValidator(_as_list)] = []
+    """Strings the answer's text must contain (for an error status: the error message)."""
+    regex: str | None = None
+    """A regular expression the text must match somewhere (Python `re.search`)."""
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None = None
+    """The choice's finish reason."""
+    prompt_tokens: Tokens | None = None
+    """`usage.prompt_tokens`: a number, or `{min: .., max: ..}`."""
+    completion_tokens: Tokens | None = None
+    """`usage.completion_tokens`: a number, or `{min: .., max: ..}`."""
+    tool_calls: list[str] | None = None
+    """Names of the functions the answer calls, in order (chat only)."""
+    ttft_s: float | None = Field(None, gt=0)
+    """Budget for the time to the first token, in seconds (streamed requests only)."""
+    latency_s: float | None = Field(None, gt=0)
+    """Budget for the whole request, in seconds."""
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
+        return regex
+
+
+class _SmokeRequest(_Model):
+    model: str | None = None
+    """Model name to ask for; default the first model the check's frontend serves."""
+    max_tokens: int = Field(16, ge=1)
+    """max_tokens of the request."""
+    stream: bool = False
+    """Stream the answer (server-sent events; usage comes in the last chunk)."""
+    temperature: float | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: Annotated[list[str], BeforeValidator(_as_list)] | None = None
+    extra: dict[str, Any] = {}
+    """Any other fields of the OpenAI request, sent as given."""
+
+
+class SmokeChat(_SmokeRequest):
+    """A `/v1/chat/completions` request: `messages`, or `prompt` as one user message."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI tool definitions (`{type: function, function: {name, parameters}}`)."""
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> SmokeChat:
+        if (self.messages is None) == (self.prompt is None):
+            raise field_error("prompt", "give either `messages` or `prompt`")
+        return self
+
+
+class SmokeCompletion(_SmokeRequest):
+    """A `/v1/completions` request."""
+
+    prompt: str
+
+
+class SmokeFault(_Model):
+    """Kill one replica of a component; the supervisor restarts it as its policy says."""
+
+    kill: Name
+    """Key of the component (a worker, or the frontend) whose replica is killed."""
+    replica: int = Field(0, ge=0)
+    """Which replica."""
+    signal: Literal["SIGKILL", "SIGTERM", "SIGINT"] = "SIGKILL"
+    """The signal sent to the replica's process group."""
+    wait_ready: bool = False
+    """Wait until the supervisor has the replica ready again before the next check."""
+
+
+_CHECK_KINDS = ("chat", "completion", "models", "metrics", "fault")
+
+
+class SmokeCheck(_Model):
+    """One step of `tests`, run in order: exactly one of `chat`, `completion`, `models`,
+    `metrics` or `fault`."""
+
+    name: str | None = None
+    """Name in the summary and the JUnit report; default the step's kind and index."""
+    frontend: Name | None = None
+    """Key of the frontend the step talks to; default the graph's first frontend."""
+    chat: SmokeChat | None = None
+    completion: SmokeCompletion | None = None
+    models: list[str] | None = Field(None, min_length=1)
+    """Model names `/v1/models` must list."""
+    metrics: Annotated[list[str], BeforeValidator(_as_list)] | None = Field(None, min_length=1)
+    """Expressions on the frontend's `/metrics`, all of which must hold:
+    `NAME{label="value",...} OP NUMBER`, the sum of the matching samples (OP: == != >= <= > <)."""
+    fault: SmokeFault | None = None
+    expect: Expect | None = None
+    """Expectations of a `chat` or `completion` answer; default: status 200."""
+    repeat: int = Field(1, ge=1, le=1000)
+    """Send the request this many times, one after another; each answer must pass."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Give up on one request (or on `metrics` holding) after this many seconds."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _expressions(cls, exprs: list[str] | None) -> list[str] | None:
+        for expr in exprs or []:
+            parse_metric_expr(expr)
+        return exprs
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SmokeCheck:
+        given = [k for k in _CHECK_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise field_error(
+                given[1] if len(given) > 1 else "chat",
+                f"give exactly one of {', '.join(_CHECK_KINDS)}"
+                + (f" (got {', '.join(given)})" if given else ""),
+            )
+        request = self.chat or self.completion
+        if self.expect is not None and request is None:
+            raise field_error("expect", "only a `chat` or `completion` check has `expect`")
+        if request is not None and self.expect is not None:
+            if self.expect.ttft_s is not None and not request.stream:
+                raise field_error("expect.ttft_s", "a time to first token needs `stream: true`")
+            if self.expect.tool_calls is not None and self.completion is not None:
+                raise field_error("expect.tool_calls", "tool calls are a chat answer's")
+        if self.repeat > 1 and request is None:
+            raise field_error("repeat", "only a `chat` or `completion` check repeats")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _CHECK_KINDS if getattr(self, k) is not None)
+
+
+# ---------------------------------------------------------------------------------------------
 # The graph
 # ---------------------------------------------------------------------------------------------
 
@@ -699,6 +891,9 @@ class Graph(_Model):
     """Images, namespace, secrets and model storage for the Kubernetes renderers."""
     slurm: Slurm | None = None
     """The Slurm job of `up --target slurm`; with it, hosts are nodes of the allocation."""
+    tests: list[SmokeCheck] | None = None
+    """Smoke checks `dyngraph test` runs once the graph is up, in order; default: the models are
+    listed, and one chat, one streamed chat and one completion request succeed."""
 
     @model_validator(mode="after")
     def _ssh_only_remote(self) -> Graph:

@@ -178,6 +178,17 @@ def _without_tags(loc: list[str | int], data: Any) -> list[str | int]:
     return out
 
 
+def schema_knows(path: str) -> bool:
+    """Whether the graph schema has the dotted key `path` (names of models, components and hosts
+    are free, and a component's keys are those of any kind)."""
+    node: Any = Graph
+    for part in path.split("."):
+        node = _step(node, int(part) if part.isdigit() else part)
+        if node is None:
+            return False
+    return True
+
+
 def _fields_at(loc: list[str | int]) -> list[str]:
     """Field names of the model at a pydantic error path, for did-you-mean on unknown keys."""
     node: Any = Graph
@@ -278,6 +289,29 @@ def _dangling(path: str, name: str, known: Iterable[str], what: str) -> Iterator
     known = list(known)
     if name not in known:
         yield Problem(path, f"no {what} named {name!r}" + _suggest(name, known, listing=True))
+
+
+def check_tests(graph: Graph) -> Iterator[Problem]:
+    """Smoke checks name a frontend that exists, a model it serves, and a replica that runs."""
+    frontends = graph.frontends()
+    for i, check in enumerate(graph.tests or []):
+        where = f"tests.{i}"
+        if check.frontend is not None:
+            yield from _dangling(f"{where}.frontend", check.frontend, frontends, "frontend")
+        elif not frontends:
+            yield Problem(where, "the graph has no frontend to send checks to")
+        frontend = frontends.get(check.frontend or next(iter(frontends), ""))
+        request = check.chat or check.completion
+        if frontend is not None and request is not None and request.model is not None:
+            served = [graph.models[k].name or k for k in frontend.models or graph.models if k in graph.models]
+            yield from _dangling(f"{where}.{check.kind}.model", request.model, served, "model served")
+        if check.fault is not None:
+            fault, path = check.fault, f"{where}.fault"
+            yield from _dangling(f"{path}.kill", fault.kill, graph.components, "component")
+            comp = graph.components.get(fault.kill)
+            replicas = comp.replicas if isinstance(comp, Worker) else 1
+            if comp is not None and fault.replica >= replicas:
+                yield Problem(f"{path}.replica", f"{fault.kill} runs {replicas} replica(s), counted from 0")
 
 
 def check_cycles(graph: Graph) -> Iterator[Problem]:
@@ -514,9 +548,9 @@ def check_planes(graph: Graph) -> Iterator[Problem]:
 
 
 def check_multi_host(graph: Graph) -> Iterator[Problem]:
-    """Components on several hosts need shared discovery (etcd), a request plane that crosses
-    machines (nats, or tcp with an address other hosts reach each worker host at), KV events a
-    kv router on another host can receive, and infra the remote hosts can reach."""
+    """Components on several hosts need shared discovery (etcd), request and event planes that
+    cross machines (nats, or tcp / zmq with an address other hosts reach each worker host at),
+    and infra the remote hosts can reach."""
     remote = sorted(h for h in _hosts_used(graph) if h != LOCAL and h in graph.hosts)
     if not remote:
         return
@@ -524,24 +558,22 @@ def check_multi_host(graph: Graph) -> Iterator[Problem]:
     if graph.runtime.discovery != "etcd":
         yield Problem("runtime.discovery", f"{why}: use `discovery: etcd` (file discovery is one machine)")
     kv_routed = [k for k, f in graph.frontends().items() if f.router.mode == "kv" and f.router.use_kv_events]
-    if graph.runtime.event_plane == "zmq" and kv_routed:
-        # Workers' zmq publishers bind and announce 127.0.0.1: a router on another host cannot subscribe.
-        yield Problem(
-            "runtime.event_plane",
-            f"{why} and components.{kv_routed[0]} routes by KV events, which zmq publishers only offer on "
-            "their own host's loopback; use `event_plane: nats`",
-        )
-    if graph.slurm is not None:
-        return  # addresses come from the job's nodes (graph/slurm/)
+    # Workers listen on their host's address on the tcp request plane, and zmq KV publishers bind
+    # the same address: both need one that the other hosts reach.
+    needs_address = []
     if graph.runtime.request_plane == "tcp":
+        needs_address.append("the tcp request plane")
+    if graph.runtime.event_plane == "zmq" and kv_routed:
+        needs_address.append(f"KV events over zmq (components.{kv_routed[0]} routes by them)")
+    if needs_address and graph.slurm is None:  # on Slurm, the job's nodes give the addresses
         worker_hosts = {h for w in graph.workers().values() for h in w.placement}
         for host in sorted(worker_hosts & {LOCAL, *graph.hosts}):
             spec = graph.host(host)
             if spec.advertise_host is None and spec.ssh is None:
                 yield Problem(
                     f"hosts.{host}.advertise_host",
-                    f"{why}: the tcp request plane needs the address other hosts reach {host!r} at "
-                    "(or use request_plane: nats)",
+                    f"{why}: {' and '.join(needs_address)} {'need' if len(needs_address) > 1 else 'needs'} "
+                    f"the address other hosts reach {host!r} at (or use nats for that plane)",
                 )
     etcd, nats = graph.infra.etcd, graph.infra.nats
     for name, service in (("etcd", etcd), ("nats", nats)):
@@ -549,7 +581,7 @@ def check_multi_host(graph: Graph) -> Iterator[Problem]:
             continue
         if service.host is not None and _loopback(service.host):
             yield Problem(f"infra.{name}.host", f"{why}, which cannot reach managed {name} on {service.host}")
-        elif service.host is None and graph.host(LOCAL).advertise_host is None:
+        elif service.host is None and graph.host(LOCAL).advertise_host is None and graph.slurm is None:
             yield Problem(
                 "hosts.local.advertise_host",
                 f"{why}: managed {name} needs the address other hosts reach this machine at",
@@ -608,6 +640,7 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_planes,
     check_multi_host,
     check_slurm,
+    check_tests,
 )
 
 Engines = Literal["dyngraph", "dynamo"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.lora import AdapterAdmin
     from dynamo_graph.frontend.models import ModelRegistry
+    from dynamo_graph.llm.embeddings import EmbeddingPipeline
     from dynamo_graph.llm.pipeline import ModelPipeline
     from dynamo_graph.router.disagg import DisaggConfig
     from dynamo_graph.router.kv.scheduler import KvRouterConfig
@@ -192,8 +193,13 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     await server.serve()
 
 
-async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline, *, echo: bool) -> int:
+async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:
     """Run a non-HTTP input against one model's pipeline."""
+    if "embedding" in pipeline.card.model_type:
+        raise RunConfigError(
+            f"model {pipeline.name!r} computes embeddings: serve it with in=http (POST /v1/embeddings), "
+            f"not in={cfg.input}"
+        )
     if cfg.input == "none":
         console.print(f"engine {cfg.output} ready for model {pipeline.name}; waiting for a signal")
         await _wait_for_signal()
@@ -216,7 +222,7 @@ def _discovers_workers(cfg: RunConfig) -> bool:
     return cfg.output == "auto" or (cfg.output or "").startswith("dyn://")
 
 
-async def _first_model(registry: ModelRegistry, timeout_s: float) -> ModelPipeline:
+async def _first_model(registry: ModelRegistry, timeout_s: float) -> ModelPipeline | EmbeddingPipeline:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not registry.names():
         if asyncio.get_running_loop().time() > deadline:

@@ -189,6 +189,9 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True, kw_only=True):
             content.append([self.tool_call_parser, self.reasoning_parser])
         if self.lora is not None:  # an adapter's workers must agree on its base model
             content.append(["lora", self.lora.base_model])
+        # An embedding worker of a model name that generating workers serve must not join their pool.
+        if "embedding" in self.model_type:
+            content.append("embedding")
         return hashlib.blake2b(msgspec.json.encode(content)).hexdigest()
 
     def to_json(self) -> bytes:

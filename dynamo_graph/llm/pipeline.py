@@ -25,6 +25,7 @@ from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested
 from dynamo_graph.llm.postprocessor import Postprocessor
 from dynamo_graph.llm.preprocessor import Preprocessor, RequestValidationError
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.token_output import TokenDelta, TokenLimits
 from dynamo_graph.llm.tool_choice import forced, forced_schema
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
@@ -47,6 +48,8 @@ class Prepared:
     output_parser: ChatOutputParser | None = None
     # The stop string that ended the output (known to pipelines that post-process).
     stop_string: str | None = None
+    # Stream the engine's token ids (TokenDelta), not text: token-in/token-out requests.
+    tokens_out: bool = False
 
 
 class ModelPipeline(abc.ABC):
@@ -164,6 +167,41 @@ class TokensPipeline(ModelPipeline):
         self.preprocessor = preprocessor
         self.detokenizers = detokenizers
         self.logprobs = LogprobNamer(preprocessor.tokenizer)
+
+    def stream(self, prepared: Prepared, context: Context) -> AsyncIterator[Any]:
+        """Text deltas, or for a token-in/token-out request the engine's ids (TokenDelta)."""
+        if prepared.tokens_out:
+            return self._token_deltas(prepared, context)
+        return super().stream(prepared, context)
+
+    async def _token_deltas(self, prepared: Prepared, context: Context) -> AsyncIterator[TokenDelta]:
+        pre = prepared.preprocessed
+        assert pre is not None
+        limits = TokenLimits(pre.stop_conditions)
+        outputs = self.backend.generate(pre, context)
+        try:
+            async for out in outputs:
+                if out.error is not None or out.finish_reason == "error":
+                    raise _engine_failure(out)
+                if out.cached_tokens is not None:
+                    prepared.cached_tokens = out.cached_tokens
+                ids, finish, stop_id = limits.cut(out.token_ids)
+                prepared.completion_tokens = limits.count
+                n = len(ids)
+                log_probs = out.log_probs[:n] if out.log_probs is not None else None
+                top = out.top_logprobs[:n] if out.top_logprobs is not None else None
+                if finish is None and out.finish_reason is not None:
+                    finish = "stop" if out.finish_reason == "eos" else out.finish_reason
+                if finish is not None:
+                    yield TokenDelta(ids, finish, log_probs, top, stop_id)
+                    return
+                if ids:
+                    yield TokenDelta(ids, None, log_probs, top)
+            raise RequestError("engine stream ended before generation completed")
+        finally:
+            if not context.is_stopped():
+                context.stop_generating()
+            await outputs.aclose()  # type: ignore[attr-defined]
 
     def _prepare(self, request: AnyRequest) -> Prepared:
         if isinstance(request, ChatCompletionRequest):

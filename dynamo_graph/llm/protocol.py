@@ -132,3 +132,22 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: KvTransferParams | None = None
     # A decode worker's first chunk of a request that came with kv_transfer_params.
     kv_import: KvImportReport | None = None
+
+
+class PreprocessedEmbeddingRequest(msgspec.Struct, omit_defaults=True):
+    """An embeddings request as an embedding worker receives it: one token-id list per input
+    (Dynamo's PreprocessedEmbeddingRequest). `dimensions`: truncate each vector to this many
+    (Matryoshka models only; the frontend checks the card's `embedding_dimensions` capability)."""
+
+    model: str
+    token_ids: list[list[int]]
+    dimensions: int | None = None
+    annotations: list[str] = msgspec.field(default_factory=list)
+
+
+class EmbeddingOutput(msgspec.Struct, omit_defaults=True):
+    """An embedding worker's answer, one frame: a unit-length vector per input, in input order."""
+
+    embeddings: list[list[float]] = msgspec.field(default_factory=list)
+    prompt_tokens: int = 0
+    error: str | None = None

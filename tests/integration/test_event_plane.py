@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from dynamo_graph.runtime.events import (
     create_event_publisher,
     create_event_subscriber,
     event_plane_kind,
+    zmq_addresses,
 )
 from dynamo_graph.runtime.events.nats import NatsEventSubscriber
 from dynamo_graph.runtime.events.zmq import ZmqEventPublisher, ZmqEventSubscriber, event_channels_prefix
@@ -392,6 +394,36 @@ def test_event_plane_kind_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         event_plane_kind()
     with pytest.raises(ValueError, match="expected one of"):
         event_plane_kind("tcp")
+
+
+async def test_zmq_publisher_binds_and_announces_the_request_plane_s_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker of a multi-host graph gets its host's address as DYN_TCP_HOST /
+    DYN_TCP_ADVERTISE_HOST: zmq binds that interface (here 127.0.0.2, not 127.0.0.1) and announces
+    it, and a subscriber gets events through it."""
+    monkeypatch.setenv("DYN_TCP_HOST", "0.0.0.0")
+    monkeypatch.delenv("DYN_TCP_ADVERTISE_HOST", raising=False)
+    with pytest.raises(ValueError, match=r"'0\.0\.0\.0' \(all interfaces\).*DYN_TCP_ADVERTISE_HOST"):
+        zmq_addresses()
+    monkeypatch.setenv("DYN_TCP_ADVERTISE_HOST", "127.0.0.2")
+    assert zmq_addresses() == ("127.0.0.2", "127.0.0.2")  # one interface, never all
+    monkeypatch.setenv("DYN_TCP_HOST", "127.0.0.2")
+    discovery = FileDiscovery(tmp_path / "discovery", ttl_s=TTL_S, poll_s=POLL_S)
+    await discovery.start()
+    plane = Plane("zmq", discovery, str(tmp_path / "discovery"))
+    try:
+        async with asyncio.timeout(10):
+            inbox = await plane.inbox(["kv"])
+            pub = await plane.publisher(0x7)
+            record = await discovery.get_prefix(event_channels_prefix(NS, COMP))
+            assert [json.loads(v)["zmq"].rpartition(":")[0] for v in record.values()] == ["tcp://127.0.0.2"]
+            await inbox.sync(pub)
+            await pub.publish("kv_events", b"stored")
+            assert [e.payload for e in await inbox.take(1)] == [b"stored"]
+    finally:
+        await plane.close()
+        await discovery.close()
 
 
 async def test_nats_publisher_and_subscriber_survive_a_server_restart(nats_fresh: NatsProc) -> None:

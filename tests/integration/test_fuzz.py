@@ -31,6 +31,8 @@ HOT = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/inference/v1/generate",
 )
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 # How a complete stream ends, per route: its last SSE line.
@@ -39,6 +41,7 @@ STREAM_ENDS = {
     "/v1/completions": ("data: [DONE]",),
     "/v1/responses": tuple(f'data: {{"type":"response.{s}"' for s in ("completed", "incomplete", "failed")),
     "/v1/messages": ('data: {"type":"message_stop"', 'data: {"type":"error"'),
+    "/inference/v1/generate": ("data: [DONE]",),
 }
 MODEL = "tiny"
 

@@ -64,6 +64,7 @@ def test_models_lists_the_model(client: openai.OpenAI, model_name: str) -> None:
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/completions",
+        "/inference/v1/generate",
     ]
 
 

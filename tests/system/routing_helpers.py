@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.procs import ServerProcess
-from tests.system.test_distributed import instances
+from tests.system.test_distributed import Frontend, instances
 
 # A long shared system prompt, so that a conversation's opening fills several KV blocks.
 SYSTEM = (
@@ -24,11 +23,11 @@ def opening_messages(conv: int) -> list[dict]:
     ]
 
 
-def requests_per_instance(frontend: ServerProcess, model: str) -> dict[str, int]:
+def requests_per_instance(frontend: Frontend, model: str) -> dict[str, int]:
     return {i["instance_id"]: i["requests"] for i in instances(frontend, model)}
 
 
-def served_by(frontend: ServerProcess, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
+def served_by(frontend: Frontend, model: str, send: Callable[[], dict]) -> tuple[str, dict]:
     """Run `send` and return the one instance whose request count it changed, with what `send` returned."""
     before = requests_per_instance(frontend, model)
     body = send()

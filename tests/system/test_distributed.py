@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import pytest
@@ -72,7 +73,13 @@ def echo_worker(
     return spawn([*DYNGRAPH, "run", f"in={MODEL_ENDPOINT}", "out=echo_core", str(model)], env)
 
 
-def instances(frontend: ServerProcess, model: str) -> list[dict]:
+class Frontend(Protocol):
+    """What the helpers below need of a frontend: a ServerProcess, or a graph's frontend."""
+
+    base_url: str
+
+
+def instances(frontend: Frontend, model: str) -> list[dict]:
     health = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
     details = health.get("details", {}).get(model)
     return details["instances"] if details else []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,18 +19,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from openai import OpenAI
 
+from dynamo_graph.graph.build import build
 from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
+from dynamo_graph.graph.supervise.agent import REATTACH_S
+from dynamo_graph.graph.supervise.ports import fill_plan
 from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
-from tests.procs import free_port, run_cli
-from tests.sshhosts import SshHosts, missing_requirements
+from tests.procs import DYNGRAPH, free_port, run_cli
+from tests.sshhosts import SshHost, SshHosts, missing_requirements
+from tests.system.routing_helpers import opening_messages, served_by
 
 VENV = Path(__file__).resolve().parents[2] / ".venv"
 SECRET = "s3cret-never-on-a-command-line"
+MOCKER_ARGS = {"block_size": 16, "speedup_ratio": 50.0, "num_gpu_blocks": 4096}
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +80,20 @@ class RemoteGraph:
                 },
             },
         }
-        for key, value in changes.items():  # "a.b.c": value
+        for key, value in changes.items():  # "a.b.c": value (None: leave it out)
             node = graph
             *path, last = key.split(".")
             for part in path:
                 node = node.setdefault(part, {})
             node[last] = value
+            if value is None:
+                del node[last]
         self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+
+    @property
+    def base_url(self) -> str:
+        """The frontend's (as tests.procs.ServerProcess has it, for the routing helpers)."""
+        return f"http://127.0.0.1:{self.port}"
 
     def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
@@ -172,6 +186,10 @@ class Load:
         self._thread.join(15)
 
 
+def _state(graph: RemoteGraph, name: str) -> str:
+    return graph.processes()[name]["state"]
+
+
 def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
     record = graph.processes()[name]
     return record["state"] == "ready" and record["pid"] not in (None, old_pid)
@@ -216,15 +234,39 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert graph.processes()["backend-0"]["restarts"] == 1
     assert graph.processes()["backend-0"]["pid"] in h0.pids()
 
-    # Cut the ssh connection to h1 (kill the sshd child serving it): its worker stops with the
-    # session, no orphan; the supervisor reconnects and starts it again.
-    old = graph.processes()["backend-1"]["pid"]
-    sessions = h1.session_pids()
-    assert sessions, "the supervisor holds a connection to h1"
-    for pid in sessions:
-        os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not alive(old), 15, "the worker of the cut connection to stop")
-    wait_for(lambda: _restarted(graph, "backend-1", old), 30, "backend-1 back over a new connection")
+    # Cut the ssh connection to h1 (kill the sshd child serving it) while h1's sshd takes no new
+    # ones: the worker runs on, status shows h1 disconnected; once sshd answers again the
+    # supervisor re-attaches it: the same pid, no restart counted.
+    old = graph.processes()["backend-1"]
+    cut_connection(h1)
+    try:
+        wait_for(
+            lambda: graph.processes()["backend-1"]["state"] == "reconnecting", 15, "backend-1 reconnecting"
+        )
+        status = run_cli(["status", str(graph.file)], env={"COLUMNS": "200"})
+        row = next(line for line in status.stdout.splitlines() if "h1" in line)
+        assert "h1 (disconnected)" in row and "reconnecting" in row and str(old["pid"]) in row, status.stdout
+        assert alive(old["pid"])
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    wait_for(lambda: _state(graph, "backend-1") == "ready", 30, "backend-1 re-attached")
+    again = graph.processes()["backend-1"]
+    assert (again["pid"], again["restarts"]) == (old["pid"], old["restarts"])
+    assert "re-attached on host 'h1'" in (graph.state / "logs/backend-1.log").read_text()
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
+    # Cut again, and the worker dies while nobody watches it: once back, the supervisor learns its
+    # exit and restarts it per policy (counted), on h1 again.
+    cut_connection(h1)
+    try:
+        wait_for(
+            lambda: graph.processes()["backend-1"]["state"] == "reconnecting", 15, "backend-1 reconnecting"
+        )
+        os.kill(old["pid"], signal.SIGKILL)
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    wait_for(lambda: _restarted(graph, "backend-1", old["pid"]), 30, "backend-1 restarted")
+    assert graph.processes()["backend-1"]["restarts"] == old["restarts"] + 1
     assert graph.processes()["backend-1"]["pid"] in h1.pids()
     wait_for(lambda: _answers(graph), 15, "the graph to answer again")
 
@@ -245,6 +287,16 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert graph.remote_pids() == [] and not [p for p in pids if alive(p)]
     assert h0.listening_ports() == [] and h1.listening_ports() == []
     assert [p for p in ports if not refuses(*p)] == []
+
+
+def cut_connection(host: SshHost) -> None:
+    """Kill the sshd children serving the supervisor's connections to `host`, with its sshd
+    listener stopped (SIGSTOP: new connections wait) until the caller sends SIGCONT."""
+    sessions = host.session_pids()
+    assert sessions, f"the supervisor holds a connection to {host.key}"
+    os.kill(host.sshd_pid(), signal.SIGSTOP)
+    for pid in sessions:
+        os.kill(pid, signal.SIGKILL)
 
 
 def _answers(graph: RemoteGraph) -> bool:
@@ -279,7 +331,8 @@ def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     assert remote
     supervisor = json.loads((graph.state / "supervisor.pid").read_text())["pid"]
     os.kill(supervisor, signal.SIGKILL)
-    wait_for(lambda: graph.remote_pids() == [], 15, "the remote processes to stop with their sessions")
+    # Nobody re-attaches them: their agents stop them once agent.REATTACH_S has passed.
+    wait_for(lambda: graph.remote_pids() == [], 15 + REATTACH_S, "the remote processes to stop")
     assert not [p for p in remote if alive(p)]
     down = graph.cli("down")  # stops the local orphans (frontend, etcd, nats) and checks the hosts
     assert down.returncode == 0, down.stdout + down.stderr
@@ -323,8 +376,11 @@ def _group_alive(pgid: int) -> bool:
 def test_partition_stops_the_remote_process_and_the_graph_heals(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    """A silent network partition (no FIN, no RST): the agent's heartbeat watchdog stops the
-    worker on the far side; once the network is back the supervisor reconnects and restarts it."""
+    """A silent network partition (no FIN, no RST). A short one, that the supervisor notices
+    (keepalives) but that ends within REATTACH_S: the worker ran on and is re-attached, no restart.
+    One that lasts: the agent's heartbeat watchdog notices, waits REATTACH_S for the supervisor,
+    then stops the worker on the far side; once the network is back the supervisor reconnects
+    and restarts it."""
     graph = make_graph(**{"components.backend.restart.max_restarts": 20})
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -332,9 +388,20 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     worker = graph.processes()["backend-1"]["pid"]
     subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
     try:
+        wait_for(lambda: _state(graph, "backend-1") == "reconnecting", 20, "the supervisor to notice")
+    finally:
+        subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
+    wait_for(lambda: _state(graph, "backend-1") == "ready", REATTACH_S + 10, "backend-1 re-attached")
+    assert (graph.processes()["backend-1"]["pid"], graph.processes()["backend-1"]["restarts"]) == (worker, 0)
+    wait_for(lambda: _answers(graph), 15, "the graph to answer again")
+
+    subprocess.run(["ip", "link", "set", h1.veth, "down"], check=True)
+    try:
         started = time.monotonic()
-        wait_for(lambda: not alive(worker), 20, "the partitioned worker to be stopped by its agent")
-        assert time.monotonic() - started >= 4  # the heartbeat ran out, nothing closed the channel
+        wait_for(
+            lambda: not alive(worker), 30 + REATTACH_S, "the partitioned worker to be stopped by its agent"
+        )
+        assert time.monotonic() - started >= 4 + REATTACH_S  # the heartbeat ran out, then the wait
     finally:
         subprocess.run(["ip", "link", "set", h1.veth, "up"], check=True)
     wait_for(lambda: _restarted(graph, "backend-1", worker), 60, "backend-1 back once the network is")
@@ -342,6 +409,87 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert graph.remote_pids() == []
+
+
+def test_down_while_a_host_is_disconnected_stops_its_process_once_re_attached(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    """`down` during a reconnect: the `term` goes out over the re-attached channel, and nothing of
+    the graph is left on the host."""
+    graph = make_graph()
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    h1 = ssh_hosts.hosts[1]
+    worker = graph.processes()["backend-1"]["pid"]
+    cut_connection(h1)
+    try:
+        wait_for(lambda: _state(graph, "backend-1") == "reconnecting", 15, "backend-1 reconnecting")
+        down = subprocess.Popen(
+            [*DYNGRAPH, "down", str(graph.file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        time.sleep(1.0)
+        assert down.poll() is None and alive(worker)  # waiting for h1
+    finally:
+        os.kill(h1.sshd_pid(), signal.SIGCONT)
+    out, _ = down.communicate(timeout=60)
+    assert down.returncode == 0, out
+    assert not alive(worker) and graph.remote_pids() == []
+    assert "re-attached on host 'h1'" in (graph.state / "logs/backend-1.log").read_text()
+
+
+def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """KV events over zmq across hosts: each remote worker's publisher binds and announces its
+    host's address, the kv router here subscribes to both, and a conversation's follow-up goes to
+    the worker that holds its blocks, with the overlap the router learnt from that worker's events
+    (with events on, the router's index knows only what events told it)."""
+    graph = make_graph(
+        **{
+            "runtime.event_plane": "zmq",
+            "components.frontend.router": {"mode": "kv"},
+            "components.frontend.env": {"DYN_LOG": "info,dynamo_graph.router=debug"},
+            "components.backend.engine": "mocker",
+            "components.backend.engine_args": {
+                "block_size": 16,
+                "speedup_ratio": 50.0,
+                "num_gpu_blocks": 4096,
+            },
+        }
+    )
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    hosts = {_instance_of(graph, f"backend-{i}"): f"h{i}" for i in range(2)}
+    http = httpx.Client(base_url=graph.base_url, timeout=30)
+
+    def chat(messages: list[dict]) -> dict:
+        body = {"model": "tiny-model", "messages": messages, "max_tokens": 8}
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    served: dict[str, int] = {}
+    for conv in range(8):
+        messages = opening_messages(conv)
+        home, first = served_by(graph, "tiny-model", lambda m=messages: chat(m))
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "And now?"}]
+        again, _ = served_by(graph, "tiny-model", lambda m=messages: chat(m))
+        assert again == home, f"conversation {conv}'s follow-up left {hosts[home]}"
+        served[hosts[home]] = served.get(hosts[home], 0) + 1
+    assert set(served) == {"h0", "h1"}, served
+    # The router saw overlap on both hosts' workers: their events reached it across the veths.
+    routed = re.findall(
+        r"-> ([0-9a-f]+) rank 0 \(overlap (\d+) of", (graph.state / "logs/frontend-0.log").read_text()
+    )
+    overlapped = {hosts[instance] for instance, blocks in routed if int(blocks) > 0}
+    assert overlapped == {"h0", "h1"}, routed
+
+
+def _instance_of(graph: RemoteGraph, process: str) -> str:
+    """A worker's instance id (hex), from the line it logs when it serves."""
+    found = re.search(r"instance ([0-9a-f]+) serving", (graph.state / f"logs/{process}.log").read_text())
+    assert found, process
+    return found.group(1)
 
 
 def test_preflight_reports_every_host_problem_and_starts_nothing(
@@ -459,3 +607,44 @@ async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts,
         await pool.close()
     assert codes == [-signal.SIGTERM] * 12
     assert not [p for p in procs if p.pid and alive(p.pid)]
+
+
+async def test_side_channel_ports_of_replicas_on_one_host_are_distinct_and_free_there(
+    ssh_hosts: SshHosts, tmp_path: Path, tiny_model: Path
+) -> None:
+    """vLLM prefill/decode workers, two of each on h0: each process's NIXL side-channel port is
+    one of its own, free on h0 when `up` asks (the agent's `ports`), and bound on h0's address."""
+    graph = RemoteGraph(
+        tmp_path,
+        ssh_hosts,
+        tiny_model,
+        **{
+            "components.backend": None,
+            **{
+                f"components.{role}": {
+                    "kind": "worker",
+                    "model": "tiny-model",
+                    "engine": "vllm",
+                    "role": role,
+                    "replicas": 2,
+                    "placement": ["h0"],
+                    "engine_args": {"kv_transfer_config": {"kv_connector": "NixlConnector"}},
+                }
+                for role in ("prefill", "decode")
+            },
+        },
+    )
+    plan = build(graph.file, []).plan
+    pool = SshHosts_(dict(plan.hosts))
+    ports: dict[str, int] = {}
+    try:
+        await pool.allocate_ports(plan, ports)
+    finally:
+        await pool.close()
+    workers = [p for p in fill_plan(plan, ports).processes if p.host == "h0"]
+    side = {p.name: int(p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in workers}
+    assert sorted(side) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert len(set(side.values())) == 4 and side == {n: ports[f"{n}.nixl"] for n in side}
+    h0 = ssh_hosts.hosts[0]
+    assert {p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for p in workers} == {h0.address}
+    assert not set(side.values()) & set(h0.listening_ports())

@@ -216,28 +216,40 @@ def test_foreground_up_stops_on_ctrl_c(make_graph: Callable[[str], Graph], tmp_p
     assert_all_gone(pids, graph.ports())
 
 
-def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+def _broken_model(tmp_path: Path, tiny_model: Path) -> Path:
+    """A model folder preflight accepts (tokenizer and config) whose config.json does not parse:
+    the worker fails at start, which only a crash loop can tell."""
+    folder = tmp_path / "broken-model"
+    folder.mkdir()
+    shutil.copy(tiny_model / "tokenizer.json", folder)
+    (folder / "config.json").write_text("not json")
+    return folder
+
+
+def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path) -> None:
     graph = make_graph("echo.yaml")
     up = graph.up(
         "components.backend.replicas=1",
-        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        f"models.tiny-model.path={_broken_model(tmp_path, tiny_model)}",
         "+components.backend.restart.max_restarts=2",
         "+components.backend.restart.backoff_s=0.1",
     )
     assert up.returncode == 1, up.stdout + up.stderr
     assert "backend-0 failed" in up.stdout and "crash loop" in up.stdout
-    assert "no-such-model" in up.stdout  # the worker's own error, from its log
+    assert "broken-model/config.json: cannot read JSON" in up.stdout  # the worker's own error, from its log
     assert graph.processes()["backend-0"]["restarts"] == 2
     supervisor_log = (graph.state / "supervisor.log").read_text()
     assert "crash loop" in supervisor_log
 
 
-def test_failed_dependency_fails_its_dependents(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+def test_failed_dependency_fails_its_dependents(
+    make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path
+) -> None:
     """A frontend waiting on a worker that gave up is marked failed, not left `starting`."""
     graph = make_graph("echo.yaml")
     up = graph.up(
         "components.backend.replicas=1",
-        f"models.tiny-model.path={tmp_path / 'no-such-model'}",
+        f"models.tiny-model.path={_broken_model(tmp_path, tiny_model)}",
         "+components.backend.restart.max_restarts=1",
         "+components.backend.restart.backoff_s=0.1",
         "+components.frontend.depends_on=[backend]",
@@ -258,10 +270,11 @@ def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Cal
     changed = graph.up("components.backend.replicas=1", "+components.backend.env.DYN_EXAMPLE=1")
     assert changed.returncode == 0, changed.stdout + changed.stderr
     changes = [line for line in changed.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")]
-    assert changes == ["~ backend-0", "- backend-1"], changed.stdout
+    # the frontend depends on the backend (depends_on): it restarts with the changed backend-0
+    assert changes == ["~ backend-0", "~ frontend-0 (restarts with backend-0)", "- backend-1"], changed.stdout
     after = graph.processes()
     assert after["backend-0"]["pid"] != before["backend-0"]["pid"]
-    assert after["frontend-0"]["pid"] == before["frontend-0"]["pid"]
+    assert after["frontend-0"]["pid"] != before["frontend-0"]["pid"]
     assert "backend-1" not in after and not pid_alive(before["backend-1"]["pid"])
     # the only replica was replaced: the frontend sees the new instance a moment later
     wait_for(lambda: _answers(graph), 15, "the model to answer from the new backend-0")

@@ -24,7 +24,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 EXAMPLES = sorted((FIXTURES / "dynamo" / "examples").glob("*.yaml"))
 SNAPSHOTS = FIXTURES / "snapshots"
 SHIPPED = sorted(p for p in (ROOT / "graphs").rglob("*.yaml") if ".dyngraph" not in p.parts)
-ECHO = {"hello.yaml", "echo.yaml", "echo-etcd-nats.yaml", "agg-from-template.yaml"}
+ECHO = {"hello.yaml", "echo.yaml", "echo-etcd-nats.yaml", "echo-tools.yaml", "agg-from-template.yaml"}
 """Shipped graphs on the echo engine, which Dynamo lacks: they render with the mocker instead."""
 LLAMACPP = {"disagg-llamacpp.yaml"}
 """Shipped graphs on llama.cpp (no Dynamo backend either); their prefill follows decode's engine."""

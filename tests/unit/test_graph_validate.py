@@ -266,6 +266,18 @@ components:
         "the tcp request plane needs the address other hosts reach 'local' at",
     ),
     (
+        "multi-host-zmq-kv-events-without-advertise",
+        MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}").replace(
+            "echo_core", "mocker"
+        )
+        + "    placement: [local, gpu1]\n"
+        + "runtime: {discovery: etcd, request_plane: nats, event_plane: zmq}\n"
+        + "infra: {etcd: {endpoints: ['http://10.0.0.1:2379']}, nats: {url: 'nats://10.0.0.1:4222'}}\n"
+        + "hosts:\n  gpu1: {ssh: {address: 10.0.0.2}}\n",
+        "hosts.local.advertise_host",
+        "KV events over zmq (components.frontend routes by them) needs the address other hosts reach 'local'",
+    ),
+    (
         "multi-host-loopback-etcd",
         MINIMAL
         + "    placement: [gpu1]\n"

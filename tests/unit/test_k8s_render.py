@@ -40,6 +40,7 @@ def _write(tmp_path: Path, graph: dict) -> Path:
 def test_every_shipped_graph_renders_strictly_valid_manifests(path: Path) -> None:
     docs = _docs(path)
     assert [e for d in docs for e in k8s_errors(d)] == []
+    assert "{port:" not in yaml.safe_dump_all(docs)  # ports `up` gives out per host: none in a pod
     built = build(path)
     objects = _by_kind(docs)
     base = built.graph.name

@@ -12,6 +12,7 @@ from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.plan import RemoteHost
 from dynamo_graph.graph.render import render
+from dynamo_graph.graph.supervise.ports import fill_plan
 
 GRAPH = """
 name: remote
@@ -125,14 +126,81 @@ def test_oversubscribed_host_is_a_validation_error(tmp_path: Path) -> None:
     assert "components.decode.gpus.per_replica: asks for 3 GPU(s) on host 'gpu1' (5 with" in str(err.value)
 
 
-def test_kv_events_across_hosts_need_nats(tmp_path: Path) -> None:
-    with pytest.raises(GraphError) as err:
-        _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv")
-    assert (
-        "runtime.event_plane: components run on host 'gpu1' and components.frontend routes by KV events"
-        in str(err.value)
-    )
-    _build(tmp_path, GRAPH, "+components.frontend.router.mode=kv")  # over nats: fine
+def test_zmq_kv_events_across_hosts_bind_each_host_s_address(tmp_path: Path) -> None:
+    """A kv router on one host subscribes to zmq publishers on the others: workers bind and announce
+    their host's address (the request plane's DYN_TCP_HOST / DYN_TCP_ADVERTISE_HOST)."""
+    plan = _build(tmp_path, GRAPH, "runtime.event_plane=zmq", "+components.frontend.router.mode=kv").plan
+    env = {p.name: p.env for p in plan.processes}
+    assert env["prefill-1"]["DYN_EVENT_PLANE"] == "zmq"
+    assert (env["prefill-1"]["DYN_TCP_HOST"], env["prefill-0"]["DYN_TCP_HOST"]) == ("10.0.0.3", "10.0.0.2")
+
+
+VLLM_PD = (
+    "components.prefill.engine=vllm",
+    "components.decode.engine=vllm",
+    "+components.prefill.engine_args={kv_transfer_config: {kv_connector: NixlConnector}}",
+    "+components.decode.engine_args={kv_transfer_config: {kv_connector: NixlConnector}}",
+)
+
+
+def test_nixl_side_channel_ports_are_per_process_on_the_host_s_address(tmp_path: Path) -> None:
+    """vLLM's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT / _HOST) gets a port of its own per
+    process (`auto`: free on that host at `up`), bound on the host's address: two replicas on one
+    host never share one. A port the graph sets pins it."""
+    plan = _build(tmp_path, GRAPH, *VLLM_PD).plan
+    procs = {p.name: p for p in plan.processes}
+    workers = [n for n in procs if n.startswith(("prefill", "decode"))]
+    assert {n: procs[n].ports for n in workers} == {n: {f"{n}.nixl": "auto"} for n in workers}
+    assert {n: procs[n].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for n in workers} == {
+        n: f"{{port:{n}.nixl}}" for n in workers
+    }
+    assert {n: (procs[n].host, procs[n].env["VLLM_NIXL_SIDE_CHANNEL_HOST"]) for n in workers} == {
+        "decode-0": ("gpu1", "10.0.0.2"),
+        "decode-1": ("gpu1", "10.0.0.2"),
+        "prefill-0": ("gpu1", "10.0.0.2"),
+        "prefill-1": ("gpu2", "10.0.0.3"),
+        "prefill-2": ("gpu1", "10.0.0.2"),
+    }
+    assert not [
+        p for p in plan.processes if p.component == "frontend" and "VLLM_NIXL_SIDE_CHANNEL_PORT" in p.env
+    ]
+
+    # Filled: every process its own port (here all from this host's free ones).
+    filled = fill_plan(plan, ports := {})
+    side = {p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for p in filled.processes if p.name in workers}
+    assert len(side) == 5 and {ports[f"{n}.nixl"] for n in workers} == {int(p) for p in side}
+
+    # Pinned by the graph: no port allocated.
+    plan = _build(tmp_path, GRAPH, *VLLM_PD, "+components.prefill.env.VLLM_NIXL_SIDE_CHANNEL_PORT=5600").plan
+    pinned = next(p for p in plan.processes if p.name == "prefill-0")
+    assert (pinned.ports, pinned.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ({}, "5600")
+
+
+def test_single_host_side_channels_bind_loopback_and_agg_workers_get_none(tmp_path: Path) -> None:
+    text = """
+name: one
+models: {m: {path: /models/llama}}
+components:
+  frontend: {kind: frontend}
+  prefill:
+    kind: worker
+    model: m
+    engine: vllm
+    role: prefill
+    replicas: 2
+    engine_args: {kv_transfer_config: {kv_connector: NixlConnector}}
+  decode: {kind: worker, model: m, engine: vllm, role: decode, engine_args_file: /srv/decode.json}
+  agg: {kind: worker, model: m, engine: vllm}
+"""
+    plan = _build(tmp_path, text).plan
+    side = [(p.name, p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), list(p.ports)) for p in plan.processes]
+    assert side == [
+        ("agg-0", None, []),
+        ("decode-0", "127.0.0.1", ["decode-0.nixl"]),
+        ("frontend-0", None, ["frontend-0.http"]),
+        ("prefill-0", "127.0.0.1", ["prefill-0.nixl"]),
+        ("prefill-1", "127.0.0.1", ["prefill-1.nixl"]),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ its key. The errors are `RunConfigError`s, so `dyngraph run` reports them like a
 | max_model_len | null | longest sequence (prompt + output); null: the model's context length |
 | kv_bytes_per_token | 131072 | KV cache bytes one token stands for in a P/D transfer (an 8B fp16 model's) |
 | kv_transfer_gb_per_s | 25.0 | simulated KV transfer bandwidth between prefill and decode workers, GB/s |
+| embedding_dim | 256 | length of the vectors an embedding mocker (`--embedding`) returns |
 """
 
 from __future__ import annotations
@@ -54,9 +55,18 @@ class MockerArgs:
     max_model_len: int | None = None
     kv_bytes_per_token: int = 131072
     kv_transfer_gb_per_s: float = 25.0
+    embedding_dim: int = 256
 
     def __post_init__(self) -> None:
-        for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "dp_size"):
+        keys = (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "dp_size",
+            "embedding_dim",
+        )
+        for key in keys:
             _check_int(key, getattr(self, key), minimum=1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)

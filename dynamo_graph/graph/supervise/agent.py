@@ -2,25 +2,16 @@
 ssh, with the host's own python (`python -m dynamo_graph.graph.supervise.agent COMMAND`).
 
     run     start one process of the plan and watch over it (see below)
+    attach  hand this ssh channel to the `run` agent of a process whose channel was lost
     scan    list (and with --kill, stop) the processes of a graph on this host
-    probe   what preflight needs to know: versions, paths, GPUs, ports taken
+    probe   what preflight needs to know: versions, paths, model files, engine packages, env,
+            GPUs, ports taken
     ports   N free ports on this host (for `auto` ports of processes that run here)
 
-`run` reads the process (argv, env, workdir) as one JSON line on stdin, so no value of the env
-(a token, a key) is ever on a command line where `ps` would show it. The process runs in a new
-session (its own process group); its stdout and stderr go to the agent's stdout, which ssh
-carries back into the supervisor's per-process log. The agent reports on stderr, one line each:
-`pid PID START_TICKS` once started and `exit CODE` when it ended (negative: killed by a signal).
-
-The agent is the no-orphans watchdog: stdin stays open as long as the supervisor holds the ssh
-channel, and the supervisor writes `ping` on it every few seconds. `term` on stdin, stdin
-closing (the supervisor died, the connection dropped, sshd's session child was killed), or no
-line for three heartbeats (a network partition that neither end's TCP has noticed yet) stops
-the process: SIGTERM to its group, SIGKILL after the grace, then SIGKILL to whatever is left in
-the group. Should the agent itself be killed with SIGKILL, the process gets SIGKILL from the
-kernel (PR_SET_PDEATHSIG); its own children in other sessions are then found by `scan --kill`,
-which `dyngraph down` runs on every host: every process of a graph carries
-`DYNGRAPH_PROC=<graph id>/<name>` in its environment.
+`run` and `attach`, the watchdog that keeps a remote process from running unsupervised and lets
+a supervisor re-attach to it over a new connection, are in agent_run.py. Every process of a
+graph carries `DYNGRAPH_PROC=<graph id>/<name>` in its environment, which `scan` looks for (and
+`dyngraph down` runs `scan --kill` on every host).
 """
 
 from __future__ import annotations
@@ -28,26 +19,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
 import json
 import os
-import select
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import dynamo_graph
+from dynamo_graph.graph.supervise.agent_run import TAG_ENV, attach, clear_sockets, run
 
-TAG_ENV = "DYNGRAPH_PROC"
 HEARTBEAT_S = 2.0  # how often the supervisor pings an agent; 3 missed and the agent stops its process
+REATTACH_S = 10.0  # how long a process outlives its lost channel, waiting for its supervisor to re-attach
 MODULE = "dynamo_graph.graph.supervise.agent"
-_PR_SET_PDEATHSIG = 1
 
 
 # ---- the supervisor's side of the protocol (ssh.py, and render.py's shell script) --------------
@@ -66,108 +56,22 @@ def command(python: str, *args: str) -> str:
 
 
 def run_request(
-    argv: list[str], env: dict[str, str], workdir: str, tag: str, grace_s: float, heartbeat_s: float
+    argv: list[str],
+    env: dict[str, str],
+    workdir: str,
+    tag: str,
+    grace_s: float,
+    heartbeat_s: float,
+    reattach_s: float = 0.0,
 ) -> str:
     """The line `run` reads on stdin; with `heartbeat_s` > 0 the sender must then write a line
-    (`ping`) at least that often, or the agent takes it for gone."""
+    (`ping`) at least that often, or the agent takes it for gone; with `reattach_s` > 0 the
+    process outlives a lost channel that long, for `attach`."""
     request = {"argv": argv, "env": env, "workdir": workdir, "tag": tag, "grace_s": grace_s}
-    return json.dumps({**request, "heartbeat_s": heartbeat_s}) + "\n"
+    return json.dumps({**request, "heartbeat_s": heartbeat_s, "reattach_s": reattach_s}) + "\n"
 
 
-class _Stdin:
-    """Lines from fd 0, unbuffered beyond what was read, with a timeout per line."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def line(self, timeout: float | None) -> bytes | None:
-        """The next line; b"" at end of input, None when none came within `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([0], [], [], left)[0]:
-                return None
-            chunk = os.read(0, 65536)
-            if not chunk:
-                return b""
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line + b"\n"
-
-
-# ---- the agent --------------------------------------------------------------------------------
-
-
-def _die_with_agent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(
-        _PR_SET_PDEATHSIG, signal.SIGKILL
-    )  # the C library's, glibc or musl
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _start_ticks(pid: int) -> int:
-    """Start time of `pid` in clock ticks since boot; 0 when it is already gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
-def _control(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _command(argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "dynamo_graph", *argv[1:]] if argv[0] == "dyngraph" else argv
-
-
-def run() -> int:
-    stdin = _Stdin()
-    request = stdin.line(None)
-    if not request:
-        return 2  # the supervisor went away before saying what to run
-    spec = json.loads(request)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], TAG_ENV: spec["tag"]}
-    try:
-        child = subprocess.Popen(
-            _command(spec["argv"]),
-            cwd=os.path.expanduser(spec["workdir"]),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=sys.stdout.fileno(),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_agent,
-        )
-    except OSError as e:
-        print(f"dyngraph: cannot start {spec['argv'][0]!r}: {e}", flush=True)
-        _control("exit 127")
-        return 0
-    _control(f"pid {child.pid} {_start_ticks(child.pid)}")
-    grace = float(spec["grace_s"])
-    silence = 3 * spec["heartbeat_s"] if spec["heartbeat_s"] > 0 else None
-
-    def watch_stdin() -> None:
-        while (line := stdin.line(silence)) and line.strip() != b"term":
-            pass  # a ping
-        _killpg(child.pid, signal.SIGTERM)  # `term`, stdin closed or silent: the supervisor is gone
-        try:
-            child.wait(grace)
-        except subprocess.TimeoutExpired:
-            _killpg(child.pid, signal.SIGKILL)
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    code = child.wait()
-    _killpg(child.pid, signal.SIGKILL)  # what it left in its group; its pid is still the group's id
-    with contextlib.suppress(OSError):  # the channel may be gone already
-        _control(f"exit {code}")
-    return 0
+# ---- scan, probe, ports -----------------------------------------------------------------------
 
 
 def _tagged(prefix: str) -> dict[int, str]:
@@ -189,7 +93,8 @@ def _tagged(prefix: str) -> dict[int, str]:
 
 def scan(prefix: str, kill_grace: float | None) -> int:
     """Print the graph's processes on this host as JSON `{pid: tag}`; with a grace, stop them
-    first (SIGTERM, the grace, SIGKILL) and print what is still there."""
+    first (SIGTERM, the grace, SIGKILL), clear the re-attach sockets their agents left, and print
+    what is still there."""
     if kill_grace is not None:
         for pid in _tagged(prefix):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -203,14 +108,17 @@ def scan(prefix: str, kill_grace: float | None) -> int:
         deadline = time.monotonic() + 5.0
         while _tagged(prefix) and time.monotonic() < deadline:
             time.sleep(0.05)
+        clear_sockets(prefix)
     print(json.dumps({str(pid): tag for pid, tag in sorted(_tagged(prefix).items())}))
     return 0
 
 
 def gpu_count() -> tuple[int, str]:
+    """NVIDIA GPUs on this host, and why there are none when none are found: `nvidia-smi -L`,
+    else NVML (libnvidia-ml, which the driver installs even where nvidia-smi is not on PATH)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0, "nvidia-smi not found"
+        return _nvml_gpu_count()
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -218,6 +126,21 @@ def gpu_count() -> tuple[int, str]:
     if out.returncode != 0:
         return 0, f"nvidia-smi failed: {(out.stderr or out.stdout).strip()[:200]}"
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")), ""
+
+
+def _nvml_gpu_count() -> tuple[int, str]:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0, "no NVIDIA GPU found: nvidia-smi is not on PATH and the NVML library is not installed"
+    if (code := nvml.nvmlInit_v2()) != 0:
+        return 0, f"NVML could not start (error {code}): is the NVIDIA driver loaded?"
+    count = ctypes.c_uint(0)
+    try:
+        code = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    finally:
+        nvml.nvmlShutdown()
+    return (count.value, "") if code == 0 else (0, f"NVML could not count GPUs (error {code})")
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -232,23 +155,63 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def probe() -> int:
-    """Reads `{"paths": [...], "gpus": bool, "ports": [[host, port], ...]}`; prints what it found."""
-    ask: dict[str, Any] = json.loads(sys.stdin.readline())
-    gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
-    print(
-        json.dumps(
-            {
-                "version": dynamo_graph.__version__,
-                "python": ".".join(map(str, sys.version_info[:3])),
-                "executable": sys.executable,
-                "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
-                "gpus": gpus,
-                "gpu_note": gpu_note,
-                "taken": [[h, p] for h, p in ask.get("ports", []) if port_taken(h, p)],
-            }
+TOKENIZER_FILES = ("tokenizer.json",)
+"""What the pre/post-processor loads a model's tokenizer from (llm/model_source.py), unless the
+model is a GGUF, which embeds its own."""
+
+
+def model_problem(path: str, config: str | None, gguf: bool) -> str | None:
+    """Why a worker could not load the model at `path` (with `--model-config` folder `config`), or
+    None. `gguf`: the engine (llama.cpp) needs a .gguf file, or a folder with one."""
+    model = Path(path).expanduser()
+    if not model.exists():
+        return "does not exist"
+    if model.is_file():
+        return (
+            None
+            if model.suffix.lower() == ".gguf"
+            else "is a file but not a .gguf (give an HF model's folder)"
         )
-    )
+    if gguf:
+        return None if any(model.glob("*.gguf")) else "holds no .gguf file, which llama.cpp needs"
+    folders = [model, *([Path(config).expanduser()] if config else [])]
+    lacks = []
+    if not any((f / name).is_file() for f in folders for name in TOKENIZER_FILES):
+        lacks.append(" or ".join(TOKENIZER_FILES))
+    if not (model / "config.json").is_file():
+        lacks.append("config.json")
+    return f"is not a Hugging Face model folder: it has no {' and no '.join(lacks)}" if lacks else None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
+
+
+def answer(ask: dict[str, Any]) -> dict[str, Any]:
+    """What preflight asked about this host (see `probe`), found by this interpreter."""
+    gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
+    models = {p: why for p, config, gguf in ask.get("models", []) if (why := model_problem(p, config, gguf))}
+    return {
+        "version": dynamo_graph.__version__,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+        "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
+        "models": models,
+        "modules_missing": [m for m in ask.get("modules", []) if not _importable(m)],
+        "env_unset": [n for n in ask.get("env", []) if not os.environ.get(n, "").strip()],
+        "gpus": gpus,
+        "gpu_note": gpu_note,
+        "taken": [[h, p] for h, p in ask.get("ports", []) if port_taken(h, p)],
+    }
+
+
+def probe() -> int:
+    """Reads `{"paths": [...], "models": [[path, config, gguf], ...], "modules": [...], "env": [...],
+    "gpus": bool, "ports": [[host, port], ...]}` (each optional); prints what it found."""
+    print(json.dumps(answer(json.loads(sys.stdin.readline()))))
     return 0
 
 
@@ -273,6 +236,8 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
 def main(args: list[str]) -> int:
     if args[:1] == ["run"]:
         return run()
+    if args[:1] == ["attach"] and len(args) == 2:
+        return attach(args[1])
     if args[:1] == ["scan"] and len(args) in (2, 4) and (len(args) == 2 or args[2] == "--kill"):
         return scan(args[1], float(args[3]) if len(args) == 4 else None)
     if args[:1] == ["probe"]:
@@ -280,7 +245,10 @@ def main(args: list[str]) -> int:
     if args[:1] == ["ports"] and len(args) >= 2:
         print(json.dumps(free_ports(int(args[1]), {int(p) for p in args[2:]})))
         return 0
-    print("usage: agent run | scan PREFIX [--kill GRACE_S] | probe | ports N [EXCLUDE...]", file=sys.stderr)
+    print(
+        "usage: agent run | attach TAG | scan PREFIX [--kill GRACE_S] | probe | ports N [EXCLUDE...]",
+        file=sys.stderr,
+    )
     return 2
 
 

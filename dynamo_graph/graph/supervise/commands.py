@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.supervise import control, probes
+from dynamo_graph.graph.supervise import control, probes, registry
 from dynamo_graph.graph.supervise.daemon import supervise
 from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
-from dynamo_graph.graph.supervise.logs import LogFollower, tail_lines
+from dynamo_graph.graph.supervise.logs import LogFollower, interleaved, tail_lines
 from dynamo_graph.graph.supervise.ports import listening, plan_ports
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir
+from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, record_alive
 from dynamo_graph.graph.supervise.supervisor import Supervisor
 from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 DAEMON_START_TIMEOUT_S = 15.0
 FAILURE_LOG_LINES = 20
 POLL_S = 0.02
+ATTACH_POLL_S = 0.1
 
 
 # ---- up ---------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class DetachedUp:
         if self.orphans:
             console.print(f"[bold red]error:[/] processes of a previous run would not stop: {self.orphans}")
             return 1
-        _preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
+        preflight(built, check_ports=self.daemon is not None)  # a fresh supervisor: no port is ours yet
         _write_resolved(state, built)
         try:
             if self.daemon is not None:
@@ -185,16 +186,17 @@ class DetachedUp:
         return 0
 
 
-def _preflight(built: Built, *, check_ports: bool) -> None:
+def preflight(built: Built, *, check_ports: bool) -> None:
     """Raises GraphError (exit 2 in the CLI) with every problem of the graph's hosts."""
-    from dynamo_graph.graph.supervise.preflight import preflight
+    from dynamo_graph.graph.supervise.preflight import preflight as check
 
     loaded = built.loaded
-    preflight(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
+    check(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
 
 
 def up_foreground(built: Built, console: Console) -> int:
-    """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all."""
+    """Like `docker compose up`: run the supervisor here, stream prefixed logs, Ctrl-C stops all.
+    On a graph already running in the background: apply the changes, then attach to it."""
     plan = built.plan
     state = StateDir(plan.state_dir)
     with state.lock():
@@ -203,13 +205,14 @@ def up_foreground(built: Built, console: Console) -> int:
             if orphans := _reap_orphans(state):
                 console.print(f"[bold red]error:[/] processes of a previous run would not stop: {orphans}")
                 return 1
-            _preflight(built, check_ports=True)
+            preflight(built, check_ports=True)
             _write_resolved(state, built)
             state.write_pid(os.getpid())  # claim the graph before releasing the lock
     if running:
         console.print(f"graph {plan.graph} already runs in the background: applying the changes to it")
         with DetachedUp(state) as up:
-            return up.run(built, console)
+            code = up.run(built, console)
+        return code or attach(state, console)
     prefix = Prefixer(console, [p.name for p in plan.processes])
     started = time.monotonic()
 
@@ -234,6 +237,30 @@ def up_foreground(built: Built, console: Console) -> int:
             follower.poll()
 
     asyncio.run(supervise(state, prefix.event, plan, alongside=stream))
+    return 0
+
+
+def attach(state: StateDir, console: Console) -> int:
+    """`up` in the foreground on a graph that runs in the background: follow its processes' logs
+    and the supervisor's reports until Ctrl-C, which stops the graph as `down` does (as
+    `docker compose up` does), or until something else stops it."""
+    plan = state.read_plan()
+    names = [p.name for p in plan.processes] if plan else []
+    prefix = Prefixer(console, names)
+    follower = LogFollower(prefix.line)
+    for name in names:
+        follower.add(name, state.log_file(name), from_end=True)
+    follower.add("dyngraph", state.supervisor_log, from_end=True)
+    console.print("attached to its logs; Ctrl-C stops the graph (`dyngraph up -d` leaves it running)")
+    try:
+        while state.supervisor() is not None:
+            follower.poll()
+            time.sleep(ATTACH_POLL_S)
+    except KeyboardInterrupt:
+        console.print("stopping the graph (Ctrl-C)")
+        return down(state, console)
+    follower.poll()
+    console.print("the graph was stopped")
     return 0
 
 
@@ -262,7 +289,9 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
     # A remote process's http / tcp probe only means something from its host: the supervisor runs
     # those; here they show as "-".
     live = [
-        n for n, r in records.items() if _running(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
+        n
+        for n, r in records.items()
+        if record_alive(r) and (r.host == LOCAL or _probe_kind(plan, n) == "log")
     ]
     results = await asyncio.gather(*(one(n) for n in live if any(p.name == n for p in plan.processes)))
     return dict(zip(live, results, strict=False))
@@ -295,9 +324,8 @@ def logs(state: StateDir, console: Console, selector: str | None, follow: bool, 
             console.print(f"[bold red]error:[/] no process or component named {selector!r}", highlight=False)
             return 1
     prefix = Prefixer(console, names)
-    for name in names:
-        for line in tail_lines(state.log_file(name), lines):
-            prefix.line(name, line)
+    for name, line in interleaved({name: tail_lines(state.log_file(name), lines) for name in names}):
+        prefix.line(name, line)
     if not follow:
         return 0
     follower = LogFollower(prefix.line)
@@ -328,9 +356,9 @@ def down(state: StateDir, console: Console) -> int:
         plan = state.read_plan()
         records = state.read_processes()
         sup = state.supervisor()
-        live = [r for r in records if _running(r)]
+        live = [r for r in records if record_alive(r)]
         if sup is None and not live:
-            state.clear_runtime_files()
+            _forget_supervisor(state)
             console.print(f"graph in {state.root} is not running")
             return 0
         grace = _grace(plan)
@@ -345,7 +373,7 @@ def down(state: StateDir, console: Console) -> int:
                 kill_verified(sup.pid, sup.start_ticks, signal.SIGKILL)
         remote, unchecked = _stop_remote(state, plan, grace)
         leftovers = _stop_leftovers(records, grace) + remote
-        state.clear_runtime_files()
+        _forget_supervisor(state)
         ports = sorted(p for p in plan_ports(plan) if listening(p)) if plan else []
     for why in unchecked:
         console.print(f"[bold red]error:[/] cannot check what is left of the graph on {why}", highlight=False)
@@ -361,6 +389,12 @@ def down(state: StateDir, console: Console) -> int:
     return 0
 
 
+def _forget_supervisor(state: StateDir) -> None:
+    """Its pid and socket files, and its entry in `dyngraph ls` (left behind when it was killed)."""
+    state.clear_runtime_files()
+    registry.leave(state.root)
+
+
 def _grace(plan: Plan | None) -> float:
     return max((p.shutdown_grace_s for p in plan.processes), default=10.0) if plan else 10.0
 
@@ -374,7 +408,7 @@ def _reap_orphans(state: StateDir) -> list[str]:
     remote, _ = _stop_remote(state, plan, _grace(plan))
     leftovers = _stop_leftovers(state.read_processes(), _grace(plan)) + remote
     if not leftovers:
-        state.clear_runtime_files()
+        _forget_supervisor(state)
     return leftovers
 
 
@@ -383,7 +417,7 @@ def _stop_leftovers(records: list[ProcessRecord], grace: float) -> list[str]:
     Returns the names of any still alive after that."""
 
     def alive() -> list[ProcessRecord]:
-        return [r for r in records if r.host == LOCAL and _running(r)]
+        return [r for r in records if r.host == LOCAL and record_alive(r)]
 
     for record in alive():
         kill_verified(record.pid, record.start_ticks, signal.SIGTERM)  # type: ignore[arg-type]
@@ -398,16 +432,10 @@ def _probe_kind(plan: Plan, name: str) -> str | None:
     return next((p.readiness.kind for p in plan.processes if p.name == name), None)
 
 
-def _running(record: ProcessRecord) -> bool:
-    """A local process by its verified pid; a remote one as its supervisor last recorded it."""
-    if record.host != LOCAL:
-        return record.state in ("starting", "ready")
-    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
-
-
 def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list[str], list[str]]:
     """Stop what is left of the graph on each remote host (normally nothing: the agents stop
-    their processes with the supervisor); returns what would not stop and the hosts not reached."""
+    their processes with the supervisor, or agent.REATTACH_S after it died); returns what would
+    not stop and the hosts not reached."""
     if plan is None or not plan.hosts:
         return [], []
     from dynamo_graph.graph.supervise.ssh import sweep_hosts

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.supervise import control
+from dynamo_graph.graph.supervise import control, registry
 from dynamo_graph.graph.supervise.state import StateDir
 from dynamo_graph.graph.supervise.supervisor import Report, Supervisor
 
@@ -36,11 +36,13 @@ async def supervise(
     alongside: Callable[[Supervisor], Awaitable[None]] | None = None,
 ) -> None:
     """Run until a `stop` request, SIGINT or SIGTERM, then stop everything. `alongside` (the
-    foreground's log streaming) runs meanwhile and is cancelled once every process stopped."""
+    foreground's log streaming, `dyngraph test`'s checks) runs meanwhile: when it returns, the
+    graph stops too; if still running, it is cancelled once every process stopped."""
     state.ensure()
     for name in FRESH_DIRS:
         shutil.rmtree(state.root / name, ignore_errors=True)
     state.write_pid(os.getpid())
+    registry.enter(state.root)  # `dyngraph ls` lists it
     sup = Supervisor(state, report)
     shutdown = asyncio.Event()
 
@@ -62,6 +64,7 @@ async def supervise(
             await sup.apply(plan)
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
+            extra.add_done_callback(lambda _: shutdown.set())
         await shutdown.wait()
     finally:
         server.close()
@@ -72,6 +75,7 @@ async def supervise(
             with contextlib.suppress(asyncio.CancelledError):
                 await extra
         state.clear_runtime_files()
+        registry.leave(state.root)
         report("dyngraph", "stopped")
 
 

@@ -51,23 +51,27 @@ def mark_start(log_path: Path, name: str, attempt: int) -> int:
     """Write the start marker of a run to its log; returns where the run's output begins."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        log.write(f"{START_MARKER}{name} (run {attempt}) at {time.ctime()} ---\n".encode())
+        now = time.time()  # UTC and milliseconds, so `dyngraph logs` can order it among the others
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        log.write(f"{START_MARKER}{name} (run {attempt}) at {stamp} ---\n".encode())
         return log.tell()
 
 
-def command_line(spec: ProcessSpec) -> list[str]:
-    """The argv to exec: the plan's leading `dyngraph` runs as this interpreter's module."""
+def command_line(spec: ProcessSpec, python: str | None = None) -> list[str]:
+    """The argv to exec: the plan's leading `dyngraph` runs as a module of `python` (the plan's
+    local interpreter), or of this interpreter."""
     if spec.argv[0] == "dyngraph":
-        return [sys.executable, "-m", "dynamo_graph", *spec.argv[1:]]
+        return [python or sys.executable, "-m", "dynamo_graph", *spec.argv[1:]]
     return list(spec.argv)
 
 
 class LocalProcess:
     """One run of a spec: started by `start`, reaped by `wait`, stopped by `stop`."""
 
-    def __init__(self, spec: ProcessSpec, log_path: Path) -> None:
+    def __init__(self, spec: ProcessSpec, log_path: Path, python: str | None = None) -> None:
         self.spec = spec
         self.log_path = log_path
+        self.python = python
         self.proc: asyncio.subprocess.Process | None = None
         self.log_offset = 0  # where this run's output starts in the log
         self.start_ticks: int | None = None
@@ -85,7 +89,7 @@ class LocalProcess:
             self.started_at = time.time()
             try:
                 self.proc = await asyncio.create_subprocess_exec(
-                    *command_line(self.spec),
+                    *command_line(self.spec, self.python),
                     cwd=self.spec.workdir,
                     env=env,
                     stdin=asyncio.subprocess.DEVNULL,

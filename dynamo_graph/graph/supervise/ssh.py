@@ -14,9 +14,15 @@ spec as a JSON line on stdin (so env values never reach a command line), answers
 streams the output, which is appended here to the same per-process log as a local process's,
 and ends with `exit CODE`. The agent is the watchdog against orphans: when the channel closes
 (supervisor gone, connection cut) or the supervisor's heartbeat on it stops (a partition), it
-stops its process. A dropped connection ends every channel on it, so the runners see their
-processes exit (code 255, as `ssh` reports it) and apply their restart policy; the next start
-reconnects, with backoff. Processes are never re-adopted: a new supervisor starts fresh ones.
+keeps its process running for agent.REATTACH_S, waiting to be re-attached, and then stops it.
+A dropped connection ends every channel on it: each RemoteProcess then reports its process
+`reconnecting` (status shows it) and reconnects, with backoff, and runs `agent attach` over a
+new channel. A process still running is re-adopted: the same pid, the output it wrote meanwhile
+appended to its log, no restart counted. One that ended meanwhile is reported with its exit
+code, and one whose agent is gone (not back in time: it stopped it) as LOST (255, as `ssh`
+reports a lost connection); the runner applies the restart policy to both. Only the supervisor
+that started a process re-attaches it: a new supervisor starts fresh ones (the old ones stop
+when nobody re-attaches them).
 
 Readiness probes of a remote process connect from its host, through the ssh connection, and
 `auto` ports of a process on a remote host are ports free there (the agent's `ports`).
@@ -28,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +51,7 @@ KEEPALIVE_S = 2.0  # a silent connection is declared dead after 3 missed keepali
 AGENT_START_TIMEOUT_S = 30.0
 AGENT_RUN_TIMEOUT_S = 60.0  # probe may wait on nvidia-smi; scan --kill gets its grace on top
 LOST = 255  # exit code of a process whose connection was lost (what `ssh` exits with)
+REATTACH_MARGIN_S = 5.0  # tries to re-attach go on this much longer than the agent waits
 
 
 class SshError(OSError):
@@ -224,6 +232,9 @@ class RemoteProcess:
         self.started_at = 0.0
         self._proc: asyncssh.SSHClientProcess[bytes] | None = None
         self._done: asyncio.Future[int] | None = None
+        self._stopping = False
+        # Told when the connection is lost (False) and when the process is re-attached (True).
+        self.on_link: Callable[[bool, str], None] = lambda attached, why: None
 
     def _log(self, text: str) -> None:
         with self.log_path.open("ab") as log:
@@ -237,7 +248,9 @@ class RemoteProcess:
         try:
             proc = self._proc = await self.hosts.session(self.spec.host, agent.command(host.python, "run"))
             s, tag = self.spec, f"{self.tag}/{self.spec.name}"
-            request = agent.run_request(s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S)
+            request = agent.run_request(
+                s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S, agent.REATTACH_S
+            )
             proc.stdin.write(request.encode())
             async with asyncio.timeout(AGENT_START_TIMEOUT_S):
                 words, noise = await _pid_line(proc.stderr)
@@ -277,14 +290,54 @@ class RemoteProcess:
                 proc.stdin.write(b"ping\n")
 
     async def _watch(self, proc: asyncssh.SSHClientProcess[bytes], heartbeat: asyncio.Future[None]) -> int:
-        output = asyncio.ensure_future(self._copy_output(proc))
-        code = await self._read_exit(proc)
-        heartbeat.cancel()
-        if code == LOST:
-            self._log(f"connection to {describe(self.spec.host, self.hosts.hosts[self.spec.host])} lost")
-            self._close()  # the remote agent sees its channel close and stops the process
-        await output
-        return code
+        while True:
+            output = asyncio.ensure_future(self._copy_output(proc))
+            code = await self._read_exit(proc)
+            heartbeat.cancel()
+            if code != LOST:
+                await output
+                return code
+            where = describe(self.spec.host, self.hosts.hosts[self.spec.host])
+            self._log(f"connection to {where} lost; re-attaching")
+            self._close()  # the remote agent sees its channel close and waits to be re-attached
+            await output
+            self.on_link(False, f"connection to {where} lost; re-attaching")
+            again = await self._reattach()
+            if again is None:
+                self._log(f"could not re-attach on {where}: the agent has stopped the process")
+                return LOST
+            self._log(f"re-attached on {where} (pid {self.pid})")
+            self.on_link(True, "")
+            proc = self._proc = again
+            heartbeat = asyncio.ensure_future(self._ping(proc))
+
+    async def _reattach(self) -> asyncssh.SSHClientProcess[bytes] | None:
+        """A new channel to this process's agent, over a new connection when needed; None once
+        the agent says it is gone or the time it waits has passed."""
+        host = self.hosts.hosts[self.spec.host]
+        command = agent.command(host.python, "attach", f"{self.tag}/{self.spec.name}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + agent.REATTACH_S + REATTACH_MARGIN_S
+        delay = RECONNECT_BACKOFF_S[0]
+        while (left := deadline - loop.time()) > 0:
+            proc = None
+            try:
+                async with asyncio.timeout(left):
+                    proc = await self.hosts.session(self.spec.host, command)
+                    words, _ = await _pid_line(proc.stderr)
+            except (OSError, asyncssh.Error, TimeoutError):
+                if proc is not None:
+                    proc.close()
+                await asyncio.sleep(min(delay, max(deadline - loop.time(), 0)))
+                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                continue
+            if words and int(words[1]) == self.pid:
+                if self._stopping:  # `stop` came while the connection was down
+                    proc.stdin.write(b"term\n")
+                return proc
+            proc.close()  # `gone`: nobody waits for this process any more
+            return None
+        return None
 
     async def _copy_output(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
         with self.log_path.open("ab") as log, contextlib.suppress(OSError, asyncssh.Error):
@@ -312,11 +365,14 @@ class RemoteProcess:
         the agent's watchdog has done it already."""
         if self._done is None:
             return None
+        self._stopping = True
         if not self._done.done():
             assert self._proc is not None
             with contextlib.suppress(OSError, asyncssh.Error):
                 self._proc.stdin.write(b"term\n")
-            done, _ = await asyncio.wait([self._done], timeout=self.spec.shutdown_grace_s + 10.0)
+            # Reconnecting: a re-attach sends `term`; else the agent stops it once it stops waiting.
+            wait = self.spec.shutdown_grace_s + 10.0 + agent.REATTACH_S + REATTACH_MARGIN_S
+            done, _ = await asyncio.wait([self._done], timeout=wait)
             if not done:
                 self._close()
         return await self.wait()

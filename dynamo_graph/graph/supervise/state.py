@@ -27,10 +27,11 @@ from typing import Literal
 
 import msgspec
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.supervise.local import pid_alive, pid_start_ticks
 
-ProcState = Literal["starting", "ready", "restarting", "exited", "failed", "stopped"]
+# reconnecting: on a remote host whose connection was lost; still running there, being re-attached.
+ProcState = Literal["starting", "ready", "reconnecting", "restarting", "exited", "failed", "stopped"]
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -48,6 +49,14 @@ class ProcessRecord(msgspec.Struct):
     started_at: float | None = None  # wall clock of the current run's start
     last_exit: int | None = None  # return code; negative: killed by that signal
     message: str = ""
+
+
+def record_alive(record: ProcessRecord) -> bool:
+    """A local process by its verified pid; a remote one as its supervisor last recorded it (a
+    remote pid means nothing here)."""
+    if record.host != LOCAL:
+        return record.state in ("starting", "ready", "reconnecting")
+    return record.pid is not None and pid_alive(record.pid, record.start_ticks)
 
 
 class SupervisorPid(msgspec.Struct):
@@ -139,6 +148,12 @@ class StateDir:
 
     def write_ports(self, ports: dict[str, int]) -> None:
         atomic_write(self.ports_file, msgspec.json.format(msgspec.json.encode(dict(sorted(ports.items())))))
+
+    def read_ports(self) -> dict[str, int]:
+        try:
+            return msgspec.json.decode(self.ports_file.read_bytes(), type=dict[str, int])
+        except FileNotFoundError:
+            return {}
 
     def write_processes(self, records: list[ProcessRecord]) -> None:
         atomic_write(self.processes_file, msgspec.json.format(msgspec.json.encode(records)))

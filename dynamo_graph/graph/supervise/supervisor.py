@@ -7,11 +7,15 @@ backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a ru
 left `failed` and its last log lines are reported.
 
 Processes on remote hosts run through the ssh launcher (ssh.py), which the supervisor loads only
-for a plan that has remote hosts; runners treat its processes exactly as local ones.
+for a plan that has remote hosts; runners treat its processes exactly as local ones, but for one
+more state: `reconnecting` while the connection to their host is lost and the launcher tries to
+re-attach to the process, which runs on meanwhile. Re-attached, it is the same run (no restart
+counted); if it ended meanwhile or could not be re-attached, that is its exit, as for any other.
 
 `apply(plan)` is both the first start and every later `up`: it diffs the new plan against the
-running one by each process's launch identity (argv, env, workdir, host), restarts what
-changed, starts what is new, stops what is gone, and leaves the rest alone.
+running one by each process's launch identity (changes.py: argv, env, workdir, host, the
+engine-args file it is given), restarts what changed and what depends on it, starts what is
+new, stops what is gone, and leaves the rest alone.
 Stopping goes in reverse dependency order: a process stops once everything depending on it has.
 """
 
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.supervise import probes
+from dynamo_graph.graph.supervise.changes import moved_hosts, plan_changes
 from dynamo_graph.graph.supervise.local import LocalProcess
 from dynamo_graph.graph.supervise.logs import tail_lines
 from dynamo_graph.graph.supervise.ports import fill_plan
@@ -39,11 +44,6 @@ CRASH_LOG_LINES = 20
 PROBE_MAX_INTERVAL_S = 0.05  # probes start at 10 ms and back off to this
 
 Report = Callable[[str, str], None]  # (process name, message)
-
-
-def launch_identity(spec: ProcessSpec) -> tuple[object, ...]:
-    """What makes two specs the same running process: a change here means a restart."""
-    return (spec.argv, spec.env, spec.workdir, spec.host)
 
 
 class Runner:
@@ -119,6 +119,8 @@ class Runner:
     async def _one_run(self, attempt: int) -> tuple[int, bool]:
         """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
         self.proc = self.sup.launcher(self.spec)
+        if not isinstance(self.proc, LocalProcess):
+            self.proc.on_link = self._link_changed
         self._start = asyncio.ensure_future(self.proc.start(attempt))
         try:
             await asyncio.shield(self._start)
@@ -147,6 +149,17 @@ class Runner:
         code = await exited
         self._set(last_exit=code)
         return code, code != 0 or not self.ready.is_set()
+
+    def _link_changed(self, attached: bool, why: str) -> None:
+        """A remote process's connection was lost (it runs on, unwatched) or it was re-adopted over
+        a new one: the same run, so no restart is counted."""
+        if attached:
+            self._set(state="ready" if self.ready.is_set() else "starting", message="")
+            pid = self.proc.pid if self.proc else None
+            self.sup.report(self.spec.name, f"re-attached over a new connection (pid {pid}), not restarted")
+        else:
+            self._set(state="reconnecting", message=why)
+            self.sup.report(self.spec.name, why)
 
     async def _probe_until_ready(
         self, proc: LocalProcess | RemoteProcess, exited: asyncio.Future[int]
@@ -194,7 +207,7 @@ class Supervisor:
         """One run of `spec`, on this host or over ssh."""
         log = self.state.log_file(spec.name)
         if spec.host == LOCAL:
-            return LocalProcess(spec, log)
+            return LocalProcess(spec, log, self.plan.local_python if self.plan else None)
         from dynamo_graph.graph.supervise.agent import graph_tag
         from dynamo_graph.graph.supervise.ssh import RemoteProcess
 
@@ -215,36 +228,33 @@ class Supervisor:
                 self.ssh = SshHosts({})
             self.ssh.update(raw.hosts)
             await self.ssh.allocate_ports(raw, self.ports)
-        moved = {h for h in raw.hosts if self.plan is not None and self.plan.hosts.get(h) != raw.hosts[h]}
+        moved = moved_hosts(self.plan, raw)
         plan = fill_plan(raw, self.ports)
         for path, text in plan.files.items():
             atomic_write(Path(path), text)
         new = {p.name: p for p in plan.processes}
         old = self.runners
-        added = [n for n in new if n not in old]
-        changed = [
-            n
-            for n in new
-            if n in old and (launch_identity(old[n].spec) != launch_identity(new[n]) or new[n].host in moved)
-        ]
-        removed = [n for n in old if n not in new]
-        kept = {n: old[n] for n in new if n in old and n not in changed}
+        changes = plan_changes(
+            {n: r.spec for n, r in old.items()}, self.plan.files if self.plan else {}, plan, moved
+        )
+        restart = changes.restarted
+        kept = {n: old[n] for n in new if n in old and n not in restart}
         for name, runner in kept.items():
             runner.spec = new[name]  # the same process; its dependencies or policy may differ
         self.runners = kept
-        for name in added:
+        for name in changes.added:
             self.runners[name] = Runner(self, new[name])
         self.plan = plan
         self._order()
-        going = [old[n] for n in [*changed, *removed]]
+        going = [old[n] for n in [*restart, *changes.removed]]
         if going:
-            task = asyncio.create_task(self._replace(going, [new[n] for n in changed]))
+            task = asyncio.create_task(self._replace(going, [new[n] for n in restart]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         self.state.write_plan(plan)
         self.state.write_ports(self.ports)
         self.persist()
-        return [f"+ {n}" for n in added] + [f"~ {n}" for n in changed] + [f"- {n}" for n in removed]
+        return changes.lines()
 
     def _order(self) -> None:
         """Keep runners (and so processes.json and `status`) in plan order."""

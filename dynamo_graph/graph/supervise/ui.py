@@ -14,6 +14,7 @@ from dynamo_graph.graph.supervise.state import ProcessRecord
 _STATE_STYLE = {
     "ready": "green",
     "starting": "yellow",
+    "reconnecting": "yellow",
     "restarting": "yellow",
     "exited": "dim",
     "stopped": "dim",
@@ -22,8 +23,11 @@ _STATE_STYLE = {
 _PREFIX_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta")
 
 
+_RUNNING = ("starting", "ready", "reconnecting")  # states with a live process (and pid)
+
+
 def _uptime(record: ProcessRecord) -> str:
-    if record.state not in ("starting", "ready") or record.started_at is None:
+    if record.state not in _RUNNING or record.started_at is None:
         return "-"
     seconds = int(time.time() - record.started_at)
     hours, rest = divmod(seconds, 3600)
@@ -39,11 +43,12 @@ def status_table(plan: Plan, records: dict[str, ProcessRecord], health: dict[str
     for spec in plan.processes:
         record = records.get(spec.name)
         state = record.state if record else "-"
-        running = record is not None and record.state in ("starting", "ready")
+        running = record is not None and record.state in _RUNNING
+        lost = record is not None and record.state == "reconnecting"
         cells: list[str | Text] = [
             spec.component,
             str(spec.replica),
-            spec.host,
+            Text(f"{spec.host} (disconnected)", style="yellow") if lost else spec.host,
             str(record.pid) if running and record and record.pid else "-",
             Text(state, style=_STATE_STYLE.get(state, "")),
             str(record.restarts) if record else "-",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+ALL_INTERFACES = frozenset({"", "*", "0.0.0.0", "::", "[::]"})  # bind addresses zmq refuses
 DEFAULT_MAX_PENDING = 65_536
 """Events buffered per subscriber (and per publisher->subscriber pipe for zmq) before dropping."""
 

@@ -23,13 +23,12 @@ import zmq.asyncio
 
 from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
-from dynamo_graph.runtime.events.common import DEFAULT_MAX_PENDING, GapCounter, check_topics
+from dynamo_graph.runtime.events.common import ALL_INTERFACES, DEFAULT_MAX_PENDING, GapCounter, check_topics
 from dynamo_graph.runtime.names import EndpointName, NameError_, instance_id_from_key
 
 log = logging.getLogger(__name__)
 
 EVENT_CHANNELS_ROOT = "v1/event_channels"
-_ALL_INTERFACES = {"", "*", "0.0.0.0", "::", "[::]"}
 
 
 def event_channels_prefix(namespace: str, component: str) -> str:
@@ -67,7 +66,7 @@ class ZmqEventPublisher(EventPublisher):
     ) -> ZmqEventPublisher:
         """Bind on `host` (one interface: loopback by default) and announce `advertise_host`
         (default `host`): for many machines, bind a routable address of this host."""
-        if host in _ALL_INTERFACES:
+        if host in ALL_INTERFACES:
             raise ValueError(f"zmq event publisher: bind one interface, not {host!r} (all interfaces)")
         key = event_channels_prefix(namespace, component) + f"{publisher_id:x}"
         sock = zmq.asyncio.Context.instance().socket(zmq.PUB)

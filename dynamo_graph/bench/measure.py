@@ -1,0 +1,218 @@
+"""One benchmark of one running frontend: the workload at every load point, with a progress bar,
+what the server's /metrics counted beside what the client saw, and the result as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dynamo_graph.bench import loadgen, server, stats, workload
+from dynamo_graph.bench.loadgen import Run, Target
+from dynamo_graph.bench.stream import Result
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load point: a closed loop of `level` users, an open loop of `level` requests/s
+    (Poisson), or a trace replayed at its own timestamps."""
+
+    mode: Literal["closed", "open", "trace"]
+    level: float = 0.0
+
+    @property
+    def label(self) -> str:
+        if self.mode == "closed":
+            return f"c={int(self.level)}"
+        return f"rate={self.level:g}/s" if self.mode == "open" else "trace"
+
+    def as_json(self) -> dict:
+        key = {"closed": "concurrency", "open": "rate"}.get(self.mode)
+        return {"mode": self.mode, **({key: self.level} if key else {})}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that makes the load: the same for every variant of a sweep."""
+
+    loads: list[Load]
+    api: Literal["completions", "chat"] = "completions"
+    requests: int | None = None  # per point; None: 100, or the whole trace
+    input_len: int = 128
+    output_len: int = 64
+    prefix_len: int = 0
+    num_prefixes: int = 1
+    trace: Path | None = None
+    trace_speedup: float = 1.0
+    trace_block_size: int = workload.MOONCAKE_BLOCK_SIZE
+    seed: int = 0
+    max_seconds: float = 120.0
+    request_timeout_s: float = 300.0
+    warmup: int = 0
+    ignore_eos: bool = True
+    model: str | None = None
+    tokenizer: Path | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        out = {
+            "api": self.api,
+            "requests_per_point": self.requests,
+            "seed": self.seed,
+            "max_seconds_per_point": self.max_seconds,
+            "request_timeout_s": self.request_timeout_s,
+            "warmup_requests": self.warmup,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.trace is not None:
+            out |= {"trace": str(self.trace), "trace_speedup": self.trace_speedup}
+            out["trace_block_size"] = self.trace_block_size
+        else:
+            out |= {"input_len": self.input_len, "output_len": self.output_len}
+            out |= {"prefix_len": self.prefix_len, "num_prefixes": self.num_prefixes}
+        return out
+
+
+@dataclass
+class Measured:
+    """A benchmark's JSON result, and its runs (every token gap, for the plots)."""
+
+    result: dict
+    runs: list[Run]
+
+    @property
+    def failed(self) -> int:
+        return sum(p["summary"]["failed"] for p in self.result["points"])
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The workload's prompts, made once before anything starts and sent to every variant."""
+
+    vocab: workload.Vocabulary
+    prompts: list[workload.Prompt]
+
+
+def prepare(settings: Settings) -> Prepared:
+    """Raises WorkloadError (a bad trace, impossible lengths, no tokenizer there)."""
+    if settings.tokenizer is None:
+        vocab = workload.words_vocabulary()
+    else:
+        vocab = workload.tokenizer_vocabulary(settings.tokenizer)
+    return Prepared(vocab, _prompts(settings, vocab))
+
+
+def _prompts(settings: Settings, vocab: workload.Vocabulary) -> list[workload.Prompt]:
+    if settings.trace is not None:
+        return workload.trace(
+            vocab,
+            settings.trace,
+            block_size=settings.trace_block_size,
+            speedup=settings.trace_speedup,
+            limit=settings.requests,
+            seed=settings.seed,
+        )
+    return workload.synthetic(
+        vocab,
+        count=settings.requests or 100,
+        input_len=settings.input_len,
+        output_len=settings.output_len,
+        prefix_len=settings.prefix_len,
+        num_prefixes=settings.num_prefixes,
+        seed=settings.seed,
+    )
+
+
+def progress_bar() -> Progress:
+    """The bar `bench` draws on stderr: one line per load point."""
+    from rich.console import Console
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("[red]{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+def _run(target: Target, requests: list[loadgen.Request], load: Load, settings: Settings, on_result) -> Run:
+    if load.mode == "closed":
+        coro = loadgen.run_closed(
+            target,
+            requests,
+            concurrency=int(load.level),
+            max_seconds=settings.max_seconds,
+            request_timeout_s=settings.request_timeout_s,
+            on_result=on_result,
+        )
+    else:
+        coro = loadgen.run_open(
+            target,
+            requests,
+            max_seconds=settings.max_seconds,
+            request_timeout_s=settings.request_timeout_s,
+            on_result=on_result,
+        )
+    return asyncio.run(coro)
+
+
+def measure(
+    endpoint: server.Endpoint, settings: Settings, prepared: Prepared, progress: Progress, name: str = ""
+) -> Measured:
+    """Every load point of `settings` against the frontend at `endpoint`. Raises ServerError when
+    it cannot be asked."""
+    models = server.served_models(endpoint, settings.headers)
+    model = settings.model or (models[0] if models else None)
+    if model is None or model not in models:
+        served = ", ".join(models) or "none"
+        raise server.ServerError(f"{endpoint.url} serves no model {model!r} (it serves: {served})")
+    vocab, prompts = prepared.vocab, prepared.prompts
+    path = "/v1/chat/completions" if settings.api == "chat" else "/v1/completions"
+    target = Target(endpoint.host, endpoint.port, path, headers=tuple(settings.headers.items()))
+
+    def bodies(ps: list[workload.Prompt]) -> list[loadgen.Request]:
+        return workload.to_requests(ps, vocab, api=settings.api, model=model, ignore_eos=settings.ignore_eos)
+
+    if settings.warmup:  # connections, caches, lazy imports: not measured
+        warm = bodies(prompts[: settings.warmup])
+        asyncio.run(loadgen.run_closed(target, warm, concurrency=min(4, len(warm)), max_seconds=60.0))
+    points, runs = [], []
+    for load in settings.loads:
+        timed = workload.poisson(prompts, load.level, settings.seed) if load.mode == "open" else prompts
+        requests = bodies(timed)
+        task = progress.add_task(f"{name}{' ' if name else ''}{load.label}", total=len(requests), failed=0)
+        failed = 0
+
+        def advance(result: Result, task: int = task) -> None:
+            nonlocal failed
+            failed += not result.ok
+            progress.update(task, advance=1, failed=failed)
+
+        before = server.scrape(endpoint, settings.headers, model)
+        run = _run(target, requests, load, settings, advance)
+        after = server.scrape(endpoint, settings.headers, model)
+        progress.update(task, total=len(run.results))
+        runs.append(run)
+        points.append(
+            {
+                "load": load.as_json(),
+                "label": load.label,
+                "summary": stats.summarize(run),
+                "server": server.delta(before, after),
+                "timeline": stats.timeline(run.results, run.wall_s),
+                "requests": stats.per_request(run.results),
+            }
+        )
+    result = {
+        "url": endpoint.url,
+        "model": model,
+        "prompts": "token ids" if vocab.exact and settings.api == "completions" else "text",
+        "workload": settings.as_json(),
+        "points": points,
+    }
+    return Measured(result, runs)

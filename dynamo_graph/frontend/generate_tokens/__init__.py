@@ -1,0 +1,5 @@
+"""Token-in/token-out generation (`POST /inference/v1/generate`, vLLM's shape)."""
+
+from dynamo_graph.frontend.generate_tokens.serving import GenerateTokensHandler
+
+__all__ = ["GenerateTokensHandler"]

@@ -1,0 +1,5 @@
+"""OpenAI's embeddings API (`POST /v1/embeddings`), served by embedding workers."""
+
+from dynamo_graph.frontend.openai_embeddings.serving import EmbeddingsHandler
+
+__all__ = ["EmbeddingsHandler"]
