@@ -292,7 +292,7 @@ def _dangling(path: str, name: str, known: Iterable[str], what: str) -> Iterator
 
 
 def check_tests(graph: Graph) -> Iterator[Problem]:
-    """Smoke checks name a frontend that exists, a model it serves, and a replica that runs."""
+    """Smoke checks name a frontend that exists, a model it serves, and a component to fault."""
     frontends = graph.frontends()
     for i, check in enumerate(graph.tests or []):
         where = f"tests.{i}"
@@ -306,12 +306,19 @@ def check_tests(graph: Graph) -> Iterator[Problem]:
             served = [graph.models[k].name or k for k in frontend.models or graph.models if k in graph.models]
             yield from _dangling(f"{where}.{check.kind}.model", request.model, served, "model served")
         if check.fault is not None:
-            fault, path = check.fault, f"{where}.fault"
-            yield from _dangling(f"{path}.kill", fault.kill, graph.components, "component")
-            comp = graph.components.get(fault.kill)
-            replicas = comp.replicas if isinstance(comp, Worker) else 1
-            if comp is not None and fault.replica >= replicas:
-                yield Problem(f"{path}.replica", f"{fault.kill} runs {replicas} replica(s), counted from 0")
+            yield from _dangling(f"{where}.fault.kill", check.fault.kill, graph.components, "component")
+
+
+def check_test_faults(graph: Graph) -> Iterator[Problem]:
+    """A fault's replica runs. Checked by `dyngraph test` only: `up` or a `bench --sweep` may
+    well run fewer replicas than the graph's checks were written for."""
+    for i, check in enumerate(graph.tests or []):
+        fault = check.fault
+        comp = graph.components.get(fault.kill) if fault is not None else None
+        replicas = comp.replicas if isinstance(comp, Worker) else 1
+        if fault is not None and comp is not None and fault.replica >= replicas:
+            message = f"{fault.kill} runs {replicas} replica(s), counted from 0"
+            yield Problem(f"tests.{i}.fault.replica", message)
 
 
 def check_cycles(graph: Graph) -> Iterator[Problem]:

@@ -18,6 +18,7 @@ from rich.markup import escape
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.supervise.preflight import preflight
+from dynamo_graph.graph.validate import check_test_faults, locate
 from dynamo_graph.smoke.isolate import isolated
 from dynamo_graph.smoke.report import print_summary, write_junit
 from dynamo_graph.smoke.results import GraphResult, exit_code
@@ -34,6 +35,9 @@ def check_graph(
     try:
         built = build(file, overrides)
         result.graph = built.graph.name
+        if faults := list(check_test_faults(built.graph)):
+            file_name = str(built.loaded.file)
+            raise GraphError([locate(p, built.loaded.source, file_name) for p in faults])
         graph, plan = isolated(built.graph, built.loaded.file)
         preflight(graph, plan, built.loaded.source, str(built.loaded.file), check_ports=True)
     except GraphError as e:

@@ -3,11 +3,13 @@ expressions, expectations, the isolated plan, and the JUnit report."""
 
 from __future__ import annotations
 
+import io
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from rich.console import Console
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
@@ -18,6 +20,7 @@ from dynamo_graph.smoke.expect import unmet
 from dynamo_graph.smoke.isolate import isolated
 from dynamo_graph.smoke.report import write_junit
 from dynamo_graph.smoke.results import CheckResult, GraphResult, exit_code
+from dynamo_graph.smoke.run import check_graph
 
 GRAPH = """\
 name: g
@@ -194,9 +197,18 @@ tests:
     assert problems(path) == [
         f"{path}:22: tests.0.chat.model: no model served named 'm'; allowed: served-m",
         f"{path}:24: tests.1.frontend: no frontend named 'front'; did you mean 'frontend'?",
-        f"{path}:25: tests.2.fault.replica: backend runs 2 replica(s), counted from 0",
         f"{path}:26: tests.3.fault.kill: no component named 'nobody'; allowed: backend, frontend",
     ]
+
+
+def test_a_fault_on_a_replica_that_does_not_run_stops_only_dyngraph_test(tmp_path: Path) -> None:
+    """`up` and `bench --sweep` may run fewer replicas than the checks were written for."""
+    path = write(tmp_path, "tests:\n  - fault: {kill: backend, replica: 2}\n")
+    build(path)  # valid for up, render and bench
+    out = io.StringIO()
+    result = check_graph(path, [], Console(file=out, width=200))
+    assert result.problems == [f"{path}:22: tests.0.fault.replica: backend runs 2 replica(s), counted from 0"]
+    assert exit_code([result]) == 2
 
 
 def test_schema_problems_of_checks(tmp_path: Path) -> None:
