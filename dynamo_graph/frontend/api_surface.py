@@ -108,7 +108,7 @@ class SurfaceHandler(OpenAIHandler, abc.ABC):
                         finished = True
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err))
+            await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False
         if not finished:  # cancelled by the client: nobody is listening
             return False

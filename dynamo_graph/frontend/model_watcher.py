@@ -34,6 +34,7 @@ import msgspec
 from dynamo_graph.frontend.metrics import DISAGG, count_migration
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTextBackend, RemoteTokensBackend
+from dynamo_graph.frontend.router_metrics import ROUTERS
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
@@ -72,6 +73,7 @@ class _Model:
             await self.checker.close()
         await self.client.close()
         if self.router is not None:
+            ROUTERS.remove(self.router)
             await self.router.close()
 
 
@@ -213,7 +215,11 @@ class ModelWatcher:
         """A pool's client (routing to the instances whose cards are accepted) and KV router."""
         client = Client(self.runtime, endpoint, router_mode="round-robin" if kv else self.router_mode)
         client.allowed = set()
-        return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+        if not kv:
+            return client, None
+        router = KvRouter(card.kv_cache_block_size, self.kv_config)
+        ROUTERS.add(card.display_name, "prefill" if "prefill" in card.model_type else "decode", router)
+        return client, router
 
     async def _started_pool(
         self, card: ModelDeploymentCard, endpoint: EndpointName, client: Client, router: KvRouter | None

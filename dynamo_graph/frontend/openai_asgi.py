@@ -23,6 +23,7 @@ from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admi
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.responses import ChunkWriter, StreamWriter, full_response
+from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import (
     AnyRequest,
@@ -204,10 +205,11 @@ class OpenAIHandler:
                 )
             _check_context(pipeline, request)
             prepared = self._prepare(pipeline, request)
+            apply_routing_headers(prepared.preprocessed, scope["headers"])
         except HTTPError as err:
             if err.status == 413:
                 self.admission.count("body_too_large")
-            await send_json(send, err.status, self.error_body(err))
+            await send_json(send, err.status, self.error_body(err), err.headers)
             return
         except ConnectionResetError:
             return
@@ -330,7 +332,7 @@ class OpenAIHandler:
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
             if not started:
-                await send_json(send, http_err.status, self.error_body(http_err))
+                await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             else:
                 with contextlib.suppress(Exception):
                     body = writer.failure(http_err)
@@ -380,7 +382,7 @@ class OpenAIHandler:
                         finish = delta.finish_reason
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err))
+            await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False
         if finish is None:  # cancelled by the client: nobody is listening
             return False

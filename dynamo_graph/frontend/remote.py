@@ -59,11 +59,24 @@ class KvRoutedTokensBackend:
         router = self.router
         request_id = context.id
         unreachable: set[int] = set(exclude) if exclude else set()
+        hints = request.routing
+        admitted = False
+        if router.queue is not None:
+            priority = hints.priority if hints is not None and hints.priority is not None else 0
+            if not await router.admit(priority, context, self.client.instance_ids()):
+                return  # the client went away while the request waited
+            admitted = True
+        session = hints.session_id if hints is not None else None
         while True:
-            instances = [i for i in self.client.instance_ids() if i not in unreachable]
-            if not instances:
-                raise NoInstances(f"no instances of {self.client.name} are available")
-            choice = router.route(request_id, request.token_ids, instances)
+            try:
+                instances = [i for i in self.client.instance_ids() if i not in unreachable]
+                if not instances:
+                    raise NoInstances(f"no instances of {self.client.name} are available")
+                choice = router.route(request_id, request.token_ids, instances, session_id=session)
+            finally:
+                if admitted:
+                    admitted = False
+                    router.dispatched()
             worker_id, request.dp_rank = choice.key
             started = False
             try:

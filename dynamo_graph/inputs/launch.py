@@ -41,6 +41,12 @@ _DISTRIBUTED_FLAGS = {
     "kv_overlap_score_weight": "--kv-overlap-score-weight",
     "router_temperature": "--router-temperature",
     "use_kv_events": "--use-kv-events",
+    "router_cost": "--router-cost",
+    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
+    "router_session_affinity_mode": "--router-session-affinity-mode",
+    "router_queue_threshold": "--router-queue-threshold",
+    "router_queue_policy": "--router-queue-policy",
+    "router_max_queue_size": "--router-max-queue-size",
     "migration_limit": "--migration-limit",
     "static_worker": "--static-worker",
     "disaggregation_mode": "--disaggregation-mode",
@@ -142,6 +148,12 @@ def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
         overlap_score_weight=cfg.kv_overlap_score_weight,
         temperature=cfg.router_temperature,
         use_kv_events=cfg.use_kv_events,
+        cost=cfg.router_cost,
+        session_affinity_ttl_s=cfg.router_session_affinity_ttl_secs,
+        session_affinity_mode=cfg.router_session_affinity_mode,
+        queue_threshold=cfg.router_queue_threshold,
+        queue_policy=cfg.router_queue_policy,
+        max_queue_size=cfg.router_max_queue_size,
     )
 
 
