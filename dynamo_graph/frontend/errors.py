@@ -69,6 +69,11 @@ class HTTPError(Exception):
             error_type="OverloadedError",
         )
 
+    def body(self) -> bytes:
+        return error_body(
+            self.status, self.message, param=self.param, code=self.code, error_type=self.error_type
+        )
+
 
 def overload_status() -> int:
     """`DYN_HTTP_OVERLOAD_STATUS_CODE`: 529 (default, as Anthropic and Dynamo answer when
@@ -79,11 +84,6 @@ def overload_status() -> int:
     if raw not in ("", "529"):
         log.warning("DYN_HTTP_OVERLOAD_STATUS_CODE=%r: only 529 or 503; answering 529", raw)
     return 529
-
-    def body(self) -> bytes:
-        return error_body(
-            self.status, self.message, param=self.param, code=self.code, error_type=self.error_type
-        )
 
 
 def error_body(

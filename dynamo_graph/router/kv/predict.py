@@ -18,8 +18,9 @@ larger b and is predicted as such. A rank with few observations leans on the poo
 ranks (its ridge prior), and the pool on a conservative default, so the first requests of a
 fresh frontend already rank workers by tokens to compute.
 
-Selection: the lowest predicted TTFT, except that a rank holding a deeper prefix wins when its
-prediction is within `TIE_TOLERANCE` of the best: recomputing a prefix elsewhere to save a few
+Selection: the lowest predicted TTFT, except that predictions within `TIE_TOLERANCE` of the
+best count as tied, and a tie goes to the rank holding the deepest prefix, then to the smallest
+cache: recomputing a prefix elsewhere to save a few
 percent of one request's wait costs a second copy of the prefix in KV memory and the prefill
 capacity of another worker. So concurrent first uses of a new prefix meet on one worker (the
 in-flight blocks count as its overlap) as long as waiting there is predicted no worse than
@@ -38,8 +39,9 @@ hardware. Measurements: benchmarks/bench_routing.py (results/routing.json, modul
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dynamo_graph.router.kv.scheduler import Choice
@@ -50,7 +52,7 @@ TOKEN_SCALE = 1000.0  # b is fitted per 1k tokens
 BLOCK_SCALE = 100.0  # c per 100 blocks
 # Default coefficients, before any observation: 20 ms per pass, 50 ms per 1k prefill tokens,
 # 1 ms per 100 held blocks: a mid-size model on one GPU, so tokens to compute dominate.
-DEFAULT_COEFFS = (0.020, 0.050, 0.001)
+DEFAULT_COEFFS = (0.020, 0.050 / TOKEN_SCALE, 0.001 / BLOCK_SCALE)
 # How much a prior counts, in observations' worth (per coefficient).
 PRIOR_WEIGHT = 2.0
 # Weight decay per observation: the fit follows about the last 1/(1-DECAY) = 50 requests.
@@ -158,12 +160,14 @@ class TtftModel:
         self.observe(pending.key, pending.tokens, pending.blocks, seconds)
 
     def observe(self, key: WorkerKey, tokens: int, blocks: int, seconds: float) -> None:
+        """One observed TTFT: into the pooled fit and `key`'s, and every rank's fit re-solved
+        against the new pooled prior (ranks with few observations follow the pool)."""
         pooled = self.pooled
         pooled.observe(tokens, blocks, seconds)
         pooled.refit(DEFAULT_COEFFS)
-        fit = self.fit(key)
-        fit.observe(tokens, blocks, seconds)
-        fit.refit(pooled.coeffs)
+        self.fit(key).observe(tokens, blocks, seconds)
+        for fit in self.fits.values():
+            fit.refit(pooled.coeffs)
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -206,16 +210,27 @@ def predict_workers(
     return choices
 
 
-def prefer_prefix_holder(choices: Iterable[Choice], tolerance: float = TIE_TOLERANCE) -> list[Choice]:
-    """The choices to pick from at temperature 0: the best, or if a rank holding a deeper prefix
-    is predicted within `tolerance` of it, the deepest such holders."""
-    choices = list(choices)
+def pick_near_best(
+    choices: Sequence[Choice],
+    rng: random.Random,
+    tree_size: Callable[[WorkerKey], int] | None = None,
+    tolerance: float = TIE_TOLERANCE,
+) -> Choice:
+    """The pick at temperature 0. Predictions within `tolerance` of the best count as tied
+    (two fits never agree exactly, and the model is not that precise): among them the rank
+    holding the deepest prefix, then the smallest cache (so idle workers share new prefixes),
+    then at random."""
     best = min(c.logit for c in choices)
-    limit = best * (1.0 + tolerance)
+    limit = best + abs(best) * tolerance
     near = [c for c in choices if c.logit <= limit]
     deepest = max(c.overlap_blocks for c in near)
-    if deepest == 0:
-        return [c for c in choices if c.logit == best]
-    holders = [c for c in near if c.overlap_blocks == deepest]
-    top = min(c.logit for c in holders)
-    return [c for c in holders if c.logit == top]
+    near = [c for c in near if c.overlap_blocks == deepest]
+    if len(near) > 1 and tree_size is not None:
+        sizes = [tree_size(c.key) for c in near]
+        smallest = min(sizes)
+        near = [c for c, size in zip(near, sizes, strict=True) if size == smallest]
+    if len(near) > 1:
+        top = min(c.logit for c in near)
+        lowest = [c for c in near if c.logit == top]
+        return lowest[0] if len(lowest) == 1 else rng.choice(lowest)
+    return near[0]

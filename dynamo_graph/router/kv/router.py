@@ -23,7 +23,7 @@ from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.indexer import KvIndexer
-from dynamo_graph.router.kv.predict import TtftModel, predict_workers, prefer_prefix_holder
+from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
 from dynamo_graph.router.kv.protocols import (
     KV_EVENTS_TOPIC,
     LOAD_METRICS_TOPIC,
@@ -174,10 +174,10 @@ class KvRouter:
         if affinity is not None and session_id:
             choice = affinity.pick(session_id, choices)
         if choice is None:
-            pool = choices
-            if predictive and config.temperature <= 0 and weight:
-                pool = prefer_prefix_holder(choices)
-            choice = select(pool, config.temperature, self._rng, self.indexer.tree_size)
+            if predictive and config.temperature <= 0:
+                choice = pick_near_best(choices, self._rng, self.indexer.tree_size)
+            else:
+                choice = select(choices, config.temperature, self._rng, self.indexer.tree_size)
         if affinity is not None and session_id:
             affinity.bind(session_id, choice.key)
         key = choice.key
