@@ -7,9 +7,12 @@ Setup. For every (router mode, concurrency) point, fresh processes on 127.0.0.1 
 discovery, tcp request plane, zmq event plane): `--workers` (4) mocker workers, each its own
 `dyngraph run in=dyn://bench.mocker.generate out=mocker` process, and one frontend
 `dyngraph run in=http out=auto --router-mode MODE`. Modes: `random`, `round-robin`, `kv` (KV
-events from the workers feed the router's indexer) and `kv-approx` (`--use-kv-events false`:
-the router indexes its own decisions). So every point starts with cold caches (and a cold
-router); starting them takes about a second. A few short unrelated requests warm each up.
+events from the workers feed the router's indexer; the predictive cost, the default since
+issue 17), `kv-dynamo` (the same with `--router-cost dynamo`, Dynamo's block cost; the figures
+under "Findings" below were measured with it, before the predictive cost existed) and
+`kv-approx` (`--use-kv-events false`: the router indexes its own decisions). So every point
+starts with cold caches (and a cold router); starting them takes about a second. A few short
+unrelated requests warm each up.
 
 Workload (seeded, deterministic prompts): multi-turn conversations over shared documents.
 `--docs` (16) documents of `--doc-tokens` (4096) random token ids, `--convs-per-doc` (4)
@@ -102,8 +105,9 @@ ENDPOINT = "dyn://bench.mocker.generate"
 MODES = {
     "random": ["--router-mode", "random"],
     "round-robin": ["--router-mode", "round-robin"],
-    "kv": ["--router-mode", "kv", "--use-kv-events", "true"],
+    "kv": ["--router-mode", "kv", "--use-kv-events", "true"],  # the predictive cost (default)
     "kv-approx": ["--router-mode", "kv", "--use-kv-events", "false"],
+    "kv-dynamo": ["--router-mode", "kv", "--use-kv-events", "true", "--router-cost", "dynamo"],
 }
 
 
@@ -394,6 +398,7 @@ class Deployment:
             if mode.startswith("kv"):
                 router += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
                 router += ["--router-temperature", str(args.router_temperature)]
+                router += getattr(args, "kv_router_args", [])
             frontend_argv = [
                 sys.executable, "-m", "dynamo_graph", "run", "in=http", "out=auto", *router,
                 "--http-port", str(self.port),
