@@ -44,7 +44,11 @@ class KvRoutedTokensBackend:
     A worker that cannot be reached is left out and the request routed again (nothing was
     generated yet, so that is always safe); so are the workers in `exclude` (those that failed a
     migrated request). The router's booking is released whenever a stream ends, failed or not,
-    so a migrated request is booked afresh on the worker it moves to."""
+    so a migrated request is booked afresh on the worker it moves to.
+
+    With the router's queue on, a request first waits for its turn (`admit`: priority from its
+    routing hints) while every worker is saturated, or is refused (`QueueFull`: 529) past the
+    queue's bound; its session id (routing hints) lets session affinity pick its worker."""
 
     def __init__(self, client: Client, router: KvRouter) -> None:
         self.client = client

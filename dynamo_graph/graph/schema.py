@@ -374,6 +374,14 @@ class Router(_Model):
     """kv: held requests at most; more are answered 529 (503 with
     DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
 
+    @model_validator(mode="after")
+    def _kv_only(self) -> Router:
+        if self.mode != "kv" and (self.session_affinity_ttl_secs or self.queue_threshold is not None):
+            raise ValueError(
+                "session_affinity_ttl_secs and queue_threshold are the kv router's: set mode: kv"
+            )
+        return self
+
 
 class Disagg(_Model):
     """Disaggregated prefill/decode at the frontend, for models with `role: prefill` workers."""

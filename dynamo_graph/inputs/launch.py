@@ -255,6 +255,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     from dynamo_graph.frontend.metrics import count_migration
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
+    from dynamo_graph.frontend.router_metrics import ROUTERS
     from dynamo_graph.llm.pipeline import tokens_pipeline
     from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.router.migration import Migration
@@ -285,6 +286,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     if kv:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
         router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
+        ROUTERS.add(card.display_name, "decode", router)
         backend = KvRoutedTokensBackend(client, router)
     migrating = Migration(backend, cfg.migration_limit, model=card.display_name, on_migrate=count_migration)
     registry.add(tokens_pipeline(card, model, migrating), instances=client.health_report)
