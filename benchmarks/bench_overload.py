@@ -78,15 +78,29 @@ class Prompts:
         return [self.rng.randrange(low, high) for _ in range(self.tokens)]
 
 
+# uvicorn closes a connection idle for 5 s; reusing one that old races its close (the client
+# would see the server's FIN instead of an answer, and count a request lost that never arrived).
+MAX_IDLE_S = 3.0
+
+
 class Connections:
     """Idle kept-alive connections to the frontend, opened on demand."""
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+
+    def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        now = time.monotonic()
+        while self.idle:
+            reader, writer, since = self.idle.pop()
+            if now - since < MAX_IDLE_S:
+                return reader, writer
+            writer.close()
+        return None
 
     async def send(self, request: bytes, result: TurnResult, limit_s: float) -> None:
-        conn = self.idle.pop() if self.idle else None
+        conn = self._take()
         if conn is None:
             conn = await asyncio.open_connection("127.0.0.1", self.port)
             conn[1].get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -96,10 +110,10 @@ class Connections:
             result.error = result.error or f"{type(err).__name__}: {err}"
             conn[1].close()
             return
-        self.idle.append(conn)
+        self.idle.append((*conn, time.monotonic()))
 
     def close(self) -> None:
-        for _, writer in self.idle:
+        for _, writer, _ in self.idle:
             writer.close()
 
 
@@ -219,7 +233,7 @@ def main() -> int:
     parser.add_argument("--high-share", type=float, default=0.2)
     parser.add_argument("--seconds", type=float, default=20.0, help="arrivals for this long, per setting")
     parser.add_argument("--request-timeout", type=float, default=120.0)
-    parser.add_argument("--threshold", type=int, default=4096, help="--router-queue-threshold (tokens)")
+    parser.add_argument("--threshold", type=int, default=0, help="--router-queue-threshold (tokens)")
     parser.add_argument("--max-queue", type=int, default=64, help="--router-max-queue-size")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--seed", type=int, default=0)

@@ -121,8 +121,8 @@ async def test_queue_refuses_past_its_bound_and_lets_stopped_requests_go():
     contexts = [Context(), Context()]
     waiting = [asyncio.create_task(queue.admit(0, ctx)) for ctx in contexts]
     await asyncio.sleep(0.01)
-    with pytest.raises(QueueFull) as refused:
-        await queue.admit(9, Context())
+    with pytest.raises(QueueFull) as refused:  # no more urgent than those waiting
+        await queue.admit(0, Context())
     assert refused.value.retry_after_s >= 1 and queue.rejected == 1
     contexts[0].stop_generating()  # its client went away
     assert await waiting[0] is False
@@ -192,3 +192,21 @@ def test_overload_status_is_529_unless_told_503(monkeypatch: pytest.MonkeyPatch)
     assert overload_status() == 503
     err = HTTPError.from_engine_error(QueueFull("full"))
     assert err.status == 503 and err.headers == [(b"retry-after", b"1")]
+
+
+async def test_a_full_priority_queue_refuses_its_least_urgent_newest_waiter_for_a_more_urgent_one():
+    queue = RouterQueue(lambda: True, max_size=2)
+    old_low = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0)
+    new_low = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0)
+    high = asyncio.create_task(queue.admit(5, Context()))
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull):
+        await new_low
+    assert not old_low.done() and not high.done() and len(queue) == 2
+    with pytest.raises(QueueFull):  # no less urgent waiter left to push out
+        await queue.admit(0, Context())
+    assert queue.rejected == 2
+    for task in (old_low, high):
+        task.cancel()

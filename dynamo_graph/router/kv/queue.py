@@ -12,7 +12,9 @@ the queue whenever the queue is not empty.
 
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
 answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
-nothing is lost silently. A waiting request whose client goes away (or whose deadline passes)
+nothing is lost silently. With the priority order, a newcomer more urgent than the least urgent
+waiting request takes its place instead, and that one (the most recent of the least urgent) is
+refused the same way. A waiting request whose client goes away (or whose deadline passes)
 leaves the queue.
 
 Only one dispatched request is "in transit" (woken but not yet booked on a worker) at a time,
@@ -34,6 +36,7 @@ QueuePolicy = Literal["fcfs", "priority"]
 QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("fcfs", "priority")
 DEFAULT_MAX_QUEUE = 1024
 RETRY_AFTER_S = 1
+_FULL = "every worker is saturated and the router's queue is full; retry shortly"
 
 
 class QueueFull(Overloaded):
@@ -74,13 +77,10 @@ class RouterQueue:
         if not self._heap and not self._in_transit and not self._saturated():
             self._in_transit += 1
             return True
-        if len(self) >= self.max_size:
-            self.rejected += 1
-            raise QueueFull(
-                "every worker is saturated and the router's queue is full; retry shortly",
-            )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rank = -priority if self.policy == "priority" else 0
+        if len(self) >= self.max_size:
+            self._make_room(rank)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (rank, next(self._order), waiter))
         self.queued_total += 1
         self.pump()
@@ -92,18 +92,30 @@ class RouterQueue:
             raise
         finally:
             stop.cancel()
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            raise waiter.exception()  # type: ignore[misc]  # pushed out by a more urgent request
         if waiter.done() and not context.is_stopped():
             return True
         self._leave(waiter)
         return False
 
+    def _make_room(self, rank: int) -> None:
+        """The queue is full: the least urgent, most recent waiter is refused in favour of a
+        more urgent newcomer; else the newcomer is."""
+        waiting = [entry for entry in self._heap if not entry[2].done()]
+        last = max(waiting, key=lambda entry: (entry[0], entry[1]), default=None)
+        self.rejected += 1
+        if last is None or last[0] <= rank:
+            raise QueueFull(_FULL)
+        last[2].set_exception(QueueFull(_FULL))
+
     def _leave(self, waiter: asyncio.Future[None]) -> None:
         """A waiting request gives up: out of the queue, or if it was already dispatched, let
         the next one go in its place."""
-        if waiter.done():
-            self.routed()
-        else:
+        if not waiter.done():
             waiter.cancel()  # pump skips it
+        elif not waiter.cancelled() and waiter.exception() is None:
+            self.routed()
 
     def routed(self) -> None:
         """A dispatched request is booked on a worker (or gave up): the next one may go."""
