@@ -37,11 +37,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routing import Deployment, TurnResult, mocker_settings, stream_turn, vocab_range, warm_up  # noqa: E402
+from bench_routing import (  # noqa: E402
+    Deployment,
+    TurnResult,
+    build_request,
+    mocker_settings,
+    stream_turn,
+    vocab_range,
+    warm_up,
+)
 from loadgen import percentile, write_result  # noqa: E402
 
 HIGH_PRIORITY = 10
@@ -49,22 +55,8 @@ SETTINGS = ("no-queue", "queue-fcfs", "queue-priority")
 
 
 def build(port: int, model: str, prompt: list[int], max_tokens: int, priority: int | None) -> bytes:
-    payload = msgspec.json.encode(
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "nvext": {"ignore_eos": True},
-        }
-    )
     extra = "" if priority is None else f"x-dynamo-request-priority: {priority}\r\n"
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"{extra}Content-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n"
-    )
-    return head.encode() + payload
+    return build_request(port, model, prompt, max_tokens, extra)
 
 
 class Prompts:

@@ -185,7 +185,8 @@ class TurnResult:
 _decode = msgspec.json.Decoder().decode
 
 
-def build_request(port: int, model: str, prompt: list[int], max_tokens: int) -> bytes:
+def build_request(port: int, model: str, prompt: list[int], max_tokens: int, headers: str = "") -> bytes:
+    """A streamed /v1/completions request; `headers`: extra header lines, each ending in CRLF."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -197,7 +198,8 @@ def build_request(port: int, model: str, prompt: list[int], max_tokens: int) -> 
     payload = msgspec.json.encode(body)
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n"
+        f"Accept: text/event-stream\r\n{headers}Content-Length: {len(payload)}\r\n"
+        "Connection: keep-alive\r\n\r\n"
     )
     return head.encode() + payload
 

@@ -39,13 +39,15 @@ hardware.
 
 Measured (benchmarks/bench_router_predict.py, results/router_predict*.json; mocker workers,
 speedup 3, 1024 KV blocks each, cold caches, on a 2-core machine shared with other jobs, so
-single runs vary by +-20%): 32 shared 4k-token prefixes + 32-96-token suffixes, 2 workers, c=8:
-round-robin / predictive mean TTFT 1.36x and 1.72x in two runs, 95% and 81% of the oracle's
-cache hits (Dynamo's cost: 1.15x and 1.78x, 74% and 75%); 4 workers, c=8: 1.66x, 99% (Dynamo's
-cost 1.33x, 86%); multi-turn chats over shared documents, c=8: 1.75x (2 workers) and 4.07x
-(4 workers), 100% of the oracle's hits. c=1: the oracle's hits on every workload. Where it
-loses: 2 workers at c=32 with 4k-token prefixes (0.90x round-robin's mean TTFT: both workers
-saturated, and keeping prefixes where they are unbalances the queues).
+single runs vary by +-20%): 32 shared 4k-token prefixes + 32-96-token suffixes, 2 workers, c=8,
+three seeds: round-robin / predictive mean TTFT 1.41x, 1.36x, 1.36x, with 93-98% of the oracle's
+cache hits and p90 1.05-1.23x better (Dynamo's cost: 1.10-1.18x, 78-81%, p90 0.91-0.97x);
+4 workers, c=8: 1.66x, 99% (Dynamo's cost 1.33x, 86%); multi-turn chats over shared documents,
+c=8: 1.75x (2 workers) and 4.07x (4 workers), 100% of the oracle's hits; c=1: the oracle's hits
+on every workload. Where it loses: 2 workers at c=32 with 4k-token prefixes (0.90x round-robin's
+mean TTFT, 96% of the oracle's hits: both workers saturated, and keeping prefixes where they
+are unbalances the queues) and 8 1k-token prefixes, 2 workers, c=8 (1.02x: every policy
+already gets 95% of the hits there).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dynamo_graph.router.kv.scheduler import Choice
+from dynamo_graph.router.kv.scheduler import Choice, overlap_of
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
 # Features are scaled so that the normal equations stay well conditioned.
@@ -211,8 +213,7 @@ def predict_workers(
     loads = sequences.loads
     for key in candidates:
         load = loads.get(key)
-        in_flight = sequences.prefix_depth(key, seq_hashes) if load is not None else 0
-        overlap = max(indexed_overlap.get(key, 0), in_flight)
+        overlap, _ = overlap_of(key, seq_hashes, indexed_overlap, sequences)
         new_tokens = max(isl - overlap * block_size, 0)
         queued = load.prefill_tokens if load is not None else 0
         blocks = model.decode_blocks(key, len(load.blocks) if load is not None else 0)

@@ -89,6 +89,18 @@ class Choice(NamedTuple):  # a tuple: built for every candidate of every request
     logit: float
 
 
+def overlap_of(
+    key: WorkerKey,
+    seq_hashes: Sequence[int],
+    indexed_overlap: Mapping[WorkerKey, int],
+    sequences: ActiveSequences,
+) -> tuple[int, int]:
+    """(prompt blocks `key` has: the indexer's depth or its in-flight requests', whichever is
+    more; the in-flight depth alone)."""
+    in_flight = sequences.prefix_depth(key, seq_hashes) if key in sequences.loads else 0
+    return max(indexed_overlap.get(key, 0), in_flight), in_flight
+
+
 def score_workers(
     candidates: Sequence[WorkerKey],
     seq_hashes: Sequence[int],
@@ -104,8 +116,7 @@ def score_workers(
     loads = sequences.loads
     for key in candidates:
         load = loads.get(key)
-        in_flight = sequences.prefix_depth(key, seq_hashes) if load is not None else 0
-        overlap = max(indexed_overlap.get(key, 0), in_flight)
+        overlap, in_flight = overlap_of(key, seq_hashes, indexed_overlap, sequences)
         new_tokens = max(isl - overlap * block_size, 0)
         if load is None:
             logit = weight * 2 * new_tokens / block_size + request_blocks
