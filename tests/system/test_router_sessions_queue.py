@@ -32,7 +32,16 @@ def deploy(tiny_model: Path, tmp_path: Path) -> Iterator[Deploy]:
         planes = embedded_planes_env(tmp_path, zmq_events=True)
         args = tmp_path / "mocker.json"
         args.write_text(json.dumps({"block_size": 16, "speedup_ratio": speedup, "num_gpu_blocks": 4096}))
-        argv = [*DYNGRAPH, "run", f"in={ENDPOINT}", "out=mocker", str(tiny_model), "--extra-engine-args"]
+        argv = [
+            *DYNGRAPH,
+            "run",
+            f"in={ENDPOINT}",
+            "out=mocker",
+            str(tiny_model),
+            "--context-length",
+            "16384",
+        ]
+        argv.append("--extra-engine-args")
         for _ in range(workers):
             started.append(WorkerProcess([*argv, str(args)], env=planes, log_dir=tmp_path))
         frontend = ServerProcess(
@@ -53,8 +62,12 @@ def client(frontend: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def metrics(frontend: ServerProcess) -> str:
+    return httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
+
+
 def queue_depth(frontend: ServerProcess) -> float:
-    text = httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
+    text = metrics(frontend)
     match = re.search(r'^dynamo_frontend_router_queue_depth\{[^}]*pool="decode"[^}]*\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -92,20 +105,32 @@ def test_a_session_stays_on_its_worker_across_unrelated_prompts(deploy: Deploy, 
     assert "dynamo_frontend_router_ttft_seconds_per_prefill_token{" in metrics
 
 
-async def _first_token_at(api: openai.AsyncOpenAI, model: str, text: str, priority: int | None) -> float:
+# A prompt that keeps the slow worker busy for seconds (two prefill passes of ~2.8 s and ~0.9 s
+# at speedup 0.05), so the test's requests queue behind it even on a loaded machine.
+BLOCKER = [100 + i % 500 for i in range(10_000)]
+
+
+async def _first_token_at(
+    api: openai.AsyncOpenAI, model: str, prompt: str | list[int], priority: int | None
+) -> float:
     headers = {} if priority is None else {"x-dynamo-request-priority": str(priority)}
-    stream = await api.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": text}],
-        max_tokens=2,
-        stream=True,
-        extra_headers=headers,
+    stream = await api.completions.create(
+        model=model, prompt=prompt, max_tokens=2, stream=True, extra_headers=headers
     )
     first = 0.0
     async for chunk in stream:
-        if not first and chunk.choices and chunk.choices[0].delta.content:
+        if not first and chunk.choices and chunk.choices[0].text:
             first = time.monotonic()
     return first
+
+
+async def _wait_blocked(frontend: ServerProcess) -> None:
+    """Until the blocker is booked on the worker (its prefill tokens wait there)."""
+    deadline = time.monotonic() + 20
+    pattern = re.compile(r"^dynamo_frontend_router_queued_prefill_tokens\{[^}]*\} ([1-9]\S*)$", re.M)
+    while not pattern.search(metrics(frontend)):
+        assert time.monotonic() < deadline, "the blocker never reached the worker"
+        await asyncio.sleep(0.05)
 
 
 async def _wait_queued(frontend: ServerProcess, n: int) -> None:
@@ -116,14 +141,14 @@ async def _wait_queued(frontend: ServerProcess, n: int) -> None:
 
 
 def test_queued_requests_go_in_priority_order(deploy: Deploy, tiny_model: Path) -> None:
-    # One slow worker (a forward pass takes >= 0.8 s) and a queue whenever a prefill is waiting.
-    frontend = deploy(1, 0.02, "--router-queue-threshold", "0")
+    # One slow worker and a queue whenever a prefill is waiting.
+    frontend = deploy(1, 0.05, "--router-queue-threshold", "0")
     model = tiny_model.name
 
     async def run() -> dict[str, float]:
         api = client(frontend)
-        blocker = asyncio.create_task(_first_token_at(api, model, "the blocker", None))
-        await asyncio.sleep(0.05)
+        blocker = asyncio.create_task(_first_token_at(api, model, BLOCKER, None))
+        await _wait_blocked(frontend)
         tasks = {}
         for i in range(3):
             tasks[f"low{i}"] = asyncio.create_task(_first_token_at(api, model, f"background job {i}", -1))
@@ -142,17 +167,17 @@ def test_queued_requests_go_in_priority_order(deploy: Deploy, tiny_model: Path) 
 
 
 def test_past_the_queue_bound_the_answer_is_529_with_retry_after(deploy: Deploy, tiny_model: Path) -> None:
-    frontend = deploy(1, 0.02, "--router-queue-threshold", "0", "--router-max-queue-size", "1")
+    frontend = deploy(1, 0.05, "--router-queue-threshold", "0", "--router-max-queue-size", "1")
     model = tiny_model.name
 
     async def run() -> tuple[openai.APIStatusError, list[float]]:
         api = client(frontend)
-        served = [asyncio.create_task(_first_token_at(api, model, "the blocker", None))]
-        await asyncio.sleep(0.05)
+        served = [asyncio.create_task(_first_token_at(api, model, BLOCKER, None))]
+        await _wait_blocked(frontend)
         served.append(asyncio.create_task(_first_token_at(api, model, "queued", None)))
         await _wait_queued(frontend, 1)
         with pytest.raises(openai.APIStatusError) as refused:
-            await _first_token_at(api, model, "one too many", 100)
+            await _first_token_at(api, model, "one too many", 0)  # no more urgent: refused
         firsts = await asyncio.gather(*served)  # nothing admitted was lost
         await api.close()
         return refused.value, firsts
