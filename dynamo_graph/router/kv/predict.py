@@ -40,14 +40,13 @@ hardware.
 Measured (benchmarks/bench_router_predict.py, results/router_predict*.json; mocker workers,
 speedup 3, 1024 KV blocks each, cold caches, on a 2-core machine shared with other jobs, so
 single runs vary by +-20%): 32 shared 4k-token prefixes + 32-96-token suffixes, 2 workers, c=8,
-three seeds: round-robin / predictive mean TTFT 1.41x, 1.36x, 1.36x, with 93-98% of the oracle's
-cache hits and p90 1.05-1.23x better (Dynamo's cost: 1.10-1.18x, 78-81%, p90 0.91-0.97x);
+four seeds: round-robin / predictive mean TTFT 1.41x, 1.36x, 1.36x, 1.28x, with 93-98% of the
+oracle's cache hits and p90 1.02-1.23x better (Dynamo's cost: 1.10-1.18x, 78-81%, p90
+0.91-0.97x);
 4 workers, c=8: 1.66x, 99% (Dynamo's cost 1.33x, 86%); multi-turn chats over shared documents,
 c=8: 1.75x (2 workers) and 4.07x (4 workers), 100% of the oracle's hits; c=1: the oracle's hits
-on every workload. Where it loses: 2 workers at c=32 with 4k-token prefixes (0.90x round-robin's
-mean TTFT, 96% of the oracle's hits: both workers saturated, and keeping prefixes where they
-are unbalances the queues) and 8 1k-token prefixes, 2 workers, c=8 (1.02x: every policy
-already gets 95% of the hits there).
+on every workload; c=32, 2 workers: 1.21x (Dynamo's cost 1.06x). Where it does not win:
+8 1k-token prefixes, 2 workers, c=8 (1.02x: every policy already gets 95% of the hits there).
 """
 
 from __future__ import annotations
@@ -70,6 +69,8 @@ DEFAULT_COEFFS = (0.020, 0.050 / TOKEN_SCALE, 0.001 / BLOCK_SCALE)
 PRIOR_WEIGHT = 2.0
 # Weight decay per observation: the fit follows about the last 1/(1-DECAY) = 50 requests.
 DECAY = 0.98
+# Every this many observations, all ranks' fits are re-solved against the moved pooled prior.
+PRIOR_REFRESH = 16
 # A deeper prefix holder wins when its prediction is at most this much worse than the best.
 TIE_TOLERANCE = 0.10
 
@@ -173,14 +174,20 @@ class TtftModel:
         self.observe(pending.key, pending.tokens, pending.blocks, seconds)
 
     def observe(self, key: WorkerKey, tokens: int, blocks: int, seconds: float) -> None:
-        """One observed TTFT: into the pooled fit and `key`'s, and every rank's fit re-solved
-        against the new pooled prior (ranks with few observations follow the pool)."""
+        """One observed TTFT: into the pooled fit and `key`'s; every `PRIOR_REFRESH`
+        observations every rank's fit is re-solved against the pooled prior (so ranks with few
+        observations follow the pool) — not every time, which would cost a solve per rank per
+        request."""
         pooled = self.pooled
         pooled.observe(tokens, blocks, seconds)
         pooled.refit(DEFAULT_COEFFS)
-        self.fit(key).observe(tokens, blocks, seconds)
-        for fit in self.fits.values():
+        fit = self.fit(key)
+        fit.observe(tokens, blocks, seconds)
+        if pooled.observations % PRIOR_REFRESH:
             fit.refit(pooled.coeffs)
+            return
+        for each in self.fits.values():  # the pool moves slowly: every rank follows it now and then
+            each.refit(pooled.coeffs)
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
