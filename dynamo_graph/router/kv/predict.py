@@ -116,7 +116,10 @@ class TtftFit:
         self.observations += 1
 
     def refit(self, prior: tuple[float, float, float]) -> None:
-        """Solve (X'WX + P) theta = X'Wy + P prior, in scaled units."""
+        """Solve (X'WX + P) theta = X'Wy + P prior, in scaled units (without data: the prior)."""
+        if not self.observations:
+            self.coeffs = prior
+            return
         scaled = (prior[0], prior[1] * TOKEN_SCALE, prior[2] * BLOCK_SCALE)
         m = [[*row] for row in self._xtx]
         v = [*self._xty]
@@ -174,20 +177,21 @@ class TtftModel:
         self.observe(pending.key, pending.tokens, pending.blocks, seconds)
 
     def observe(self, key: WorkerKey, tokens: int, blocks: int, seconds: float) -> None:
-        """One observed TTFT: into the pooled fit and `key`'s; every `PRIOR_REFRESH`
-        observations every rank's fit is re-solved against the pooled prior (so ranks with few
-        observations follow the pool) — not every time, which would cost a solve per rank per
-        request."""
+        """One observed TTFT: into the pooled fit and `key`'s, whose fit is re-solved against
+        the new pooled prior, as are the fits of ranks with fewer than `PRIOR_REFRESH`
+        observations (they follow the pool); the others every `PRIOR_REFRESH` observations, not
+        every time, which would cost a solve per rank per request."""
         pooled = self.pooled
         pooled.observe(tokens, blocks, seconds)
         pooled.refit(DEFAULT_COEFFS)
-        fit = self.fit(key)
-        fit.observe(tokens, blocks, seconds)
-        if pooled.observations % PRIOR_REFRESH:
-            fit.refit(pooled.coeffs)
-            return
-        for each in self.fits.values():  # the pool moves slowly: every rank follows it now and then
-            each.refit(pooled.coeffs)
+        observed = self.fit(key)
+        observed.observe(tokens, blocks, seconds)
+        everyone = pooled.observations % PRIOR_REFRESH == 0
+        for fit in self.fits.values():
+            # Ranks that have seen little lean on the pool and follow it at once; the rest
+            # (whose own data outweighs the prior) on their own observations and now and then.
+            if everyone or fit is observed or fit.observations < PRIOR_REFRESH:
+                fit.refit(pooled.coeffs)
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
