@@ -70,8 +70,8 @@ process (no HTTP) with 8 workers whose indexer holds a realistic cache (fed with
 with 64 requests in flight; the time of route() + prefill_completed() + free() per request for
 1k- and 4k-token prompts, p50/p99 in µs, and the share of it spent hashing the prompt; for the
 predictive cost and Dynamo's. Target: <= 100 µs (Dynamo's Rust router: ~110 µs). Measured
-(issue 17, a loaded machine): predictive 55 / 104 µs, Dynamo's cost 34 / 79 µs in the same run
-(fitting a TTFT per request and predicting per worker cost ~20-25 µs).
+(issue 17): predictive 71 / 99 µs, Dynamo's cost 33 / 76 µs in the same run (p99 102 / 157 vs
+53 / 112 µs): predicting a TTFT per worker and fitting the observed one cost ~25-40 µs.
 
 Results: benchmarks/results/routing.json.
 """

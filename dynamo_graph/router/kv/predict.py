@@ -40,9 +40,9 @@ hardware.
 Measured (benchmarks/bench_router_predict.py, results/router_predict*.json; mocker workers,
 speedup 3, 1024 KV blocks each, cold caches, on a 2-core machine shared with other jobs, so
 single runs vary by +-20%): 32 shared 4k-token prefixes + 32-96-token suffixes, 2 workers, c=8,
-four seeds: round-robin / predictive mean TTFT 1.41x, 1.36x, 1.36x, 1.28x, with 93-98% of the
-oracle's cache hits and p90 1.02-1.23x better (Dynamo's cost: 1.10-1.18x, 78-81%, p90
-0.91-0.97x);
+five seeds: round-robin / predictive mean TTFT 1.41x, 1.36x, 1.36x, 1.28x, 1.28x, with 93-98%
+of the oracle's cache hits and p90 1.02-1.23x better (Dynamo's cost: 1.07-1.18x, 74-81%, p90
+0.91-0.97x; the last seeds ran with the final refit schedule, PRIOR_REFRESH);
 4 workers, c=8: 1.66x, 99% (Dynamo's cost 1.33x, 86%); multi-turn chats over shared documents,
 c=8: 1.75x (2 workers) and 4.07x (4 workers), 100% of the oracle's hits; c=1: the oracle's hits
 on every workload; c=32, 2 workers: 1.21x (Dynamo's cost 1.06x). Where it does not win:
@@ -178,15 +178,16 @@ class TtftModel:
 
     def observe(self, key: WorkerKey, tokens: int, blocks: int, seconds: float) -> None:
         """One observed TTFT: into the pooled fit and `key`'s, whose fit is re-solved against
-        the new pooled prior, as are the fits of ranks with fewer than `PRIOR_REFRESH`
-        observations (they follow the pool); the others every `PRIOR_REFRESH` observations, not
-        every time, which would cost a solve per rank per request."""
+        the pooled prior, as are the fits of ranks with fewer than `PRIOR_REFRESH` observations
+        (they follow the pool); the pool itself and the other ranks every `PRIOR_REFRESH`
+        observations, not every time, which would cost a solve per rank per request."""
         pooled = self.pooled
         pooled.observe(tokens, blocks, seconds)
-        pooled.refit(DEFAULT_COEFFS)
+        everyone = pooled.observations % PRIOR_REFRESH == 0
+        if everyone or pooled.observations < PRIOR_REFRESH:  # the pool moves slowly
+            pooled.refit(DEFAULT_COEFFS)
         observed = self.fit(key)
         observed.observe(tokens, blocks, seconds)
-        everyone = pooled.observations % PRIOR_REFRESH == 0
         for fit in self.fits.values():
             # Ranks that have seen little lean on the pool and follow it at once; the rest
             # (whose own data outweighs the prior) on their own observations and now and then.
