@@ -7,9 +7,12 @@ Setup. For every (router mode, concurrency) point, fresh processes on 127.0.0.1 
 discovery, tcp request plane, zmq event plane): `--workers` (4) mocker workers, each its own
 `dyngraph run in=dyn://bench.mocker.generate out=mocker` process, and one frontend
 `dyngraph run in=http out=auto --router-mode MODE`. Modes: `random`, `round-robin`, `kv` (KV
-events from the workers feed the router's indexer) and `kv-approx` (`--use-kv-events false`:
-the router indexes its own decisions). So every point starts with cold caches (and a cold
-router); starting them takes about a second. A few short unrelated requests warm each up.
+events from the workers feed the router's indexer; the predictive cost, the default since
+issue 17), `kv-dynamo` (the same with `--router-cost dynamo`, Dynamo's block cost; the figures
+under "Findings" below were measured with it, before the predictive cost existed) and
+`kv-approx` (`--use-kv-events false`: the router indexes its own decisions). So every point
+starts with cold caches (and a cold router); starting them takes about a second. A few short
+unrelated requests warm each up.
 
 Workload (seeded, deterministic prompts): multi-turn conversations over shared documents.
 `--docs` (16) documents of `--doc-tokens` (4096) random token ids, `--convs-per-doc` (4)
@@ -65,8 +68,10 @@ per c (target: >= 1.5 at c=8).
 Router overhead (`--overhead-only`, also run at the end of a full run): a `KvRouter` in this
 process (no HTTP) with 8 workers whose indexer holds a realistic cache (fed with KV events),
 with 64 requests in flight; the time of route() + prefill_completed() + free() per request for
-1k- and 4k-token prompts, p50/p99 in µs, and the share of it spent hashing the prompt.
-Target: <= 100 µs (Dynamo's Rust router: ~110 µs).
+1k- and 4k-token prompts, p50/p99 in µs, and the share of it spent hashing the prompt; for the
+predictive cost and Dynamo's. Target: <= 100 µs (Dynamo's Rust router: ~110 µs). Measured
+(issue 17): predictive 71 / 99 µs, Dynamo's cost 33 / 76 µs in the same run (p99 102 / 157 vs
+53 / 112 µs): predicting a TTFT per worker and fitting the observed one cost ~25-40 µs.
 
 Results: benchmarks/results/routing.json.
 """
@@ -105,8 +110,9 @@ ENDPOINT = "dyn://bench.mocker.generate"
 MODES = {
     "random": ["--router-mode", "random"],
     "round-robin": ["--router-mode", "round-robin"],
-    "kv": ["--router-mode", "kv", "--use-kv-events", "true"],
+    "kv": ["--router-mode", "kv", "--use-kv-events", "true"],  # the predictive cost (default)
     "kv-approx": ["--router-mode", "kv", "--use-kv-events", "false"],
+    "kv-dynamo": ["--router-mode", "kv", "--use-kv-events", "true", "--router-cost", "dynamo"],
 }
 
 
@@ -307,6 +313,7 @@ class Deployment:
             if mode.startswith("kv"):
                 router += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
                 router += ["--router-temperature", str(args.router_temperature)]
+                router += getattr(args, "kv_router_args", [])
             frontend_argv = [
                 sys.executable, "-m", "dynamo_graph", "run", "in=http", "out=auto", *router,
                 "--http-port", str(self.port),
@@ -414,8 +421,9 @@ def run_point_fresh(
 # ---- router overhead, in process ---------------------------------------------------------------
 
 
-def measure_overhead(args: argparse.Namespace) -> dict:
-    """route() + prefill_completed() + free() at 8 workers with a realistic index and load."""
+def measure_overhead(args: argparse.Namespace, cost: str = "predictive") -> dict:
+    """route() + prefill_completed() + free() at 8 workers with a realistic index and load,
+    with the router's `cost`."""
     from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
     from dynamo_graph.router.kv.protocols import KvCacheEvent, KvStored, StoredBlock
     from dynamo_graph.router.kv.router import KvRouter
@@ -425,7 +433,7 @@ def measure_overhead(args: argparse.Namespace) -> dict:
     n_workers = 8
     rng = random.Random(f"{args.seed}:overhead")
     low, high = 6, 2048
-    router = KvRouter(bs, KvRouterConfig(), seed=1)
+    router = KvRouter(bs, KvRouterConfig(cost=cost), seed=1)
     workers = [rng.getrandbits(63) for _ in range(n_workers)]
 
     def ids(n: int) -> list[int]:
@@ -590,7 +598,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
 
-    overhead = None if args.no_overhead else measure_overhead(args)
+    overhead = None
+    if not args.no_overhead:
+        overhead = {cost: measure_overhead(args, cost) for cost in ("predictive", "dynamo")}
     if overhead:
         print("router overhead:", json.dumps(overhead), flush=True)
     if args.overhead_only:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 ROUTER_MODES = ("random", "round-robin", "kv")
+_ROUTER_CHOICES = {
+    "--router-cost": ("router_cost", ("predictive", "dynamo")),
+    "--router-session-affinity-mode": ("router_session_affinity_mode", ("hard", "soft")),
+    "--router-queue-policy": ("router_queue_policy", ("priority", "fcfs")),
+}
 DISAGGREGATION_MODES = ("agg", "prefill", "decode")
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,13 @@ class RunConfig:
     kv_overlap_score_weight: float = 1.0
     router_temperature: float = 0.0
     use_kv_events: bool = True
+    # The kv router's cost, session affinity and queue (router/kv/: predict.py, affinity.py, queue.py).
+    router_cost: str = "predictive"
+    router_session_affinity_ttl_secs: float = 0.0  # 0: no session affinity
+    router_session_affinity_mode: str = "soft"
+    router_queue_threshold: int | None = None  # prefill tokens waiting per worker; None: no queue
+    router_queue_policy: str = "priority"
+    router_max_queue_size: int = 1024
     migration_limit: int = 0
     static_worker: bool = False
     # Frontend health checks of worker instances (runtime/health.py); None: the environment's
@@ -153,12 +165,31 @@ def parse_input(word: str) -> tuple[InputKind, str | None]:
     )
 
 
+def _validate_router(cfg: RunConfig) -> None:
+    for flag, (name, valid) in _ROUTER_CHOICES.items():
+        if getattr(cfg, name) not in valid:
+            raise RunConfigError(f"{flag} must be one of {', '.join(valid)}, not {getattr(cfg, name)!r}")
+    ttl = cfg.router_session_affinity_ttl_secs
+    if ttl < 0:
+        raise RunConfigError(f"--router-session-affinity-ttl-secs must be >= 0 (0: off), not {ttl:g}")
+    if cfg.router_queue_threshold is not None and cfg.router_queue_threshold < 0:
+        raise RunConfigError(f"--router-queue-threshold must be >= 0, not {cfg.router_queue_threshold}")
+    if cfg.router_max_queue_size < 0:
+        raise RunConfigError(f"--router-max-queue-size must be >= 0, not {cfg.router_max_queue_size}")
+    asks = cfg.router_session_affinity_ttl_secs > 0 or cfg.router_queue_threshold is not None
+    if asks and cfg.router_mode != "kv" and cfg.input != "dyn":
+        raise RunConfigError(
+            "session affinity and the router queue are the kv router's: add --router-mode kv"
+        )
+
+
 def validate(cfg: RunConfig) -> None:
     _resolve_disaggregation_mode(cfg)
     if cfg.router_mode not in ROUTER_MODES:
         raise RunConfigError(
             f"--router-mode must be one of {', '.join(ROUTER_MODES)}, not {cfg.router_mode!r}"
         )
+    _validate_router(cfg)
     if not 0 <= cfg.http_port <= 65535:
         raise RunConfigError(f"--http-port must be within 0-65535, not {cfg.http_port}")
     checks = [

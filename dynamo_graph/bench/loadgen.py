@@ -62,28 +62,37 @@ def encode_request(target: Target, body: dict) -> bytes:
     return head.encode() + payload
 
 
+# uvicorn closes a connection idle for 5 s; reusing one that old races its close (the client
+# would see the server's FIN instead of an answer, and count a request lost that never arrived).
+MAX_IDLE_S = 3.0
+
+
 class Connections:
-    """Kept-alive connections to the target, reused by whoever sends next."""
+    """Kept-alive connections to the target, reused by whoever sends next (while fresh)."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
 
     async def take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self.idle:
-            return self.idle.pop()
+        now = time.monotonic()
+        while self.idle:
+            reader, writer, since = self.idle.pop()
+            if now - since < MAX_IDLE_S:
+                return reader, writer
+            writer.close()
         reader, writer = await asyncio.open_connection(self.target.host, self.target.port)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return reader, writer
 
     def give(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], reusable: bool) -> None:
         if reusable and self.target.keep_alive:
-            self.idle.append(conn)
+            self.idle.append((*conn, time.monotonic()))
         else:
             conn[1].close()
 
     def close(self) -> None:
-        for _, writer in self.idle:
+        for _, writer, _ in self.idle:
             writer.close()
         self.idle.clear()
 

@@ -112,6 +112,28 @@ def run_command(
     kv_overlap_score_weight: Annotated[float, typer.Option("--kv-overlap-score-weight")] = 1.0,
     router_temperature: Annotated[float, typer.Option("--router-temperature")] = 0.0,
     use_kv_events: Annotated[str, typer.Option("--use-kv-events", help="true | false")] = "true",
+    router_cost: Annotated[
+        str, typer.Option("--router-cost", help="kv: predictive (lowest predicted TTFT) | dynamo")
+    ] = "predictive",
+    router_session_affinity_ttl_secs: Annotated[
+        float,
+        typer.Option("--router-session-affinity-ttl-secs", help="kv: keep a session on its worker (0: off)"),
+    ] = 0.0,
+    router_session_affinity_mode: Annotated[
+        str, typer.Option("--router-session-affinity-mode", help="hard | soft")
+    ] = "soft",
+    router_queue_threshold: Annotated[
+        int | None,
+        typer.Option(
+            "--router-queue-threshold", help="kv: queue when every worker has more prefill tokens waiting"
+        ),
+    ] = None,
+    router_queue_policy: Annotated[
+        str, typer.Option("--router-queue-policy", help="priority | fcfs")
+    ] = "priority",
+    router_max_queue_size: Annotated[
+        int, typer.Option("--router-max-queue-size", help="kv: queued requests; more get 529")
+    ] = 1024,
     migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
     health_check_interval_s: Annotated[
         float | None,
@@ -222,6 +244,12 @@ def run_command(
         "kv_overlap_score_weight": kv_overlap_score_weight,
         "router_temperature": router_temperature,
         "use_kv_events": use_kv_events,
+        "router_cost": router_cost,
+        "router_session_affinity_ttl_secs": router_session_affinity_ttl_secs,
+        "router_session_affinity_mode": router_session_affinity_mode,
+        "router_queue_threshold": router_queue_threshold,
+        "router_queue_policy": router_queue_policy,
+        "router_max_queue_size": router_max_queue_size,
         "migration_limit": migration_limit,
         "health_check_interval_s": health_check_interval_s,
         "health_check_timeout_s": health_check_timeout_s,

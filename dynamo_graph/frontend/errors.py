@@ -6,11 +6,15 @@ our own failures are 5xx.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 
 import msgspec
 
 from dynamo_graph.runtime.errors import RequestError
+
+log = logging.getLogger(__name__)
 
 _STATUS_TYPES = {
     400: "BadRequestError",
@@ -24,6 +28,7 @@ _STATUS_TYPES = {
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    529: "OverloadedError",
     504: "GatewayTimeoutError",
 }
 
@@ -52,12 +57,33 @@ class HTTPError(Exception):
 
     @classmethod
     def from_engine_error(cls, err: RequestError) -> HTTPError:
-        return cls(err.http_status, err.message, param=err.param, code=err.code)
+        retry_after = getattr(err, "retry_after_s", None)
+        if retry_after is None:
+            return cls(err.http_status, err.message, param=err.param, code=err.code)
+        # Overload past the router's queue: 529 (or DYN_HTTP_OVERLOAD_STATUS_CODE) + Retry-After.
+        return cls(
+            overload_status(),
+            err.message,
+            code=err.code,
+            headers=[(b"retry-after", str(retry_after).encode())],
+            error_type="OverloadedError",
+        )
 
     def body(self) -> bytes:
         return error_body(
             self.status, self.message, param=self.param, code=self.code, error_type=self.error_type
         )
+
+
+def overload_status() -> int:
+    """`DYN_HTTP_OVERLOAD_STATUS_CODE`: 529 (default, as Anthropic and Dynamo answer when
+    overloaded) or 503 for clients and balancers that only know that one."""
+    raw = os.environ.get("DYN_HTTP_OVERLOAD_STATUS_CODE", "").strip()
+    if raw == "503":
+        return 503
+    if raw not in ("", "529"):
+        log.warning("DYN_HTTP_OVERLOAD_STATUS_CODE=%r: only 529 or 503; answering 529", raw)
+    return 529
 
 
 def error_body(

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynamo_graph.frontend.router_metrics import ROUTERS
 from dynamo_graph.llm.protocol import KvImportReport
 
 PREFIX = "dynamo_frontend"
@@ -183,6 +184,7 @@ class FrontendMetrics(Collector):
         yield migrations
         yield from families.values()
         yield from DISAGG.collect()
+        yield from ROUTERS.collect()
 
 
 DISAGG = DisaggMetrics()

@@ -44,6 +44,7 @@ from dynamo_graph.frontend.remote import (
     RemoteTextBackend,
     RemoteTokensBackend,
 )
+from dynamo_graph.frontend.router_metrics import ROUTERS
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
@@ -84,6 +85,7 @@ class _Model:
             await self.checker.close()
         await self.client.close()
         if self.router is not None:
+            ROUTERS.remove(self.router)
             await self.router.close()
 
 
@@ -232,7 +234,11 @@ class ModelWatcher:
         mode = "round-robin" if self.router_mode == "kv" else self.router_mode
         client = Client(self.runtime, endpoint, router_mode=mode)
         client.allowed = set()
-        return client, KvRouter(card.kv_cache_block_size, self.kv_config) if kv else None
+        if not kv:
+            return client, None
+        router = KvRouter(card.kv_cache_block_size, self.kv_config)
+        ROUTERS.add(card.display_name, "prefill" if "prefill" in card.model_type else "decode", router)
+        return client, router
 
     async def _started_pool(
         self, card: ModelDeploymentCard, endpoint: EndpointName, client: Client, router: KvRouter | None

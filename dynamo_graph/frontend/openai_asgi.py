@@ -23,6 +23,7 @@ from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admi
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.responses import ChunkWriter, StreamWriter, full_response
+from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import (
     AnyRequest,
@@ -208,6 +209,7 @@ class OpenAIHandler:
             pipeline = self._model(request.model)
             _check_context(pipeline, request)
             prepared = self._prepare(pipeline, request)
+            apply_routing_headers(prepared.preprocessed, scope["headers"])
         except HTTPError as err:
             await self._refuse(send, err)
             return
@@ -219,7 +221,7 @@ class OpenAIHandler:
         """Answer a request refused before it ran."""
         if err.status == 413:
             self.admission.count("body_too_large")
-        await send_json(send, err.status, self.error_body(err))
+        await send_json(send, err.status, self.error_body(err), err.headers)
 
     def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
         """(the request the pipeline runs, the request as the client sent it): one and the same
@@ -338,7 +340,7 @@ class OpenAIHandler:
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
             if not started:
-                await send_json(send, http_err.status, self.error_body(http_err))
+                await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             else:
                 with contextlib.suppress(Exception):
                     body = writer.failure(http_err)
@@ -388,7 +390,7 @@ class OpenAIHandler:
                         finish = delta.finish_reason
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err))
+            await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False
         if finish is None:  # cancelled by the client: nobody is listening
             return False
@@ -435,7 +437,7 @@ class OpenAIHandler:
                         finished = True
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err))
+            await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False
         if not finished:  # cancelled by the client: nobody is listening
             return False

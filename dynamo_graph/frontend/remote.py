@@ -55,7 +55,11 @@ class KvRoutedTokensBackend:
     A worker that cannot be reached is left out and the request routed again (nothing was
     generated yet, so that is always safe); so are the workers in `exclude` (those that failed a
     migrated request). The router's booking is released whenever a stream ends, failed or not,
-    so a migrated request is booked afresh on the worker it moves to."""
+    so a migrated request is booked afresh on the worker it moves to.
+
+    With the router's queue on, a request first waits for its turn (`admit`: priority from its
+    routing hints) while every worker is saturated, or is refused (`QueueFull`: 529) past the
+    queue's bound; its session id (routing hints) lets session affinity pick its worker."""
 
     def __init__(self, client: Client, router: KvRouter) -> None:
         self.client = client
@@ -70,11 +74,24 @@ class KvRoutedTokensBackend:
         router = self.router
         request_id = context.id
         unreachable: set[int] = set(exclude) if exclude else set()
+        hints = request.routing
+        admitted = False
+        if router.queue is not None:
+            priority = hints.priority if hints is not None and hints.priority is not None else 0
+            if not await router.admit(priority, context, self.client.instance_ids()):
+                return  # the client went away while the request waited
+            admitted = True
+        session = hints.session_id if hints is not None else None
         while True:
-            instances = [i for i in self.client.instance_ids() if i not in unreachable]
-            if not instances:
-                raise NoInstances(f"no instances of {self.client.name} are available")
-            choice = router.route(request_id, request.token_ids, instances)
+            try:
+                instances = [i for i in self.client.instance_ids() if i not in unreachable]
+                if not instances:
+                    raise NoInstances(f"no instances of {self.client.name} are available")
+                choice = router.route(request_id, request.token_ids, instances, session_id=session)
+            finally:
+                if admitted:
+                    admitted = False
+                    router.dispatched()
             worker_id, request.dp_rank = choice.key
             started = False
             try:

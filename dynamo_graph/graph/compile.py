@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy, port_placeholder
-from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
+from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Router, Worker
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
@@ -307,6 +307,8 @@ class _Compiler:
             "--max-concurrent-requests",
             str(comp.limits.max_concurrent_requests),
         ]
+        if router.mode == "kv":
+            argv += _kv_router_args(router)
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]
         if comp.disagg.conditional:
@@ -498,6 +500,22 @@ class _Compiler:
             hosts=self.remote_hosts(),
             local_python=self.local_python(),
         )
+
+
+def _kv_router_args(router: Router) -> list[str]:
+    """The kv router's cost, session affinity and queue flags, those that differ from the
+    defaults (so plans of graphs that do not set them stay as they were)."""
+    args: list[str] = []
+    if router.cost != "predictive":
+        args += ["--router-cost", router.cost]
+    if router.session_affinity_ttl_secs:
+        args += ["--router-session-affinity-ttl-secs", f"{router.session_affinity_ttl_secs:g}"]
+        args += ["--router-session-affinity-mode", router.session_affinity_mode]
+    if router.queue_threshold is not None:
+        args += ["--router-queue-threshold", str(router.queue_threshold)]
+        args += ["--router-queue-policy", router.queue_policy]
+        args += ["--router-max-queue-size", str(router.max_queue_size)]
+    return args
 
 
 def _hosts_of(comp: Frontend | Worker) -> list[str]:

@@ -378,6 +378,34 @@ class Router(_Model):
     use_kv_events: bool = True
     """kv: follow workers' KV events; false predicts cache contents from routed requests
     (--use-kv-events)."""
+    cost: Literal["predictive", "dynamo"] = "predictive"
+    """kv: `predictive` sends a request where its time to first token is predicted lowest (a
+    per-worker prefill cost fitted from observed TTFTs); `dynamo` uses Dynamo's block cost
+    (--router-cost)."""
+    session_affinity_ttl_secs: float = Field(0.0, ge=0)
+    """kv: keep a session's requests (`x-session-id` header or `nvext.agent_context.session_id`)
+    on one worker for this many seconds after its last request; 0 = off
+    (--router-session-affinity-ttl-secs)."""
+    session_affinity_mode: Literal["hard", "soft"] = "soft"
+    """kv: `soft` lets a session move when its worker's predicted TTFT is clearly worse; `hard`
+    never (--router-session-affinity-mode)."""
+    queue_threshold: int | None = Field(None, ge=0)
+    """kv: hold requests at the frontend while every worker has more than this many prompt
+    tokens waiting for their first token; default: never (--router-queue-threshold)."""
+    queue_policy: Literal["priority", "fcfs"] = "priority"
+    """kv: order of the held requests: highest `x-dynamo-request-priority` /
+    `nvext.agent_hints.priority` first, or first come first served (--router-queue-policy)."""
+    max_queue_size: int = Field(1024, ge=0)
+    """kv: held requests at most; more are answered 529 (503 with
+    DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
+
+    @model_validator(mode="after")
+    def _kv_only(self) -> Router:
+        if self.mode != "kv" and (self.session_affinity_ttl_secs or self.queue_threshold is not None):
+            raise ValueError(
+                "session_affinity_ttl_secs and queue_threshold are the kv router's: set mode: kv"
+            )
+        return self
 
 
 class Disagg(_Model):

@@ -43,6 +43,12 @@ _DISTRIBUTED_FLAGS = {
     "kv_overlap_score_weight": "--kv-overlap-score-weight",
     "router_temperature": "--router-temperature",
     "use_kv_events": "--use-kv-events",
+    "router_cost": "--router-cost",
+    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
+    "router_session_affinity_mode": "--router-session-affinity-mode",
+    "router_queue_threshold": "--router-queue-threshold",
+    "router_queue_policy": "--router-queue-policy",
+    "router_max_queue_size": "--router-max-queue-size",
     "migration_limit": "--migration-limit",
     "static_worker": "--static-worker",
     "disaggregation_mode": "--disaggregation-mode",
@@ -144,6 +150,12 @@ def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
         overlap_score_weight=cfg.kv_overlap_score_weight,
         temperature=cfg.router_temperature,
         use_kv_events=cfg.use_kv_events,
+        cost=cfg.router_cost,
+        session_affinity_ttl_s=cfg.router_session_affinity_ttl_secs,
+        session_affinity_mode=cfg.router_session_affinity_mode,
+        queue_threshold=cfg.router_queue_threshold,
+        queue_policy=cfg.router_queue_policy,
+        max_queue_size=cfg.router_max_queue_size,
     )
 
 
@@ -251,6 +263,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     from dynamo_graph.frontend.metrics import count_migration
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
+    from dynamo_graph.frontend.router_metrics import ROUTERS
     from dynamo_graph.llm.pipeline import tokens_pipeline
     from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.router.migration import Migration
@@ -281,6 +294,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     if kv:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
         router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
+        ROUTERS.add(card.display_name, "decode", router)
         backend = KvRoutedTokensBackend(client, router)
     migrating = Migration(backend, cfg.migration_limit, model=card.display_name, on_migrate=count_migration)
     registry.add(tokens_pipeline(card, model, migrating), instances=client.health_report)

@@ -42,6 +42,18 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
     continuous_usage_stats: bool = False
 
 
+class AgentHints(msgspec.Struct, omit_defaults=True):
+    """`nvext.agent_hints`: priority 0 by default, higher is more urgent (the router's queue)."""
+
+    priority: int | None = None
+
+
+class AgentContext(msgspec.Struct, omit_defaults=True):
+    """`nvext.agent_context`: the session whose turns the router keeps on one worker."""
+
+    session_id: str | None = None
+
+
 class NvExt(msgspec.Struct, omit_defaults=True):
     """Dynamo's request extensions (`nvext`)."""
 
@@ -50,6 +62,18 @@ class NvExt(msgspec.Struct, omit_defaults=True):
     repetition_penalty: float | None = None
     greed_sampling: bool | None = None
     annotations: list[str] | None = None
+    priority: int | None = None  # as agent_hints.priority
+    agent_hints: AgentHints | None = None
+    agent_context: AgentContext | None = None
+
+    def routing_priority(self) -> int | None:
+        hints = self.agent_hints
+        if hints is not None and hints.priority is not None:
+            return hints.priority
+        return self.priority
+
+    def session_id(self) -> str | None:
+        return self.agent_context.session_id if self.agent_context is not None else None
 
 
 class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -22,6 +22,7 @@ from dynamo_graph.llm.openai import (
     AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    NvExt,
     requested_max_tokens,
     stop_strings,
     wants_ignore_eos,
@@ -29,6 +30,7 @@ from dynamo_graph.llm.openai import (
 from dynamo_graph.llm.protocol import (
     OutputOptions,
     PreprocessedRequest,
+    RoutingHints,
     SamplingOptions,
     StopConditions,
 )
@@ -220,7 +222,18 @@ class Preprocessor:
             output_options=output,
             eos_token_ids=list(self.eos_token_ids),
             annotations=list(nvext.annotations) if nvext and nvext.annotations else [],
+            routing=routing_hints(nvext),
         )
+
+
+def routing_hints(nvext: NvExt | None) -> RoutingHints | None:
+    """The session and priority a request's nvext gives the router (headers may override)."""
+    if nvext is None:
+        return None
+    session, priority = nvext.session_id(), nvext.routing_priority()
+    if session is None and priority is None:
+        return None
+    return RoutingHints(session_id=session, priority=priority)
 
 
 def _check_unsupported(req: AnyRequest) -> None:

@@ -77,6 +77,15 @@ class KvImportReport(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class RoutingHints(msgspec.Struct, omit_defaults=True):
+    """What the KV router reads besides the prompt: the session whose turns should stay on one
+    worker (`x-session-id`, `nvext.agent_context.session_id`) and the priority its queue orders
+    by (`x-dynamo-request-priority`, `nvext.agent_hints.priority`; higher is more urgent)."""
+
+    session_id: str | None = None
+    priority: int | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request as an engine of a Tokens-input model receives it."""
 
@@ -93,6 +102,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     extra: dict[str, Any] | None = None
     # Disaggregated serving: the prompt's KV was computed by a prefill worker; fetch it there.
     kv_transfer_params: KvTransferParams | None = None
+    # Session and priority for the frontend's router (not used by engines).
+    routing: RoutingHints | None = None
 
 
 class CompletionUsage(msgspec.Struct, omit_defaults=True):

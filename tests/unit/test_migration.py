@@ -273,11 +273,13 @@ class FakeClient:
 
 
 class FakeKvRouter:
+    queue = None  # no router queue: requests are routed at once
+
     def __init__(self) -> None:
         self.booked: dict[str, int] = {}
         self.routed: list[list[int]] = []
 
-    def route(self, request_id: str, token_ids: list[int], instances: list[int]):  # type: ignore[no-untyped-def]
+    def route(self, request_id: str, token_ids: list[int], instances: list[int], *, session_id=None):  # type: ignore[no-untyped-def]
         self.routed.append(sorted(instances))
         assert request_id not in self.booked, "booked twice: the failed attempt was not freed"
         self.booked[request_id] = instances[0]

@@ -2,8 +2,10 @@
 
 Ties together the indexer of the workers' caches (fed by KV events from the event plane, or,
 with `use_kv_events=False`, the approximate indexer fed by the router's own decisions), the
-bookkeeping of in-flight requests, and the selection (scheduler.py). The caller routes, then
-reports the first token and the end of every request it routed.
+bookkeeping of in-flight requests, the cost (predict.py's predicted TTFT by default, or Dynamo's,
+scheduler.py), session affinity (affinity.py) and the queue in front of saturated workers
+(queue.py). The caller admits (when queueing is on), routes, then reports the first token and
+the end of every request it routed.
 """
 
 from __future__ import annotations
@@ -17,14 +19,23 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.indexer import KvIndexer
-from dynamo_graph.router.kv.protocols import KV_EVENTS_TOPIC, decode_kv_event
+from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
+from dynamo_graph.router.kv.protocols import (
+    KV_EVENTS_TOPIC,
+    LOAD_METRICS_TOPIC,
+    decode_kv_event,
+    decode_load_metrics,
+)
+from dynamo_graph.router.kv.queue import QueuePolicy, RouterQueue
 from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
 if TYPE_CHECKING:
+    from dynamo_graph.runtime.context import Context
     from dynamo_graph.runtime.events.base import EventSubscriber
     from dynamo_graph.runtime.runtime import DistributedRuntime
 
@@ -53,6 +64,17 @@ class KvRouter:
                 prune_target_ratio=self.config.prune_target_ratio,
             )
         self.sequences = ActiveSequences()
+        self.model = TtftModel()
+        config = self.config
+        self.affinity: SessionAffinity | None = None
+        if config.session_affinity_ttl_s > 0:
+            mode: AffinityMode = config.session_affinity_mode  # type: ignore[assignment]
+            self.affinity = SessionAffinity(config.session_affinity_ttl_s, mode)
+        self.queue: RouterQueue | None = None
+        if config.queue_threshold is not None:
+            policy: QueuePolicy = config.queue_policy  # type: ignore[assignment]
+            self.queue = RouterQueue(self.saturated, policy=policy, max_size=config.max_queue_size)
+        self._candidates: list[WorkerKey] = []
         # Data-parallel ranks per worker instance (from its model card); 1 when not told.
         self.dp_sizes: dict[int, int] = {}
         self.routed = 0
@@ -63,25 +85,36 @@ class KvRouter:
         self._consumer: asyncio.Task[None] | None = None
 
     async def subscribe(self, runtime: DistributedRuntime, namespace: str, component: str) -> None:
-        """Feed the indexer from the KV events of the workers on channel namespace/component.
-        Nothing to do without KV events, or when overlap does not count (weight 0)."""
-        if not self.config.use_kv_events or self.config.overlap_score_weight == 0:
+        """Feed the indexer from the KV events of the workers on channel namespace/component
+        (unless without KV events, or when overlap does not count: weight 0), and the
+        predictive cost from their load metrics."""
+        topics = []
+        if self.config.use_kv_events and self.config.overlap_score_weight != 0:
+            topics.append(KV_EVENTS_TOPIC)
+        if self.config.cost == "predictive":
+            topics.append(LOAD_METRICS_TOPIC)
+        if not topics:
             return
         from dynamo_graph.runtime.events import create_event_subscriber
 
         self._subscriber = await create_event_subscriber(
-            discovery=runtime.discovery, namespace=namespace, component=component, topics=[KV_EVENTS_TOPIC]
+            discovery=runtime.discovery, namespace=namespace, component=component, topics=topics
         )
         self._consumer = asyncio.create_task(self._consume(self._subscriber), name=f"kv events {component}")
 
     async def _consume(self, subscriber: EventSubscriber) -> None:
-        assert isinstance(self.indexer, KvIndexer)
-        apply = self.indexer.apply_event
+        indexer = self.indexer
+        metrics_blocks = self.model.metrics_blocks
         async for event in subscriber.events():
             try:
-                apply(decode_kv_event(event.payload))
+                if event.topic == LOAD_METRICS_TOPIC:
+                    load = decode_load_metrics(event.payload)
+                    metrics_blocks[(load.worker_id, load.dp_rank)] = load.active_blocks
+                    continue
+                assert isinstance(indexer, KvIndexer)
+                indexer.apply_event(decode_kv_event(event.payload))
             except msgspec.DecodeError as err:
-                log.warning("ignoring a malformed KV event from %x: %s", event.publisher_id, err)
+                log.warning("ignoring a malformed %s event from %x: %s", event.topic, event.publisher_id, err)
                 continue
             self.events_applied += 1
 
@@ -89,35 +122,87 @@ class KvRouter:
         dp_sizes = self.dp_sizes
         return [(i, rank) for i in instance_ids for rank in range(dp_sizes.get(i, 1))]
 
-    def route(self, request_id: str, token_ids: Sequence[int], instance_ids: Iterable[int]) -> Choice:
+    def saturated(self) -> bool:
+        """Whether every candidate rank (of the last routing) has more prefill tokens waiting
+        than the queue threshold."""
+        threshold = self.config.queue_threshold
+        if threshold is None or not self._candidates:
+            return False
+        tokens = self.sequences.prefill_tokens
+        return all(tokens(key) > threshold for key in self._candidates)
+
+    async def admit(self, priority: int, context: Context, instance_ids: Iterable[int]) -> bool:
+        """Wait for a turn while every worker is saturated (no queue: at once); False if the
+        request was stopped meanwhile. Raises `QueueFull` past the queue's bound. An admitted
+        request must be `dispatched` once routed (or once routing it failed)."""
+        if self.queue is None:
+            return True
+        self._candidates = self.targets(instance_ids)
+        return await self.queue.admit(priority, context)
+
+    def dispatched(self) -> None:
+        """An admitted request is booked on a worker, or failed to be: the next may go."""
+        if self.queue is not None:
+            self.queue.routed()
+
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        instance_ids: Iterable[int],
+        *,
+        session_id: str | None = None,
+    ) -> Choice:
         """Pick a worker rank for the request and book it there."""
-        candidates = self.targets(instance_ids)
+        candidates = self._candidates = self.targets(instance_ids)
         if not candidates:
             raise NoWorkers("no worker instances to route to")
         block_size = self.block_size
-        weight = self.config.overlap_score_weight
+        config = self.config
+        weight = config.overlap_score_weight
         local = local_block_hashes(token_ids, block_size)
         seq = sequence_hashes(local)
         overlaps = self.indexer.find_matches(local, seq) if weight and local else {}
-        choices = score_workers(candidates, seq, len(token_ids), block_size, overlaps, self.sequences, weight)
-        choice = select(choices, self.config.temperature, self._rng, self.indexer.tree_size)
-        blocks: list[int] = seq
-        if len(token_ids) % block_size:
-            blocks = [*seq, self._rng.getrandbits(64)]  # the partial last block is the request's own
-        self.sequences.add(request_id, choice.key, blocks, choice.prefill_tokens)
+        isl = len(token_ids)
+        predictive = config.cost == "predictive"
+        if predictive:
+            choices = predict_workers(candidates, seq, isl, block_size, overlaps, self.sequences, self.model)
+        else:
+            choices = score_workers(candidates, seq, isl, block_size, overlaps, self.sequences, weight)
+        choice = None
+        affinity = self.affinity
+        if affinity is not None and session_id:
+            choice = affinity.pick(session_id, choices)
+        if choice is None:
+            if predictive and config.temperature <= 0:
+                choice = pick_near_best(choices, self._rng, self.indexer.tree_size)
+            else:
+                choice = select(choices, config.temperature, self._rng, self.indexer.tree_size)
+        if affinity is not None and session_id:
+            affinity.bind(session_id, choice.key)
+        key = choice.key
+        if predictive:
+            load = self.sequences.loads.get(key)
+            queued = load.prefill_tokens if load is not None else 0
+            blocks = self.model.decode_blocks(key, len(load.blocks) if load is not None else 0)
+            self.model.started(request_id, key, queued + choice.prefill_tokens, blocks)
+        blocks_booked: list[int] = seq
+        if isl % block_size:
+            blocks_booked = [*seq, self._rng.getrandbits(64)]  # the partial last block is the request's own
+        self.sequences.add(request_id, key, blocks_booked, choice.prefill_tokens)
         if isinstance(self.indexer, ApproxKvIndexer) and local:
-            self.indexer.record_routing(choice.key, local, seq)
+            self.indexer.record_routing(key, local, seq)
         self.routed += 1
         self.overlap_blocks_routed += choice.overlap_blocks
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "request %s -> %x rank %d (overlap %d of %d blocks, cost %.1f; %s)",
+                "request %s -> %x rank %d (overlap %d of %d blocks, cost %.4g; %s)",
                 request_id,
-                *choice.key,
+                *key,
                 choice.overlap_blocks,
                 len(local),
                 choice.logit,
-                ", ".join(f"{c.key[0]:x}.{c.key[1]}={c.logit:.1f}" for c in choices),
+                ", ".join(f"{c.key[0]:x}.{c.key[1]}={c.logit:.4g}" for c in choices),
             )
         return choice
 
@@ -132,15 +217,25 @@ class KvRouter:
 
     def prefill_completed(self, request_id: str) -> None:
         self.sequences.prefill_completed(request_id)
+        self.model.first_token(request_id)
+        if self.queue is not None:
+            self.queue.pump()
 
     def free(self, request_id: str) -> None:
         self.sequences.free(request_id)
+        self.model.forget(request_id)
+        if self.queue is not None:
+            self.queue.pump()
 
     def remove_worker(self, worker_id: int) -> None:
         """The worker left discovery: forget its cache and its bookings."""
         self.indexer.remove_worker(worker_id)
         self.sequences.remove_worker(worker_id)
+        self.model.remove_worker(worker_id)
+        if self.affinity is not None:
+            self.affinity.remove_worker(worker_id)
         self.dp_sizes.pop(worker_id, None)
+        self._candidates = [key for key in self._candidates if key[0] != worker_id]
 
     async def close(self) -> None:
         if self._consumer is not None:

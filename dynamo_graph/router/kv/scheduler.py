@@ -1,6 +1,8 @@
 """Choosing the worker rank for a request: Dynamo's KV routing cost, with fresher inputs.
 
-For every candidate rank `w` (DYNAMO.md 1.1), lower is better:
+This is the cost of `--router-cost dynamo`; the default, `predictive`, ranks by predicted time
+to first token (predict.py) and shares the selection below. For every candidate rank `w`
+(DYNAMO.md 1.1), lower is better:
 
     overlap(w)        = prompt blocks w already has: the indexer's depth (KV events, or the
                         approximate indexer), or what w's in-flight requests hold, whichever is more
@@ -44,6 +46,8 @@ from typing import NamedTuple
 
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
+ROUTER_COSTS = ("predictive", "dynamo")
+
 
 @dataclass(frozen=True, slots=True)
 class KvRouterConfig:
@@ -54,8 +58,24 @@ class KvRouterConfig:
     ttl_s: float = 120.0
     max_tree_size: int = 2**20
     prune_target_ratio: float = 0.8
+    # `predictive` (predict.py): the lowest predicted time to first token; `dynamo`: the cost above.
+    cost: str = "predictive"
+    # Session affinity (affinity.py): seconds a session stays bound after its last use; 0: off.
+    session_affinity_ttl_s: float = 0.0
+    session_affinity_mode: str = "soft"
+    # Queueing (queue.py): hold requests while every rank has more prefill tokens waiting than
+    # this; None: never.
+    queue_threshold: int | None = None
+    queue_policy: str = "priority"
+    max_queue_size: int = 1024
 
     def __post_init__(self) -> None:
+        if self.cost not in ROUTER_COSTS:
+            raise ValueError(f"router cost must be one of {', '.join(ROUTER_COSTS)}, not {self.cost!r}")
+        if self.session_affinity_ttl_s < 0:
+            raise ValueError(f"session affinity ttl must be >= 0, not {self.session_affinity_ttl_s}")
+        if self.queue_threshold is not None and self.queue_threshold < 0:
+            raise ValueError(f"router queue threshold must be >= 0, not {self.queue_threshold}")
         if self.overlap_score_weight < 0:
             raise ValueError(f"kv overlap score weight must be >= 0, not {self.overlap_score_weight}")
         if self.temperature < 0:
@@ -67,6 +87,18 @@ class Choice(NamedTuple):  # a tuple: built for every candidate of every request
     overlap_blocks: int
     prefill_tokens: int  # the tokens this request will compute there
     logit: float
+
+
+def overlap_of(
+    key: WorkerKey,
+    seq_hashes: Sequence[int],
+    indexed_overlap: Mapping[WorkerKey, int],
+    sequences: ActiveSequences,
+) -> tuple[int, int]:
+    """(prompt blocks `key` has: the indexer's depth or its in-flight requests', whichever is
+    more; the in-flight depth alone)."""
+    in_flight = sequences.prefix_depth(key, seq_hashes) if key in sequences.loads else 0
+    return max(indexed_overlap.get(key, 0), in_flight), in_flight
 
 
 def score_workers(
@@ -84,8 +116,7 @@ def score_workers(
     loads = sequences.loads
     for key in candidates:
         load = loads.get(key)
-        in_flight = sequences.prefix_depth(key, seq_hashes) if load is not None else 0
-        overlap = max(indexed_overlap.get(key, 0), in_flight)
+        overlap, in_flight = overlap_of(key, seq_hashes, indexed_overlap, sequences)
         new_tokens = max(isl - overlap * block_size, 0)
         if load is None:
             logit = weight * 2 * new_tokens / block_size + request_blocks

@@ -1,0 +1,83 @@
+"""The KV routers' state on /metrics: per worker rank, the fitted TTFT model and the predicted
+backlog; per router, its queue and session bindings (router/kv/predict.py, queue.py, affinity.py).
+
+Process-wide, like the migration counts: routers belong to the model watcher's pools, which are
+built apart from the HTTP app whose FrontendMetrics exports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from dynamo_graph.router.kv.router import KvRouter
+
+PREFIX = "dynamo_frontend_router"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.routers: dict[tuple[str, str], KvRouter] = {}  # (model, pool) -> router
+
+    def add(self, model: str, pool: str, router: KvRouter) -> None:
+        self.routers[(model, pool)] = router
+
+    def remove(self, router: KvRouter) -> None:
+        for key in [k for k, r in self.routers.items() if r is router]:
+            del self.routers[key]
+
+    def collect(self) -> Iterator[Metric]:
+        worker_labels = ["model", "pool", "worker_id", "dp_rank"]
+
+        def gauge(name: str, doc: str, labels: list[str] = worker_labels) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+
+        fixed = gauge("ttft_fixed_seconds", "Fitted TTFT model: fixed seconds (a)")
+        per_token = gauge("ttft_seconds_per_prefill_token", "Fitted TTFT model: s per prefill token (b)")
+        per_block = gauge("ttft_seconds_per_decode_block", "Fitted TTFT model: seconds per held KV block (c)")
+        observed = CounterMetricFamily(
+            f"{PREFIX}_ttft_observations", "TTFTs the worker's fit has seen", labels=worker_labels
+        )
+        backlog = gauge("predicted_backlog_seconds", "Predicted time to finish the prefill work routed there")
+        tokens = gauge("queued_prefill_tokens", "Prompt tokens routed there and waiting for a first token")
+        blocks = gauge("active_blocks", "KV blocks its in-flight requests hold (router's bookkeeping)")
+        router_labels = ["model", "pool"]
+        queued = gauge("queue_depth", "Requests held while every worker is saturated", router_labels)
+        queued_total = CounterMetricFamily(
+            f"{PREFIX}_queued_requests", "Requests that waited in the router's queue", labels=router_labels
+        )
+        rejected = CounterMetricFamily(
+            f"{PREFIX}_queue_rejected_requests",
+            "Refused with 529/503: queue full",
+            labels=router_labels,
+        )
+        sessions = gauge("session_bindings", "Sessions bound to a worker", router_labels)
+        for (model, pool), router in list(self.routers.items()):
+            seqs = router.sequences
+            predictor = router.model
+            keys = set(predictor.fits) | set(seqs.loads)
+            for key in sorted(keys):
+                labels = [model, pool, f"{key[0]:x}", str(key[1])]
+                fit = predictor.fit(key)
+                a, b, c = fit.coeffs
+                fixed.add_metric(labels, a)
+                per_token.add_metric(labels, b)
+                per_block.add_metric(labels, c)
+                observed.add_metric(labels, fit.observations)
+                backlog.add_metric(labels, predictor.backlog_seconds(key, seqs))
+                tokens.add_metric(labels, seqs.prefill_tokens(key))
+                blocks.add_metric(labels, seqs.active_blocks(key))
+            if router.queue is not None:
+                queued.add_metric([model, pool], len(router.queue))
+                queued_total.add_metric([model, pool], router.queue.queued_total)
+                rejected.add_metric([model, pool], router.queue.rejected)
+            if router.affinity is not None:
+                sessions.add_metric([model, pool], len(router.affinity))
+        yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, queued, queued_total)
+        yield from (rejected, sessions)
+
+
+ROUTERS = RouterMetrics()

@@ -1,0 +1,135 @@
+"""Holding requests at the frontend while every worker is saturated, in priority order.
+
+With `--router-queue-threshold N`, a request is routed at once while some worker rank has at
+most N prompt tokens routed to it and still waiting for their first token (the router's own
+bookkeeping); when every rank has more, it waits here instead of piling onto a worker queue
+where nothing can reorder it. Whenever a rank's backlog shrinks (a first token, a request's end)
+the head of the queue is routed. Order: `priority` (default) serves the highest priority first
+(`x-dynamo-request-priority` / `nvext.agent_hints.priority` / `nvext.priority`; higher is more
+urgent, as in Dynamo; 0 by default), first come first served among equals; `fcfs` ignores
+priorities. A new request never overtakes a waiting one of the same or higher priority: it joins
+the queue whenever the queue is not empty.
+
+Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
+answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
+nothing is lost silently. With the priority order, a newcomer more urgent than the least urgent
+waiting request takes its place instead, and that one (the most recent of the least urgent) is
+refused the same way. A waiting request whose client goes away (or whose deadline passes)
+leaves the queue.
+
+Only one dispatched request is "in transit" (woken but not yet booked on a worker) at a time,
+so the saturation test always sees the load the previous dispatch added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Literal
+
+from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import Overloaded
+
+QueuePolicy = Literal["fcfs", "priority"]
+QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("fcfs", "priority")
+DEFAULT_MAX_QUEUE = 1024
+RETRY_AFTER_S = 1
+_FULL = "every worker is saturated and the router's queue is full; retry shortly"
+
+
+class QueueFull(Overloaded):
+    """Every worker is saturated and the frontend's queue is full: retry after `retry_after_s`."""
+
+    http_status = 529
+    retry_after_s = RETRY_AFTER_S
+
+
+class RouterQueue:
+    def __init__(
+        self,
+        saturated: Callable[[], bool],
+        *,
+        policy: QueuePolicy = "priority",
+        max_size: int = DEFAULT_MAX_QUEUE,
+    ) -> None:
+        if policy not in QUEUE_POLICIES:
+            raise ValueError(f"router queue policy must be fcfs or priority, not {policy!r}")
+        if max_size < 0:
+            raise ValueError(f"router queue size must be >= 0, not {max_size}")
+        self._saturated = saturated
+        self.policy = policy
+        self.max_size = max_size
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._in_transit = 0
+        self.queued_total = 0
+        self.rejected = 0
+
+    def __len__(self) -> int:
+        return sum(1 for *_, waiter in self._heap if not waiter.done())
+
+    async def admit(self, priority: int, context: Context) -> bool:
+        """Return when the request may be routed (True), or False if its client stopped it while
+        it waited. The caller must call `routed()` once it has booked the request on a worker
+        (or given up), so that the next waiting request can go."""
+        if not self._heap and not self._in_transit and not self._saturated():
+            self._in_transit += 1
+            return True
+        rank = -priority if self.policy == "priority" else 0
+        if len(self) >= self.max_size:
+            self._make_room(rank)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (rank, next(self._order), waiter))
+        self.queued_total += 1
+        self.pump()
+        stop = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait((waiter, stop), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (e.g. the request's deadline) while waiting
+            self._leave(waiter)
+            raise
+        finally:
+            stop.cancel()
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            raise waiter.exception()  # type: ignore[misc]  # pushed out by a more urgent request
+        if waiter.done() and not context.is_stopped():
+            return True
+        self._leave(waiter)
+        return False
+
+    def _make_room(self, rank: int) -> None:
+        """The queue is full: the least urgent, most recent waiter is refused in favour of a
+        more urgent newcomer; else the newcomer is."""
+        waiting = [entry for entry in self._heap if not entry[2].done()]
+        last = max(waiting, key=lambda entry: (entry[0], entry[1]), default=None)
+        self.rejected += 1
+        if last is None or last[0] <= rank:
+            raise QueueFull(_FULL)
+        last[2].set_exception(QueueFull(_FULL))
+
+    def _leave(self, waiter: asyncio.Future[None]) -> None:
+        """A waiting request gives up: out of the queue, or if it was already dispatched, let
+        the next one go in its place."""
+        if not waiter.done():
+            waiter.cancel()  # pump skips it
+        elif not waiter.cancelled() and waiter.exception() is None:
+            self.routed()
+
+    def routed(self) -> None:
+        """A dispatched request is booked on a worker (or gave up): the next one may go."""
+        if self._in_transit:
+            self._in_transit -= 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Dispatch the head of the queue if nothing is in transit and a rank has room."""
+        heap = self._heap
+        while heap and heap[0][2].done():
+            heapq.heappop(heap)
+        if not heap or self._in_transit or self._saturated():
+            return
+        _, _, waiter = heapq.heappop(heap)
+        self._in_transit += 1
+        waiter.set_result(None)

@@ -1,0 +1,212 @@
+"""Session affinity (hard/soft, TTL), the router queue's order and bound, and the routing hints
+from headers and nvext."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from dynamo_graph.frontend.errors import HTTPError, overload_status
+from dynamo_graph.frontend.routing_headers import apply_routing_headers
+from dynamo_graph.llm.openai import ChatCompletionRequest
+from dynamo_graph.llm.preprocessor import routing_hints
+from dynamo_graph.llm.protocol import PreprocessedRequest
+from dynamo_graph.router.kv.affinity import SessionAffinity
+from dynamo_graph.router.kv.queue import QueueFull, RouterQueue
+from dynamo_graph.router.kv.router import KvRouter
+from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig
+from dynamo_graph.runtime.context import Context
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def choices(bound: float, other: float) -> list[Choice]:
+    return [Choice((1, 0), 0, 64, bound), Choice((2, 0), 0, 64, other)]
+
+
+def test_hard_affinity_keeps_the_session_whatever_the_cost():
+    affinity = SessionAffinity(10, "hard")
+    affinity.bind("s", (1, 0))
+    assert affinity.pick("s", choices(bound=9.0, other=0.1)).key == (1, 0)
+    assert affinity.pick("other", choices(9.0, 0.1)) is None
+
+
+def test_soft_affinity_yields_only_when_clearly_worse():
+    affinity = SessionAffinity(10, "soft")
+    affinity.bind("s", (1, 0))
+    assert affinity.pick("s", choices(bound=0.12, other=0.1)).key == (1, 0)  # 1.2x: stays
+    assert affinity.pick("s", choices(bound=0.3, other=0.1)) is None  # 3x: yields
+    assert (affinity.kept, affinity.yielded) == (1, 1)
+
+
+def test_bindings_expire_after_the_ttl_since_last_use_and_leave_with_their_worker():
+    clock = Clock()
+    affinity = SessionAffinity(5, "hard", clock=clock)
+    affinity.bind("s", (1, 0))
+    affinity.bind("t", (2, 0))
+    clock.now = 4
+    affinity.bind("s", (1, 0))  # used again: 5 more seconds
+    clock.now = 6
+    assert affinity.bound("s") == (1, 0) and affinity.bound("t") is None
+    affinity.remove_worker(1)
+    assert affinity.bound("s") is None and len(affinity) == 0
+    with pytest.raises(ValueError, match="hard or soft"):
+        SessionAffinity(5, "sticky")  # type: ignore[arg-type]
+
+
+def test_router_keeps_a_session_on_its_worker_across_unrelated_prompts():
+    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, session_affinity_ttl_s=60), seed=0)
+    homes = set()
+    for turn in range(6):
+        prompt = list(range(turn * 1000, turn * 1000 + 4 * BS))  # nothing shared between turns
+        homes.add(router.route(f"r{turn}", prompt, [1, 2, 3], session_id="agent-7").key)
+        router.prefill_completed(f"r{turn}")
+        router.free(f"r{turn}")
+    assert len(homes) == 1
+
+
+def test_router_soft_affinity_moves_a_session_off_a_swamped_worker():
+    config = KvRouterConfig(use_kv_events=False, session_affinity_ttl_s=60, session_affinity_mode="soft")
+    router = KvRouter(BS, config, seed=0)
+    home = router.route("a", list(range(4 * BS)), [1, 2], session_id="s").key
+    router.free("a")
+    router.sequences.add("flood", home, [5], prefill_tokens=100_000)
+    moved = router.route("b", list(range(100, 100 + 4 * BS)), [1, 2], session_id="s").key
+    assert moved != home
+    assert router.affinity is not None and router.affinity.bound("s") == moved
+
+
+async def _queue_order(policy: str) -> list[str]:
+    busy = {"value": True}
+    queue = RouterQueue(lambda: busy["value"], policy=policy, max_size=10)  # type: ignore[arg-type]
+    served: list[str] = []
+
+    async def request(name: str, priority: int) -> None:
+        assert await queue.admit(priority, Context())
+        served.append(name)
+        queue.routed()
+
+    tasks = []
+    for name, priority in [("low1", 0), ("high", 5), ("low2", 0), ("mid", 1)]:
+        tasks.append(asyncio.create_task(request(name, priority)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert served == [] and len(queue) == 4
+    busy["value"] = False
+    queue.pump()
+    await asyncio.gather(*tasks)
+    return served
+
+
+async def test_queue_serves_by_priority_then_arrival():
+    assert await _queue_order("priority") == ["high", "mid", "low1", "low2"]
+
+
+async def test_fcfs_queue_ignores_priorities():
+    assert await _queue_order("fcfs") == ["low1", "high", "low2", "mid"]
+
+
+async def test_queue_refuses_past_its_bound_and_lets_stopped_requests_go():
+    queue = RouterQueue(lambda: True, max_size=2)
+    contexts = [Context(), Context()]
+    waiting = [asyncio.create_task(queue.admit(0, ctx)) for ctx in contexts]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull) as refused:  # no more urgent than those waiting
+        await queue.admit(0, Context())
+    assert refused.value.retry_after_s >= 1 and queue.rejected == 1
+    contexts[0].stop_generating()  # its client went away
+    assert await waiting[0] is False
+    assert len(queue) == 1
+    waiting[1].cancel()  # its deadline passed
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[1]
+    assert len(queue) == 0
+
+
+async def test_a_free_rank_admits_at_once_and_a_dispatch_waits_for_the_previous_booking():
+    busy = {"value": False}
+    queue = RouterQueue(lambda: busy["value"])
+    assert await queue.admit(0, Context())  # in transit until routed
+    second = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0.01)
+    assert not second.done()  # the first has not booked its load yet
+    queue.routed()
+    assert await second
+
+
+async def test_router_saturation_follows_the_threshold():
+    config = KvRouterConfig(use_kv_events=False, queue_threshold=100)
+    router = KvRouter(BS, config, seed=0)
+    assert await router.admit(0, Context(), [1])
+    router.route("a", list(range(8 * BS)), [1])  # 128 tokens to prefill on the only worker
+    router.dispatched()
+    assert router.saturated()
+    held = asyncio.create_task(router.admit(0, Context(), [1]))
+    await asyncio.sleep(0.01)
+    assert not held.done()
+    router.prefill_completed("a")  # backlog gone: the held request goes
+    assert await held
+
+
+def test_routing_hints_from_nvext_and_headers_override_them():
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "nvext": {"agent_hints": {"priority": 3}, "agent_context": {"session_id": "body-session"}},
+    }
+    request = msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
+    hints = routing_hints(request.nvext)
+    assert hints is not None and (hints.session_id, hints.priority) == ("body-session", 3)
+    pre = PreprocessedRequest(model="m", token_ids=[1], routing=hints)
+    apply_routing_headers(pre, [(b"x-session-id", b"header-session"), (b"x-dynamo-request-priority", b"-2")])
+    assert pre.routing is not None and (pre.routing.session_id, pre.routing.priority) == (
+        "header-session",
+        -2,
+    )
+    flat = msgspec.json.decode(b'{"priority": 7}', type=type(request.nvext))
+    assert routing_hints(flat).priority == 7  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("value", [b"high", b"1.5", b"99999999999"])
+def test_a_bad_priority_header_is_a_400_naming_it(value: bytes):
+    with pytest.raises(HTTPError) as err:
+        apply_routing_headers(
+            PreprocessedRequest(model="m", token_ids=[1]), [(b"x-dynamo-request-priority", value)]
+        )
+    assert err.value.status == 400 and err.value.param == "x-dynamo-request-priority"
+
+
+def test_overload_status_is_529_unless_told_503(monkeypatch: pytest.MonkeyPatch):
+    assert overload_status() == 529
+    monkeypatch.setenv("DYN_HTTP_OVERLOAD_STATUS_CODE", "503")
+    assert overload_status() == 503
+    err = HTTPError.from_engine_error(QueueFull("full"))
+    assert err.status == 503 and err.headers == [(b"retry-after", b"1")]
+
+
+async def test_a_full_priority_queue_refuses_its_least_urgent_newest_waiter_for_a_more_urgent_one():
+    queue = RouterQueue(lambda: True, max_size=2)
+    old_low = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0)
+    new_low = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0)
+    high = asyncio.create_task(queue.admit(5, Context()))
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull):
+        await new_low
+    assert not old_low.done() and not high.done() and len(queue) == 2
+    with pytest.raises(QueueFull):  # no less urgent waiter left to push out
+        await queue.admit(0, Context())
+    assert queue.rejected == 2
+    for task in (old_low, high):
+        task.cancel()
