@@ -1,14 +1,17 @@
 """Throwaway etcd and nats-server children for tests, on 127.0.0.1, stopped by their own PID.
 
 Each server is a `subprocess.Popen` child that gets SIGTERM when the test process dies
-(`PR_SET_PDEATHSIG`), so a crashed pytest leaves no orphan. Measured start times
+(`PR_SET_PDEATHSIG`, set by util-linux's `setpriv --pdeathsig` before it execs the server), so a
+crashed pytest leaves no orphan. Not a `preexec_fn`: that makes Python fork() instead of vfork(),
+which runs the fork handlers of the gRPC core that the etcd client loaded into this process, and
+those aborted a starting nats-server or etcd now and then on a loaded machine (SIGABRT, "epoll_wait
+error: Bad file descriptor" in its log). Measured start times
 (shared/notes/SERVICES.md): etcd about 0.1 s with the fast-election flags, nats about 10 ms.
 """
 
 from __future__ import annotations
 
 import abc
-import ctypes
 import json
 import shutil
 import signal
@@ -19,14 +22,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
 
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies. Linux ties this to the *thread*
-    that forked: start servers from a thread that outlives them (the main thread, or a pool
-    thread that lives until the event loop closes)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(command: list[str]) -> list[str]:
+    """The command, run so that it gets SIGTERM when its parent dies. Linux ties this to the
+    *thread* that spawned it: start servers from a thread that outlives them (the main thread, or
+    a pool thread that lives until the event loop closes)."""
+    return [_require("setpriv"), "--pdeathsig", "TERM", "--", *command]
 
 
 def _free_port() -> int:
@@ -61,11 +62,10 @@ class _ServerProc(abc.ABC):
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                self._command(),
+                _die_with_parent(self._command()),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_ready(started + timeout)
