@@ -1,8 +1,8 @@
 """The HTTP frontend: an ASGI dispatcher in front of a FastAPI app.
 
-The two OpenAI generation routes go to plain ASGI handlers (openai_asgi.py), and so do
-`GET /health` and `GET /live` (the readiness probes); everything else (models, metrics, docs,
-errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
+The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py),
+and so do `GET /health` and `GET /live` (the readiness probes); everything else (models, metrics,
+docs, errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
 in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
 started, off the critical path of a graph coming up.
 """
@@ -27,7 +27,9 @@ from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
+from dynamo_graph.frontend.openai_chat import ChatHandler
+from dynamo_graph.frontend.openai_completions import CompletionsHandler
 from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
 from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
@@ -150,9 +152,10 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
 
     from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
     from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
+    from dynamo_graph.frontend.openai_chat.protocol import ChatCompletionRequest
+    from dynamo_graph.frontend.openai_completions.protocol import CompletionRequest
     from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
     from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
-    from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
 
     types = [
         ChatCompletionRequest,
@@ -240,8 +243,8 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
-            "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
+            "/v1/chat/completions": ChatHandler(models, self.metrics, limits, self.admission),
+            "/v1/completions": CompletionsHandler(models, self.metrics, limits, self.admission),
             "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
             "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
