@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -123,16 +123,18 @@ class OpenAIHandler:
     """Serves one endpoint kind ("chat", "completions", "embedding") for every registered model.
 
     Each API surface subclasses it (openai_chat/, openai_completions/, api_surface.py, ...): it
-    sets `decoder` or overrides `decode`, and provides `writer` (and `full_body` for a unary
-    answer gathered as text); error bodies are OpenAI's unless it overrides `error_body`.
+    sets `kind` and `endpoint`, sets `decoder` or overrides `decode`, and provides `writer` (and
+    `full_body` for a unary answer gathered as text); error bodies are OpenAI's unless it
+    overrides `error_body`.
     """
 
+    kind: ClassVar[str]  # the model card's model_type a model needs to be served here
+    endpoint: ClassVar[str]  # the metrics label
     overloaded_body = OVERLOADED_BODY
     decoder: msgspec.json.Decoder | None = None  # the surface's request type
 
     def __init__(
         self,
-        kind: str,
         models: ModelRegistry,
         metrics: FrontendMetrics,
         limits: FrontendLimits | int,
@@ -140,8 +142,6 @@ class OpenAIHandler:
     ) -> None:
         if isinstance(limits, int):  # a body limit alone
             limits = FrontendLimits(body_limit=limits)
-        self.kind = kind
-        self.endpoint = "chat_completions" if kind == "chat" else "completions"
         self.models = models
         self.metrics = metrics
         self.limits = limits

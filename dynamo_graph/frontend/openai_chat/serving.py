@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo_graph.frontend.limits import Admission, FrontendLimits
-from dynamo_graph.frontend.metrics import FrontendMetrics
-from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
 from dynamo_graph.frontend.openai_chat.protocol import DECODER, chat_completion_body
 from dynamo_graph.frontend.responses import ChunkWriter, chunk_writer
@@ -17,17 +14,10 @@ from dynamo_graph.llm.pipeline import Prepared
 class ChatHandler(OpenAIHandler):
     """Serves `/v1/chat/completions` for every model whose card lists `chat`."""
 
+    kind = "chat"
+    endpoint = "chat_completions"
     decoder = DECODER
     full_body = staticmethod(chat_completion_body)  # type: ignore[assignment]
-
-    def __init__(
-        self,
-        models: ModelRegistry,
-        metrics: FrontendMetrics,
-        limits: FrontendLimits | int,
-        admission: Admission | None = None,
-    ) -> None:
-        super().__init__("chat", models, metrics, limits, admission)
 
     def writer(self, request: Any, prepared: Prepared) -> ChunkWriter:
         return chunk_writer(request, prepared, chat=True)
