@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dynamo_graph.frontend import (
+    anthropic_messages,
+    generate_tokens,
+    openai_chat,
+    openai_completions,
+    openai_embeddings,
+    openai_responses,
+)
 from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
@@ -183,13 +191,18 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (504, "Past the request time limit"),
     ]
     for path, schema, summary, error in [
-        ("/v1/chat/completions", chat, "Create a chat completion (OpenAI)", "OpenAIError"),
-        ("/v1/completions", comp, "Create a completion (OpenAI)", "OpenAIError"),
-        ("/v1/responses", resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
-        ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
-        ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
-        ("/v1/embeddings", embed, "Create embeddings (OpenAI)", "OpenAIError"),
-        ("/inference/v1/generate", tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
+        (openai_chat.PATH, chat, "Create a chat completion (OpenAI)", "OpenAIError"),
+        (openai_completions.PATH, comp, "Create a completion (OpenAI)", "OpenAIError"),
+        (openai_responses.PATH, resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
+        (anthropic_messages.PATH, msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
+        (
+            anthropic_messages.COUNT_TOKENS_PATH,
+            count,
+            "Count a message's input tokens (Anthropic)",
+            "AnthropicError",
+        ),
+        (openai_embeddings.PATH, embed, "Create embeddings (OpenAI)", "OpenAIError"),
+        (generate_tokens.PATH, tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
     ]:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
@@ -243,13 +256,15 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            "/v1/chat/completions": ChatHandler(models, self.metrics, limits, self.admission),
-            "/v1/completions": CompletionsHandler(models, self.metrics, limits, self.admission),
-            "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
-            "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
-            "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
-            "/v1/embeddings": EmbeddingsHandler(models, self.metrics, limits, self.admission),
-            "/inference/v1/generate": GenerateTokensHandler(models, self.metrics, limits, self.admission),
+            openai_chat.PATH: ChatHandler(models, self.metrics, limits, self.admission),
+            openai_completions.PATH: CompletionsHandler(models, self.metrics, limits, self.admission),
+            openai_responses.PATH: ResponsesHandler(models, self.metrics, limits, self.admission),
+            anthropic_messages.PATH: MessagesHandler(models, self.metrics, limits, self.admission),
+            anthropic_messages.COUNT_TOKENS_PATH: CountTokensHandler(
+                models, self.metrics, limits, self.admission
+            ),
+            openai_embeddings.PATH: EmbeddingsHandler(models, self.metrics, limits, self.admission),
+            generate_tokens.PATH: GenerateTokensHandler(models, self.metrics, limits, self.admission),
         }
         if lora is not None:
             from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes
