@@ -37,7 +37,7 @@ class SurfaceHandler(OpenAIHandler, abc.ABC):
     `endpoint` (the metrics label), `surface_decoder` and `param_names`, and implement `to_chat`,
     `render_error` and `writer`."""
 
-    endpoint = ""
+    kind = "chat"
     surface_decoder: msgspec.json.Decoder
     # Chat request field -> the field of this API a client set, for errors the pipeline raises.
     param_names: ClassVar[dict[str, str]] = {}
@@ -45,9 +45,7 @@ class SurfaceHandler(OpenAIHandler, abc.ABC):
     def __init__(
         self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
     ) -> None:
-        endpoint = self.endpoint
-        super().__init__("chat", models, metrics, limits, admission)
-        self.endpoint = endpoint
+        super().__init__(models, metrics, limits, admission)
         self.overloaded_body = self.error_body(OVERLOADED)
 
     def decode(self, body: bytes) -> tuple[ChatCompletionRequest, Any]:

@@ -1,8 +1,8 @@
 """The HTTP frontend: an ASGI dispatcher in front of a FastAPI app.
 
-The two OpenAI generation routes go to plain ASGI handlers (openai_asgi.py), and so do
-`GET /health` and `GET /live` (the readiness probes); everything else (models, metrics, docs,
-errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
+The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py),
+and so do `GET /health` and `GET /live` (the readiness probes); everything else (models, metrics,
+docs, errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
 in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
 started, off the critical path of a graph coming up.
 """
@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dynamo_graph.frontend import (
+    anthropic_messages,
+    generate_tokens,
+    openai_chat,
+    openai_completions,
+    openai_embeddings,
+    openai_responses,
+)
 from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
@@ -27,7 +35,9 @@ from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Receive, Scope, Send
+from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
+from dynamo_graph.frontend.openai_chat import ChatHandler
+from dynamo_graph.frontend.openai_completions import CompletionsHandler
 from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
 from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
@@ -150,9 +160,10 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
 
     from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
     from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
+    from dynamo_graph.frontend.openai_chat.protocol import ChatCompletionRequest
+    from dynamo_graph.frontend.openai_completions.protocol import CompletionRequest
     from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
     from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
-    from dynamo_graph.llm.openai import ChatCompletionRequest, CompletionRequest
 
     types = [
         ChatCompletionRequest,
@@ -180,13 +191,18 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (504, "Past the request time limit"),
     ]
     for path, schema, summary, error in [
-        ("/v1/chat/completions", chat, "Create a chat completion (OpenAI)", "OpenAIError"),
-        ("/v1/completions", comp, "Create a completion (OpenAI)", "OpenAIError"),
-        ("/v1/responses", resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
-        ("/v1/messages", msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
-        ("/v1/messages/count_tokens", count, "Count a message's input tokens (Anthropic)", "AnthropicError"),
-        ("/v1/embeddings", embed, "Create embeddings (OpenAI)", "OpenAIError"),
-        ("/inference/v1/generate", tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
+        (openai_chat.PATH, chat, "Create a chat completion (OpenAI)", "OpenAIError"),
+        (openai_completions.PATH, comp, "Create a completion (OpenAI)", "OpenAIError"),
+        (openai_responses.PATH, resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
+        (anthropic_messages.PATH, msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
+        (
+            anthropic_messages.COUNT_TOKENS_PATH,
+            count,
+            "Count a message's input tokens (Anthropic)",
+            "AnthropicError",
+        ),
+        (openai_embeddings.PATH, embed, "Create embeddings (OpenAI)", "OpenAIError"),
+        (generate_tokens.PATH, tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
     ]:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
@@ -240,13 +256,15 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            "/v1/chat/completions": OpenAIHandler("chat", models, self.metrics, limits, self.admission),
-            "/v1/completions": OpenAIHandler("completions", models, self.metrics, limits, self.admission),
-            "/v1/responses": ResponsesHandler(models, self.metrics, limits, self.admission),
-            "/v1/messages": MessagesHandler(models, self.metrics, limits, self.admission),
-            "/v1/messages/count_tokens": CountTokensHandler(models, self.metrics, limits, self.admission),
-            "/v1/embeddings": EmbeddingsHandler(models, self.metrics, limits, self.admission),
-            "/inference/v1/generate": GenerateTokensHandler(models, self.metrics, limits, self.admission),
+            openai_chat.PATH: ChatHandler(models, self.metrics, limits, self.admission),
+            openai_completions.PATH: CompletionsHandler(models, self.metrics, limits, self.admission),
+            openai_responses.PATH: ResponsesHandler(models, self.metrics, limits, self.admission),
+            anthropic_messages.PATH: MessagesHandler(models, self.metrics, limits, self.admission),
+            anthropic_messages.COUNT_TOKENS_PATH: CountTokensHandler(
+                models, self.metrics, limits, self.admission
+            ),
+            openai_embeddings.PATH: EmbeddingsHandler(models, self.metrics, limits, self.admission),
+            generate_tokens.PATH: GenerateTokensHandler(models, self.metrics, limits, self.admission),
         }
         if lora is not None:
             from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes

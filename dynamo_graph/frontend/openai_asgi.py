@@ -1,10 +1,13 @@
-"""POST /v1/chat/completions and /v1/completions as plain ASGI handlers (the hot path).
+"""What every generation route shares, as a plain ASGI handler (the hot path): body reading,
+limits, admission, the streaming and gathering loops, and error answers.
 
-They sit beside the FastAPI app rather than inside it: FastAPI's request and streaming layers
-cost about as much CPU as everything else a streamed request needs (notes/PERF.md). Request
-bodies decode straight into msgspec Structs whose errors name the field; the response status
-is only sent once the first delta (or error) is known, so failures before the first token are
-still proper 4xx/5xx answers.
+Each API surface is a package beside this module (`openai_chat/`, `openai_completions/`,
+`openai_responses/`, ...) that subclasses `OpenAIHandler` with its decoder, writer and error
+shape. The handlers sit beside the FastAPI app rather than inside it: FastAPI's request and
+streaming layers cost about as much CPU as everything else a streamed request needs
+(notes/PERF.md). Request bodies decode straight into msgspec Structs whose errors name the field;
+the response status is only sent once the first delta (or error) is known, so failures before
+the first token are still proper 4xx/5xx answers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -22,15 +25,10 @@ from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.responses import ChunkWriter, StreamWriter, full_response
+from dynamo_graph.frontend.responses import StreamWriter
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.llm.logprobs import TokenLogprob
-from dynamo_graph.llm.openai import (
-    AnyRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    requested_max_tokens,
-)
+from dynamo_graph.llm.openai import AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
 from dynamo_graph.runtime.context import Context
@@ -57,11 +55,6 @@ OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
 OVERLOADED_BODY = OVERLOADED.body()
-
-_DECODERS = {
-    "chat": msgspec.json.Decoder(ChatCompletionRequest),
-    "completions": msgspec.json.Decoder(CompletionRequest),
-}
 
 
 async def send_json(
@@ -127,17 +120,21 @@ def as_http_error(err: Exception) -> HTTPError:
 
 
 class OpenAIHandler:
-    """Serves one OpenAI endpoint kind ("chat" or "completions") for every registered model.
+    """Serves one endpoint kind ("chat", "completions", "embedding") for every registered model.
 
-    The other API surfaces (api_surface.py) subclass it: they decode their own request, turn it
-    into a chat request for the same pipeline, and write their own events and error bodies.
+    Each API surface subclasses it (openai_chat/, openai_completions/, api_surface.py, ...): it
+    sets `kind` and `endpoint`, sets `decoder` or overrides `decode`, and provides `writer` (and
+    `full_body` for a unary answer gathered as text); error bodies are OpenAI's unless it
+    overrides `error_body`.
     """
 
+    kind: ClassVar[str]  # the model card's model_type a model needs to be served here
+    endpoint: ClassVar[str]  # the metrics label
     overloaded_body = OVERLOADED_BODY
+    decoder: msgspec.json.Decoder | None = None  # the surface's request type
 
     def __init__(
         self,
-        kind: str,
         models: ModelRegistry,
         metrics: FrontendMetrics,
         limits: FrontendLimits | int,
@@ -145,15 +142,12 @@ class OpenAIHandler:
     ) -> None:
         if isinstance(limits, int):  # a body limit alone
             limits = FrontendLimits(body_limit=limits)
-        self.kind = kind
-        self.endpoint = "chat_completions" if kind == "chat" else "completions"
         self.models = models
         self.metrics = metrics
         self.limits = limits
         self.body_limit = limits.body_limit
         self.timeout_s = limits.request_timeout_s
         self.admission = Admission(limits) if admission is None else admission
-        self.decoder = _DECODERS.get(kind)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -237,10 +231,22 @@ class OpenAIHandler:
         return err.body()
 
     def writer(self, request: Any, prepared: Prepared) -> StreamWriter:
-        """Formats one streamed response."""
-        opts = request.stream_options
-        usage = opts is not None and opts.include_usage
-        return ChunkWriter(request.model, chat=self.kind == "chat", prepared=prepared if usage else None)
+        """Formats one streamed response: each surface's own."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def full_body(
+        self,
+        model: str,
+        text: str,
+        finish_reason: str,
+        prepared: Prepared,
+        *,
+        reasoning: str,
+        tool_calls: list[dict] | None,
+        logprobs: list[TokenLogprob] | None,
+    ) -> bytes:
+        """The whole answer `_unary` sends, from the gathered text: each surface's own."""
+        raise NotImplementedError(f"{type(self).__name__} answers through its writer")
 
     async def _failure(self, err: Exception, context: Context, deltas: AsyncIterator[Any]) -> HTTPError:
         if isinstance(err, TimeoutError):
@@ -394,12 +400,11 @@ class OpenAIHandler:
             return False
         if finish is None:  # cancelled by the client: nobody is listening
             return False
-        body = full_response(
+        body = self.full_body(
             request.model,
             "".join(parts),
             finish,
             prepared,
-            chat=self.kind == "chat",
             reasoning="".join(reasoning),
             tool_calls=merge_events(calls).tool_calls,
             logprobs=logprobs,

@@ -1,4 +1,6 @@
-"""Byte builders for OpenAI responses: SSE chunks and whole JSON bodies.
+"""Byte builders shared by the OpenAI routes: the stream writer contract, usage, and the SSE
+chunks of chat and completions (one writer: their chunks differ in a few bytes). Each route's
+whole JSON body is its package's (openai_chat/protocol.py, openai_completions/protocol.py).
 
 Streamed chunks are assembled from a per-request prefix and a JSON-escaped delta instead of
 encoding a dict per token: at 64 chunks per request this is the difference between fitting
@@ -13,11 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from dynamo_graph.llm.logprobs import chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.errors import HTTPError
+    from dynamo_graph.llm.openai import AnyRequest
 
 _encode = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
@@ -136,54 +139,9 @@ class ChunkWriter:
         return b"data: " + err.body() + b"\n\n" + DONE
 
 
-def full_response(
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prepared: Prepared,
-    *,
-    chat: bool,
-    reasoning: str = "",
-    tool_calls: list[dict] | None = None,
-    logprobs: list[TokenLogprob] | None = None,
-) -> bytes:
-    """`logprobs`: None when the request did not ask for them."""
-    created = int(time.time())
-    if chat:
-        message: dict = {"role": "assistant", "content": text if text or not tool_calls else None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        body = {
-            "id": "chatcmpl-" + uuid.uuid4().hex,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": finish_reason,
-                    "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                }
-            ],
-            "usage": usage_dict(prepared),
-        }
-    else:
-        body = {
-            "id": "cmpl-" + uuid.uuid4().hex,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "finish_reason": finish_reason,
-                    "logprobs": None if logprobs is None else completion_logprobs(logprobs, 0),
-                }
-            ],
-            "usage": usage_dict(prepared),
-        }
-    return _encode(body)
+def chunk_writer(request: AnyRequest, prepared: Prepared, *, chat: bool) -> ChunkWriter:
+    """The writer of a chat or completions stream; the last chunk reports usage when the
+    request's `stream_options.include_usage` asks for it."""
+    opts = request.stream_options
+    usage = opts is not None and opts.include_usage
+    return ChunkWriter(request.model, chat=chat, prepared=prepared if usage else None)

@@ -3,4 +3,7 @@ completions (api_surface.py)."""
 
 from dynamo_graph.frontend.anthropic_messages.serving import CountTokensHandler, MessagesHandler
 
-__all__ = ["CountTokensHandler", "MessagesHandler"]
+PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+__all__ = ["COUNT_TOKENS_PATH", "PATH", "CountTokensHandler", "MessagesHandler"]

@@ -2,4 +2,6 @@
 
 from dynamo_graph.frontend.generate_tokens.serving import GenerateTokensHandler
 
-__all__ = ["GenerateTokensHandler"]
+PATH = "/inference/v1/generate"
+
+__all__ = ["PATH", "GenerateTokensHandler"]

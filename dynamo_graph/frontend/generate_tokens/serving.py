@@ -17,9 +17,6 @@ import msgspec
 from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.generate_tokens.events import TokensWriter
 from dynamo_graph.frontend.generate_tokens.protocol import PARAM_NAMES, GenerateRequest, to_completion
-from dynamo_graph.frontend.limits import Admission, FrontendLimits
-from dynamo_graph.frontend.metrics import FrontendMetrics
-from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
 from dynamo_graph.llm.openai import AnyRequest, CompletionRequest
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared, TokensPipeline
@@ -30,11 +27,8 @@ _DECODER = msgspec.json.Decoder(GenerateRequest)
 class GenerateTokensHandler(OpenAIHandler):
     """Serves `/inference/v1/generate` for every tokens-input model that serves completions."""
 
-    def __init__(
-        self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
-    ) -> None:
-        super().__init__("completions", models, metrics, limits, admission)
-        self.endpoint = "generate"
+    kind = "completions"
+    endpoint = "generate"
 
     def decode(self, body: bytes) -> tuple[CompletionRequest, GenerateRequest]:
         try:

@@ -2,4 +2,6 @@
 
 from dynamo_graph.frontend.openai_embeddings.serving import EmbeddingsHandler
 
-__all__ = ["EmbeddingsHandler"]
+PATH = "/v1/embeddings"
+
+__all__ = ["PATH", "EmbeddingsHandler"]

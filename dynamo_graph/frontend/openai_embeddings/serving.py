@@ -15,9 +15,6 @@ import time
 import msgspec
 
 from dynamo_graph.frontend.errors import HTTPError, from_decode_error
-from dynamo_graph.frontend.limits import Admission, FrontendLimits
-from dynamo_graph.frontend.metrics import FrontendMetrics
-from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import (
     OpenAIHandler,
     Receive,
@@ -39,11 +36,8 @@ _DECODER = msgspec.json.Decoder(EmbeddingsRequest)
 class EmbeddingsHandler(OpenAIHandler):
     """Serves `/v1/embeddings` for every model whose card says `embedding`."""
 
-    def __init__(
-        self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
-    ) -> None:
-        super().__init__("embedding", models, metrics, limits, admission)
-        self.endpoint = "embeddings"
+    kind = "embedding"
+    endpoint = "embeddings"
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
         try:

@@ -2,4 +2,6 @@
 
 from dynamo_graph.frontend.openai_responses.serving import ResponsesHandler
 
-__all__ = ["ResponsesHandler"]
+PATH = "/v1/responses"
+
+__all__ = ["PATH", "ResponsesHandler"]
