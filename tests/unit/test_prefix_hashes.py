@@ -138,3 +138,15 @@ def test_the_router_routes_the_same_with_and_without_prefixes(model, tokenizer: 
                 router.free(f"r{n}")
     assert reusing.prefix_hashes.hits > 0 and reusing.overlap_blocks_routed > 0
     assert hashing.prefix_hashes.hits == 0
+
+
+def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_ROUTER_HASH_CACHE_MB", "0")  # off: every prompt hashed whole
+    cache = PrefixHashCache(4)
+    ids = list(range(40))
+    prefixes = [(32, b"k" * 16)]
+    assert cache.hashes(ids, prefixes) == cache.hashes(ids, prefixes) == full(ids, 4)
+    assert len(cache) == 0 and cache.hits == 0
+    monkeypatch.setenv("DYN_ROUTER_HASH_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="DYN_ROUTER_HASH_CACHE_MB"):
+        PrefixHashCache(4)

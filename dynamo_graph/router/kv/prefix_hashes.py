@@ -16,23 +16,14 @@ parent (the key would have to include it if they did). Bounded at `DYN_ROUTER_HA
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
+from dynamo_graph.runtime.env import env_float
 
 _BYTES_PER_BLOCK = 2 * (8 + 36)  # two list slots and two int objects of up to 64 bits
 _BYTES_PER_ENTRY = 200  # the key, the tuple, the lists and the map's slot
-
-
-def _cache_bytes_from_env() -> int:
-    raw = (os.environ.get("DYN_ROUTER_HASH_CACHE_MB") or "").strip()
-    try:
-        mb = float(raw) if raw else 16.0
-    except ValueError:
-        raise ValueError(f"DYN_ROUTER_HASH_CACHE_MB must be a number of MiB, not {raw!r}") from None
-    return max(int(mb * (1 << 20)), 0)
 
 
 class PrefixHashCache:
@@ -43,7 +34,9 @@ class PrefixHashCache:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.block_size = block_size
-        self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
+        if max_bytes is None:
+            max_bytes = int(env_float("DYN_ROUTER_HASH_CACHE_MB", 16.0) * (1 << 20))
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, tuple[list[int], list[int]]] = OrderedDict()
         self.held_bytes = 0
         self.hits = 0
