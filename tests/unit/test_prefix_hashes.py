@@ -150,3 +150,12 @@ def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("DYN_ROUTER_HASH_CACHE_MB", "lots")
     with pytest.raises(ValueError, match="DYN_ROUTER_HASH_CACHE_MB"):
         PrefixHashCache(4)
+
+
+def test_a_key_longer_than_the_prompt_is_not_reused() -> None:
+    """Requests from another process could name a prefix wrongly: a cached prefix longer than
+    the prompt is never taken for part of it."""
+    cache = PrefixHashCache(4)
+    cache.hashes(list(range(40)), [(40, b"k" * 16)])
+    assert cache.hashes(list(range(9)), [(8, b"k" * 16)]) == full(list(range(9)), 4)
+    assert cache.hits == 0

@@ -58,9 +58,10 @@ class PrefixHashCache:
         found = None
         for _, key in reversed(prefixes):
             found = entries.get(key)
-            if found is not None:
+            if found is not None and len(found[0]) * bs <= len(token_ids):  # else a foreign key
                 entries.move_to_end(key)
                 break
+            found = None
         if found is None:
             self.misses += 1
             done = 0
