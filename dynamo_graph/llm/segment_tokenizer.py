@@ -25,7 +25,8 @@ to one tokenizer object, so a changed tokenizer or template never meets stale id
 `encode_prefixed` also names the prompt's leading prefixes made of cached segments (with the
 special tokens and short pieces between them), so that the KV router can reuse their block
 hashes (router/kv/prefix_hashes.py): each is a token count and a key, the xxh3-128 of the
-pieces' own xxh3-128 digests of their token ids. The key is thus a function of the ids alone:
+previous prefix's key and the xxh3-128 digests of the token ids of the pieces since (a
+special token, a short piece, a cached segment). The key is thus a function of the ids alone:
 whatever tokenizer or template produced them, equal keys mean equal ids (up to a 128-bit
 collision). A cached segment's digest is computed once, when it is cached.
 """
@@ -44,6 +45,7 @@ from xxhash import xxh3_128_digest
 log = logging.getLogger(__name__)
 MIN_CACHED_CHARS = 256
 Prefixes = list[tuple[int, bytes]]  # (leading token count, key of those ids), shortest first
+MAX_PREFIXES = 4  # the longest ones: those an earlier request (an earlier turn) can have named
 
 
 def _digest(ids: array) -> bytes:
@@ -167,7 +169,8 @@ class SegmentTokenizer:
                     digests[k] = self._remember(parts[k], enc.ids)
         ids: list[int] = []
         prefixes: Prefixes = []
-        chain: list[bytes] = []
+        key = b""  # of the prefix up to the last cached segment
+        since: list[bytes] = []  # digests of the pieces after it
         leading = cache  # still within the leading run of specials, short and cached pieces
         for k, piece in enumerate(pieces):
             if piece is None:
@@ -176,15 +179,17 @@ class SegmentTokenizer:
             if not leading:
                 continue
             digest = digests[k]
-            if digest is not None:
-                chain.append(digest)
-                if k % 2 == 0:  # a cached segment ends here
-                    prefixes.append((len(ids), xxh3_128_digest(b"".join(chain))))
-            elif len(parts[k]) < MIN_CACHED_CHARS:
-                chain.append(_digest(array("I", piece)))
-            else:  # a long segment too big to cache
+            if digest is None and len(parts[k]) < MIN_CACHED_CHARS:
+                digest = _digest(array("I", piece))
+            elif digest is None:  # a long segment too big to cache
                 leading = False
-        return ids, prefixes
+                continue
+            since.append(digest)
+            if k % 2 == 0 and digests[k] is not None:  # a cached segment ends here
+                key = xxh3_128_digest(key + b"".join(since))
+                since.clear()
+                prefixes.append((len(ids), key))
+        return ids, prefixes[-MAX_PREFIXES:]
 
     def _remember(self, segment: str, ids: list[int]) -> bytes | None:
         """Cache a segment's ids (if it fits); their digest, or None if not cached."""

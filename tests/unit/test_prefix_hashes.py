@@ -159,3 +159,17 @@ def test_a_key_longer_than_the_prompt_is_not_reused() -> None:
     cache.hashes(list(range(40)), [(40, b"k" * 16)])
     assert cache.hashes(list(range(9)), [(8, b"k" * 16)]) == full(list(range(9)), 4)
     assert cache.hits == 0
+
+
+def test_each_turn_reuses_the_hashes_of_the_turns_before(model, tokenizer: Tokenizer) -> None:
+    template = ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
+    segments = SegmentTokenizer(tokenizer)
+    cache = PrefixHashCache(16)
+    chat = [{"role": "system", "content": "Answer from this document.\n\n" + "cache router " * 200}]
+    for turn in range(10):
+        chat.append({"role": "user", "content": f"question {turn} " * 30})
+        ids, prefixes = segments.encode_prefixed(template.render(chat, add_generation_prompt=True))
+        assert len(prefixes) <= 4
+        assert cache.hashes(ids, prefixes) == full(ids, 16)
+        chat.append({"role": "assistant", "content": f"answer {turn} " * 30})
+    assert (cache.misses, cache.hits) == (1, 9)
