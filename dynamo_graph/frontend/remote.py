@@ -82,12 +82,15 @@ class KvRoutedTokensBackend:
                 return  # the client went away while the request waited
             admitted = True
         session = hints.session_id if hints is not None else None
+        prefixes = hints.prefixes if hints is not None else None
         while True:
             try:
                 instances = [i for i in self.client.instance_ids() if i not in unreachable]
                 if not instances:
                     raise NoInstances(f"no instances of {self.client.name} are available")
-                choice = router.route(request_id, request.token_ids, instances, session_id=session)
+                choice = router.route(
+                    request_id, request.token_ids, instances, session_id=session, prefixes=prefixes
+                )
             finally:
                 if admitted:
                     admitted = False

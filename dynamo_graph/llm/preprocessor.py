@@ -98,7 +98,7 @@ class Preprocessor:
             )
         except ChatTemplateError as exc:
             raise RequestValidationError(str(exc), "messages") from exc
-        token_ids = self.segments.encode(prompt)
+        token_ids, prefixes = self.segments.encode_prefixed(prompt)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(requested_max_tokens(req), len(token_ids), max_param, "messages", None)
         output = OutputOptions(
@@ -108,7 +108,11 @@ class Preprocessor:
         sampling = _sampling_options(req, self.vocab_size)
         if req.response_format:
             sampling.guided_json = _guided_json(req.response_format)
-        return self._build(req, token_ids, max_tokens, max_param, sampling, output)
+        request = self._build(req, token_ids, max_tokens, max_param, sampling, output)
+        if prefixes:
+            request.routing = request.routing or RoutingHints()
+            request.routing.prefixes = prefixes
+        return request
 
     def preprocess_completion(self, req: CompletionRequest) -> PreprocessedRequest:
         _check_unsupported(req)

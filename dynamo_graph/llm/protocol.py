@@ -84,6 +84,9 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
 
     session_id: str | None = None
     priority: int | None = None
+    # Leading prefixes of the prompt made of cached segments: (token count, a 16-byte key of
+    # those ids), shortest first; the router reuses their block hashes (llm/segment_tokenizer.py).
+    prefixes: list[tuple[int, bytes]] | None = None
 
 
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):

@@ -21,6 +21,14 @@ Only segments of at least `MIN_CACHED_CHARS` are kept (short ones are cheap, and
 cache); uncached segments of a prompt are tokenized in one `encode_batch` call. The cache holds
 at most `DYN_TOKENIZE_CACHE_MB` (64) of text and ids, least recently used out first. It belongs
 to one tokenizer object, so a changed tokenizer or template never meets stale ids.
+
+`encode_prefixed` also names the prompt's leading prefixes made of cached segments (with the
+special tokens and short pieces between them), so that the KV router can reuse their block
+hashes (router/kv/prefix_hashes.py): each is a token count and a key, the xxh3-128 of the
+previous prefix's key and the xxh3-128 digests of the token ids of the pieces since (a
+special token, a short piece, a cached segment). The key is thus a function of the ids alone:
+whatever tokenizer or template produced them, equal keys mean equal ids (up to a 128-bit
+collision). A cached segment's digest is computed once, when it is cached.
 """
 
 from __future__ import annotations
@@ -32,9 +40,18 @@ from array import array
 from collections import OrderedDict
 
 from tokenizers import Tokenizer
+from xxhash import xxh3_128_digest
 
 log = logging.getLogger(__name__)
 MIN_CACHED_CHARS = 256
+Prefixes = list[tuple[int, bytes]]  # (leading token count, key of those ids), shortest first
+MAX_PREFIXES = 4  # the longest ones: those an earlier request (an earlier turn) can have named
+
+
+def _digest(ids: array) -> bytes:
+    return xxh3_128_digest(memoryview(ids).cast("B"))
+
+
 _PROBE_TEXTS = (
     "You are a helpful assistant.\n\n",
     " leading space, trailing space ",
@@ -62,7 +79,7 @@ class SegmentTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, max_bytes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
-        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[array, bytes]] = OrderedDict()  # ids, their digest
         self.held_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -74,6 +91,7 @@ class SegmentTokenizer:
             specials[token.content] = token_id
             clean = clean and not (token.lstrip or token.rstrip or token.normalized or token.single_word)
         self._special_ids = specials
+        self._special_digests = {i: _digest(array("I", [i])) for i in specials.values()}
         self._split = None
         if specials and clean and self.max_bytes > 0:
             alternatives = sorted(specials, key=len, reverse=True)  # longest first, as the tokenizer matches
@@ -110,23 +128,30 @@ class SegmentTokenizer:
         for i, first in enumerate(probes):
             second, special = probes[(7 * i + 3) % n], specials[i % len(specials)]
             text = first + special + second + specials[(i + 1) % len(specials)] + first
-            if self._segmented(text, cache=False) != self._whole(text):
+            if self._segmented(text, cache=False)[0] != self._whole(text):
                 return False
         return True
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_prefixed(text)[0]
+
+    def encode_prefixed(self, text: str) -> tuple[list[int], Prefixes]:
+        """The ids of `text`, and its leading prefixes that end with a cached segment."""
         if self._split is None:
-            return self._whole(text)
+            return self._whole(text), []
         return self._segmented(text, cache=True)
 
-    def _segmented(self, text: str, *, cache: bool) -> list[int]:
+    def _segmented(self, text: str, *, cache: bool) -> tuple[list[int], Prefixes]:
         assert self._split is not None
         parts = self._split.split(text)  # text, special, text, special, ..., text
         pieces: list[list[int] | array | None] = [None] * len(parts)
+        digests: list[bytes | None] = [None] * len(parts)
         missing: list[int] = []
         for k, part in enumerate(parts):
             if k % 2:
-                pieces[k] = [self._special_ids[part]]
+                special = self._special_ids[part]
+                pieces[k] = [special]
+                digests[k] = self._special_digests[special]
             elif part:
                 found = self._cache.get(part) if cache and len(part) >= MIN_CACHED_CHARS else None
                 if found is None:
@@ -134,27 +159,48 @@ class SegmentTokenizer:
                 else:
                     self._cache.move_to_end(part)
                     self.hits += 1
-                    pieces[k] = found
+                    pieces[k], digests[k] = found
         if missing:
             encoded = self.tokenizer.encode_batch([parts[k] for k in missing], add_special_tokens=False)
             for k, enc in zip(missing, encoded, strict=True):
                 pieces[k] = enc.ids
                 if cache and len(parts[k]) >= MIN_CACHED_CHARS:
                     self.misses += 1
-                    self._remember(parts[k], enc.ids)
+                    digests[k] = self._remember(parts[k], enc.ids)
         ids: list[int] = []
-        for piece in pieces:
-            if piece is not None:
-                ids.extend(piece)
-        return ids
+        prefixes: Prefixes = []
+        key = b""  # of the prefix up to the last cached segment
+        since: list[bytes] = []  # digests of the pieces after it
+        leading = cache  # still within the leading run of specials, short and cached pieces
+        for k, piece in enumerate(pieces):
+            if piece is None:
+                continue
+            ids.extend(piece)
+            if not leading:
+                continue
+            digest = digests[k]
+            if digest is None and len(parts[k]) < MIN_CACHED_CHARS:
+                digest = _digest(array("I", piece))
+            elif digest is None:  # a long segment too big to cache
+                leading = False
+                continue
+            since.append(digest)
+            if k % 2 == 0 and digests[k] is not None:  # a cached segment ends here
+                key = xxh3_128_digest(key + b"".join(since))
+                since.clear()
+                prefixes.append((len(ids), key))
+        return ids, prefixes[-MAX_PREFIXES:]
 
-    def _remember(self, segment: str, ids: list[int]) -> None:
+    def _remember(self, segment: str, ids: list[int]) -> bytes | None:
+        """Cache a segment's ids (if it fits); their digest, or None if not cached."""
         stored = array("I", ids)
-        size = len(segment) + 4 * len(stored)
+        size = len(segment) + 4 * len(stored) + 16
         if size > self.max_bytes:
-            return
-        self._cache[segment] = stored
+            return None
+        digest = _digest(stored)
+        self._cache[segment] = (stored, digest)
         self.held_bytes += size
         while self.held_bytes > self.max_bytes:
-            old, old_ids = self._cache.popitem(last=False)
-            self.held_bytes -= len(old) + 4 * len(old_ids)
+            old, (old_ids, _) = self._cache.popitem(last=False)
+            self.held_bytes -= len(old) + 4 * len(old_ids) + 16
+        return digest

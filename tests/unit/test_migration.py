@@ -279,7 +279,9 @@ class FakeKvRouter:
         self.booked: dict[str, int] = {}
         self.routed: list[list[int]] = []
 
-    def route(self, request_id: str, token_ids: list[int], instances: list[int], *, session_id=None):  # type: ignore[no-untyped-def]
+    def route(  # type: ignore[no-untyped-def]
+        self, request_id: str, token_ids: list[int], instances: list[int], *, session_id=None, prefixes=None
+    ):
         self.routed.append(sorted(instances))
         assert request_id not in self.booked, "booked twice: the failed attempt was not freed"
         self.booked[request_id] = instances[0]

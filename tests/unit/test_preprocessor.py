@@ -244,3 +244,21 @@ def test_model_without_template(tokenizer: Tokenizer) -> None:
         pre.preprocess_chat(chat())
     assert err.value.param == "messages"
     assert pre.preprocess_completion(completion()).token_ids[0] == BOS_ID
+
+
+def test_a_chat_names_its_cached_prefix_for_the_router(pre: Preprocessor) -> None:
+    """A long system message is a cached segment: the request names the prefix it ends (for the
+    KV router's hash reuse), the same key for every question after it, and the name crosses the
+    wire; a short chat names none."""
+    system = {"role": "system", "content": "serving router prefix cache " * 12}
+    outs = [
+        pre.preprocess_chat(chat(messages=[system, {"role": "user", "content": q}]))
+        for q in ("Why?", "How so?")
+    ]
+    named = [out.routing.prefixes if out.routing else None for out in outs]
+    assert named[0] and named[0] == named[1]
+    count, key = named[0][-1]
+    assert outs[0].token_ids[:count] == outs[1].token_ids[:count] and len(key) == 16
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(outs[0]), type=PreprocessedRequest)
+    assert wire.routing is not None and wire.routing.prefixes == named[0]
+    assert pre.preprocess_chat(chat()).routing is None

@@ -24,6 +24,7 @@ from dynamo_graph.router.kv.approx import ApproxKvIndexer
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.indexer import KvIndexer
 from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
+from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
 from dynamo_graph.router.kv.protocols import (
     KV_EVENTS_TOPIC,
     LOAD_METRICS_TOPIC,
@@ -64,6 +65,7 @@ class KvRouter:
                 prune_target_ratio=self.config.prune_target_ratio,
             )
         self.sequences = ActiveSequences()
+        self.prefix_hashes = PrefixHashCache(block_size)
         self.model = TtftModel()
         config = self.config
         self.affinity: SessionAffinity | None = None
@@ -152,16 +154,17 @@ class KvRouter:
         instance_ids: Iterable[int],
         *,
         session_id: str | None = None,
+        prefixes: Sequence[tuple[int, bytes]] | None = None,
     ) -> Choice:
-        """Pick a worker rank for the request and book it there."""
+        """Pick a worker rank for the request and book it there. `prefixes`: the prompt's
+        leading prefixes named by the segment tokenizer, whose block hashes may be reused."""
         candidates = self._candidates = self.targets(instance_ids)
         if not candidates:
             raise NoWorkers("no worker instances to route to")
         block_size = self.block_size
         config = self.config
         weight = config.overlap_score_weight
-        local = local_block_hashes(token_ids, block_size)
-        seq = sequence_hashes(local)
+        local, seq = self.prefix_hashes.hashes(token_ids, prefixes)
         overlaps = self.indexer.find_matches(local, seq) if weight and local else {}
         isl = len(token_ids)
         predictive = config.cost == "predictive"
