@@ -447,7 +447,10 @@ def test_kv_router_here_follows_zmq_kv_events_of_workers_on_both_hosts(
     graph = make_graph(
         **{
             "runtime.event_plane": "zmq",
-            "components.frontend.router": {"mode": "kv"},
+            # Dynamo's cost spreads these one-at-a-time openings over both workers; the predictive
+            # cost (the default) rightly keeps them all on the worker holding the template's
+            # first block while nothing is queued, and the test needs events from both hosts.
+            "components.frontend.router": {"mode": "kv", "cost": "dynamo"},
             "components.frontend.env": {"DYN_LOG": "info,dynamo_graph.router=debug"},
             "components.backend.engine": "mocker",
             "components.backend.engine_args": {
