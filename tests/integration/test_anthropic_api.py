@@ -9,14 +9,13 @@ key on the agent server, which the client sends as `x-api-key`.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.test_http_openai import _metric, paced_server
+from tests.integration.test_http_openai import _metric, abandon_stream, cancelled_streams, paced_server
 from tests.procs import ServerProcess
 
 anthropic = pytest.importorskip("anthropic")
@@ -249,20 +248,8 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
             "stream": True,
             "nvext": {"ignore_eos": True},
         }
-        with (
-            httpx.Client(timeout=10) as http,
-            http.stream("POST", f"{proc.base_url}/v1/messages", json=body) as resp,
-        ):
-            for line in resp.iter_lines():
-                if "text_delta" in line:
-                    break
-        deadline = time.monotonic() + 1.5
-        cancelled = 0.0
-        label = f'dynamo_frontend_requests_total{{endpoint="messages",model="{tiny_model.name}"'
-        while time.monotonic() < deadline and not cancelled:
-            cancelled = _metric(proc, label + ',request_type="stream",status="cancelled"}')
-            time.sleep(0.05)
-        assert cancelled == 1
+        abandon_stream(proc, "/v1/messages", body, "text_delta")
+        assert cancelled_streams(proc, "messages", tiny_model.name) == 1
         assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()

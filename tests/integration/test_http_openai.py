@@ -178,6 +178,29 @@ def stream_body(model: str) -> dict:
     }
 
 
+def cancelled_streams(server: ServerProcess, endpoint: str, model: str, within_s: float = 1.5) -> float:
+    """Streams of `endpoint` the frontend counted as cancelled, waiting up to `within_s` for one."""
+    label = (
+        f'dynamo_frontend_requests_total{{endpoint="{endpoint}",model="{model}"'
+        ',request_type="stream",status="cancelled"}'
+    )
+    deadline = time.monotonic() + within_s
+    cancelled = _metric(server, label)
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+        cancelled = _metric(server, label)
+    return cancelled
+
+
+def abandon_stream(server: ServerProcess, path: str, body: dict, marker: str) -> None:
+    """Start a stream and hang up as soon as a line containing `marker` arrives."""
+    with httpx.Client(timeout=10) as http, http.stream("POST", f"{server.base_url}{path}", json=body) as resp:
+        for line in resp.iter_lines():
+            if marker in line:
+                return
+    raise AssertionError(f"the stream of {path} ended without a line containing {marker!r}")
+
+
 def paced_server(tiny_model: Path, tmp_path: Path, delay_ms: int) -> ServerProcess:
     proc = ServerProcess(
         ["out=echo_core", "--model-path", str(tiny_model)],
@@ -202,18 +225,7 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
             got = [next(lines) for _ in range(3)]
             assert any(line.startswith("data: ") for line in got)
         # The whole stream would take ~2.4 s; cancellation must end it long before.
-        deadline = time.monotonic() + 1.5
-        cancelled = 0.0
-        while time.monotonic() < deadline:
-            cancelled = _metric(
-                proc,
-                'dynamo_frontend_requests_total{endpoint="chat_completions"'
-                f',model="{tiny_model.name}",request_type="stream",status="cancelled"}}',
-            )
-            if cancelled:
-                break
-            time.sleep(0.05)
-        assert cancelled == 1
+        assert cancelled_streams(proc, "chat_completions", tiny_model.name) == 1
         assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()

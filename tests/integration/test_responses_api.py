@@ -8,7 +8,6 @@ hermes tool-call parser and the qwen3 reasoning parser, for a function-tool roun
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_http_openai import _metric, paced_server
+from tests.integration.test_http_openai import _metric, abandon_stream, cancelled_streams, paced_server
 from tests.procs import ServerProcess
 
 ENGINE = Path(__file__).with_name("agent_engine.py")
@@ -205,20 +204,8 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
     proc = paced_server(tiny_model, tmp_path, 100)
     try:
         body = {"model": tiny_model.name, "input": QUESTION, "stream": True, "nvext": {"ignore_eos": True}}
-        with (
-            httpx.Client(timeout=10) as http,
-            http.stream("POST", f"{proc.base_url}/v1/responses", json=body) as resp,
-        ):
-            for line in resp.iter_lines():
-                if "output_text.delta" in line:
-                    break
-        deadline = time.monotonic() + 1.5
-        cancelled = 0.0
-        label = f'dynamo_frontend_requests_total{{endpoint="responses",model="{tiny_model.name}"'
-        while time.monotonic() < deadline and not cancelled:
-            cancelled = _metric(proc, label + ',request_type="stream",status="cancelled"}')
-            time.sleep(0.05)
-        assert cancelled == 1
+        abandon_stream(proc, "/v1/responses", body, "output_text.delta")
+        assert cancelled_streams(proc, "responses", tiny_model.name) == 1
         assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()
