@@ -10,15 +10,25 @@ import re
 
 REDACTED = "***"
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "AUTH")
-# Names that hold where a secret is (a variable's name, a file), not the secret itself.
-_NOT_SECRET_SUFFIXES = ("_ENV", "_FILE", "_PATH", "_DIR", "_BLOCK_SIZE")
+# Words that contain a secret word but name counts and tools (`--max-tokens`, `--tokenizer`).
+_NOT_SECRET_WORDS = frozenset({"TOKENS", "TOKENIZER", "TOKENIZERS"})
+# Names that hold where a secret is (a variable's name, a file), or a quantity, not the secret.
+_NOT_SECRET_SUFFIXES = ("_ENV", "_FILE", "_PATH", "_DIR", "_BLOCK_SIZE", "_MS", "_SECS", "_SECONDS", "_COUNT")
+_NAME_WORDS = re.compile(r"[A-Z0-9]+")
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
 
 
 def is_secret_name(name: str) -> bool:
     """Whether an environment variable, option or key named `name` likely holds a secret."""
     upper = name.strip("-").upper().replace("-", "_")
-    return any(word in upper for word in _SECRET_WORDS) and not upper.endswith(_NOT_SECRET_SUFFIXES)
+    if upper.endswith(_NOT_SECRET_SUFFIXES):
+        return False
+    return any(
+        secret in word
+        for word in _NAME_WORDS.findall(upper)
+        if word not in _NOT_SECRET_WORDS
+        for secret in _SECRET_WORDS
+    )
 
 
 def redact_url(text: str) -> str:
