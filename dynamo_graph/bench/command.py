@@ -149,6 +149,8 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
             f"graph {builds[0][1].plan.graph} is already running: a sweep brings each variant up itself "
             f"(stop it first: dyngraph down {options.graph_file})"
         )
+    # ... and preflighted on its hosts: a variant that cannot start fails the sweep before any runs.
+    graphs.preflight_variants([(report.variant_label(v), built) for v, built in builds])
     settings = _settings_for(options.settings, builds[0][1], err)
     prepared = prepare(settings)
     out_dir = _out_dir(options, builds[0][1].plan.graph)

@@ -11,6 +11,7 @@ from itertools import product
 from rich.console import Console
 
 from dynamo_graph.graph.build import Built
+from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.supervise import commands
 from dynamo_graph.graph.supervise.ports import fill_plan
@@ -33,6 +34,20 @@ def sweep_variants(sweeps: list[str]) -> list[list[str]]:
             raise ValueError(f"--sweep takes KEY=V1,V2,..., not {sweep!r}")
         axes.append([f"{key.strip()}={v}" for v in choices])
     return [list(combo) for combo in product(*axes)] if axes else [[]]
+
+
+def preflight_variants(variants: list[tuple[str, Built]]) -> None:
+    """Preflight every variant of a sweep (nothing runs yet); raises GraphError with each
+    problem prefixed by the variant it belongs to, so a sweep never stops half-way on a
+    variant that could not have started."""
+    problems: list[Problem] = []
+    for label, built in variants:
+        try:
+            commands.preflight(built, check_ports=True)
+        except GraphError as e:
+            problems += [Problem(p.path, f"{p.message} (variant {label})", p.location) for p in e.problems]
+    if problems:
+        raise GraphError(problems)
 
 
 def frontend_of(plan: Plan) -> str:

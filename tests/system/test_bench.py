@@ -291,3 +291,31 @@ def served(state: Path) -> bool:
     except (FileNotFoundError, json.JSONDecodeError):
         return False
     return len(records) >= 2 and all(r["state"] == "ready" for r in records)
+
+
+def test_sweep_variant_that_cannot_start_fails_before_any_starts(tmp_path: Path, tiny_model: Path) -> None:
+    """Each variant is preflighted before the first comes up: a missing model folder in the
+    second one is exit 2 naming that variant, and nothing ran (no state, no result)."""
+    graph, overrides = copy_graph(tmp_path, tiny_model)
+    missing = tmp_path / "no-such-model"
+    out = tmp_path / "sweep"
+    done = run_cli(
+        [
+            "bench",
+            str(graph),
+            *overrides,
+            "--sweep",
+            f"models.tiny-model.path={tiny_model},{missing}",
+            "-n",
+            "4",
+            *WORKLOAD,
+            "-o",
+            str(out),
+        ],
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"(variant tiny-model.path={missing})" in done.stdout + done.stderr
+    assert f"(variant tiny-model.path={tiny_model})" not in done.stdout + done.stderr
+    assert not (tmp_path / ".dyngraph" / graph.stem / "processes.json").exists()
+    assert not out.exists()
