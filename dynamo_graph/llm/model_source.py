@@ -196,6 +196,14 @@ class LocalModel:
         return self._tokenizer
 
 
+def hub_repo_id(spec: str) -> str | None:
+    """The hub repo a model spec is spelled as (`hf://org/name`, or `org/name`, which is a hub
+    id unless such a relative path exists where it is resolved); None otherwise."""
+    if spec.startswith(_HUB_PREFIX):
+        return spec[len(_HUB_PREFIX) :]
+    return spec if _REPO_ID.match(spec) else None
+
+
 def resolve_model(
     spec: str, *, model_config: str | Path | None = None, model_name: str | None = None
 ) -> LocalModel:
@@ -213,9 +221,9 @@ def resolve_model(
     repo_id = spec[len(_HUB_PREFIX) :] if spec.startswith(_HUB_PREFIX) else None
     path = Path(spec).expanduser()
     if repo_id is None and not path.exists():
-        if not _REPO_ID.match(spec):
+        repo_id = hub_repo_id(spec)
+        if repo_id is None:
             raise ModelResolutionError(f"model path {spec!r} does not exist (resolved to {path.absolute()})")
-        repo_id = spec
     if repo_id is not None:
         path = _hub_snapshot(repo_id)
 

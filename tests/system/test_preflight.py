@@ -9,8 +9,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -241,3 +243,79 @@ def test_local_processes_run_with_the_graph_s_interpreter(tmp_path: Path, tiny_m
         assert runs == ["in=dyn://pre.backend.generate", "in=http"], lines
     finally:
         assert run_cli(["down", str(file)], timeout=90).returncode == 0
+
+
+class _Hub(BaseHTTPRequestHandler):
+    """A stand-in for the hub's model API: `acme/present` exists, nothing else."""
+
+    def do_GET(self) -> None:
+        found = self.path == "/api/models/acme/present"
+        self.send_response(200 if found else 401)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"id": "acme/present"}' if found else b'{"error": "Repository not found"}')
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hub() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _hub_graph(tmp_path: Path, repo: str, env: dict[str, str]) -> Path:
+    file = _write_graph(tmp_path, tmp_path)
+    graph = yaml.safe_load(file.read_text())
+    graph["models"]["tiny-model"]["path"] = repo
+    graph["components"]["backend"]["env"] = env
+    file.write_text(yaml.safe_dump(graph, sort_keys=False))
+    return file
+
+
+@pytest.mark.parametrize(
+    ("repo", "setting", "problem"),
+    [
+        ("acme/cached", "cached", None),
+        ("acme/present", "online", None),
+        (
+            "acme/missing",
+            "online",
+            "has no such model (or it is private or gated: set HF_TOKEN for the worker)",
+        ),
+        ("acme/present", "offline", "and HF_HUB_OFFLINE is set: download it where the hub is reachable"),
+        ("acme/present", "unreachable", "cannot be reached"),
+    ],
+)
+def test_hub_model_ids(
+    tmp_path: Path, tiny_model: Path, hub: str, repo: str, setting: str, problem: str | None
+) -> None:
+    """A hub id is fine when the worker's HF cache holds it or its hub has it; otherwise exit 2
+    with the key, the cache looked in and the way out. The worker's own HF_* env decides."""
+    home = tmp_path / "hf"
+    snapshot = home / "hub" / "models--acme--cached" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (snapshot / name).write_bytes((tiny_model / name).read_bytes())
+    env = {"HF_HOME": str(home), "HF_ENDPOINT": hub}
+    if setting == "offline":
+        env["HF_HUB_OFFLINE"] = "1"
+    if setting == "unreachable":
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
+    file = _hub_graph(tmp_path, repo, env)
+    done = run_cli(["validate", str(file), "--preflight"], timeout=60)
+    if problem is None:
+        assert done.returncode == 0, done.stdout + done.stderr
+        return
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = _line_of(file, f"path: {repo}")
+    where = f"{file}:{line}: models.tiny-model.path: model {repo!r}"
+    assert f"{where} is not in the Hugging Face cache ({home / 'hub'})" in done.stderr, done.stderr
+    assert problem in done.stderr, done.stderr

@@ -194,12 +194,18 @@ def answer(ask: dict[str, Any]) -> dict[str, Any]:
     """What preflight asked about this host (see `probe`), found by this interpreter."""
     gpus, gpu_note = gpu_count() if ask.get("gpus") else (None, "")
     models = {p: why for p, config, gguf in ask.get("models", []) if (why := model_problem(p, config, gguf))}
+    hubs = {}
+    if ask.get("hubs"):
+        from dynamo_graph.graph.supervise.hub_probe import hub_problem
+
+        hubs = {repo: why for repo, env in ask["hubs"] if (why := hub_problem(repo, env))}
     return {
         "version": dynamo_graph.__version__,
         "python": ".".join(map(str, sys.version_info[:3])),
         "executable": sys.executable,
         "missing": [p for p in ask.get("paths", []) if not Path(p).expanduser().exists()],
         "models": models,
+        "hubs": hubs,
         "modules_missing": [m for m in ask.get("modules", []) if not _importable(m)],
         "env_unset": [n for n in ask.get("env", []) if not os.environ.get(n, "").strip()],
         "gpus": gpus,
@@ -209,8 +215,9 @@ def answer(ask: dict[str, Any]) -> dict[str, Any]:
 
 
 def probe() -> int:
-    """Reads `{"paths": [...], "models": [[path, config, gguf], ...], "modules": [...], "env": [...],
-    "gpus": bool, "ports": [[host, port], ...]}` (each optional); prints what it found."""
+    """Reads `{"paths": [...], "models": [[path, config, gguf], ...], "hubs": [[repo_id, {HF_*
+    env}], ...], "modules": [...], "env": [...], "gpus": bool, "ports": [[host, port], ...]}`
+    (each optional); prints what it found."""
     print(json.dumps(answer(json.loads(sys.stdin.readline()))))
     return 0
 

@@ -3,7 +3,8 @@ the graph fail on its hosts, found before anything starts, all at once, each pro
 host, graph key and file:line.
 
 What each host must have comes from the plan: model folders that hold a tokenizer and a config
-(or a GGUF, for llama.cpp), `--model-config` folders, `engine_args_file`s and Python engine files;
+(or a GGUF, for llama.cpp), hub ids that are cached there or can be downloaded (hub_probe.py),
+`--model-config` folders, `engine_args_file`s and Python engine files;
 the Python package of each worker's engine, importable by the interpreter that will run it; the
 variables a frontend's `api_key_env` names, set in that host's environment; the GPUs the
 placement hands out (CUDA_VISIBLE_DEVICES), counted with nvidia-smi or NVML; and pinned ports
@@ -34,7 +35,9 @@ from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 from dynamo_graph.graph.supervise import agent
+from dynamo_graph.graph.supervise.hub_probe import HF_ENV
 from dynamo_graph.graph.validate import SourceLocator, fixed_ports, locate
+from dynamo_graph.llm.model_source import hub_repo_id
 
 if TYPE_CHECKING:  # ssh.py (and asyncssh) load only for a plan with remote hosts
     from dynamo_graph.graph.supervise.ssh import SshError, SshHosts
@@ -51,6 +54,7 @@ class _HostNeeds:
 
     paths: dict[str, str] = field(default_factory=dict)  # path -> key
     models: dict[str, tuple[str, str | None, bool]] = field(default_factory=dict)  # path -> key, config, gguf
+    hubs: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)  # repo id -> key, HF_* env
     modules: dict[str, dict[str, str]] = field(default_factory=dict)  # package -> {key: engine}
     env: dict[str, str] = field(default_factory=dict)  # variable -> key
     gpus: int = 0
@@ -63,6 +67,7 @@ class _HostNeeds:
         return {
             "paths": sorted(self.paths),
             "models": [[p, config, gguf] for p, (_, config, gguf) in sorted(self.models.items())],
+            "hubs": [[repo, env] for repo, (_, env) in sorted(self.hubs.items())],
             "modules": sorted(self.modules),
             "env": sorted(self.env),
             "gpus": self.gpus > 0,
@@ -75,8 +80,9 @@ def _flag(spec: ProcessSpec, flag: str) -> str | None:
 
 
 def _worker_needs(need: _HostNeeds, spec: ProcessSpec, key: str, worker: Worker) -> None:
-    """Files a worker reads and the engine package it imports. Relative paths that compile left as
-    written are hub ids (`org/name`), resolved from the host's cache when the worker starts."""
+    """Files a worker reads, the hub model it fetches and the engine package it imports. Relative
+    paths that compile left as written are hub ids (`org/name`), resolved from the host's cache
+    (or downloaded) when the worker starts."""
     from dynamo_graph.engines import ENGINE_PACKAGES  # a dict; the engines themselves load lazily
 
     where = f"components.{key}"
@@ -84,6 +90,9 @@ def _worker_needs(need: _HostNeeds, spec: ProcessSpec, key: str, worker: Worker)
     if model is not None and model.startswith("/"):
         gguf = worker.engine == "llamacpp"
         need.models.setdefault(model, (f"models.{worker.model}.path", config, gguf))
+    elif model is not None and (repo := hub_repo_id(model)) is not None:
+        hf_env = {name: spec.env[name] for name in HF_ENV if name in spec.env}
+        need.hubs.setdefault(repo, (f"models.{worker.model}.path", hf_env))
     if config is not None and config.startswith("/"):
         need.paths.setdefault(config, f"models.{worker.model}.config")
     if (args := _flag(spec, "--extra-engine-args")) is not None and worker.engine_args_file is not None:
@@ -148,6 +157,8 @@ def _found(
         if not remote and why == "does not exist" and Path(path).name == TINY_MODEL_DIR:
             hint = f"; build the tiny test model with `make run`, or `dyngraph dev tiny-model {path}`"
         yield Problem(need.models[path][0], f"{where}{path} {why}{there}{hint}")
+    for repo, why in found.get("hubs", {}).items():
+        yield Problem(need.hubs[repo][0], f"{where}model {repo!r} {why}{there}")
     for package in found.get("modules_missing", []):
         for key, engine in need.modules[package].items():
             yield Problem(
