@@ -105,10 +105,13 @@ class _K8s:
             local = local_path(model.path, self.graph_dir)
             if local is not None:
                 self.paths[str(local)] = model_path(self.graph, self.plan, key)
-            config = local_path(model.config, self.graph_dir) if model.config else None
-            if config is not None:
-                mount = self.graph.kubernetes.models.mount_path.rstrip("/")
-                self.paths[str(config)] = f"{mount}/{config.name}"
+            # Beside the models, each under its own name: a model's config folder, its LoRA adapters.
+            mount = self.graph.kubernetes.models.mount_path.rstrip("/")
+            extra = [model.config] if model.config else []
+            for path in [*extra, *model.lora_adapters.values()]:
+                local = local_path(path, self.graph_dir)
+                if local is not None:
+                    self.paths[str(local)] = f"{mount}/{local.name}"
         for path, text in self.plan.files.items():  # inline engine args
             self.paths[path] = self._file(Path(path).name, text)
         for key, worker in sorted(self.graph.workers().items()):
@@ -127,6 +130,10 @@ class _K8s:
                 argv.append(f"{prefix}={self.paths[value]}")
             else:
                 argv.append(self.paths.get(arg, arg))
+        if "--lora-modules" in argv:  # NAME=PATH,NAME=PATH
+            at = argv.index("--lora-modules") + 1
+            pairs = (entry.partition("=") for entry in argv[at].split(","))
+            argv[at] = ",".join(f"{name}={self.paths.get(path, path)}" for name, _, path in pairs)
         if "--http-host" in argv:  # the Service reaches the pod on its own IP
             argv[argv.index("--http-host") + 1] = "0.0.0.0"
         return argv

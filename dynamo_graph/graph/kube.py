@@ -94,13 +94,15 @@ def model_path(graph: Graph, plan: Plan, key: str) -> str:
 
 
 def uses_models_volume(graph: Graph, plan: Plan) -> bool:
-    """Whether workers mount the models volume: some model is a local path, or the graph names
-    the storage. Hub ids alone need none (the image downloads them), so no claim is asked for."""
+    """Whether workers mount the models volume: some model or LoRA adapter is a local path, or
+    the graph names the storage. Hub ids alone need none (the image downloads them), so no
+    claim is asked for."""
     storage = graph.kubernetes.models
     if storage.model_fields_set & {"claim", "host_path", "storage_class"}:
         return True
     graph_dir = Path(plan.graph_file).parent
-    return any(local_path(m.path, graph_dir) is not None for m in graph.models.values())
+    paths = [p for m in graph.models.values() for p in (m.path, *m.lora_adapters.values())]
+    return any(local_path(p, graph_dir) is not None for p in paths)
 
 
 def models_volume(graph: Graph) -> dict[str, Any]:

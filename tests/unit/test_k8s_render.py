@@ -200,3 +200,26 @@ def test_static_workers_are_refused(tmp_path: Path) -> None:
     built = build(_write(tmp_path, graph))
     with pytest.raises(Exception, match="static workers are not rendered"):
         render(built.graph, built.plan, "k8s")
+
+
+def test_lora_adapters_are_found_on_the_models_volume(tmp_path: Path) -> None:
+    """A graph's LoRA adapters (local folders) sit on the models volume under their own names,
+    like the model, and the worker's --lora-modules names them there."""
+    for name in ("base-model", "sql-adapter"):
+        (tmp_path / name).mkdir()
+    graph = {
+        "name": "lora",
+        "models": {"m": {"path": "./base-model", "lora_adapters": {"sql": "./sql-adapter"}}},
+        "components": {
+            "frontend": {"kind": "frontend"},
+            "backend": {"kind": "worker", "model": "m", "engine": "mocker"},
+        },
+    }
+    docs = _docs(_write(tmp_path, graph))
+    assert [e for d in docs for e in k8s_errors(d)] == []
+    pod = _by_kind(docs)["Deployment", "lora-backend"]["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert command[command.index("--model-path") + 1] == f"{mount}/base-model"
+    assert command[command.index("--lora-modules") + 1] == f"sql={mount}/sql-adapter"
+    assert str(tmp_path) not in yaml.safe_dump(pod)
