@@ -13,7 +13,6 @@ import httpx
 
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.schema import Expect, Graph, SmokeCheck, SmokeFault
-from dynamo_graph.graph.supervise.local import kill_verified
 from dynamo_graph.graph.supervise.supervisor import Runner, Supervisor
 from dynamo_graph.smoke.client import Answer, send
 from dynamo_graph.smoke.defaults import served_models
@@ -162,11 +161,10 @@ async def _fault(target: Target, fault: SmokeFault) -> tuple[list[str], str]:
     if runner is None or runner.record.pid is None or runner.record.state != "ready":
         state = runner.record.state if runner else "not in the plan"
         return [f"{what} is not running ({state})"], ""
-    if runner.spec.host != "local":
-        return [f"{what} runs on host {runner.spec.host!r}: faults reach local processes only"], ""
     record = runner.record
     restarts, pid = record.restarts, record.pid
-    kill_verified(pid, record.start_ticks, getattr(signal, fault.signal))
+    if runner.proc is None or not runner.proc.send_signal(signal.Signals[fault.signal]):
+        return [f"{what} could not be sent {fault.signal} (it ended, or its host is not connected)"], ""
     spec = runner.spec
     limit = spec.shutdown_grace_s + spec.restart.backoff_max_s + spec.readiness.timeout_s + 10.0
     deadline = time.monotonic() + limit

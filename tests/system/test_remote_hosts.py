@@ -339,6 +339,28 @@ def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     assert [p for p in graph.local_ports() if not refuses(*p)] == []
 
 
+def test_smoke_fault_kills_a_remote_replica_and_the_graph_heals(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
+) -> None:
+    """`dyngraph test` faults reach remote processes: the agent signals the replica on h2, the
+    supervisor restarts it there, and the chats around the fault are answered."""
+    chat = {"chat": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}}
+    graph = make_graph(
+        tests=[
+            chat,
+            {"fault": {"kill": "backend", "replica": 1, "wait_ready": True}},
+            chat,
+            {"fault": {"kill": "backend", "replica": 0, "signal": "SIGTERM"}},
+            chat,
+        ]
+    )
+    done = graph.cli("test", timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"SIGKILL to pid \d+; ready again as pid \d+", done.stdout), done.stdout
+    assert re.search(r"SIGTERM to pid \d+", done.stdout), done.stdout
+    assert graph.remote_pids() == []  # torn down on both hosts
+
+
 def test_rendered_shell_script_runs_the_graph_over_ssh(
     make_graph: Callable[..., RemoteGraph], tmp_path: Path
 ) -> None:

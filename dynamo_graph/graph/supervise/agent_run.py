@@ -11,7 +11,9 @@ stderr, one line each: `pid PID START_TICKS` once started and `exit CODE` when i
 The agent is the no-orphans watchdog: stdin stays open as long as the supervisor holds the ssh
 channel, and the supervisor writes `ping` on it every few seconds. `term` on stdin stops the
 process: SIGTERM to its group, SIGKILL after the grace, then SIGKILL to whatever is left in the
-group. Stdin closing (the supervisor died, the connection dropped, sshd's session child was
+group. `signal NAME` (SIGKILL, SIGTERM or SIGINT) sends that signal to its group and nothing
+else — a smoke test's fault: the exit is reported as any other, and the supervisor restarts the
+process by its policy. Stdin closing (the supervisor died, the connection dropped, sshd's session child was
 killed) or no line for three heartbeats (a network partition that neither end's TCP has noticed
 yet) means the supervisor is gone: the process keeps running for `reattach_s` seconds, its output
 kept (the last SPOOL_MAX bytes), waiting for the supervisor to come back over a new connection and
@@ -50,6 +52,7 @@ from typing import Any
 
 TAG_ENV = "DYNGRAPH_PROC"
 SPOOL_MAX = 4 << 20  # output kept while no supervisor is attached (the newest bytes)
+FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT")  # what `signal NAME` may send
 WRITE_TIMEOUT_S = 2.0  # a channel that takes no output for this long is treated as gone for that output
 _PR_SET_PDEATHSIG = 1
 
@@ -257,6 +260,10 @@ class _Agent:
         while True:
             assert self.link is not None
             line = self.link.stdin.line(self.silence)
+            words = line.split()
+            if words[:1] == [b"signal"] and len(words) == 2 and words[1].decode() in FAULT_SIGNALS:
+                _killpg(self.child.pid, getattr(signal, words[1].decode()))
+                continue
             if line and line.strip() != b"term":
                 continue  # a ping
             if not line and self._wait_for_attach():

@@ -114,6 +114,12 @@ class LocalProcess:
         self._signal_group(signal.SIGKILL)  # what it left in its group; its pid is not reused yet
         return code
 
+    def send_signal(self, sig: signal.Signals) -> bool:
+        """`sig` to the process's group (a smoke test's fault); False when it has ended."""
+        if self.proc is None or self.proc.returncode is not None:
+            return False
+        return kill_verified(self.proc.pid, self.start_ticks, sig)
+
     async def stop(self) -> int | None:
         """SIGTERM to the group, SIGKILL after the spec's grace; `wait` sweeps what is left."""
         if self.proc is None or self.proc.returncode is not None:

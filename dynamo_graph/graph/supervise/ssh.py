@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -359,6 +360,17 @@ class RemoteProcess:
         LOST when the connection went first."""
         assert self._done is not None
         return await asyncio.shield(self._done)
+
+    def send_signal(self, sig: signal.Signals) -> bool:
+        """Ask the agent to send `sig` to the process's group (a smoke test's fault); False when
+        there is no channel to ask on now."""
+        if self._proc is None or self._done is None or self._done.done():
+            return False
+        try:
+            self._proc.stdin.write(f"signal {sig.name}\n".encode())
+        except (OSError, asyncssh.Error):
+            return False
+        return True
 
     async def stop(self) -> int | None:
         """`term` to the agent (SIGTERM, grace, SIGKILL on the host); if the connection is gone
