@@ -260,7 +260,7 @@ class _Agent:
         while True:
             assert self.link is not None
             line = self.link.stdin.line(self.silence)
-            words = line.split()
+            words = line.split() if line else []  # None: silence past the heartbeats
             if words[:1] == [b"signal"] and len(words) == 2 and words[1].decode() in FAULT_SIGNALS:
                 _killpg(self.child.pid, getattr(signal, words[1].decode()))
                 continue
