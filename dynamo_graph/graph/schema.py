@@ -651,7 +651,7 @@ class Kubernetes(_Model):
     """Image with dyngraph (and the engines the workers use) installed, for `render -f k8s`."""
     dynamo_image: str | None = None
     """Image of Dynamo's runtime for `render -f dynamo-k8s`; default
-    `nvcr.io/nvidia/ai-dynamo/<backend>-runtime:0.6.0` (vllm's for the mocker and the frontend)."""
+    `nvcr.io/nvidia/ai-dynamo/<backend>-runtime:1.6.1` (vllm's for the mocker and the frontend)."""
     namespace: K8sName | None = None
     """Kubernetes namespace of every object; default none (the one `kubectl -n` picks)."""
     image_pull_secrets: list[K8sName] = []
