@@ -17,9 +17,9 @@ Order (`--router-queue-policy`): `priority` (default) serves the highest priorit
 urgent, as in Dynamo; 0 by default), first come first served among equals; `fcfs` ignores
 priorities; `wspt` (Dynamo's weighted shortest processing time, Smith's rule) serves the highest
 (1 + priority) / uncached prompt tokens first, the uncached tokens counted on the best-placed
-worker when the request arrives: short and cached requests go before long ones, which minimises
-the mean TTFT of a backlog (at the cost of the long requests' tail; negative priorities count
-as 0, as in Dynamo). A new request never overtakes a waiting one that it does not outrank: it
+worker when the request arrives: short and cached requests go before long ones (on one server
+the order with the least mean wait for a backlog, at the long requests' expense; negative
+priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does not outrank: it
 joins the queue whenever the queue is not empty.
 
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
