@@ -19,8 +19,8 @@ priorities; `wspt` (Dynamo's weighted shortest processing time, Smith's rule) se
 (1 + priority) / uncached prompt tokens first, the uncached tokens counted on the best-placed
 worker when the request arrives: short and cached requests go before long ones (on one server
 the order with the least mean wait for a backlog, at the long requests' expense; negative
-priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does not outrank: it
-joins the queue whenever the queue is not empty.
+priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does
+not outrank: it joins the queue whenever the queue is not empty.
 
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
 answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
@@ -45,7 +45,6 @@ from dynamo_graph.runtime.errors import Overloaded
 
 QueuePolicy = Literal["priority", "fcfs", "wspt"]
 QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("priority", "fcfs", "wspt")
-DEFAULT_QUEUE_POLICY: QueuePolicy = "priority"
 DEFAULT_MAX_QUEUE = 1024
 RETRY_AFTER_S = 1
 RECHECK_S = 0.25
