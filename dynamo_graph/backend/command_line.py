@@ -41,7 +41,7 @@ RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "--router-cost": ("router_cost", str),
     "--router-session-affinity-ttl-secs": ("router_session_affinity_ttl_secs", float),
     "--router-session-affinity-mode": ("router_session_affinity_mode", str),
-    "--router-queue-threshold": ("router_queue_threshold", int),
+    "--router-queue-threshold": ("router_queue_threshold", float),
     "--router-queue-policy": ("router_queue_policy", str),
     "--router-max-queue-size": ("router_max_queue_size", int),
     "--migration-limit": ("migration_limit", int),

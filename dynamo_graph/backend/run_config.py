@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,15 @@ ROUTER_MODES = ("random", "round-robin", "kv")
 _ROUTER_CHOICES = {
     "--router-cost": ("router_cost", ("predictive", "dynamo")),
     "--router-session-affinity-mode": ("router_session_affinity_mode", ("hard", "soft")),
-    "--router-queue-policy": ("router_queue_policy", ("priority", "fcfs")),
+    "--router-queue-policy": ("router_queue_policy", ("priority", "fcfs", "wspt")),
+}
+# The kv router's flags that mean nothing to another router mode (given with one: an error).
+KV_ONLY_FLAGS = {
+    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
+    "router_session_affinity_mode": "--router-session-affinity-mode",
+    "router_queue_threshold": "--router-queue-threshold",
+    "router_queue_policy": "--router-queue-policy",
+    "router_max_queue_size": "--router-max-queue-size",
 }
 DISAGGREGATION_MODES = ("agg", "prefill", "decode")
 log = logging.getLogger(__name__)
@@ -66,7 +75,8 @@ class RunConfig:
     router_cost: str = "predictive"
     router_session_affinity_ttl_secs: float = 0.0  # 0: no session affinity
     router_session_affinity_mode: str = "soft"
-    router_queue_threshold: int | None = None  # prefill tokens waiting per worker; None: no queue
+    # Busy: prefill tokens waiting > this fraction of a worker's max_num_batched_tokens; None: no queue.
+    router_queue_threshold: float | None = None
     router_queue_policy: str = "priority"
     router_max_queue_size: int = 1024
     migration_limit: int = 0
@@ -172,14 +182,24 @@ def _validate_router(cfg: RunConfig) -> None:
     ttl = cfg.router_session_affinity_ttl_secs
     if ttl < 0:
         raise RunConfigError(f"--router-session-affinity-ttl-secs must be >= 0 (0: off), not {ttl:g}")
-    if cfg.router_queue_threshold is not None and cfg.router_queue_threshold < 0:
-        raise RunConfigError(f"--router-queue-threshold must be >= 0, not {cfg.router_queue_threshold}")
+    threshold = cfg.router_queue_threshold
+    if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+        raise RunConfigError(
+            f"--router-queue-threshold is a fraction of each worker's max_num_batched_tokens, "
+            f">= 0 (e.g. 0.5), not {threshold:g}"
+        )
     if cfg.router_max_queue_size < 0:
         raise RunConfigError(f"--router-max-queue-size must be >= 0, not {cfg.router_max_queue_size}")
-    asks = cfg.router_session_affinity_ttl_secs > 0 or cfg.router_queue_threshold is not None
-    if asks and cfg.router_mode != "kv" and cfg.input != "dyn":
+    given = set(cfg.explicit)
+    if cfg.router_session_affinity_ttl_secs > 0:
+        given.add("router_session_affinity_ttl_secs")
+    if threshold is not None:
+        given.add("router_queue_threshold")
+    kv_only = [flag for name, flag in KV_ONLY_FLAGS.items() if name in given]
+    if kv_only and cfg.router_mode != "kv" and cfg.input != "dyn":
         raise RunConfigError(
-            "session affinity and the router queue are the kv router's: add --router-mode kv"
+            f"{', '.join(kv_only)}: session affinity and the router queue are the kv router's, "
+            f"not --router-mode {cfg.router_mode}'s: add --router-mode kv"
         )
 
 

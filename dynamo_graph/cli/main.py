@@ -123,13 +123,15 @@ def run_command(
         str, typer.Option("--router-session-affinity-mode", help="hard | soft")
     ] = "soft",
     router_queue_threshold: Annotated[
-        int | None,
+        float | None,
         typer.Option(
-            "--router-queue-threshold", help="kv: queue when every worker has more prefill tokens waiting"
+            "--router-queue-threshold",
+            help="kv: queue while every worker has more prefill tokens waiting than this fraction "
+            "of its max_num_batched_tokens",
         ),
     ] = None,
     router_queue_policy: Annotated[
-        str, typer.Option("--router-queue-policy", help="priority | fcfs")
+        str, typer.Option("--router-queue-policy", help="priority | fcfs | wspt")
     ] = "priority",
     router_max_queue_size: Annotated[
         int, typer.Option("--router-max-queue-size", help="kv: queued requests; more get 529")

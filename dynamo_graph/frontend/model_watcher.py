@@ -130,7 +130,8 @@ def build_remote_pipeline(
         kv_router = router
 
         def uncached(request: PreprocessedRequest, instance_ids: list[int]) -> int:
-            return kv_router.uncached_tokens(request.token_ids, instance_ids)
+            prefixes = request.routing.prefixes if request.routing is not None else None
+            return kv_router.uncached_tokens(request.token_ids, instance_ids, prefixes)
 
     disagg_router = DisaggRouter(
         routed_backend(client, router),
@@ -219,7 +220,7 @@ class ModelWatcher:
         model.card_keys.add(key)
         self._model_of_key[key] = (name, prefill)
         if model.router is not None:
-            model.router.dp_sizes[instance_id] = int((card.runtime_config or {}).get("data_parallel_size", 1))
+            model.router.add_worker(instance_id, card.runtime_config)
         if model.checker is not None:
             model.checker.payloads[instance_id] = _health_payload(card)
         assert model.client.allowed is not None

@@ -7,7 +7,8 @@ turned back into engine outputs so the same pipeline code serves both.
 The tokens backends are routers (round-robin / random through the client's picker, or the KV
 router) that can leave instances out (`exclude`): request migration (router/migration.py) wraps
 them and re-sends a broken stream's continuation with the failed instances excluded. Text-input
-models are not migrated: their streams are text, whose tokens the frontend never sees.
+models are not migrated: their streams are text, whose tokens the frontend never sees. Both send
+through `send_tokens`, which leaves out what only the frontend's router reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.llm.protocol import (
@@ -36,6 +39,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def send_tokens(
+    client: Client,
+    request: PreprocessedRequest,
+    context: Context,
+    *,
+    instance_id: int | None = None,
+    exclude: set[int] | None = None,
+) -> AsyncIterator[LLMEngineOutput]:
+    """A tokens request to a worker. The routing hints' `prefixes` (keys of cached prompt
+    segments, for the frontend's block hashing) stay here: no engine reads them, and a long
+    chat carries one per cached segment. Session and priority go on (engines schedule by the
+    priority). The request itself keeps them: migration and disaggregation route it again."""
+    hints = request.routing
+    if hints is not None and hints.prefixes is not None:
+        request = msgspec.structs.replace(request, routing=msgspec.structs.replace(hints, prefixes=None))
+    return client.generate(
+        request, instance_id=instance_id, context=context, response_type=LLMEngineOutput, exclude=exclude
+    )
+
+
 class RemoteTokensBackend:
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -43,7 +66,7 @@ class RemoteTokensBackend:
     def generate(
         self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
     ) -> AsyncIterator[LLMEngineOutput]:
-        return self.client.generate(request, context=context, response_type=LLMEngineOutput, exclude=exclude)
+        return send_tokens(self.client, request, context, exclude=exclude)
 
     def instance_ids(self) -> list[int]:
         return self.client.instance_ids()
@@ -75,14 +98,15 @@ class KvRoutedTokensBackend:
         request_id = context.id
         unreachable: set[int] = set(exclude) if exclude else set()
         hints = request.routing
+        session = hints.session_id if hints is not None else None
+        prefixes = hints.prefixes if hints is not None else None
         admitted = False
         if router.queue is not None:
             priority = hints.priority if hints is not None and hints.priority is not None else 0
-            if not await router.admit(priority, context, self.client.instance_ids()):
+            instance_ids = self.client.instance_ids()
+            if not await router.admit(priority, context, instance_ids, request.token_ids, prefixes):
                 return  # the client went away while the request waited
             admitted = True
-        session = hints.session_id if hints is not None else None
-        prefixes = hints.prefixes if hints is not None else None
         while True:
             try:
                 instances = [i for i in self.client.instance_ids() if i not in unreachable]
@@ -98,9 +122,7 @@ class KvRoutedTokensBackend:
             worker_id, request.dp_rank = choice.key
             started = False
             try:
-                async for out in self.client.generate(
-                    request, instance_id=worker_id, context=context, response_type=LLMEngineOutput
-                ):
+                async for out in send_tokens(self.client, request, context, instance_id=worker_id):
                     if not started:
                         started = True
                         router.prefill_completed(request_id)

@@ -1,5 +1,8 @@
-"""The KV routers' state on /metrics: per worker rank, the fitted TTFT model and the predicted
-backlog; per router, its queue and session bindings (router/kv/predict.py, queue.py, affinity.py).
+"""The KV routers' state on /metrics: per worker rank, the fitted TTFT model, the predicted
+backlog, the load the router counts there (its own bookkeeping, the rank's last load report and
+the larger of the two, which cost and queue use) and, with the queue on, the tokens past which
+the rank is busy; per router, its queue and session bindings (router/kv/predict.py, reported.py,
+queue.py, affinity.py).
 
 Process-wide, like the migration counts: routers belong to the model watcher's pools, which are
 built apart from the HTTP app whose FrontendMetrics exports them.
@@ -44,6 +47,17 @@ class RouterMetrics:
         backlog = gauge("predicted_backlog_seconds", "Predicted time to finish the prefill work routed there")
         tokens = gauge("queued_prefill_tokens", "Prompt tokens routed there and waiting for a first token")
         blocks = gauge("active_blocks", "KV blocks its in-flight requests hold (router's bookkeeping)")
+        counted = gauge(
+            "counted_prefill_tokens", "Prefill tokens the router counts there: its own or the rank's report"
+        )
+        busy = gauge("busy_prefill_tokens", "Prefill tokens past which the queue counts the rank busy")
+        reported_tokens = gauge(
+            "reported_prefill_tokens", "Prompt tokens the rank reported accepted and not yet computed"
+        )
+        reported_blocks = gauge("reported_active_blocks", "KV blocks in use, as the rank reported")
+        reported_waiting = gauge("reported_waiting_requests", "Requests waiting, as the rank reported")
+        reported_running = gauge("reported_running_requests", "Requests running, as the rank reported")
+        report_age = gauge("load_report_age_seconds", "Age of the rank's last load report (stale past 5 s)")
         router_labels = ["model", "pool"]
         queued = gauge("queue_depth", "Requests held while every worker is saturated", router_labels)
         queued_total = CounterMetricFamily(
@@ -58,7 +72,8 @@ class RouterMetrics:
         for (model, pool), router in list(self.routers.items()):
             seqs = router.sequences
             predictor = router.model
-            keys = set(predictor.fits) | set(seqs.loads)
+            reported = predictor.reported
+            keys = set(predictor.fits) | set(seqs.loads) | set(reported.keys())
             for key in sorted(keys):
                 labels = [model, pool, f"{key[0]:x}", str(key[1])]
                 fit = predictor.fit(key)
@@ -70,14 +85,27 @@ class RouterMetrics:
                 backlog.add_metric(labels, predictor.backlog_seconds(key, seqs))
                 tokens.add_metric(labels, seqs.prefill_tokens(key))
                 blocks.add_metric(labels, seqs.active_blocks(key))
+                counted.add_metric(labels, router.prefill_tokens(key))
+                if router.queue is not None:
+                    busy.add_metric(labels, router.busy_limit(key))
+                age = reported.age_s(key)
+                if age is not None:
+                    report_age.add_metric(labels, age)
+                report = reported.get(key)
+                if report is not None:
+                    reported_tokens.add_metric(labels, report.prefill_tokens)
+                    reported_blocks.add_metric(labels, report.active_blocks)
+                    reported_waiting.add_metric(labels, report.waiting)
+                    reported_running.add_metric(labels, report.running)
             if router.queue is not None:
                 queued.add_metric([model, pool], len(router.queue))
                 queued_total.add_metric([model, pool], router.queue.queued_total)
                 rejected.add_metric([model, pool], router.queue.rejected)
             if router.affinity is not None:
                 sessions.add_metric([model, pool], len(router.affinity))
-        yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, queued, queued_total)
-        yield from (rejected, sessions)
+        yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, counted, busy)
+        yield from (reported_tokens, reported_blocks, reported_waiting, reported_running, report_age)
+        yield from (queued, queued_total, rejected, sessions)
 
 
 ROUTERS = RouterMetrics()

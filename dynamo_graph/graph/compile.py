@@ -512,7 +512,7 @@ def _kv_router_args(router: Router) -> list[str]:
         args += ["--router-session-affinity-ttl-secs", f"{router.session_affinity_ttl_secs:g}"]
         args += ["--router-session-affinity-mode", router.session_affinity_mode]
     if router.queue_threshold is not None:
-        args += ["--router-queue-threshold", str(router.queue_threshold)]
+        args += ["--router-queue-threshold", f"{router.queue_threshold:g}"]
         args += ["--router-queue-policy", router.queue_policy]
         args += ["--router-max-queue-size", str(router.max_queue_size)]
     return args

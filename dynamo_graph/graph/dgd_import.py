@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,28 @@ from dynamo_graph.graph.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAG
 from dynamo_graph.graph.schema import KV_TRANSFER_ENGINES
 
 _ROUTER_MODES = ("random", "round-robin", "kv")
+
+
+def _queue_policy(value: str) -> str:
+    """Dynamo's queue policy as ours: its fcfs orders by arrival less the priority, nearest to
+    our priority order (dynamo_k8s.QUEUE_POLICIES the other way)."""
+    policies = {"fcfs": "priority", "wspt": "wspt"}
+    if value not in policies:
+        raise ValueError(f"not one of {', '.join(policies)}")
+    return policies[value]
+
+
+# Dynamo's frontend router flags -> the graph's router keys (dynamo_k8s.router_flags writes them).
+_ROUTER_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--router-prefill-load-scale": ("kv_overlap_score_weight", float),
+    "--router-kv-overlap-score-weight": ("kv_overlap_score_weight", float),  # Dynamo 1.x, deprecated
+    "--kv-overlap-score-weight": ("kv_overlap_score_weight", float),  # Dynamo 0.x
+    "--router-temperature": ("temperature", float),
+    "--router-session-affinity-ttl-secs": ("session_affinity_ttl_secs", float),
+    "--router-session-affinity-mode": ("session_affinity_mode", str),
+    "--router-queue-threshold": ("queue_threshold", float),
+    "--router-queue-policy": ("queue_policy", _queue_policy),
+}
 _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replicas", "envFromSecret", "envs"}
 _CONTAINER_KEYS = {"image", "command", "args", "workingDir"}
 
@@ -248,10 +271,12 @@ class _Importer:
                 mode = value
             elif flag == "--http-port" and value is not None:
                 comp["http"]["port"] = int(value)
-            elif flag == "--kv-overlap-score-weight" and value is not None:
-                router["kv_overlap_score_weight"] = float(value)
-            elif flag == "--router-temperature" and value is not None:
-                router["temperature"] = float(value)
+            elif flag in _ROUTER_FLAGS and value is not None:
+                key, convert = _ROUTER_FLAGS[flag]
+                try:
+                    router[key] = convert(value)
+                except ValueError as err:
+                    self.notes.append(f"{where}: frontend flag {flag} {value}: {err}; not imported")
             elif flag in ("--no-kv-events", "--no-router-kv-events"):
                 router["use_kv_events"] = False
             elif flag in ("--kv-events", "--router-kv-events"):
@@ -268,6 +293,11 @@ class _Importer:
             router["mode"] = mode
         elif mode is not None:
             self.notes.append(f"{where}: router mode {mode!r} is not one of {', '.join(_ROUTER_MODES)}")
+        if mode == "kv":
+            self.notes.append(
+                f"{where}: Dynamo's frontend routes by its block cost; the graph gets dyngraph's "
+                "predictive cost (router.cost: dynamo for Dynamo's)"
+            )
         if router:
             comp["router"] = router
         return comp

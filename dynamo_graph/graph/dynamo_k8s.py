@@ -3,12 +3,16 @@
 Users of Dynamo's operator keep their cluster as it is and get the graph's services in its
 custom resource: each worker runs `python3 -m dynamo.<backend>` with our engine settings mapped
 onto that backend's flags (`BACKENDS`, which `dgd_import.py` reads the other way round), each
-frontend `python3 -m dynamo.frontend` with the router mode Dynamo's frontend takes. The operator
-brings discovery and planes, so the graph's `runtime`, `infra` and `hosts` have no part in it.
+frontend `python3 -m dynamo.frontend` with its router settings as Dynamo 1.6's frontend spells
+them (`router_flags`, also read back by the import). The operator brings discovery and planes,
+so the graph's `runtime`, `infra` and `hosts` have no part in it.
 
-What Dynamo cannot express (our frontend's limits and API keys, a worker's `max_inflight`, ...) is
-listed in the header comment, never dropped silently. Engines Dynamo has no backend for (echo,
-llama.cpp, mistral.rs, Python files) are an error naming the component and the engines it takes.
+What Dynamo cannot express (our frontend's limits and API keys, a worker's `max_inflight`, the
+predictive router cost, strict priority order in the router queue, its bound, ...) is listed in
+the header comment, never dropped silently: such a router is rendered as the nearest Dynamo has
+(its block cost; its `fcfs` queue, which honours priorities as a head start; an unbounded queue)
+and the DGD still deploys. Engines Dynamo has no backend for (echo, llama.cpp, mistral.rs,
+Python files) are an error naming the component and the engines it takes.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from dynamo_graph.graph.kube import (
     uses_models_volume,
 )
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.schema import Frontend, Graph, Limits, Worker
+from dynamo_graph.graph.schema import Frontend, Graph, Limits, Router, Worker
 
 API_VERSION = "nvidia.com/v1alpha1"
 KIND = "DynamoGraphDeployment"
-DYNAMO_VERSION = "0.6.0"  # the CRD schema's release (shared/dynamo/README.md)
+# The runtime images and the frontend flags written. (The CRD schema the tests validate against
+# is 0.6.0's, tests/fixtures/dynamo/; the DGD's v1alpha1 fields used here are unchanged since.)
+DYNAMO_VERSION = "1.6.1"
 
 
 @dataclass(frozen=True)
@@ -169,14 +175,50 @@ def worker_args(graph: Graph, plan: Plan, worker: Worker) -> list[str]:
     return args
 
 
+# Our router queue orders -> Dynamo's --router-queue-policy (fcfs | wspt). Dynamo's fcfs orders
+# by arrival time less the request's priority (a head start), so it is the nearest to our strict
+# priority order; our priority-blind fcfs has no Dynamo equivalent.
+QUEUE_POLICIES = {"priority": "fcfs", "fcfs": "fcfs", "wspt": "wspt"}
+
+
+def router_flags(router: Router) -> list[str]:
+    """The kv router's settings as `python3 -m dynamo.frontend` 1.6 flags. Our overlap weight
+    scales the prefill blocks against the decode blocks, which is Dynamo 1.6's prefill load
+    scale (its old --kv-overlap-score-weight)."""
+    args = ["--router-prefill-load-scale", f"{router.kv_overlap_score_weight:g}"]
+    args += ["--router-temperature", f"{router.temperature:g}"]
+    if not router.use_kv_events:
+        args.append("--no-router-kv-events")
+    if router.session_affinity_ttl_secs:
+        args += ["--router-session-affinity-ttl-secs", f"{router.session_affinity_ttl_secs:g}"]
+        args += ["--router-session-affinity-mode", router.session_affinity_mode]
+    if router.queue_threshold is not None:
+        args += ["--router-queue-threshold", f"{router.queue_threshold:g}"]
+        args += ["--router-queue-policy", QUEUE_POLICIES[router.queue_policy]]
+    return args
+
+
+def router_notes(key: str, router: Router) -> list[str]:
+    """The kv router's settings Dynamo 1.6's frontend has no flag for, and what runs instead."""
+    where = f"components.{key}.router"
+    notes = []
+    if router.cost == "predictive":
+        notes.append(f"{where}.cost: predictive (Dynamo's frontend routes by its own block cost)")
+    if router.queue_threshold is not None:
+        if router.queue_policy != "wspt":
+            notes.append(
+                f"{where}.queue_policy: {router.queue_policy} (rendered as Dynamo's fcfs, which "
+                "orders by arrival time less the priority, not by priority first)"
+            )
+        notes.append(f"{where}.max_queue_size: {router.max_queue_size} (Dynamo's queue is unbounded)")
+    return notes
+
+
 def frontend_args(frontend: Frontend) -> list[str]:
     router = frontend.router
     args = ["--http-port", str(frontend.http.port), "--router-mode", router.mode]
     if router.mode == "kv":
-        args += ["--kv-overlap-score-weight", f"{router.kv_overlap_score_weight:g}"]
-        args += ["--router-temperature", f"{router.temperature:g}"]
-        if not router.use_kv_events:
-            args.append("--no-kv-events")
+        args += router_flags(router)
     if frontend.migration_limit is not None:
         args += ["--migration-limit", str(frontend.migration_limit)]
     if frontend.disagg.enforce:
@@ -195,7 +237,12 @@ def not_rendered(graph: Graph) -> list[str]:
             if comp.api_key_env:
                 notes.append(f"components.{key}.api_key_env: Dynamo's frontend does not check API keys")
             if comp.disagg.conditional:
-                notes.append(f"components.{key}.disagg.conditional: not a flag of Dynamo {DYNAMO_VERSION}")
+                notes.append(
+                    f"components.{key}.disagg.conditional: Dynamo's --router-conditional-disagg "
+                    "decides by its own policy, not by max_local_prefill_length"
+                )
+            if comp.router.mode == "kv":
+                notes += router_notes(key, comp.router)
             if comp.models is not None:
                 notes.append(f"components.{key}.models: Dynamo's frontend serves every model it discovers")
         else:

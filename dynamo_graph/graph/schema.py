@@ -389,23 +389,36 @@ class Router(_Model):
     session_affinity_mode: Literal["hard", "soft"] = "soft"
     """kv: `soft` lets a session move when its worker's predicted TTFT is clearly worse; `hard`
     never (--router-session-affinity-mode)."""
-    queue_threshold: int | None = Field(None, ge=0)
-    """kv: hold requests at the frontend while every worker has more than this many prompt
-    tokens waiting for their first token; default: never (--router-queue-threshold)."""
-    queue_policy: Literal["priority", "fcfs"] = "priority"
+    queue_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """kv: hold requests at the frontend while every worker has more prompt tokens waiting
+    than this fraction of its max_num_batched_tokens (as Dynamo's; 0: as soon as every worker
+    has any); default: never (--router-queue-threshold)."""
+    queue_policy: Literal["priority", "fcfs", "wspt"] = "priority"
     """kv: order of the held requests: highest `x-dynamo-request-priority` /
-    `nvext.agent_hints.priority` first, or first come first served (--router-queue-policy)."""
+    `nvext.agent_hints.priority` first, first come first served, or Dynamo's weighted shortest
+    processing time, (1 + priority) / uncached prompt tokens (--router-queue-policy)."""
     max_queue_size: int = Field(1024, ge=0)
     """kv: held requests at most; more are answered 529 (503 with
     DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
 
     @model_validator(mode="after")
     def _kv_only(self) -> Router:
-        if self.mode != "kv" and (self.session_affinity_ttl_secs or self.queue_threshold is not None):
+        given = [key for key in KV_ONLY_ROUTER_KEYS if key in self.model_fields_set]
+        if self.mode != "kv" and given:
             raise ValueError(
-                "session_affinity_ttl_secs and queue_threshold are the kv router's: set mode: kv"
+                f"{', '.join(given)}: session affinity and the queue are the kv router's, "
+                f"not mode {self.mode}'s: set mode: kv"
             )
         return self
+
+
+KV_ONLY_ROUTER_KEYS = (
+    "session_affinity_ttl_secs",
+    "session_affinity_mode",
+    "queue_threshold",
+    "queue_policy",
+    "max_queue_size",
+)
 
 
 class Disagg(_Model):
@@ -638,7 +651,7 @@ class Kubernetes(_Model):
     """Image with dyngraph (and the engines the workers use) installed, for `render -f k8s`."""
     dynamo_image: str | None = None
     """Image of Dynamo's runtime for `render -f dynamo-k8s`; default
-    `nvcr.io/nvidia/ai-dynamo/<backend>-runtime:0.6.0` (vllm's for the mocker and the frontend)."""
+    `nvcr.io/nvidia/ai-dynamo/<backend>-runtime:1.6.1` (vllm's for the mocker and the frontend)."""
     namespace: K8sName | None = None
     """Kubernetes namespace of every object; default none (the one `kubectl -n` picks)."""
     image_pull_secrets: list[K8sName] = []

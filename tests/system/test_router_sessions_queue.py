@@ -189,3 +189,61 @@ def test_past_the_queue_bound_the_answer_is_529_with_retry_after(deploy: Deploy,
     assert all(firsts)
     metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
     assert re.search(r"^dynamo_frontend_router_queue_rejected_requests_total\{[^}]*\} 1\.0$", metrics, re.M)
+
+
+def _gauge(frontend: ServerProcess, name: str) -> float:
+    """The decode pool's value of a per-rank router gauge (one worker: one rank), 0 if absent."""
+    pattern = rf'^dynamo_frontend_router_{name}\{{[^}}]*pool="decode"[^}}]*\}} (\S+)$'
+    match = re.search(pattern, metrics(frontend), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_second_frontend_sees_the_first_ones_work_in_the_workers_load_reports(
+    deploy: Deploy, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two frontends share one slow worker. The first sends a long prompt; the second, which
+    routed nothing, sees the worker's load in its reports, and with its queue at threshold 0
+    holds a request until the worker's backlog is computed (not piling it behind the prompt)."""
+    first = deploy(1, 0.05, "--router-queue-threshold", "0")
+    second = ServerProcess(
+        ["out=auto", "--router-mode", "kv", "--router-queue-threshold", "0"],
+        env=embedded_planes_env(tmp_path, zmq_events=True),
+        log_dir=tmp_path,
+    )
+    try:
+        second.wait_ready(path="/live")
+        wait_for(lambda: len(instances(second, tiny_model.name)) == 1, 30, "the mocker worker")
+        model = tiny_model.name
+
+        async def run() -> tuple[float, float, float]:
+            api_first, api_second = client(first), client(second)
+            blocker = asyncio.create_task(_first_token_at(api_first, model, BLOCKER, None))
+            await _wait_blocked(first)
+            deadline = time.monotonic() + 20
+            while not (
+                _gauge(second, "reported_running_requests") or _gauge(second, "reported_waiting_requests")
+            ):
+                assert time.monotonic() < deadline, "the second frontend never heard the worker's load"
+                await asyncio.sleep(0.05)
+            assert _gauge(second, "queued_prefill_tokens") == 0  # it sent nothing itself
+            reported = _gauge(second, "reported_prefill_tokens")
+            if not reported:
+                blocker.cancel()
+                await api_first.close()
+                await api_second.close()
+                pytest.skip(
+                    "this mocker does not report its queued prefill tokens (LoadMetrics.prefill_tokens)"
+                )
+            assert _gauge(second, "counted_prefill_tokens") >= reported
+            held = asyncio.create_task(_first_token_at(api_second, model, "from the other frontend", None))
+            await _wait_queued(second, 1)
+            blocked_first = await blocker
+            held_first = await held
+            await api_first.close()
+            await api_second.close()
+            return reported, blocked_first, held_first
+
+        reported, blocked_first, held_first = asyncio.run(run())
+        assert reported > 0 and held_first >= blocked_first
+    finally:
+        second.stop()

@@ -14,7 +14,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.dgd_import import DgdError, command_line, import_dgd, import_dgd_file, parse_flags
-from dynamo_graph.graph.dynamo_k8s import build_dgd
+from dynamo_graph.graph.dynamo_k8s import build_dgd, render_dynamo_k8s
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.render import render
 from tests.kube_schemas import dgd_errors
@@ -133,8 +133,8 @@ def test_worker_flags_per_backend(tmp_path: Path) -> None:
     assert services["pre"]["resources"] == {"limits": {"gpu": "2"}, "requests": {"gpu": "2"}}
     assert services["dec"]["subComponentType"] == "decode" and services["dec"]["replicas"] == 2
     assert services["front"]["extraPodSpec"]["mainContainer"]["args"] == [
-        "--http-port", "8080", "--router-mode", "kv", "--kv-overlap-score-weight", "1",
-        "--router-temperature", "0", "--no-kv-events",
+        "--http-port", "8080", "--router-mode", "kv", "--router-prefill-load-scale", "1",
+        "--router-temperature", "0", "--no-router-kv-events",
     ]  # fmt: skip
     # Hub ids only: no models volume is asked for.
     assert "volumes" not in services["pre"]["extraPodSpec"]
@@ -281,3 +281,79 @@ def test_cli_import_and_render_report_problems_with_exit_2(tmp_path: Path) -> No
     )
     assert result.exit_code == 0, result.output
     assert out.read_text().startswith("# Imported from vllm-agg.yaml by `dyngraph import`.")
+
+
+def _router_graph(tmp_path: Path, router: dict) -> Path:
+    graph = tmp_path / "router.yaml"
+    graph.write_text(
+        yaml.safe_dump(
+            {
+                "name": "routed",
+                "models": {"m": {"path": "org/m"}},
+                "components": {
+                    "front": {"kind": "frontend", "router": router},
+                    "back": {"kind": "worker", "model": "m", "engine": "mocker", "replicas": 2},
+                },
+            }
+        )
+    )
+    return graph
+
+
+ROUTERS = [
+    {
+        "mode": "kv",
+        "kv_overlap_score_weight": 2.5,
+        "temperature": 0.3,
+        "use_kv_events": False,
+        "session_affinity_ttl_secs": 45.0,
+        "session_affinity_mode": "hard",
+        "queue_threshold": 0.75,
+        "queue_policy": "wspt",
+    },
+    {"mode": "kv", "queue_threshold": 0.0, "queue_policy": "priority", "session_affinity_ttl_secs": 5.0},
+    {"mode": "kv"},
+    {"mode": "round-robin"},
+]
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=["everything", "priority-queue", "kv", "round-robin"])
+def test_router_keys_survive_render_and_import(tmp_path: Path, router: dict) -> None:
+    """render -f dynamo-k8s, then import: the same router keys (those left out are defaults)."""
+    built = build(_router_graph(tmp_path, router), engines="dynamo")
+    dgd = build_dgd(built.graph, built.plan)
+    assert dgd_errors(dgd) == []
+    args = dgd["spec"]["services"]["front"]["extraPodSpec"]["mainContainer"]["args"]
+    if router.get("queue_threshold") is not None:
+        assert "--router-queue-threshold" in args and "--router-max-queue-size" not in args
+    imported = import_dgd(dgd).graph["components"]["front"].get("router", {})
+    defaults = {
+        k: v for k, v in built.graph.components["front"].router.model_dump().items() if k not in router
+    }
+    assert {**defaults, **imported} == {**defaults, **router}
+
+
+def test_router_keys_without_a_dynamo_flag_are_listed_in_the_header(tmp_path: Path) -> None:
+    router = {"mode": "kv", "queue_threshold": 0.5, "queue_policy": "fcfs", "max_queue_size": 16}
+    built = build(_router_graph(tmp_path, router), engines="dynamo")
+    header = render_dynamo_k8s(built.graph, built.plan).split("\n---")[0]
+    assert "components.front.router.cost: predictive" in header
+    assert "components.front.router.queue_policy: fcfs (rendered as Dynamo's fcfs" in header
+    assert "components.front.router.max_queue_size: 16 (Dynamo's queue is unbounded)" in header
+    dynamo_cost = {"mode": "kv", "cost": "dynamo"}
+    built = build(_router_graph(tmp_path, dynamo_cost), engines="dynamo")
+    assert "Not rendered" not in render_dynamo_k8s(built.graph, built.plan)
+
+
+def test_import_reads_every_spelling_of_the_router_flags_and_reports_bad_values() -> None:
+    doc = yaml.safe_load((FIXTURES / "dynamo" / "examples" / "vllm-agg.yaml").read_text())
+    doc["spec"]["services"]["Frontend"]["extraPodSpec"]["mainContainer"]["args"] = [
+        "--router-mode", "kv", "--kv-overlap-score-weight", "3", "--router-queue-policy", "lcfs",
+        "--router-queue-threshold=0.2", "--router-temperature", "warm",
+    ]  # fmt: skip
+    imported = import_dgd(doc)
+    router = imported.graph["components"]["Frontend"]["router"]
+    assert router == {"mode": "kv", "kv_overlap_score_weight": 3.0, "queue_threshold": 0.2}
+    notes = "\n".join(imported.notes)
+    assert "--router-queue-policy lcfs: not one of fcfs, wspt" in notes
+    assert "--router-temperature warm" in notes and "predictive cost" in notes

@@ -14,7 +14,9 @@ from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.preprocessor import routing_hints
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.kv.affinity import SessionAffinity
+from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.router.kv.queue import QueueFull, RouterQueue
+from dynamo_graph.router.kv.reported import ReportedLoad
 from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig
 from dynamo_graph.runtime.context import Context
@@ -145,8 +147,9 @@ async def test_a_free_rank_admits_at_once_and_a_dispatch_waits_for_the_previous_
 
 
 async def test_router_saturation_follows_the_threshold():
-    config = KvRouterConfig(use_kv_events=False, queue_threshold=100)
+    config = KvRouterConfig(use_kv_events=False, queue_threshold=0.5)
     router = KvRouter(BS, config, seed=0)
+    router.add_worker(1, {"max_num_batched_tokens": 200})  # busy past 0.5 * 200 = 100 tokens
     assert await router.admit(0, Context(), [1])
     router.route("a", list(range(8 * BS)), [1])  # 128 tokens to prefill on the only worker
     router.dispatched()
@@ -210,3 +213,69 @@ async def test_a_full_priority_queue_refuses_its_least_urgent_newest_waiter_for_
     assert queue.rejected == 2
     for task in (old_low, high):
         task.cancel()
+
+
+def test_each_worker_is_busy_past_the_fraction_of_its_own_batch_and_unknown_ones_never():
+    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, queue_threshold=1.0), seed=0)
+    workers = [1, 2]
+    router.add_worker(1, {"max_num_batched_tokens": 64})
+    router.add_worker(2, {"max_num_batched_tokens": 4096, "data_parallel_size": 2})
+    router.route("a", list(range(100)), [1])  # 100 > 1.0 * 64: worker 1 is busy
+    assert not router.saturated(workers)  # worker 2's ranks are not
+    router.route("b", list(range(1000, 6000)), [2])
+    router.route("c", list(range(9000, 14000)), [2])
+    assert {router.sequences.prefill_tokens((2, r)) for r in (0, 1)} == {5000}
+    assert router.saturated(workers)  # both ranks past 4096, and worker 1 past 64
+    router.add_worker(3, None)  # says nothing of its batch: 10,000,000, never busy
+    router.route("d", list(range(20000, 40000)), [3])
+    assert not router.saturated([1, 2, 3])
+    router.remove_worker(3)
+    assert router.saturated(workers) and 3 not in router.max_batched_tokens
+
+
+def test_a_workers_reported_backlog_counts_until_it_goes_stale():
+    """Work another frontend sent shows only in the worker's load metrics; a report older than
+    the bound no longer pins the worker as busy."""
+    clock = Clock()
+    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, queue_threshold=0.5), seed=0)
+    router.model.reported = ReportedLoad(max_age_s=5.0, clock=clock)
+    router.add_worker(1, {"max_num_batched_tokens": 1000})
+    router.route("mine", list(range(10)), [1])  # 10 tokens booked here
+    assert not router.saturated()
+    router.model.reported.update(LoadMetrics(1, 40, 1024, 3, 1, prefill_tokens=900))
+    assert router.prefill_tokens((1, 0)) == 900 and router.saturated()
+    assert router.model.backlog_seconds((1, 0), router.sequences) == router.model.fit((1, 0)).predict(900, 40)
+    clock.now = 5.5  # the worker went quiet
+    assert router.prefill_tokens((1, 0)) == 10 and not router.saturated()
+
+
+async def test_wspt_serves_the_highest_priority_per_uncached_token_first():
+    """Dynamo's weighted shortest processing time: (1 + priority) / uncached tokens, highest
+    first, arrival order among equals; negative priorities count as 0."""
+    busy = {"value": True}
+    queue = RouterQueue(lambda: busy["value"], policy="wspt")
+    order: list[str] = []
+
+    async def request(name: str, priority: int, tokens: int) -> None:
+        assert await queue.admit(priority, Context(), lambda: tokens)
+        order.append(name)
+        queue.routed()
+
+    arrivals = [
+        ("long", 0, 4000),  # 1/4000
+        ("short", 0, 100),  # 1/100
+        ("cached", 0, 1),  # 1/1: all but one token cached on some worker
+        ("long-urgent", 3, 4000),  # 4/4000 = 1/1000
+        ("negative", -5, 100),  # as priority 0: 1/100, after "short"
+        ("short-urgent", 1, 100),  # 2/100
+    ]
+    tasks = []
+    for name, priority, tokens in arrivals:
+        tasks.append(asyncio.create_task(request(name, priority, tokens)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert order == [] and len(queue) == 6
+    busy["value"] = False
+    queue.pump()
+    await asyncio.gather(*tasks)
+    assert order == ["cached", "short-urgent", "short", "negative", "long-urgent", "long"]

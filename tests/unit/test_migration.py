@@ -264,7 +264,7 @@ class FakeClient:
     def instance_ids(self) -> list[int]:
         return [1, 2]
 
-    async def generate(self, request, *, instance_id, context, response_type):  # type: ignore[no-untyped-def]
+    async def generate(self, request, *, instance_id, context, response_type, exclude=None):  # type: ignore[no-untyped-def]
         self.sent.append(instance_id)
         yield LLMEngineOutput(token_ids=[42])
         if instance_id in self.fail:

@@ -130,6 +130,8 @@ def test_the_router_routes_the_same_with_and_without_prefixes(model, tokenizer: 
         chat = [{"role": "system", "content": f"Document {n % 3}. " + "cache router " * 200}]
         chat += [{"role": "user", "content": f"turn {t} " * (40 + t)} for t in range(n % 5)]
         ids, prefixes = segments.encode_prefixed(template.render(chat, add_generation_prompt=True))
+        # The disagg decision's count (uncached tokens on the best worker) agrees as well.
+        assert reusing.uncached_tokens(ids, workers, prefixes) == hashing.uncached_tokens(ids, workers)
         a = reusing.route(f"r{n}", ids, workers, prefixes=prefixes)
         b = hashing.route(f"r{n}", ids, workers)
         assert (a.key, a.overlap_blocks, a.logit) == (b.key, b.overlap_blocks, b.logit)
@@ -138,6 +140,39 @@ def test_the_router_routes_the_same_with_and_without_prefixes(model, tokenizer: 
                 router.free(f"r{n}")
     assert reusing.prefix_hashes.hits > 0 and reusing.overlap_blocks_routed > 0
     assert hashing.prefix_hashes.hits == 0
+
+
+@SETTINGS
+@given(
+    base=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=400),
+    cached=st.integers(0, 400),
+    prompts=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 400), max_size=3), st.lists(st.integers(0, 2**32 - 1), max_size=60)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    block_size=st.integers(1, 40),
+)
+def test_uncached_tokens_are_the_same_with_and_without_prefixes(base, cached, prompts, block_size) -> None:
+    """A worker holds a cut of a shared base; prompts are the base cut anywhere plus new ids,
+    with named prefixes at random points: the uncached count with the prefixes' hashes reused
+    equals the one from hashing every prompt whole, and the overlap it implies is right."""
+    config = KvRouterConfig(use_kv_events=False)
+    reusing, hashing = KvRouter(block_size, config, seed=1), KvRouter(block_size, config, seed=1)
+    held = base[: min(cached, len(base))]
+    for router in (reusing, hashing):
+        router.route("held", held, [5])
+    for cuts, tail in prompts:
+        points = sorted({min(c, len(base)) for c in cuts})
+        ids = base[: points[-1]] + tail if points else tail
+        prefixes = [(n, xxh3_128_digest(repr(base[:n]).encode())) for n in points]
+        count = reusing.uncached_tokens(ids, [5, 6], prefixes)
+        assert count == hashing.uncached_tokens(ids, [5, 6])
+        common = next((i for i, (a, b) in enumerate(zip(ids, held, strict=False)) if a != b), None)
+        shared = min(len(ids), len(held)) if common is None else common
+        assert count == len(ids) - (shared // block_size) * block_size
 
 
 def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

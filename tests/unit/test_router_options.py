@@ -24,7 +24,7 @@ components:
       cost: dynamo
       session_affinity_ttl_secs: 30
       session_affinity_mode: hard
-      queue_threshold: 8192
+      queue_threshold: 0.5
       queue_policy: fcfs
       max_queue_size: 16
   backend: {kind: worker, model: tiny, engine: mocker}
@@ -47,7 +47,7 @@ def test_graph_router_keys_become_flags_and_the_flags_a_config(tmp_path: Path) -
         30,
         "hard",
     )
-    assert (config.queue_threshold, config.queue_policy, config.max_queue_size) == (8192, "fcfs", 16)
+    assert (config.queue_threshold, config.queue_policy, config.max_queue_size) == (0.5, "fcfs", 16)
 
 
 def test_default_graphs_compile_to_the_same_command_line_as_before(tmp_path: Path) -> None:
@@ -60,13 +60,29 @@ def test_default_graphs_compile_to_the_same_command_line_as_before(tmp_path: Pat
     ]
 
 
-def test_affinity_or_queue_without_kv_routing_is_refused_with_the_key() -> None:
-    text = MINIMAL.replace(
-        "kind: frontend", "kind: frontend\n    router: {mode: round-robin, queue_threshold: 10}"
-    )
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "queue_threshold: 0.5",
+        "queue_policy: fcfs",
+        "max_queue_size: 8",
+        "session_affinity_ttl_secs: 30",
+        "session_affinity_mode: hard",
+    ],
+)
+def test_affinity_or_queue_keys_without_kv_routing_are_refused_with_the_key_and_line(setting: str) -> None:
+    text = MINIMAL.replace("kind: frontend", f"kind: frontend\n    router: {{mode: round-robin, {setting}}}")
     [problem] = problems(text)
     assert problem.path == "components.frontend.router"
-    assert "mode: kv" in problem.message
+    assert setting.split(":")[0] in problem.message and "mode: kv" in problem.message
+    assert problem.location is not None and problem.location.line > 0
+
+
+def test_the_queue_threshold_is_a_fraction_and_refused_negative_with_its_line() -> None:
+    text = MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv, queue_threshold: -0.5}")
+    [problem] = problems(text)
+    assert problem.path == "components.frontend.router.queue_threshold"
+    assert problem.location is not None and problem.location.line > 0
 
 
 @pytest.mark.parametrize(
@@ -75,8 +91,11 @@ def test_affinity_or_queue_without_kv_routing_is_refused_with_the_key() -> None:
         (["--router-cost", "cheapest"], "--router-cost must be one of predictive, dynamo"),
         (["--router-session-affinity-mode", "sticky"], "--router-session-affinity-mode"),
         (["--router-queue-policy", "lifo"], "--router-queue-policy"),
-        (["--router-queue-threshold", "-1"], "--router-queue-threshold must be >= 0"),
-        (["--router-queue-threshold", "100"], "add --router-mode kv"),
+        (["--router-mode", "kv", "--router-queue-threshold", "-1"], "--router-queue-threshold is a fraction"),
+        (["--router-queue-threshold", "0.5"], "--router-queue-threshold: .* add --router-mode kv"),
+        (["--router-queue-policy", "fcfs"], "--router-queue-policy: .*not --router-mode round-robin"),
+        (["--router-max-queue-size", "8"], "--router-max-queue-size: .* add --router-mode kv"),
+        (["--router-mode", "random", "--router-session-affinity-mode", "hard"], "not --router-mode random"),
     ],
 )
 def test_bad_router_flags_are_named(flags: list[str], message: str) -> None:

@@ -2,11 +2,13 @@
 
 For every candidate rank `w`, in seconds:
 
-    backlog(w)   = prompt tokens routed to w and still waiting for their first token
-                   (the router's own bookkeeping, sequences.py)
+    backlog(w)   = prompt tokens queued on w: the larger of those routed to w and still
+                   waiting for their first token (the router's own bookkeeping, sequences.py)
+                   and those w last reported accepted and not yet computed (its load metrics,
+                   reported.py: work another frontend sent is seen there)
     new(w)       = this request's tokens w has not cached (isl - overlap(w) * block_size)
     decode(w)    = KV blocks w's running requests hold: the larger of the router's bookkeeping
-                   and w's last load metrics (work another frontend sent is seen there)
+                   and w's last load metrics
     ttft(w)      = a(w) + b(w) * (backlog(w) + new(w)) + c(w) * decode(w)
 
 a (fixed cost of the passes a prefill waits for), b (seconds per prefill token) and c (what the
@@ -56,6 +58,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from dynamo_graph.router.kv.reported import ReportedLoad
 from dynamo_graph.router.kv.scheduler import Choice, overlap_of
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
@@ -151,7 +154,7 @@ class TtftModel:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.fits: dict[WorkerKey, TtftFit] = {}
         self.pooled = TtftFit()
-        self.metrics_blocks: dict[WorkerKey, int] = {}  # from workers' load metrics
+        self.reported = ReportedLoad(clock=clock)  # the workers' load metrics
         self._pending: dict[str, _Pending] = {}
         self._clock = clock
 
@@ -163,7 +166,12 @@ class TtftModel:
         return fit
 
     def decode_blocks(self, key: WorkerKey, booked: int) -> int:
-        return max(booked, self.metrics_blocks.get(key, 0))
+        """KV blocks `key` holds: the router's `booked` or the rank's report, the larger."""
+        return max(booked, self.reported.blocks(key))
+
+    def queued_tokens(self, key: WorkerKey, booked: int) -> int:
+        """Prefill tokens queued on `key`: the router's `booked` or the rank's report, the larger."""
+        return max(booked, self.reported.prefill_tokens(key))
 
     def started(self, request_id: str, key: WorkerKey, tokens: int, blocks: int) -> None:
         """A request was routed to `key` with `tokens` prefill tokens ahead of and in it."""
@@ -200,11 +208,11 @@ class TtftModel:
     def remove_worker(self, worker_id: int) -> None:
         for key in [k for k in self.fits if k[0] == worker_id]:
             del self.fits[key]
-            self.metrics_blocks.pop(key, None)
+        self.reported.remove_worker(worker_id)
 
     def backlog_seconds(self, key: WorkerKey, sequences: ActiveSequences) -> float:
         """Predicted time until the prefill work already routed to `key` is done."""
-        tokens = sequences.prefill_tokens(key)
+        tokens = self.queued_tokens(key, sequences.prefill_tokens(key))
         if not tokens:
             return 0.0
         blocks = self.decode_blocks(key, sequences.active_blocks(key))
@@ -227,7 +235,7 @@ def predict_workers(
         load = loads.get(key)
         overlap, _ = overlap_of(key, seq_hashes, indexed_overlap, sequences)
         new_tokens = max(isl - overlap * block_size, 0)
-        queued = load.prefill_tokens if load is not None else 0
+        queued = model.queued_tokens(key, load.prefill_tokens if load is not None else 0)
         blocks = model.decode_blocks(key, len(load.blocks) if load is not None else 0)
         ttft = model.fit(key).predict(queued + new_tokens, blocks)
         choices.append(Choice(key, overlap, new_tokens, ttft))

@@ -1,21 +1,32 @@
 """Holding requests at the frontend while every worker is saturated, in priority order.
 
-With `--router-queue-threshold N`, a request is routed at once while some worker rank has at
-most N prompt tokens routed to it and still waiting for their first token (the router's own
-bookkeeping); when every rank has more, it waits here instead of piling onto a worker queue
-where nothing can reorder it. Whenever a rank's backlog shrinks (a first token, a request's end)
-the head of the queue is routed. Order: `priority` (default) serves the highest priority first
+With `--router-queue-threshold F` (as in Dynamo: a fraction, >= 0), a worker rank is busy while
+its prefill tokens exceed F times its `max_num_batched_tokens` (from its model card; a worker
+that does not say counts as 10,000,000, i.e. is never busy). Its prefill tokens are the prompt
+tokens routed to it and still waiting for their first token (the router's own bookkeeping) or,
+when larger, those it last reported accepted and not yet computed (its load metrics, so work
+another frontend sent counts). While some rank is not busy, a request is routed at once; when
+every rank is, it waits here instead of piling onto a worker queue where nothing can reorder it.
+F = 0 queues as soon as every rank has any prefill work; F = 1, once every rank has a full batch
+of prompt tokens waiting. Whenever a rank's backlog shrinks (a first token, a request's end, a
+load report; and at least every `RECHECK_S` while requests wait, for reports that went stale)
+the head of the queue is routed.
+
+Order (`--router-queue-policy`): `priority` (default) serves the highest priority first
 (`x-dynamo-request-priority` / `nvext.agent_hints.priority` / `nvext.priority`; higher is more
 urgent, as in Dynamo; 0 by default), first come first served among equals; `fcfs` ignores
-priorities. A new request never overtakes a waiting one of the same or higher priority: it joins
-the queue whenever the queue is not empty.
+priorities; `wspt` (Dynamo's weighted shortest processing time, Smith's rule) serves the highest
+(1 + priority) / uncached prompt tokens first, the uncached tokens counted on the best-placed
+worker when the request arrives: short and cached requests go before long ones (on one server
+the order with the least mean wait for a backlog, at the long requests' expense; negative
+priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does
+not outrank: it joins the queue whenever the queue is not empty.
 
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
 answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
-nothing is lost silently. With the priority order, a newcomer more urgent than the least urgent
-waiting request takes its place instead, and that one (the most recent of the least urgent) is
-refused the same way. A waiting request whose client goes away (or whose deadline passes)
-leaves the queue.
+nothing is lost silently. When the newcomer outranks the lowest-ranked waiting request, that one
+(the most recent among equals) is refused instead. A waiting request whose client goes away (or
+whose deadline passes) leaves the queue.
 
 Only one dispatched request is "in transit" (woken but not yet booked on a worker) at a time,
 so the saturation test always sees the load the previous dispatch added.
@@ -32,10 +43,13 @@ from typing import Literal
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import Overloaded
 
-QueuePolicy = Literal["fcfs", "priority"]
-QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("fcfs", "priority")
+QueuePolicy = Literal["priority", "fcfs", "wspt"]
+QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("priority", "fcfs", "wspt")
 DEFAULT_MAX_QUEUE = 1024
 RETRY_AFTER_S = 1
+RECHECK_S = 0.25
+# A worker's max_num_batched_tokens when its card does not say (Dynamo's: never busy).
+DEFAULT_MAX_BATCHED_TOKENS = 10_000_000
 _FULL = "every worker is saturated and the router's queue is full; retry shortly"
 
 
@@ -55,29 +69,44 @@ class RouterQueue:
         max_size: int = DEFAULT_MAX_QUEUE,
     ) -> None:
         if policy not in QUEUE_POLICIES:
-            raise ValueError(f"router queue policy must be fcfs or priority, not {policy!r}")
+            choices = ", ".join(QUEUE_POLICIES)
+            raise ValueError(f"router queue policy must be one of {choices}, not {policy!r}")
         if max_size < 0:
             raise ValueError(f"router queue size must be >= 0, not {max_size}")
         self._saturated = saturated
         self.policy = policy
         self.max_size = max_size
-        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self._in_transit = 0
+        self._recheck: asyncio.TimerHandle | None = None
         self.queued_total = 0
         self.rejected = 0
 
     def __len__(self) -> int:
         return sum(1 for *_, waiter in self._heap if not waiter.done())
 
-    async def admit(self, priority: int, context: Context) -> bool:
+    def _rank(self, priority: int, uncached_tokens: Callable[[], int] | None) -> float:
+        """The request's place in the queue: lower goes first (ties: first come)."""
+        if self.policy == "priority":
+            return -priority
+        if self.policy == "wspt":
+            tokens = uncached_tokens() if uncached_tokens is not None else 1
+            return -(1 + max(priority, 0)) / max(tokens, 1)
+        return 0
+
+    async def admit(
+        self, priority: int, context: Context, uncached_tokens: Callable[[], int] | None = None
+    ) -> bool:
         """Return when the request may be routed (True), or False if its client stopped it while
-        it waited. The caller must call `routed()` once it has booked the request on a worker
-        (or given up), so that the next waiting request can go."""
+        it waited. `uncached_tokens`: the prompt tokens the request would compute on the
+        best-placed worker (asked only when `wspt` queues it). The caller must call `routed()`
+        once it has booked the request on a worker (or given up), so that the next waiting
+        request can go."""
         if not self._heap and not self._in_transit and not self._saturated():
             self._in_transit += 1
             return True
-        rank = -priority if self.policy == "priority" else 0
+        rank = self._rank(priority, uncached_tokens)
         if len(self) >= self.max_size:
             self._make_room(rank)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -99,7 +128,7 @@ class RouterQueue:
         self._leave(waiter)
         return False
 
-    def _make_room(self, rank: int) -> None:
+    def _make_room(self, rank: float) -> None:
         """The queue is full: the least urgent, most recent waiter is refused in favour of a
         more urgent newcomer; else the newcomer is."""
         waiting = [entry for entry in self._heap if not entry[2].done()]
@@ -128,8 +157,17 @@ class RouterQueue:
         heap = self._heap
         while heap and heap[0][2].done():
             heapq.heappop(heap)
-        if not heap or self._in_transit or self._saturated():
+        if not heap or self._in_transit:
+            return
+        if self._saturated():
+            # A rank can also free up without an event here (its load report goes stale).
+            if self._recheck is None:
+                self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._rechecked)
             return
         _, _, waiter = heapq.heappop(heap)
         self._in_transit += 1
         waiter.set_result(None)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self.pump()

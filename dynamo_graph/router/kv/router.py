@@ -5,7 +5,8 @@ with `use_kv_events=False`, the approximate indexer fed by the router's own deci
 bookkeeping of in-flight requests, the cost (predict.py's predicted TTFT by default, or Dynamo's,
 scheduler.py), session affinity (affinity.py) and the queue in front of saturated workers
 (queue.py). The caller admits (when queueing is on), routes, then reports the first token and
-the end of every request it routed.
+the end of every request it routed. The workers' load metrics (reported.py) add what other
+frontends sent to the same workers.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
-from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.indexer import KvIndexer
 from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
@@ -31,7 +31,7 @@ from dynamo_graph.router.kv.protocols import (
     decode_kv_event,
     decode_load_metrics,
 )
-from dynamo_graph.router.kv.queue import QueuePolicy, RouterQueue
+from dynamo_graph.router.kv.queue import DEFAULT_MAX_BATCHED_TOKENS, QueuePolicy, RouterQueue
 from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
@@ -77,8 +77,10 @@ class KvRouter:
             policy: QueuePolicy = config.queue_policy  # type: ignore[assignment]
             self.queue = RouterQueue(self.saturated, policy=policy, max_size=config.max_queue_size)
         self._candidates: list[WorkerKey] = []
-        # Data-parallel ranks per worker instance (from its model card); 1 when not told.
+        # Per worker instance, from its model card: data-parallel ranks (1 when not told) and
+        # max_num_batched_tokens (the queue threshold's unit).
         self.dp_sizes: dict[int, int] = {}
+        self.max_batched_tokens: dict[int, int] = {}
         self.routed = 0
         self.overlap_blocks_routed = 0
         self.events_applied = 0
@@ -86,14 +88,25 @@ class KvRouter:
         self._subscriber: EventSubscriber | None = None
         self._consumer: asyncio.Task[None] | None = None
 
+    def add_worker(self, worker_id: int, runtime_config: Mapping[str, Any] | None) -> None:
+        """A worker's model card was accepted: its ranks and batch size, from the card's
+        runtime_config."""
+        config = runtime_config or {}
+        self.dp_sizes[worker_id] = int(config.get("data_parallel_size") or 1)
+        batched = config.get("max_num_batched_tokens")
+        if batched:
+            self.max_batched_tokens[worker_id] = int(batched)
+        else:
+            self.max_batched_tokens.pop(worker_id, None)
+
     async def subscribe(self, runtime: DistributedRuntime, namespace: str, component: str) -> None:
         """Feed the indexer from the KV events of the workers on channel namespace/component
         (unless without KV events, or when overlap does not count: weight 0), and the
-        predictive cost from their load metrics."""
+        predictive cost and the queue from their load metrics."""
         topics = []
         if self.config.use_kv_events and self.config.overlap_score_weight != 0:
             topics.append(KV_EVENTS_TOPIC)
-        if self.config.cost == "predictive":
+        if self.config.cost == "predictive" or self.queue is not None:
             topics.append(LOAD_METRICS_TOPIC)
         if not topics:
             return
@@ -106,12 +119,13 @@ class KvRouter:
 
     async def _consume(self, subscriber: EventSubscriber) -> None:
         indexer = self.indexer
-        metrics_blocks = self.model.metrics_blocks
+        reported = self.model.reported
         async for event in subscriber.events():
             try:
                 if event.topic == LOAD_METRICS_TOPIC:
-                    load = decode_load_metrics(event.payload)
-                    metrics_blocks[(load.worker_id, load.dp_rank)] = load.active_blocks
+                    reported.update(decode_load_metrics(event.payload))
+                    if self.queue is not None:
+                        self.queue.pump()  # a rank's load may have dropped below the threshold
                     continue
                 assert isinstance(indexer, KvIndexer)
                 indexer.apply_event(decode_kv_event(event.payload))
@@ -124,23 +138,45 @@ class KvRouter:
         dp_sizes = self.dp_sizes
         return [(i, rank) for i in instance_ids for rank in range(dp_sizes.get(i, 1))]
 
-    def saturated(self) -> bool:
-        """Whether every candidate rank (of the last routing) has more prefill tokens waiting
-        than the queue threshold."""
-        threshold = self.config.queue_threshold
-        if threshold is None or not self._candidates:
-            return False
-        tokens = self.sequences.prefill_tokens
-        return all(tokens(key) > threshold for key in self._candidates)
+    def prefill_tokens(self, key: WorkerKey) -> int:
+        """Prompt tokens queued on a rank: booked by this router or reported by the rank."""
+        return self.model.queued_tokens(key, self.sequences.prefill_tokens(key))
 
-    async def admit(self, priority: int, context: Context, instance_ids: Iterable[int]) -> bool:
+    def busy_limit(self, key: WorkerKey) -> float:
+        """Prefill tokens past which the rank is busy: the queue threshold (a fraction) of its
+        max_num_batched_tokens, as in Dynamo."""
+        fraction = self.config.queue_threshold or 0.0
+        return fraction * self.max_batched_tokens.get(key[0], DEFAULT_MAX_BATCHED_TOKENS)
+
+    def saturated(self, instance_ids: Iterable[int] | None = None) -> bool:
+        """Whether every rank of these instances (default: the candidates of the last routing)
+        is busy (`busy_limit`)."""
+        candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
+        if self.config.queue_threshold is None or not candidates:
+            return False
+        return all(self.prefill_tokens(key) > self.busy_limit(key) for key in candidates)
+
+    async def admit(
+        self,
+        priority: int,
+        context: Context,
+        instance_ids: Iterable[int],
+        token_ids: Sequence[int] = (),
+        prefixes: Sequence[tuple[int, bytes]] | None = None,
+    ) -> bool:
         """Wait for a turn while every worker is saturated (no queue: at once); False if the
         request was stopped meanwhile. Raises `QueueFull` past the queue's bound. An admitted
-        request must be `dispatched` once routed (or once routing it failed)."""
+        request must be `dispatched` once routed (or once routing it failed). `token_ids` and
+        `prefixes` (as for `route`) give the `wspt` order its uncached tokens."""
         if self.queue is None:
             return True
-        self._candidates = self.targets(instance_ids)
-        return await self.queue.admit(priority, context)
+        instances = list(instance_ids)
+        self._candidates = self.targets(instances)
+
+        def uncached() -> int:
+            return self.uncached_tokens(token_ids, instances, prefixes)
+
+        return await self.queue.admit(priority, context, uncached)
 
     def dispatched(self) -> None:
         """An admitted request is booked on a worker, or failed to be: the next may go."""
@@ -186,7 +222,7 @@ class KvRouter:
         key = choice.key
         if predictive:
             load = self.sequences.loads.get(key)
-            queued = load.prefill_tokens if load is not None else 0
+            queued = self.model.queued_tokens(key, load.prefill_tokens if load is not None else 0)
             blocks = self.model.decode_blocks(key, len(load.blocks) if load is not None else 0)
             self.model.started(request_id, key, queued + choice.prefill_tokens, blocks)
         blocks_booked: list[int] = seq
@@ -209,12 +245,18 @@ class KvRouter:
             )
         return choice
 
-    def uncached_tokens(self, token_ids: Sequence[int], instance_ids: Iterable[int]) -> int:
-        """Prompt tokens the best-placed of these workers would still have to compute."""
-        local = local_block_hashes(token_ids, self.block_size)
+    def uncached_tokens(
+        self,
+        token_ids: Sequence[int],
+        instance_ids: Iterable[int],
+        prefixes: Sequence[tuple[int, bytes]] | None = None,
+    ) -> int:
+        """Prompt tokens the best-placed of these workers would still have to compute.
+        `prefixes`: as for `route`, whose block hashes are reused."""
+        local, seq = self.prefix_hashes.hashes(token_ids, prefixes)
         if not local:
             return len(token_ids)
-        overlaps = self.indexer.find_matches(local, sequence_hashes(local))
+        overlaps = self.indexer.find_matches(local, seq)
         best = max((overlaps.get(key, 0) for key in self.targets(instance_ids)), default=0)
         return len(token_ids) - best * self.block_size
 
@@ -238,6 +280,7 @@ class KvRouter:
         if self.affinity is not None:
             self.affinity.remove_worker(worker_id)
         self.dp_sizes.pop(worker_id, None)
+        self.max_batched_tokens.pop(worker_id, None)
         self._candidates = [key for key in self._candidates if key[0] != worker_id]
 
     async def close(self) -> None:

@@ -64,8 +64,8 @@ class KvRouterConfig:
     session_affinity_ttl_s: float = 0.0
     session_affinity_mode: str = "soft"
     # Queueing (queue.py): hold requests while every rank has more prefill tokens waiting than
-    # this; None: never.
-    queue_threshold: int | None = None
+    # this fraction of its max_num_batched_tokens (Dynamo's --router-queue-threshold); None: never.
+    queue_threshold: float | None = None
     queue_policy: str = "priority"
     max_queue_size: int = 1024
 
@@ -74,8 +74,9 @@ class KvRouterConfig:
             raise ValueError(f"router cost must be one of {', '.join(ROUTER_COSTS)}, not {self.cost!r}")
         if self.session_affinity_ttl_s < 0:
             raise ValueError(f"session affinity ttl must be >= 0, not {self.session_affinity_ttl_s}")
-        if self.queue_threshold is not None and self.queue_threshold < 0:
-            raise ValueError(f"router queue threshold must be >= 0, not {self.queue_threshold}")
+        threshold = self.queue_threshold
+        if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(f"router queue threshold must be a fraction >= 0, not {threshold}")
         if self.overlap_score_weight < 0:
             raise ValueError(f"kv overlap score weight must be >= 0, not {self.overlap_score_weight}")
         if self.temperature < 0:
