@@ -54,6 +54,9 @@ class LoadMetrics(msgspec.Struct, frozen=True):
     waiting: int
     running: int
     dp_rank: int = 0
+    # Prompt tokens this rank has accepted and not yet computed (waiting and partially
+    # prefilled requests).
+    prefill_tokens: int = 0
 
 
 encode_event = msgspec.msgpack.Encoder().encode
