@@ -38,6 +38,21 @@ Flags -> `AsyncEngineArgs` fields:
 | --extra-engine-args | any AsyncEngineArgs field | a JSON object; see below |
 | --disaggregation-mode | kv_transfer_config.kv_role | prefill/decode need a KV connector (vllm_disagg.py) |
 
+Priority: `scheduling_policy` defaults to "priority" here (vLLM's own default is "fcfs"), and each
+request goes in with `priority=-p`, p being its priority from the routing hints
+(`x-dynamo-request-priority`, nvext priority; 0 when unset): Dynamo's sign is "higher is more
+urgent", vLLM's "lower runs first". So a graph whose clients mark urgent requests needs no vLLM
+flag. vLLM's priority policy orders the waiting queue by (priority, arrival time) and preempts the
+least urgent, latest-arrived running request when KV blocks run out; with every priority equal it
+schedules as fcfs (vLLM admits from the head of its waiting queue, so running requests arrived
+before waiting ones and the newest running one is the latest-arrived; the exceptions are requests
+vLLM skips at admission, e.g. waiting for a grammar, a LoRA slot or a KV transfer, which fcfs then
+preempts first once admitted, priority by their arrival). A `scheduling_policy` given in
+`--extra-engine-args` is kept; under "fcfs" no priority is passed (vLLM documents a non-zero
+priority under fcfs as an error; 0.32 ignores it). A waiting request never preempts a running
+one, and running requests (a long prompt's later prefill chunks included) are scheduled before any
+waiting one, whatever their priorities: an urgent request still waits for the passes in flight.
+
 Always: `enable_prefix_caching=True` (as Dynamo), `disable_log_stats=True` (unless given). A key of
 `--extra-engine-args` that is not an `AsyncEngineArgs` field is an error listing the valid ones; a key
 that contradicts a flag given on the command line is an error naming both; `kv_events_config` and
@@ -123,6 +138,7 @@ from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
     TopLogprob,
+    request_priority,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
@@ -162,6 +178,8 @@ ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
 }
 ABORT_WAIT_S = 5.0
+# Our workers' default (vLLM's is "fcfs"): requests' priorities count without a vLLM flag.
+DEFAULT_SCHEDULING_POLICY = "priority"
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -395,6 +413,8 @@ class VllmEngine(LLMEngine):
         self.launched_args: dict[str, Any] | None = None
         self.context_length: int | None = None
         self.sampling_defaults: dict[str, Any] = {}
+        # Whether requests carry their priority (scheduling_policy "priority").
+        self.by_priority = False
         self._llm: Any = None
         self._vllm: dict[str, Any] = {}
         self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
@@ -452,6 +472,8 @@ class VllmEngine(LLMEngine):
         if self._config is not None:
             return self._config
         kwargs = dict(self.engine_args)
+        kwargs.setdefault("scheduling_policy", DEFAULT_SCHEDULING_POLICY)
+        self.by_priority = kwargs["scheduling_policy"] == "priority"
         if int(kwargs.get("node_rank") or 0) > 0:
             raise VllmError(
                 f"--node-rank {kwargs['node_rank']}: a vLLM node other than rank 0 runs no engine core "
@@ -721,6 +743,8 @@ class VllmEngine(LLMEngine):
                 lora = self._loras.get(request.model)
                 if lora is not None:
                     kw["lora_request"] = lora
+                if self.by_priority:
+                    kw["priority"] = -request_priority(request)  # vLLM: lower runs first
                 stream = llm.generate(
                     self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
                 )

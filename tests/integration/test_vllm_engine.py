@@ -37,6 +37,7 @@ from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.vllm import VllmEngine, VllmError, block_hash_u64, engine_args_from_settings
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
@@ -432,6 +433,56 @@ async def test_prefill_and_decode_need_a_kv_connector(tiny_model: Path, tmp_path
         create_engine("vllm", EngineSettings(disaggregation_mode="decode"), model)
     aggregated = create_engine("vllm", EngineSettings(), model)
     assert not aggregated.kv_transfer
+
+
+# ---- priority ----------------------------------------------------------------------------------------
+
+
+async def first_token_order(engine: VllmEngine, token_ids: list[list[int]]) -> list[str]:
+    """A long request holds vLLM's one sequence slot (max_num_seqs=1) while two low-priority
+    requests and then a high-priority one arrive; the order in which they got a first token."""
+    order: list[str] = []
+    running = asyncio.Event()
+
+    async def send(name: str, prompt: list[int], n: int, priority: int | None) -> None:
+        req = request(prompt, n, ignore_eos=True)
+        req.routing = None if priority is None else RoutingHints(priority=priority)
+        async for out in engine.generate(req, Context()):
+            if out.token_ids and name not in order:
+                order.append(name)
+                running.set()
+
+    blocker = asyncio.create_task(send("blocker", token_ids[0], 300, None))
+    await asyncio.wait_for(running.wait(), 60)
+    waiting = []
+    for name, priority in (("low0", -1), ("low1", -1), ("high", 10)):
+        waiting.append(asyncio.create_task(send(name, token_ids[1], 4, priority)))
+        await asyncio.sleep(0.05)  # they reach vLLM in this order, while the blocker runs
+    assert not blocker.done(), "the blocker finished before the others queued: make it longer"
+    await asyncio.wait_for(asyncio.gather(blocker, *waiting), 120)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, ["blocker", "high", "low0", "low1"]),  # our default: vLLM's priority policy
+        ({"scheduling_policy": "fcfs"}, ["blocker", "low0", "low1", "high"]),  # kept; no priority sent
+    ],
+)
+@in_module_loop
+async def test_a_high_priority_request_is_admitted_ahead_of_queued_low_priority_ones(
+    tiny_model: Path, token_ids: list[list[int]], extra: dict[str, Any], expected: list[str]
+) -> None:
+    engine = VllmEngine(engine_kwargs(tiny_model, max_num_seqs=1, **extra))
+    await engine.start()
+    try:
+        policy = extra.get("scheduling_policy", "priority")
+        assert engine._llm.vllm_config.scheduler_config.policy == policy
+        assert engine.by_priority is (policy == "priority")
+        assert await first_token_order(engine, token_ids) == expected
+    finally:
+        await engine.cleanup()
 
 
 # ---- settings --------------------------------------------------------------------------------------
