@@ -58,6 +58,12 @@ Always: `enable_prefix_caching=True` (as Dynamo), `disable_log_stats=True` (unle
 that contradicts a flag given on the command line is an error naming both; `kv_events_config` and
 `kv_transfer_config` may be JSON objects (built into a `KVEventsConfig` / `KVTransferConfig`).
 
+Load metrics: when the serving process sets `kv_event_sink`, vLLM runs with a stat logger of ours
+(vllm_load.py) that publishes each DP rank's `LoadMetrics` after its engine steps (KV blocks in use,
+waiting and running requests from vLLM's scheduler stats; queued prefill tokens from our own
+count), so routers see load that other frontends put on this worker. That turns vLLM's stats on
+(as in vLLM's own server) without its periodic log lines.
+
 Disaggregated prefill/decode (`prefill`, `generate_from_kv`; kv_transfer only with a KV connector
 configured): vLLM's connector moves the KV, our handoff carries its `kv_transfer_params`; see
 vllm_disagg.py for the mapping and which connectors ran on CPU.
@@ -120,6 +126,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -155,6 +162,7 @@ from dynamo_graph.engines.kv_handoff import (
     without_known,
 )
 from dynamo_graph.engines.vllm_disagg import connector_name, kv_transfer_config
+from dynamo_graph.engines.vllm_load import LoadReporter, stat_logger
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -421,6 +429,7 @@ class VllmEngine(LLMEngine):
         self._config: EngineConfig | None = None
         self._kv: ZmqKvSubscriber | None = None
         self._kv_bridge: VllmKvEventBridge | None = None
+        self._load: LoadReporter | None = None
         self._tmpdir: str | None = None
         self._active = InFlight()
         self._ids = itertools.count(1)
@@ -444,6 +453,7 @@ class VllmEngine(LLMEngine):
             from vllm.lora.request import LoRARequest
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.metrics.loggers import StatLoggerBase
         except Exception as err:
             raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
         try:  # vLLM's errors about the request itself (VLLMValidationError, ...): the client's 400
@@ -463,6 +473,7 @@ class VllmEngine(LLMEngine):
             "DELTA": RequestOutputKind.DELTA,
             "StructuredOutputsParams": StructuredOutputsParams,
             "AsyncLLM": AsyncLLM,
+            "StatLoggerBase": StatLoggerBase,
         }
         self._client_errors = client_errors
 
@@ -513,7 +524,13 @@ class VllmEngine(LLMEngine):
         try:
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
-            self._llm = await asyncio.to_thread(self._vllm["AsyncLLM"].from_engine_args, args)
+            loggers = None
+            if self.kv_event_sink is not None:  # the worker's load on the event plane (vllm_load.py)
+                self._load = LoadReporter(self.kv_event_sink, worker_id)
+                loggers = [stat_logger(self._load, self._vllm["StatLoggerBase"])]
+            self._llm = await asyncio.to_thread(
+                functools.partial(self._vllm["AsyncLLM"].from_engine_args, args, stat_loggers=loggers)
+            )
         except Exception as err:
             await self._close_kv()
             if isinstance(err, RunConfigError):
@@ -735,6 +752,8 @@ class VllmEngine(LLMEngine):
         llm = self._llm
         stream: Any = None
         sent, cached, first = 0, None, True
+        load, rank = self._load, request.dp_rank or 0
+        awaiting_first = load is not None  # its prompt counts in the rank's queued prefill
         try:
             try:
                 kw: dict[str, Any] = {}
@@ -748,6 +767,8 @@ class VllmEngine(LLMEngine):
                 stream = llm.generate(
                     self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
                 )
+                if load is not None:
+                    load.accepted(rank, len(prompt))
                 async for res in stream:
                     completion = res.outputs[0] if res.outputs else None
                     ids = list(completion.token_ids) if completion is not None else []
@@ -760,6 +781,9 @@ class VllmEngine(LLMEngine):
                     if first and (ids or res.finished):
                         out.cached_tokens = cached
                         first = False
+                        if awaiting_first and load is not None:
+                            awaiting_first = False
+                            load.computed(rank, len(prompt))
                     reason = completion.finish_reason if completion is not None else None
                     if res.finished or reason is not None:
                         if received is not None:
@@ -790,6 +814,8 @@ class VllmEngine(LLMEngine):
                 error=None if (active.aborted or context.is_stopped()) else "vllm ended the stream early",
             )
         finally:
+            if awaiting_first and load is not None and stream is not None:
+                load.computed(rank, len(prompt))
             watcher.cancel()
             if stream is not None:
                 # Closing vLLM's stream of an unfinished request aborts it inside vLLM.

@@ -119,6 +119,7 @@ class Sink:
         self.stored_events: list[tuple[int | None, list[StoredBlock], int]] = []
         self.removed_events: list[list[int]] = []
         self.cleared_ranks: list[int] = []
+        self.loads: list[LoadMetrics] = []
 
     def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
         self.stored_events.append((parent_hash, list(blocks), dp_rank))
@@ -130,7 +131,7 @@ class Sink:
         self.cleared_ranks.append(dp_rank)
 
     def load(self, metrics: LoadMetrics) -> None:
-        pass
+        self.loads.append(metrics)
 
     def blocks(self) -> list[StoredBlock]:
         return [b for _, blocks, _ in self.stored_events for b in blocks]
@@ -475,7 +476,8 @@ async def test_a_high_priority_request_is_admitted_ahead_of_queued_low_priority_
     tiny_model: Path, token_ids: list[list[int]], extra: dict[str, Any], expected: list[str]
 ) -> None:
     engine = VllmEngine(engine_kwargs(tiny_model, max_num_seqs=1, **extra))
-    await engine.start()
+    engine.kv_event_sink = sink = Sink()
+    total = (await engine.start(worker_id=5)).total_kv_blocks
     try:
         policy = extra.get("scheduling_policy", "priority")
         assert engine._llm.vllm_config.scheduler_config.policy == policy
@@ -483,6 +485,13 @@ async def test_a_high_priority_request_is_admitted_ahead_of_queued_low_priority_
         assert await first_token_order(engine, token_ids) == expected
     finally:
         await engine.cleanup()
+    # Its load went on the sink from vLLM's scheduler stats: the queue behind the blocker with its
+    # prompt tokens, then idle.
+    assert {(m.worker_id, m.total_blocks) for m in sink.loads} == {(5, total)}
+    assert any(m.running == 1 and m.waiting == 3 and m.active_blocks > 0 for m in sink.loads), sink.loads
+    assert max(m.prefill_tokens for m in sink.loads) == 3 * len(token_ids[1])
+    last = sink.loads[-1]
+    assert (last.running, last.waiting, last.prefill_tokens) == (0, 0, 0), last
 
 
 # ---- settings --------------------------------------------------------------------------------------
