@@ -41,13 +41,16 @@ Flags -> `AsyncEngineArgs` fields:
 Priority: `scheduling_policy` defaults to "priority" here (vLLM's own default is "fcfs"), and each
 request goes in with `priority=-p`, p being its priority from the routing hints
 (`x-dynamo-request-priority`, nvext priority; 0 when unset): Dynamo's sign is "higher is more
-urgent", vLLM's "lower runs first". So a graph whose clients mark urgent requests needs no vLLM
-flag. vLLM's priority policy orders the waiting queue by (priority, arrival time) and preempts the
-least urgent, latest-arrived running request when KV blocks run out; with every priority equal it
-schedules as fcfs (vLLM admits from the head of its waiting queue, so running requests arrived
-before waiting ones and the newest running one is the latest-arrived; the exceptions are requests
-vLLM skips at admission, e.g. waiting for a grammar, a LoRA slot or a KV transfer, which fcfs then
-preempts first once admitted, priority by their arrival). A `scheduling_policy` given in
+urgent", vLLM's "lower runs first" (Dynamo's own vLLM worker forwards `agent_hints.priority`
+unchanged, so there the engine reads the value the other way round from its router queue; here
+one meaning holds from the header to the engine). So a graph whose clients mark urgent requests
+needs no vLLM flag. vLLM's priority policy orders the waiting queue by (priority, arrival time)
+and preempts the least urgent, latest-arrived running request when KV blocks run out; with every
+priority equal it schedules as fcfs (vLLM admits from the head of its waiting queue, so running
+requests arrived before waiting ones and the newest running one is the latest-arrived; the
+exceptions are requests vLLM skips at admission, e.g. waiting for a grammar, a LoRA slot or a KV
+transfer, which fcfs then preempts first once admitted, priority by their arrival). A
+`scheduling_policy` given in
 `--extra-engine-args` is kept; under "fcfs" no priority is passed (vLLM documents a non-zero
 priority under fcfs as an error; 0.32 ignores it). A waiting request never preempts a running
 one, and running requests (a long prompt's later prefill chunks included) are scheduled before any
