@@ -34,8 +34,26 @@ ids (no prefix sharing, so routing cannot help), `--output-tokens` out, streamed
 
 Per setting: completed, refused (529 or 503 before any output: the client may retry) and lost
 (anything else: an error mid-stream, a timeout, a dropped connection) requests; TTFT p50/p90 of
-high- and low-priority requests, and high-priority p90 / unloaded p90 (target: <= 2, with
-nothing lost). Results: benchmarks/results/overload.json.
+high- and low-priority requests, and high-priority p90 / unloaded p90 (target: <= 2 in every
+run, with nothing lost), and the machine's load average before each point.
+Results: benchmarks/results/overload.json.
+
+Findings (`--repeats 3 --threshold 0,4096`, thresholds in prompt tokens per worker; unloaded
+p90 89-98 ms; nothing lost anywhere): high-priority p90 / unloaded p90 was 35-45x without a
+queue; 5.5x, 5.5x, 11.6x with engine priority alone (an urgent request is admitted at the next
+pass, but shares it with the running prompts' chunks, which vLLM schedules first, in passes of up
+to 8192 tokens: ~185 ms); 2.12x, 2.25x, 6.44x with the router's priority queue at threshold 0
+and 2.39x, 2.30x, 5.55x with engine priority added (at threshold 0 the workers hold no waiting
+requests, so engine priority has nothing to reorder); ~3.3x at threshold 4096. The third run
+overlapped other jobs on the 2 cores (load average 4-5.6). Why ~2x is the floor here: with the
+queue, an urgent request waits for the sooner of the two workers to end its prefill pass (~100
+ms a pass; p90 of the sooner ~68 ms), then takes its own pass, which under load also costs the
+decode of every running sequence (~15 ms): 68 + 86 + 15 + ~8 ms of serving = ~177 ms = 1.9x the
+unloaded ~94 ms before any CPU contention. A forward pass cannot be preempted (vLLM's semantics).
+What-ifs: `--max-num-batched-tokens 2048` 2.73x (overload_mnbt2048.json: two passes, each with
+the decode cost, and a lower capacity), `--workers 4` 2.16x (overload_w4.json: the sooner of
+four ends earlier, but the frontend's CPU at 39 req/s eats it on 2 cores). Reserving a worker's
+prefill slot for urgent requests would take the wait out (not done by the router queue yet).
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ import pytest
 
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.test_distributed import instances, wait_for
+from tests.system.test_router_sessions_queue import BLOCKER
+from tests.system.test_router_sessions_queue import _first_token_at as first_token_at
 
 ENDPOINT = "dyn://prio.mocker.generate"
-# Keeps the worker's one sequence busy for seconds (prefill passes of ~3.4 s and ~0.9 s at
-# speedup 0.05), so the test's requests wait on the worker even on a loaded machine.
-BLOCKER = [100 + i % 500 for i in range(10_000)]
+# BLOCKER keeps the worker's one sequence busy for seconds (prefill passes of ~3.4 s and ~0.9 s
+# at speedup 0.05), so the test's requests wait on the worker even on a loaded machine.
 
 
 @pytest.fixture(params=["priority", "fcfs"])
@@ -59,20 +60,6 @@ async def wait_inflight(server: ServerProcess, n: int) -> None:
     while inflight(server) < n:
         assert time.monotonic() < deadline, f"{n} requests never reached the frontend"
         await asyncio.sleep(0.05)
-
-
-async def first_token_at(
-    api: openai.AsyncOpenAI, model: str, prompt: str | list[int], priority: int | None
-) -> float:
-    headers = {} if priority is None else {"x-dynamo-request-priority": str(priority)}
-    stream = await api.completions.create(
-        model=model, prompt=prompt, max_tokens=2, stream=True, extra_headers=headers
-    )
-    first = 0.0
-    async for chunk in stream:
-        if not first and chunk.choices and chunk.choices[0].text:
-            first = time.monotonic()
-    return first
 
 
 def test_the_worker_admits_the_urgent_request_first(

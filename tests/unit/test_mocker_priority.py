@@ -14,7 +14,6 @@ from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError
 from dynamo_graph.engines.mocker.engine import MockerEngine
 from dynamo_graph.engines.mocker.scheduler import (
     MockSequence,
-    Scheduler,
     StepResult,
     TokenSampler,
     mock_token_ids,
@@ -23,29 +22,12 @@ from dynamo_graph.engines.mocker.scheduler import (
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.runtime.context import Context
-
-VOCAB = 1000
+from tests.unit.test_mocker_scheduler import VOCAB, run, scheduler, tokens_out
 
 
 def seq(prompt: Sequence[int], max_tokens: int, priority: int = 0) -> MockSequence:
     sampler = TokenSampler(sampling_seed(prompt), VOCAB, frozenset())
     return MockSequence(Context(), prompt, max_tokens=max_tokens, sampler=sampler, priority=priority)
-
-
-def scheduler(**kw: object) -> Scheduler:
-    return Scheduler(MockerArgs(**kw), max_model_len=4096)  # type: ignore[arg-type]
-
-
-def run(sched: Scheduler, limit: int = 10_000) -> list[StepResult]:
-    steps = []
-    while sched.has_work():
-        steps.append(sched.step())
-        assert len(steps) < limit, "the scheduler does not make progress"
-    return steps
-
-
-def tokens_out(steps: list[StepResult], s: MockSequence) -> list[int]:
-    return [t for step in steps for q, out in step.outputs if q is s for t in out.token_ids]
 
 
 def first_output_order(steps: list[StepResult], seqs: dict[str, MockSequence]) -> list[str]:

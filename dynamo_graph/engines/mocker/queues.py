@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 
@@ -52,11 +52,8 @@ class FcfsQueue(Generic[T]):
 
     def remove_if(self, gone: Callable[[T], bool]) -> list[T]:
         """Take out the items `gone` selects; returns them."""
-        kept: deque[T] = deque()
-        removed: list[T] = []
-        for item in self._items:
-            (removed if gone(item) else kept).append(item)
-        self._items = kept
+        kept, removed = _split(self._items, gone)
+        self._items = deque(kept)
         return removed
 
     def clear(self) -> None:
@@ -89,17 +86,11 @@ class PriorityQueue(Generic[T]):
         return heapq.heappop(self._heap)[2]
 
     def remove_if(self, gone: Callable[[T], bool]) -> list[T]:
-        kept: list[tuple[int, int, T]] = []
-        removed: list[T] = []
-        for entry in self._heap:
-            if gone(entry[2]):
-                removed.append(entry[2])
-            else:
-                kept.append(entry)
+        kept, removed = _split(self._heap, lambda entry: gone(entry[2]))
         if removed:
             heapq.heapify(kept)
             self._heap = kept
-        return removed
+        return [entry[2] for entry in removed]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -110,6 +101,18 @@ class PriorityQueue(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         """In the order they would be admitted."""
         return (entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1])))
+
+
+E = TypeVar("E")
+
+
+def _split(items: Iterable[E], gone: Callable[[E], bool]) -> tuple[list[E], list[E]]:
+    """(kept, removed), each in the order given; `gone` is asked once per item."""
+    kept: list[E] = []
+    removed: list[E] = []
+    for item in items:
+        (removed if gone(item) else kept).append(item)
+    return kept, removed
 
 
 def waiting_queue(policy: str) -> FcfsQueue | PriorityQueue:
