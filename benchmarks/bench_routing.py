@@ -375,11 +375,15 @@ class Deployment:
 
 
 def mocker_settings(args: argparse.Namespace) -> dict:
-    return {
+    settings = {
         "block_size": args.block_size,
         "num_gpu_blocks": args.num_gpu_blocks,
         "speedup_ratio": args.speedup_ratio,
     }
+    for key in ("scheduling_policy", "max_num_batched_tokens"):  # bench_overload.py sets them
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    return settings
 
 
 def warm_up(dep: Deployment, args: argparse.Namespace, vocab: tuple[int, int]) -> None:

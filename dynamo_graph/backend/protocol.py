@@ -17,6 +17,7 @@ from dynamo_graph.llm.protocol import (
     SamplingOptions,
     StopConditions,
     TopLogprob,
+    request_priority,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "SamplingOptions",
     "StopConditions",
     "TopLogprob",
+    "request_priority",
 ]

@@ -14,7 +14,9 @@ context of `n_parallel` sequences (default 1); each running request is one seque
 thread (llamacpp_batch.py) decodes all of them together: each step is one `llama_decode` of a
 batch holding the next token of every generating sequence and prompt chunks of those still
 prefilling (`n_batch` tokens at most), then each sequence samples from its own row of logits with
-its own sampler chain. Requests beyond `n_parallel` wait in FIFO order for a free sequence. Memory
+its own sampler chain. Requests beyond `n_parallel` wait for a free sequence, the most urgent
+first (the request's priority: `x-dynamo-request-priority` / nvext priority, higher first; arrival
+order among equals), and prompt chunks share a step's `n_batch` most urgent first too. Memory
 is one copy of the weights plus the KV cache of `n_parallel * n_ctx` tokens. (Until this design,
 `n_parallel: N` built N separate contexts: N KV caches, N threads each decoding one sequence, and
 on a GPU N copies of the weights.) The thread hands tokens to the request's async generator
@@ -111,7 +113,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, request_priority
 from dynamo_graph.engines.llamacpp_args import (
     LlamaCppArgs,
     LlamaCppError,
@@ -465,6 +467,7 @@ class LlamaCppEngine(LLMEngine):
             logprobs=request.output_options.logprobs,
             end_ids=end_ids,
             adapter=self._adapters.get(request.model),
+            priority=request_priority(request),
         )
 
     def _samplers(self, job: Job) -> list[Any]:

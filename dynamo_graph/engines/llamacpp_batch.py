@@ -6,12 +6,13 @@ in one graph, so eight requests decoding together cost one pass over the weights
 of eight, and the weights are loaded once. A context is not thread-safe, so exactly one thread
 touches it: this loop. It repeats one step:
 
-1. take in what the event loop handed over (`submit`): waiting jobs go, in FIFO order, into free
-   sequences; jobs stopped meanwhile (cancelled, aborted, or the engine closing) end here;
+1. take in what the event loop handed over (`submit`): waiting jobs go into free sequences most
+   urgent first (the request's priority, higher first; arrival order among equals); jobs stopped
+   meanwhile (cancelled, aborted, or the engine closing) end here;
 2. build one `llama_batch`: first the one token each generating sequence has to evaluate (so that
    a long prompt never stalls the streams already running), then prompt chunks of the sequences
-   still prefilling, up to `n_batch` tokens in all; `logits` is set only on a sequence's last
-   token of the step when that token finishes what it had to evaluate;
+   still prefilling, the most urgent first, up to `n_batch` tokens in all; `logits` is set only
+   on a sequence's last token of the step when that token finishes what it had to evaluate;
 3. one `llama_decode` for all of them;
 4. for each sequence with logits, its own sampler chain samples from its row
    (`llama_sampler_sample(chain, ctx, i)`), checks the stop conditions and streams the token.
@@ -85,6 +86,7 @@ class Job:
         "notified",
         "pending",
         "pending_logprobs",
+        "priority",
         "prompt",
         "sampling",
         "stop_ids",
@@ -107,8 +109,10 @@ class Job:
         logprobs: int | None = None,
         end_ids: frozenset[int] = frozenset(),
         adapter: Any = None,
+        priority: int = 0,
     ) -> None:
         self.context = context
+        self.priority = priority  # higher is more urgent (Dynamo's sign)
         self.adapter = adapter  # the LoRA adapter (llama_adapter_lora_p) to decode with, or None
         self.grammar = grammar
         # End-of-generation ids that end the request unsent (a complete grammar allows only them).
@@ -296,11 +300,13 @@ class BatchLoop:
         return [seq for seq in self._seqs if seq.job is not None]
 
     def _admit(self, arrived: list[Job]) -> None:
-        """The waiting jobs, oldest first: stopped ones end here, the others take free sequences
-        in order; those left wait on, ahead of any submitted meanwhile."""
+        """The waiting jobs (oldest first): stopped ones end here, the others take free sequences
+        most urgent first, in arrival order among equals; those left wait on, ahead of any
+        submitted meanwhile (which the next call orders with them)."""
         if not arrived:
             return
         queue = [job for job in arrived if not self._cancel_waiting(job)]
+        queue.sort(key=_urgency)  # stable: arrival order among equal priorities
         free = [seq for seq in self._seqs if seq.job is None]
         while queue and free:
             job = queue.pop(0)
@@ -414,7 +420,8 @@ class BatchLoop:
         if not busy:
             return
         busy = self._adapter_turn(busy)
-        busy.sort(key=_prefilling)  # generating sequences first (one token each), then prompts
+        # Generating sequences first (one token each), then prompts, the most urgent first.
+        busy.sort(key=lambda seq: (_prefilling(seq), _urgency(seq.job)))
         lc, batch = self._lc, self._batch
         n = 0
         taken: list[tuple[Seq, int, int]] = []  # (sequence, tokens taken, batch index of its logits or -1)
@@ -513,6 +520,11 @@ class BatchLoop:
 def _wake(jobs: list[Job]) -> None:
     for job in jobs:
         job.wakeup.set()
+
+
+def _urgency(job: Job | None) -> int:
+    """Sort key: the most urgent job first."""
+    return 0 if job is None else -job.priority
 
 
 def _prefilling(seq: Seq) -> bool:

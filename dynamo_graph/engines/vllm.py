@@ -38,10 +38,34 @@ Flags -> `AsyncEngineArgs` fields:
 | --extra-engine-args | any AsyncEngineArgs field | a JSON object; see below |
 | --disaggregation-mode | kv_transfer_config.kv_role | prefill/decode need a KV connector (vllm_disagg.py) |
 
+Priority: `scheduling_policy` defaults to "priority" here (vLLM's own default is "fcfs"), and each
+request goes in with `priority=-p`, p being its priority from the routing hints
+(`x-dynamo-request-priority`, nvext priority; 0 when unset): Dynamo's sign is "higher is more
+urgent", vLLM's "lower runs first" (Dynamo's own vLLM worker forwards `agent_hints.priority`
+unchanged, so there the engine reads the value the other way round from its router queue; here
+one meaning holds from the header to the engine). So a graph whose clients mark urgent requests
+needs no vLLM flag. vLLM's priority policy orders the waiting queue by (priority, arrival time)
+and preempts the least urgent, latest-arrived running request when KV blocks run out; with every
+priority equal it schedules as fcfs (vLLM admits from the head of its waiting queue, so running
+requests arrived before waiting ones and the newest running one is the latest-arrived; the
+exceptions are requests vLLM skips at admission, e.g. waiting for a grammar, a LoRA slot or a KV
+transfer, which fcfs then preempts first once admitted, priority by their arrival). A
+`scheduling_policy` given in
+`--extra-engine-args` is kept; under "fcfs" no priority is passed (vLLM documents a non-zero
+priority under fcfs as an error; 0.32 ignores it). A waiting request never preempts a running
+one, and running requests (a long prompt's later prefill chunks included) are scheduled before any
+waiting one, whatever their priorities: an urgent request still waits for the passes in flight.
+
 Always: `enable_prefix_caching=True` (as Dynamo), `disable_log_stats=True` (unless given). A key of
 `--extra-engine-args` that is not an `AsyncEngineArgs` field is an error listing the valid ones; a key
 that contradicts a flag given on the command line is an error naming both; `kv_events_config` and
 `kv_transfer_config` may be JSON objects (built into a `KVEventsConfig` / `KVTransferConfig`).
+
+Load metrics: when the serving process sets `kv_event_sink`, vLLM runs with a stat logger of ours
+(vllm_load.py) that publishes each DP rank's `LoadMetrics` after its engine steps (KV blocks in use,
+waiting and running requests from vLLM's scheduler stats; queued prefill tokens from our own
+count), so routers see load that other frontends put on this worker. That turns vLLM's stats on
+(as in vLLM's own server) without its periodic log lines.
 
 Disaggregated prefill/decode (`prefill`, `generate_from_kv`; kv_transfer only with a KV connector
 configured): vLLM's connector moves the KV, our handoff carries its `kv_transfer_params`; see
@@ -105,6 +129,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -123,6 +148,7 @@ from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
     TopLogprob,
+    request_priority,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
@@ -139,6 +165,7 @@ from dynamo_graph.engines.kv_handoff import (
     without_known,
 )
 from dynamo_graph.engines.vllm_disagg import connector_name, kv_transfer_config
+from dynamo_graph.engines.vllm_load import LoadReporter, stat_logger
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -162,6 +189,8 @@ ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
 }
 ABORT_WAIT_S = 5.0
+# Our workers' default (vLLM's is "fcfs"): requests' priorities count without a vLLM flag.
+DEFAULT_SCHEDULING_POLICY = "priority"
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -395,12 +424,15 @@ class VllmEngine(LLMEngine):
         self.launched_args: dict[str, Any] | None = None
         self.context_length: int | None = None
         self.sampling_defaults: dict[str, Any] = {}
+        # Whether requests carry their priority (scheduling_policy "priority").
+        self.by_priority = False
         self._llm: Any = None
         self._vllm: dict[str, Any] = {}
         self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
         self._config: EngineConfig | None = None
         self._kv: ZmqKvSubscriber | None = None
         self._kv_bridge: VllmKvEventBridge | None = None
+        self._load: LoadReporter | None = None
         self._tmpdir: str | None = None
         self._active = InFlight()
         self._ids = itertools.count(1)
@@ -424,6 +456,7 @@ class VllmEngine(LLMEngine):
             from vllm.lora.request import LoRARequest
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.metrics.loggers import StatLoggerBase
         except Exception as err:
             raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
         try:  # vLLM's errors about the request itself (VLLMValidationError, ...): the client's 400
@@ -443,6 +476,7 @@ class VllmEngine(LLMEngine):
             "DELTA": RequestOutputKind.DELTA,
             "StructuredOutputsParams": StructuredOutputsParams,
             "AsyncLLM": AsyncLLM,
+            "StatLoggerBase": StatLoggerBase,
         }
         self._client_errors = client_errors
 
@@ -452,6 +486,8 @@ class VllmEngine(LLMEngine):
         if self._config is not None:
             return self._config
         kwargs = dict(self.engine_args)
+        kwargs.setdefault("scheduling_policy", DEFAULT_SCHEDULING_POLICY)
+        self.by_priority = kwargs["scheduling_policy"] == "priority"
         if int(kwargs.get("node_rank") or 0) > 0:
             raise VllmError(
                 f"--node-rank {kwargs['node_rank']}: a vLLM node other than rank 0 runs no engine core "
@@ -491,7 +527,13 @@ class VllmEngine(LLMEngine):
         try:
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
-            self._llm = await asyncio.to_thread(self._vllm["AsyncLLM"].from_engine_args, args)
+            loggers = None
+            if self.kv_event_sink is not None:  # the worker's load on the event plane (vllm_load.py)
+                self._load = LoadReporter(self.kv_event_sink, worker_id)
+                loggers = [stat_logger(self._load, self._vllm["StatLoggerBase"])]
+            self._llm = await asyncio.to_thread(
+                functools.partial(self._vllm["AsyncLLM"].from_engine_args, args, stat_loggers=loggers)
+            )
         except Exception as err:
             await self._close_kv()
             if isinstance(err, RunConfigError):
@@ -713,6 +755,8 @@ class VllmEngine(LLMEngine):
         llm = self._llm
         stream: Any = None
         sent, cached, first = 0, None, True
+        load, rank = self._load, request.dp_rank or 0
+        awaiting_first = load is not None  # its prompt counts in the rank's queued prefill
         try:
             try:
                 kw: dict[str, Any] = {}
@@ -721,9 +765,13 @@ class VllmEngine(LLMEngine):
                 lora = self._loras.get(request.model)
                 if lora is not None:
                     kw["lora_request"] = lora
+                if self.by_priority:
+                    kw["priority"] = -request_priority(request)  # vLLM: lower runs first
                 stream = llm.generate(
                     self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
                 )
+                if load is not None:
+                    load.accepted(rank, len(prompt))
                 async for res in stream:
                     completion = res.outputs[0] if res.outputs else None
                     ids = list(completion.token_ids) if completion is not None else []
@@ -736,6 +784,9 @@ class VllmEngine(LLMEngine):
                     if first and (ids or res.finished):
                         out.cached_tokens = cached
                         first = False
+                        if awaiting_first and load is not None:
+                            awaiting_first = False
+                            load.computed(rank, len(prompt))
                     reason = completion.finish_reason if completion is not None else None
                     if res.finished or reason is not None:
                         if received is not None:
@@ -766,6 +817,8 @@ class VllmEngine(LLMEngine):
                 error=None if (active.aborted or context.is_stopped()) else "vllm ended the stream early",
             )
         finally:
+            if awaiting_first and load is not None and stream is not None:
+                load.computed(rank, len(prompt))
             watcher.cancel()
             if stream is not None:
                 # Closing vLLM's stream of an unfinished request aborts it inside vLLM.

@@ -105,8 +105,14 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     extra: dict[str, Any] | None = None
     # Disaggregated serving: the prompt's KV was computed by a prefill worker; fetch it there.
     kv_transfer_params: KvTransferParams | None = None
-    # Session and priority for the frontend's router (not used by engines).
+    # Session and priority for the frontend's router; engines schedule by the priority too.
     routing: RoutingHints | None = None
+
+
+def request_priority(request: PreprocessedRequest) -> int:
+    """The request's priority, Dynamo's sign (higher is more urgent); 0 when it has none."""
+    hints = request.routing
+    return 0 if hints is None or hints.priority is None else hints.priority
 
 
 class CompletionUsage(msgspec.Struct, omit_defaults=True):

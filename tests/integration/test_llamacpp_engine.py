@@ -27,6 +27,7 @@ from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.llamacpp import LlamaCppEngine
 from dynamo_graph.engines.llamacpp_args import INSTALL_HINT, LlamaCppArgs, LlamaCppError
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.migration import continuation
 from dynamo_graph.runtime.context import Context
 from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
@@ -262,6 +263,60 @@ async def test_concurrent_requests(
         outs = await asyncio.wait_for(waiting, 5)
         assert outs[-1].finish_reason == "cancelled"
         assert len(ids(await busy)) == 480
+    await asyncio.wait_for(engine.drain(), 5)
+
+
+async def _first_token_order(
+    engine: LlamaCppEngine, jobs: list[tuple[str, list[int], int | None]], gap: float = 0.01
+) -> list[str]:
+    """Submit `jobs` (name, prompt, priority) in order, `gap` apart; the order of their first
+    tokens."""
+    order: list[str] = []
+
+    async def send(name: str, prompt: list[int], priority: int | None) -> None:
+        req = request(prompt, 4)
+        req.routing = None if priority is None else RoutingHints(priority=priority)
+        async for out in engine.generate(req, Context()):
+            if out.token_ids and name not in order:
+                order.append(name)
+
+    tasks = []
+    for name, prompt, priority in jobs:
+        tasks.append(asyncio.create_task(send(name, prompt, priority)))
+        await asyncio.sleep(gap)  # submitted in this order
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    return order
+
+
+async def test_waiting_requests_take_a_free_sequence_most_urgent_first(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]], token_ids: list[list[int]]
+) -> None:
+    engine = await make_engine(n_parallel=1)
+    busy = engine.generate(request(token_ids[0], 480), Context())
+    await anext(busy)  # the one sequence is taken for a while (the three are submitted meanwhile)
+    jobs = [("low0", token_ids[1], -1), ("low1", token_ids[2], None), ("high", token_ids[3], 10)]
+    waiting = asyncio.create_task(_first_token_order(engine, jobs))
+    rest = [out async for out in busy]
+    assert rest[-1].finish_reason == "length"
+    # Had the blocker ended before they queued, low0 would have gone first, as it came first.
+    assert await waiting == ["high", "low1", "low0"]  # low1's priority is 0, above low0's -1
+    await asyncio.wait_for(engine.drain(), 5)
+
+
+@pytest.mark.parametrize(("priorities", "first"), [((0, 0), "early"), ((0, 5), "late")])
+async def test_prompt_chunks_share_a_step_most_urgent_first(
+    make_engine: Callable[..., Awaitable[LlamaCppEngine]],
+    token_ids: list[list[int]],
+    priorities: tuple[int, int],
+    first: str,
+) -> None:
+    """Two long prompts prefilling together in 16-token steps: the urgent one's chunks go first,
+    so it gets its first token first; with equal priorities the earlier one does."""
+    engine = await make_engine(n_parallel=2, n_batch=16, prefix_reuse=False)
+    early, late = token_ids[0] * 16, token_ids[0][::-1] * 16  # 368 tokens: 23 steps each
+    jobs = [("early", early, priorities[0]), ("late", late, priorities[1])]
+    order = await _first_token_order(engine, jobs, gap=0)
+    assert order[0] == first
     await asyncio.wait_for(engine.drain(), 5)
 
 

@@ -37,6 +37,7 @@ from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.vllm import VllmEngine, VllmError, block_hash_u64, engine_args_from_settings
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
@@ -118,6 +119,7 @@ class Sink:
         self.stored_events: list[tuple[int | None, list[StoredBlock], int]] = []
         self.removed_events: list[list[int]] = []
         self.cleared_ranks: list[int] = []
+        self.loads: list[LoadMetrics] = []
 
     def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
         self.stored_events.append((parent_hash, list(blocks), dp_rank))
@@ -129,7 +131,7 @@ class Sink:
         self.cleared_ranks.append(dp_rank)
 
     def load(self, metrics: LoadMetrics) -> None:
-        pass
+        self.loads.append(metrics)
 
     def blocks(self) -> list[StoredBlock]:
         return [b for _, blocks, _ in self.stored_events for b in blocks]
@@ -432,6 +434,64 @@ async def test_prefill_and_decode_need_a_kv_connector(tiny_model: Path, tmp_path
         create_engine("vllm", EngineSettings(disaggregation_mode="decode"), model)
     aggregated = create_engine("vllm", EngineSettings(), model)
     assert not aggregated.kv_transfer
+
+
+# ---- priority ----------------------------------------------------------------------------------------
+
+
+async def first_token_order(engine: VllmEngine, token_ids: list[list[int]]) -> list[str]:
+    """A long request holds vLLM's one sequence slot (max_num_seqs=1) while two low-priority
+    requests and then a high-priority one arrive; the order in which they got a first token."""
+    order: list[str] = []
+    running = asyncio.Event()
+
+    async def send(name: str, prompt: list[int], n: int, priority: int | None) -> None:
+        req = request(prompt, n, ignore_eos=True)
+        req.routing = None if priority is None else RoutingHints(priority=priority)
+        async for out in engine.generate(req, Context()):
+            if out.token_ids and name not in order:
+                order.append(name)
+                running.set()
+
+    blocker = asyncio.create_task(send("blocker", token_ids[0], 300, None))
+    await asyncio.wait_for(running.wait(), 60)
+    waiting = []
+    for name, priority in (("low0", -1), ("low1", -1), ("high", 10)):
+        waiting.append(asyncio.create_task(send(name, token_ids[1], 4, priority)))
+        await asyncio.sleep(0.05)  # they reach vLLM in this order, while the blocker runs
+    assert not blocker.done(), "the blocker finished before the others queued: make it longer"
+    await asyncio.wait_for(asyncio.gather(blocker, *waiting), 120)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, ["blocker", "high", "low0", "low1"]),  # our default: vLLM's priority policy
+        ({"scheduling_policy": "fcfs"}, ["blocker", "low0", "low1", "high"]),  # kept; no priority sent
+    ],
+)
+@in_module_loop
+async def test_a_high_priority_request_is_admitted_ahead_of_queued_low_priority_ones(
+    tiny_model: Path, token_ids: list[list[int]], extra: dict[str, Any], expected: list[str]
+) -> None:
+    engine = VllmEngine(engine_kwargs(tiny_model, max_num_seqs=1, **extra))
+    engine.kv_event_sink = sink = Sink()
+    total = (await engine.start(worker_id=5)).total_kv_blocks
+    try:
+        policy = extra.get("scheduling_policy", "priority")
+        assert engine._llm.vllm_config.scheduler_config.policy == policy
+        assert engine.by_priority is (policy == "priority")
+        assert await first_token_order(engine, token_ids) == expected
+    finally:
+        await engine.cleanup()
+    # Its load went on the sink from vLLM's scheduler stats: the queue behind the blocker with its
+    # prompt tokens, then idle.
+    assert {(m.worker_id, m.total_blocks) for m in sink.loads} == {(5, total)}
+    assert any(m.running == 1 and m.waiting == 3 and m.active_blocks > 0 for m in sink.loads), sink.loads
+    assert max(m.prefill_tokens for m in sink.loads) == 3 * len(token_ids[1])
+    last = sink.loads[-1]
+    assert (last.running, last.waiting, last.prefill_tokens) == (0, 0, 0), last
 
 
 # ---- settings --------------------------------------------------------------------------------------

@@ -20,6 +20,11 @@ its key. The errors are `RunConfigError`s, so `dyngraph run` reports them like a
 | kv_bytes_per_token | 131072 | KV cache bytes one token stands for in a P/D transfer (an 8B fp16 model's) |
 | kv_transfer_gb_per_s | 25.0 | simulated KV transfer bandwidth between prefill and decode workers, GB/s |
 | embedding_dim | 256 | length of the vectors an embedding mocker (`--embedding`) returns |
+| scheduling_policy | "priority" | "fcfs" or "priority": waiting order and preemption victim |
+
+`scheduling_policy` is vLLM's engine argument of that name, and its default is our vLLM worker's
+(engines/vllm.py): "priority", so requests marked urgent (`x-dynamo-request-priority`) are admitted
+first without any setting; with every priority equal it behaves exactly as "fcfs" (queues.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
     from dynamo_graph.backend.settings import EngineSettings
 
 SOURCE = "--extra-engine-args"
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerPolicy
 
 
 class MockerArgsError(RunConfigError):
@@ -56,6 +62,7 @@ class MockerArgs:
     kv_bytes_per_token: int = 131072
     kv_transfer_gb_per_s: float = 25.0
     embedding_dim: int = 256
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
         keys = (
@@ -79,6 +86,11 @@ class MockerArgs:
         _check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=0)
         if not _check_number("kv_transfer_gb_per_s", self.kv_transfer_gb_per_s) > 0.0:
             raise MockerArgsError(f"{SOURCE}: kv_transfer_gb_per_s must be greater than 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise MockerArgsError(
+                f"{SOURCE}: scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"not {self.scheduling_policy!r}"
+            )
         speedup = _check_number("speedup_ratio", self.speedup_ratio)
         if not speedup > 0.0:  # also rejects NaN
             raise MockerArgsError(f"{SOURCE}: speedup_ratio must be greater than 0, not {speedup!r}")

@@ -25,7 +25,13 @@ first admission); the last carries `finish_reason` ("length", "stop" or "cancell
 `completion_usage`. KV events go to `kv_event_sink` per rank: `stored` for each full block a
 pass computed, `removed` for evicted cached blocks, `cleared` for every rank at `cleanup()`; a
 `LoadMetrics` after passes that changed the rank's load (at most every `load_interval_s`, and
-always when the rank goes idle). With prefix caching off no KV events are sent (as vLLM).
+always when the rank goes idle), with its queued prefill (`prefill_tokens`: prompt tokens
+accepted and not yet computed). With prefix caching off no KV events are sent (as vLLM).
+
+Priority: a request's priority (`request_priority`: the routing hints' `x-dynamo-request-priority`
+/ nvext priority, higher is more urgent) orders the rank's waiting queue and picks preemption
+victims under `scheduling_policy: priority`, the default (scheduler.py, queues.py), as vLLM does
+with the negated value our vLLM worker passes it.
 
 LoRA adapters (backend/lora.py): any path is accepted; a request whose `model` names a loaded
 adapter draws other tokens (the adapter's id is mixed into its seed). As in vLLM, an adapter's
@@ -46,7 +52,7 @@ from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.lora import LoraAdapter
-from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, request_priority
 from dynamo_graph.engines.kv_handoff import first_token_answer, first_token_request
 from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
 from dynamo_graph.engines.mocker.perf_model import PerfModel
@@ -82,7 +88,7 @@ class _Rank:
         self.scheduler = scheduler
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
-        self.last_load: tuple[int, int, int] | None = None
+        self.last_load: tuple[int, int, int, int] | None = None
         self.last_load_time = float("-inf")
 
 
@@ -359,6 +365,7 @@ class MockerEngine(LLMEngine):
             stop_ids=stop_ids,
             sampler=sampler,
             adapter=None if adapter is None else adapter.lora_id,
+            priority=request_priority(request),
         )
 
     # ---- the forward-pass loop of one rank ---------------------------------------------
@@ -412,7 +419,12 @@ class MockerEngine(LLMEngine):
         if sink is None:
             return
         scheduler = rank.scheduler
-        snapshot = (scheduler.kv.used, len(scheduler.waiting), len(scheduler.running))
+        snapshot = (
+            scheduler.kv.used,
+            len(scheduler.waiting),
+            len(scheduler.running),
+            scheduler.prefill_backlog(),
+        )
         if snapshot == rank.last_load:
             return
         now = asyncio.get_running_loop().time()
@@ -426,6 +438,7 @@ class MockerEngine(LLMEngine):
             waiting=snapshot[1],
             running=snapshot[2],
             dp_rank=scheduler.dp_rank,
+            prefill_tokens=snapshot[3],
         )
         try:
             sink.load(metrics)

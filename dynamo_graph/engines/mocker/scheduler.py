@@ -5,16 +5,22 @@ loop and sleeps for the pass's simulated time (perf_model.py). A step:
 
 1. **Reap**: sequences whose context is stopped (or whose consumer went away) leave: their
    blocks are released and their stream ends with finish_reason "cancelled".
-2. **Running first** (oldest first), within the token budget `max_num_batched_tokens`: a
-   sequence still in prefill gets its next chunk (the rest of its new tokens, or what the budget
-   leaves with chunked prefill); a decoding sequence gets one token. A decoding sequence whose
-   next token crosses into a new block needs one more block; when none can be had (even by
-   evicting cached blocks), the *newest* running sequence is preempted (vLLM v1's default):
-   its blocks are freed and it goes back to the head of the waiting queue, keeping the tokens
-   it generated; it is recomputed (prompt + output, with whatever is still cached) when admitted
-   again. If the victim is the sequence itself, it waits.
-3. **Admission** (only when nothing was preempted this step, as vLLM v1), FIFO from the head of
-   the waiting queue while the token budget is not spent and fewer than `max_num_seqs` run. A
+2. **Running first** (in admission order, whatever their priority, as vLLM), within the token
+   budget `max_num_batched_tokens`: a sequence still in prefill gets its next chunk (the rest of
+   its new tokens, or what the budget leaves with chunked prefill); a decoding sequence gets one
+   token. A decoding sequence whose next token crosses into a new block needs one more block;
+   when none can be had (even by evicting cached blocks), a running sequence is preempted: with
+   `scheduling_policy` fcfs the *newest* (vLLM v1's `running[-1]`), with priority the least
+   urgent, latest-arrived one (vLLM's `max(running, key=(priority, arrival_time))`), whose chunk
+   already planned this step, if any, is given back to the budget. The victim's blocks are freed
+   and it goes back to the waiting queue (fcfs: at its head; priority: by its key), keeping the
+   tokens it generated; it is recomputed (prompt + output, with whatever is still cached) when
+   admitted again. If the victim is the sequence itself, it waits and no more running sequences
+   are scheduled this step.
+3. **Admission** (only when nothing was preempted this step, as vLLM v1), from the head of the
+   waiting queue (queues.py: fcfs is arrival order; priority is most urgent first, arrival order
+   among equals; a waiting request never preempts a running one, as in vLLM v1) while the token
+   budget is not spent and fewer than `max_num_seqs` run. A
    request is admitted when its blocks fit under the watermark — blocks held by running
    sequences + blocks it needs (all blocks of its tokens, less cached blocks that are already
    active) <= (1 - watermark) * num_gpu_blocks — and, without chunked prefill, its new tokens fit
@@ -41,6 +47,7 @@ request names in `stop_token_ids` stay drawable and stop it legitimately when dr
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from array import array
@@ -55,6 +62,7 @@ from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, LLMEngi
 from dynamo_graph.engines.mocker.args import MockerArgs
 from dynamo_graph.engines.mocker.kv_manager import KvManager
 from dynamo_graph.engines.mocker.perf_model import PerfModel, PolynomialPerfModel, iteration_ms
+from dynamo_graph.engines.mocker.queues import FcfsQueue, PriorityQueue, waiting_queue
 from dynamo_graph.router.kv.hashing import chain_hash, local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
@@ -125,6 +133,7 @@ class MockSequence:
 
     __slots__ = (
         "adapter",
+        "arrival",
         "cached_tokens",
         "cancelled",
         "context",
@@ -139,6 +148,7 @@ class MockSequence:
         "num_private",
         "outbox",
         "preemptions",
+        "priority",
         "prompt_len",
         "sampler",
         "seq_hashes",
@@ -158,8 +168,11 @@ class MockSequence:
         min_tokens: int = 0,
         stop_ids: frozenset[int] = frozenset(),
         adapter: int | None = None,
+        priority: int = 0,
     ) -> None:
         self.context = context
+        self.priority = priority  # Dynamo's sign: higher is more urgent
+        self.arrival = -1  # the rank's arrival counter, set when it is first queued
         # A LoRA adapter's id: its blocks are its own (chained from the id, as vLLM keys blocks
         # by adapter), so they never serve the base model or another adapter, and unreported.
         self.adapter = adapter
@@ -232,16 +245,21 @@ class Scheduler:
         self.kv = KvManager(
             args.num_gpu_blocks, args.block_size, prefix_caching=self.prefix_caching, events=self._events
         )
-        self.waiting: deque[MockSequence] = deque()
+        self.by_priority = args.scheduling_policy == "priority"
+        self.waiting: FcfsQueue[MockSequence] | PriorityQueue[MockSequence] = waiting_queue(
+            args.scheduling_policy
+        )
         self.running: list[MockSequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # ---- queue ---------------------------------------------------------------------------
 
     def add(self, seq: MockSequence) -> None:
         if self.prefix_caching and not seq.seq_hashes:
             seq.hash_blocks(self.block_size)
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        self.waiting.add(seq)
 
     def cancel(self, seq: MockSequence) -> None:
         """Drop `seq` at the next step (its consumer is gone, or it was aborted)."""
@@ -252,6 +270,13 @@ class Scheduler:
 
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens accepted and not yet computed (`LoadMetrics.prefill_tokens`): every
+        token of a waiting sequence (a preempted one recomputes its output too; one whose KV was
+        transferred computes its last token only), the rest of each running one in prefill."""
+        waiting = sum(1 if s.transferred else len(s.tokens) for s in self.waiting)
+        return waiting + sum(len(s.tokens) - s.num_computed for s in self.running if s.in_prefill)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence this long can ever be admitted."""
@@ -267,9 +292,8 @@ class Scheduler:
         kv = self.kv
         running = self.running
         budget = self.args.max_num_batched_tokens
-        scheduled: list[tuple[MockSequence, int]] = []
-        prefill_tokens = 0
-        decoding = 0
+        # (sequence, tokens this pass, whether they are one decode token)
+        scheduled: list[tuple[MockSequence, int, bool]] = []
         preempted = 0
 
         i = 0
@@ -277,12 +301,16 @@ class Scheduler:
             seq = running[i]
             if seq.in_prefill:
                 chunk = min(len(seq.tokens) - seq.num_computed, budget)
-                prefill_tokens += chunk
             else:
                 chunk = 1
                 if seq.held_blocks * bs < len(seq.tokens):  # the new token starts a block
                     while not kv.allocate(1):
-                        victim = running.pop()
+                        victim = self._victim()
+                        at = running.index(victim)
+                        del running[at]
+                        if at < i:
+                            i -= 1
+                        budget += self._unschedule(scheduled, victim)
                         self._preempt(victim)
                         preempted += 1
                         if victim is seq:
@@ -290,18 +318,17 @@ class Scheduler:
                     if seq.in_prefill:  # preempted itself: nothing more runs this step
                         break
                     seq.num_private += 1
-                decoding += 1
-            scheduled.append((seq, chunk))
+            scheduled.append((seq, chunk, not seq.in_prefill))
             budget -= chunk
             i += 1
 
         if not preempted:
-            admitted_prefill, admitted_decoding = self._admit(scheduled, budget)
-            prefill_tokens += admitted_prefill
-            decoding += admitted_decoding
+            self._admit(scheduled, budget)
+        prefill_tokens = sum(chunk for _, chunk, decode in scheduled if not decode)
+        decoding = sum(1 for _, _, decode in scheduled if decode)
 
         finished = False
-        for seq, chunk in scheduled:
+        for seq, chunk, _ in scheduled:
             seq.num_computed += chunk
             if self.prefix_caching:
                 self._register_blocks(seq)
@@ -323,14 +350,28 @@ class Scheduler:
         kv.events = self._events
         return result
 
-    def _admit(self, scheduled: list[tuple[MockSequence, int]], budget: int) -> tuple[int, int]:
-        """Admit waiting sequences within the budget: (prefill tokens, transferred sequences that
-        join as decodes)."""
+    def _victim(self) -> MockSequence:
+        """The running sequence preempted for memory: the newest (fcfs), or the least urgent
+        and, among those, latest-arrived (priority)."""
+        if self.by_priority:
+            return max(self.running, key=lambda s: (-s.priority, s.arrival))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[MockSequence, int, bool]], victim: MockSequence) -> int:
+        """Take a preempted sequence's chunk out of this pass; the tokens given back."""
+        for k, (seq, chunk, _) in enumerate(scheduled):
+            if seq is victim:
+                del scheduled[k]
+                return chunk
+        return 0
+
+    def _admit(self, scheduled: list[tuple[MockSequence, int, bool]], budget: int) -> None:
+        """Admit waiting sequences, from the head of the queue, within the budget."""
         bs, kv, waiting, running = self.block_size, self.kv, self.waiting, self.running
         max_seqs = self.args.max_num_seqs
-        prefill_tokens = decoding = 0
         while waiting and budget > 0 and len(running) < max_seqs:
-            seq = waiting[0]
+            seq = waiting.peek()
             length = len(seq.tokens)
             total = -(-length // bs)
             hit, active_hit = kv.match_prefix(seq.seq_hashes, (length - 1) // bs)
@@ -339,7 +380,7 @@ class Scheduler:
                 break
             if kv.used + total - active_hit > self.admission_blocks:
                 break
-            waiting.popleft()
+            waiting.pop()
             kv.acquire(seq.seq_hashes[:hit])
             allocated = kv.allocate(total - hit)
             assert allocated, "admission checked the capacity"
@@ -353,16 +394,13 @@ class Scheduler:
             if seq.transferred and hit == (length - 1) // bs:
                 # Every block but the partial last one is here; that one came with the transfer.
                 seq.num_computed = length - 1
-                scheduled.append((seq, 1))
+                scheduled.append((seq, 1, True))
                 budget -= 1
-                decoding += 1
                 continue
             seq.transferred = False  # evicted before admission: the rest is prefilled here
             chunk = min(new_tokens, budget)
-            scheduled.append((seq, chunk))
+            scheduled.append((seq, chunk, False))
             budget -= chunk
-            prefill_tokens += chunk
-        return prefill_tokens, decoding
 
     def import_prefix(self, tokens: Sequence[int]) -> bool:
         """The full blocks of `tokens`, computed by another worker (a KV transfer), become
@@ -446,7 +484,7 @@ class Scheduler:
         seq.transferred = False  # its transferred KV went with its blocks: recompute from the cache
         seq.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.prepend(seq)
 
     def _reap(self, outputs: list[tuple[MockSequence, LLMEngineOutput]]) -> None:
         """Remove cancelled sequences (stopped contexts are polled: cheap, one call each)."""
@@ -464,13 +502,8 @@ class Scheduler:
                     keep.append(seq)
             self.running = keep
         if any(map(gone, self.waiting)):
-            keep_waiting: deque[MockSequence] = deque()
-            for seq in self.waiting:
-                if gone(seq):
-                    self._end_cancelled(seq, outputs)
-                else:
-                    keep_waiting.append(seq)
-            self.waiting = keep_waiting
+            for seq in self.waiting.remove_if(gone):
+                self._end_cancelled(seq, outputs)
 
     @staticmethod
     def _end_cancelled(seq: MockSequence, outputs: list[tuple[MockSequence, LLMEngineOutput]]) -> None:
