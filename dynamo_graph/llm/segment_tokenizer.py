@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 LONG_SEGMENT_CHARS = 256
 Prefixes = list[tuple[int, bytes]]  # (leading token count, key of those ids), shortest first
 MAX_PREFIXES = 4  # the longest ones: those an earlier request (an earlier turn) can have named
-_ENTRY_OVERHEAD = 256
+_ENTRY_OVERHEAD = 200
 
 
 def _digest(ids: Sequence[int]) -> bytes:
@@ -62,8 +63,8 @@ def _digest(ids: Sequence[int]) -> bytes:
 
 def entry_bytes(text: str, token_count: int) -> int:
     """What one cached piece holds, counted from above: its text, a tuple slot and an int object
-    per id, and the key's, tuple's, digest's and map slot's headers."""
-    return len(text) + 36 * token_count + _ENTRY_OVERHEAD
+    per id, and the tuple's, digest's and map slot's headers."""
+    return sys.getsizeof(text) + 36 * token_count + _ENTRY_OVERHEAD
 
 
 _PROBE_TEXTS = (
@@ -95,7 +96,7 @@ class SegmentTokenizer:
         self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
         self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()  # ids, digest
         self.held_bytes = 0
-        self.hits = 0
+        self.hits = 0  # of long segments (those that name prefixes)
         self.misses = 0
         specials: dict[str, int] = {}
         clean = True
