@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/bench_long_prompts.py --modes kv,round-robin --rounds 3
 
 Every request is a streamed chat whose system message is the same ~`--prefix-tokens` (4096)
-token document and whose user message is a question of ~32 tokens that names the request's
-number (so it is new to every cache), answered with 64 tokens. The same load runs with the
+token document and whose user message is a question of ~24 tokens that names the request's
+number (so it is new to every cache; with the template's tokens around it, a new suffix of ~32),
+answered with 64 tokens. The same load runs with the
 frontend's segment cache (the default) and with it off (`DYN_TOKENIZE_CACHE_MB=0`, every
 prompt tokenized whole), and the frontend process's CPU-ms per request is compared. Short
 prompts (bench_frontend.py's message, numbered the same way) are measured too, to show the
@@ -63,7 +64,7 @@ NO_CACHE = {"DYN_TOKENIZE_CACHE_MB": "0"}
 
 
 def long_body(prefix_tokens: int, model: str = "bench") -> Body:
-    """Request number -> body: the shared document, then a question of ~32 tokens of its own."""
+    """Request number -> body: the shared document, then a question of ~24 tokens of its own."""
     rng = random.Random(4096)
     # About two tokens a word with the tiny model's tokenizer.
     document = "Answer from this document.\n\n" + " ".join(
