@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -101,7 +103,7 @@ def start(argv: list[str], port: int, delay_ms: float, env: dict[str, str] | Non
 def measure(
     pid: int,
     port: int,
-    body: dict,
+    body: dict | Callable[[int], dict],
     *,
     concurrency: int,
     requests: int,
@@ -110,13 +112,16 @@ def measure(
     extra_pids: dict[str, int] | None = None,
     path: str = "/v1/chat/completions",
 ) -> dict:
-    """One load point. CPU is read for the server `pid` and any `extra_pids` (e.g. workers)."""
+    """One load point. CPU is read for the server `pid` and any `extra_pids` (e.g. workers).
+    `body`: every request's, or a function of the request's number (warm-up ones included)."""
 
     target = Target("127.0.0.1", port, path, keep_alive=keep_alive)
+    numbers = itertools.count()
+    make = body if callable(body) else lambda _: body
 
     def load(n: int, seconds: float) -> tuple[list[Result], float]:
-        same = [Request(body)] * n
-        run = asyncio.run(run_closed(target, same, concurrency=concurrency, max_seconds=seconds))
+        bodies = [Request(make(next(numbers))) for _ in range(n)]
+        run = asyncio.run(run_closed(target, bodies, concurrency=concurrency, max_seconds=seconds))
         return run.results, run.wall_s
 
     load(min(requests, 4 * concurrency), 10)  # warm-up (connections, caches), not counted

@@ -17,16 +17,22 @@ When that cannot be guaranteed, the cache is off and every prompt is tokenized w
   tokens with spaces, newlines, digits and non-ASCII both ways and turns the cache off on any
   difference.
 
-Only segments of at least `MIN_CACHED_CHARS` are kept (short ones are cheap, and would crowd the
-cache); uncached segments of a prompt are tokenized in one `encode_batch` call. The cache holds
-at most `DYN_TOKENIZE_CACHE_MB` (64) of text and ids, least recently used out first. It belongs
-to one tokenizer object, so a changed tokenizer or template never meets stale ids.
+Every piece between special tokens is cached, short ones too: the template's own words (role
+names, separators) and earlier turns' short messages come back on every request. A piece not
+in the cache costs one `encode` call; its ids are kept as a tuple, which a prompt's id list
+extends at the cost of reference counts (converting a compact array back into Python ints cost
+more than the rest of the lookup: benchmarks/bench_prompt_stages.py). Only *long* pieces (at
+least `LONG_SEGMENT_CHARS`) end the prefixes named for the router, below, so that a request's
+unique short question never becomes the prefix a cache remembers. The cache holds at most
+`DYN_TOKENIZE_CACHE_MB` (64) by `entry_bytes`' count of its text, id tuples and bookkeeping,
+least recently used out first. It belongs to one tokenizer object, so a changed tokenizer or
+template never meets stale ids.
 
 `encode_prefixed` also names the prompt's leading prefixes made of cached segments (with the
 special tokens and short pieces between them), so that the KV router can reuse their block
 hashes (router/kv/prefix_hashes.py): each is a token count and a key, the xxh3-128 of the
 previous prefix's key and the xxh3-128 digests of the token ids of the pieces since (a
-special token, a short piece, a cached segment). The key is thus a function of the ids alone:
+special token, a short piece, a long segment). The key is thus a function of the ids alone:
 whatever tokenizer or template produced them, equal keys mean equal ids (up to a 128-bit
 collision). A cached segment's digest is computed once, when it is cached.
 """
@@ -36,20 +42,29 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 from xxhash import xxh3_128_digest
 
 log = logging.getLogger(__name__)
-MIN_CACHED_CHARS = 256
+LONG_SEGMENT_CHARS = 256
 Prefixes = list[tuple[int, bytes]]  # (leading token count, key of those ids), shortest first
 MAX_PREFIXES = 4  # the longest ones: those an earlier request (an earlier turn) can have named
+_ENTRY_OVERHEAD = 200
 
 
-def _digest(ids: array) -> bytes:
-    return xxh3_128_digest(memoryview(ids).cast("B"))
+def _digest(ids: Sequence[int]) -> bytes:
+    return xxh3_128_digest(memoryview(array("I", ids)).cast("B"))
+
+
+def entry_bytes(text: str, token_count: int) -> int:
+    """What one cached piece holds, counted from above: its text, a tuple slot and an int object
+    per id, and the tuple's, digest's and map slot's headers."""
+    return sys.getsizeof(text) + 36 * token_count + _ENTRY_OVERHEAD
 
 
 _PROBE_TEXTS = (
@@ -79,9 +94,9 @@ class SegmentTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, max_bytes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
-        self._cache: OrderedDict[str, tuple[array, bytes]] = OrderedDict()  # ids, their digest
+        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()  # ids, digest
         self.held_bytes = 0
-        self.hits = 0
+        self.hits = 0  # of long segments (those that name prefixes)
         self.misses = 0
         specials: dict[str, int] = {}
         clean = True
@@ -91,7 +106,7 @@ class SegmentTokenizer:
             specials[token.content] = token_id
             clean = clean and not (token.lstrip or token.rstrip or token.normalized or token.single_word)
         self._special_ids = specials
-        self._special_digests = {i: _digest(array("I", [i])) for i in specials.values()}
+        self._special_digests = {i: _digest([i]) for i in specials.values()}
         self._split = None
         if specials and clean and self.max_bytes > 0:
             alternatives = sorted(specials, key=len, reverse=True)  # longest first, as the tokenizer matches
@@ -103,6 +118,10 @@ class SegmentTokenizer:
     @property
     def enabled(self) -> bool:
         return self._split is not None
+
+    def __len__(self) -> int:
+        """Pieces in the cache."""
+        return len(self._cache)
 
     def _whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -143,64 +162,62 @@ class SegmentTokenizer:
 
     def _segmented(self, text: str, *, cache: bool) -> tuple[list[int], Prefixes]:
         assert self._split is not None
-        parts = self._split.split(text)  # text, special, text, special, ..., text
-        pieces: list[list[int] | array | None] = [None] * len(parts)
-        digests: list[bytes | None] = [None] * len(parts)
-        missing: list[int] = []
-        for k, part in enumerate(parts):
-            if k % 2:
-                special = self._special_ids[part]
-                pieces[k] = [special]
-                digests[k] = self._special_digests[special]
-            elif part:
-                found = self._cache.get(part) if cache and len(part) >= MIN_CACHED_CHARS else None
-                if found is None:
-                    missing.append(k)
-                else:
-                    self._cache.move_to_end(part)
-                    self.hits += 1
-                    pieces[k], digests[k] = found
-        if missing:
-            encoded = self.tokenizer.encode_batch([parts[k] for k in missing], add_special_tokens=False)
-            for k, enc in zip(missing, encoded, strict=True):
-                pieces[k] = enc.ids
-                if cache and len(parts[k]) >= MIN_CACHED_CHARS:
-                    self.misses += 1
-                    digests[k] = self._remember(parts[k], enc.ids)
         ids: list[int] = []
         prefixes: Prefixes = []
-        key = b""  # of the prefix up to the last cached segment
+        key = b""  # of the prefix up to the last long segment
         since: list[bytes] = []  # digests of the pieces after it
         leading = cache  # still within the leading run of specials, short and cached pieces
-        for k, piece in enumerate(pieces):
-            if piece is None:
+        entries = self._cache
+        special_ids = self._special_ids
+        for k, part in enumerate(self._split.split(text)):  # text, special, text, ..., text
+            if k % 2:
+                special = special_ids[part]
+                ids.append(special)
+                if leading:
+                    since.append(self._special_digests[special])
                 continue
+            if not part:
+                continue
+            long = len(part) >= LONG_SEGMENT_CHARS
+            found = entries.get(part) if cache else None
+            if found is not None:
+                entries.move_to_end(part)
+                if long:
+                    self.hits += 1
+                piece, digest = found
+            else:
+                # One piece, one call: encode_batch would wake the tokenizer's thread pool,
+                # which costs more CPU than it saves on a request's few short pieces.
+                piece = self._whole(part)
+                digest = None
+                if cache:
+                    if long:
+                        self.misses += 1
+                    digest = self._remember(part, piece)
             ids.extend(piece)
             if not leading:
                 continue
-            digest = digests[k]
-            if digest is None and len(parts[k]) < MIN_CACHED_CHARS:
-                digest = _digest(array("I", piece))
-            elif digest is None:  # a long segment too big to cache
-                leading = False
-                continue
+            if digest is None:
+                if long:  # too big to cache: no prefix can end past it
+                    leading = False
+                    continue
+                digest = _digest(piece)
             since.append(digest)
-            if k % 2 == 0 and digests[k] is not None:  # a cached segment ends here
+            if long:  # a long cached segment ends a prefix here
                 key = xxh3_128_digest(key + b"".join(since))
                 since.clear()
                 prefixes.append((len(ids), key))
         return ids, prefixes[-MAX_PREFIXES:]
 
     def _remember(self, segment: str, ids: list[int]) -> bytes | None:
-        """Cache a segment's ids (if it fits); their digest, or None if not cached."""
-        stored = array("I", ids)
-        size = len(segment) + 4 * len(stored) + 16
+        """Cache a piece's ids (if it fits); their digest, or None if not cached."""
+        size = entry_bytes(segment, len(ids))
         if size > self.max_bytes:
             return None
-        digest = _digest(stored)
-        self._cache[segment] = (stored, digest)
+        digest = _digest(ids)
+        self._cache[segment] = (tuple(ids), digest)
         self.held_bytes += size
         while self.held_bytes > self.max_bytes:
             old, (old_ids, _) = self._cache.popitem(last=False)
-            self.held_bytes -= len(old) + 4 * len(old_ids) + 16
+            self.held_bytes -= entry_bytes(old, len(old_ids))
         return digest

@@ -18,7 +18,7 @@ from xxhash import xxh3_128_digest
 
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.model_source import resolve_model
-from dynamo_graph.llm.segment_tokenizer import MIN_CACHED_CHARS, SegmentTokenizer
+from dynamo_graph.llm.segment_tokenizer import LONG_SEGMENT_CHARS, SegmentTokenizer
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
 from dynamo_graph.router.kv.router import KvRouter
@@ -26,7 +26,7 @@ from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs",))
 SHORT = st.text(ALPHABET, max_size=120)
-LONG = st.text(ALPHABET, min_size=MIN_CACHED_CHARS, max_size=900) | st.builds(
+LONG = st.text(ALPHABET, min_size=LONG_SEGMENT_CHARS, max_size=900) | st.builds(
     lambda w, n: (w + " ") * n, st.sampled_from(["cache", "router", "ünï", "12"]), st.integers(60, 400)
 )
 MESSAGE = st.tuples(st.sampled_from(["user", "assistant"]), SHORT | LONG)

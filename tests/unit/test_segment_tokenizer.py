@@ -7,6 +7,7 @@ cut at random points with special tokens put in the cuts, `SegmentTokenizer.enco
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.model_source import resolve_model
-from dynamo_graph.llm.segment_tokenizer import MIN_CACHED_CHARS, SegmentTokenizer
+from dynamo_graph.llm.segment_tokenizer import LONG_SEGMENT_CHARS, SegmentTokenizer, entry_bytes
 
 ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs",))
 TEXT = st.text(ALPHABET, max_size=400) | st.sampled_from(["", " ", "\n\n", "hello world", " x" * 200])
@@ -77,11 +78,61 @@ def test_a_repeated_prefix_is_served_from_the_cache(tokenizer: Tokenizer) -> Non
 
 
 def test_the_cache_stays_within_its_budget(tokenizer: Tokenizer) -> None:
-    segments = SegmentTokenizer(tokenizer, max_bytes=3 * (MIN_CACHED_CHARS + 4 * MIN_CACHED_CHARS))
-    for i in range(20):
-        text = f"{i} " + "x" * MIN_CACHED_CHARS
+    texts = [f"{i:02d} " + "x" * LONG_SEGMENT_CHARS for i in range(20)]
+    size = max(entry_bytes(t, len(whole(tokenizer, t))) for t in texts)
+    segments = SegmentTokenizer(tokenizer, max_bytes=3 * size)
+    for text in texts:
         assert segments.encode(text + "<|eot_id|>") == whole(tokenizer, text + "<|eot_id|>")
-    assert 0 < segments.held_bytes <= segments.max_bytes
+        assert 0 < segments.held_bytes <= segments.max_bytes
+    assert len(segments) == 3
+
+
+def test_the_least_recently_used_piece_goes_first(tokenizer: Tokenizer) -> None:
+    """A shared document used by every request stays while new questions push each other out."""
+    document = "A shared document about serving language models. " * 40
+    questions = [f"question number {i}, about the document?" for i in range(30)]
+    budget = entry_bytes(document, len(whole(tokenizer, document)))
+    budget += 4 * max(entry_bytes(q, len(whole(tokenizer, q))) for q in questions)
+    segments = SegmentTokenizer(tokenizer, max_bytes=budget)
+    for question in questions:
+        prompt = f"<|start_header_id|>{document}<|eot_id|>{question}"
+        assert segments.encode(prompt) == whole(tokenizer, prompt)
+        assert segments.held_bytes <= budget
+    assert (segments.misses, segments.hits) == (1, 29)
+    assert len(segments) <= 5
+
+
+def test_short_pieces_come_from_the_cache_too(model, tokenizer: Tokenizer) -> None:
+    """Role names, separators and earlier turns' short messages are tokenized once: a new turn
+    adds only its own pieces."""
+    template = ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
+    segments = SegmentTokenizer(tokenizer)
+    chat = [{"role": "system", "content": "Be brief."}]
+    sizes = []
+    for turn in range(4):
+        chat.append({"role": "user", "content": f"Question {turn}?"})
+        prompt = template.render(chat, add_generation_prompt=True)
+        assert segments.encode(prompt) == whole(tokenizer, prompt)
+        sizes.append(len(segments))
+        chat.append({"role": "assistant", "content": f"Answer {turn}."})
+    # Turn 0 caches every piece; each later turn the previous answer and its own question.
+    assert [b - a for a, b in itertools.pairwise(sizes)] == [2, 2, 2]
+
+
+def test_prefixes_end_only_after_long_segments(model, tokenizer: Tokenizer) -> None:
+    """A short question, cached or not, never ends a named prefix: the next request, with
+    another question, names the same prefix."""
+    template = ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
+    segments = SegmentTokenizer(tokenizer)
+    document = "Answer from this document.\n\n" + "serving router prefix cache " * 100
+    named = []
+    for question in ("Why?", "Why?", "How?"):
+        chat = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+        ids, prefixes = segments.encode_prefixed(template.render(chat, add_generation_prompt=True))
+        named.append(prefixes)
+        (count, _), *_ = prefixes
+        assert len(prefixes) == 1 and ids[count] == tokenizer.token_to_id("<|eot_id|>")
+    assert named[0] == named[1] == named[2]
 
 
 def _sentencepiece_like(prepend_first: bool) -> Tokenizer:
