@@ -1,5 +1,7 @@
 """The KV routers' state on /metrics: per worker rank, the fitted TTFT model and the predicted
-backlog; per router, its queue and session bindings (router/kv/predict.py, queue.py, affinity.py).
+backlog; per router, its queue and session bindings (router/kv/predict.py, queue.py, affinity.py),
+and what its index of the workers' caches holds and found: a LoRA adapter's router is labelled
+with the adapter's name, so its hits are told apart from the base model's.
 
 Process-wide, like the migration counts: routers belong to the model watcher's pools, which are
 built apart from the HTTP app whose FrontendMetrics exports them.
@@ -55,6 +57,17 @@ class RouterMetrics:
             labels=router_labels,
         )
         sessions = gauge("session_bindings", "Sessions bound to a worker", router_labels)
+        routed = CounterMetricFamily(
+            f"{PREFIX}_routed_requests", "Requests the router placed on a worker", labels=router_labels
+        )
+        overlap = CounterMetricFamily(
+            f"{PREFIX}_routed_overlap_blocks",
+            "Prompt KV blocks cached on the worker each request was placed on",
+            labels=router_labels,
+        )
+        indexed = gauge(
+            "indexed_blocks", "(worker rank, block) entries in the router's cache index", router_labels
+        )
         for (model, pool), router in list(self.routers.items()):
             seqs = router.sequences
             predictor = router.model
@@ -76,8 +89,11 @@ class RouterMetrics:
                 rejected.add_metric([model, pool], router.queue.rejected)
             if router.affinity is not None:
                 sessions.add_metric([model, pool], len(router.affinity))
+            routed.add_metric([model, pool], router.routed)
+            overlap.add_metric([model, pool], router.overlap_blocks_routed)
+            indexed.add_metric([model, pool], router.indexer.entries)
         yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, queued, queued_total)
-        yield from (rejected, sessions)
+        yield from (rejected, sessions, routed, overlap, indexed)
 
 
 ROUTERS = RouterMetrics()

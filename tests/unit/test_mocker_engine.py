@@ -39,9 +39,17 @@ class RecordingSink:
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.loads: list[LoadMetrics] = []
+        self.lora_names: list[str | None] = []  # of each stored event, in order
 
-    def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
+    def stored(
+        self,
+        parent_hash: int | None,
+        blocks: Sequence[StoredBlock],
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
         self.events.append(("stored", parent_hash, list(blocks), dp_rank))
+        self.lora_names.append(lora_name)
 
     def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
         self.events.append(("removed", list(block_hashes), dp_rank))
