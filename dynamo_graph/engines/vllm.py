@@ -366,7 +366,9 @@ class VllmKvEventBridge(KvBlockBridge):
         # `lora_name`) cannot be followed: those blocks are not reported, nor later their removal.
         lora_name = getattr(event, "lora_name", None) or None
         if lora_name is None and getattr(event, "lora_id", None) is not None:
-            self.warn_once("lora_id", "KV events name LoRA adapters by id only: adapters are not kv-routed")
+            self.warn_once(
+                "lora_id", "KV events name LoRA adapters by id only: adapter blocks are not reported"
+            )
             for h in event.block_hashes:
                 self.mark_partial(block_hash_u64(h), rank)
             return
