@@ -20,6 +20,12 @@ the cache hit rate (cached / prompt tokens, from the usage chunks). Ratios: adap
 base/kv (target: ~1.0, "as good as the base model") and adapter/round-robin against adapter/kv.
 Writes benchmarks/results/lora_routing.json (not with --quick). Not a test: numbers depend on
 the machine.
+
+Findings (defaults: 4 workers, c=8, 16 documents of 4k tokens, 64 conversations of 8 turns; one
+run on this project's shared 2-core VM): adapter/kv over base/kv TTFT mean 1.03x, p50 1.00x, p90
+1.05x, cache hit rate 0.945 for both (the adapter finds its prefixes as the base model does);
+adapter/round-robin over adapter/kv TTFT mean 1.30x, p50 1.09x, p90 1.51x, hit rate 0.657 vs
+0.945 (31.8% of round-robin's requests missed their document, 3.1% of kv's).
 """
 
 from __future__ import annotations
@@ -107,11 +113,11 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
     parser.add_argument("--quick", action="store_true", help="a smaller workload; writes no JSON")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--docs", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--docs", type=int, default=16)
     parser.add_argument("--doc-tokens", type=int, default=4096)
     parser.add_argument("--convs-per-doc", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--user-tokens", type=int, default=64, help="mean user turn (+-50%%)")
     parser.add_argument("--max-tokens", type=int, default=32, help="mean output tokens per turn (+-50%%)")
     parser.add_argument("--seed", type=int, default=0)

@@ -295,7 +295,8 @@ class MockerEngine(LLMEngine):
         seconds = handoff.size / (self.args.kv_transfer_gb_per_s * 1e9) / self.args.speedup_ratio
         if seconds > 0:
             await asyncio.sleep(seconds)
-        transferred = rank.scheduler.import_prefix(prefix)
+        adapter = request.model if request.model in self.adapters else None
+        transferred = rank.scheduler.import_prefix(prefix, adapter)
         async for out in self._run(request, context, rank, transferred=transferred):
             yield out
 

@@ -367,15 +367,16 @@ class Scheduler:
             prefill_tokens += chunk
         return prefill_tokens, decoding
 
-    def import_prefix(self, tokens: Sequence[int]) -> bool:
-        """The full blocks of `tokens`, computed by another worker (a KV transfer), become
-        cached blocks of this rank as if it had computed them, and are reported as stored; a
-        request for them then only computes what follows. False when they cannot be held (no
-        prefix caching, or no room): the request then simply prefills."""
+    def import_prefix(self, tokens: Sequence[int], adapter: str | None = None) -> bool:
+        """The full blocks of `tokens` (of LoRA adapter `adapter`, None: the base model),
+        computed by another worker (a KV transfer), become cached blocks of this rank as if it
+        had computed them, and are reported as stored; a request for them then only computes
+        what follows. False when they cannot be held (no prefix caching, or no room): the
+        request then simply prefills."""
         if not self.prefix_caching:
             return False
         bs, kv = self.block_size, self.kv
-        local = local_block_hashes(tokens, bs)
+        local = local_block_hashes(tokens, bs, lora_hash_seed(adapter))
         seq = sequence_hashes(local)
         first = 0
         while first < len(seq) and kv.is_cached(seq[first]):
@@ -389,7 +390,7 @@ class Scheduler:
             kv.promote(h)
         kv.release(seq[first:], 0)
         stored = [StoredBlock(seq[j], local[j]) for j in range(first, len(seq))]
-        self._events.append(("stored", seq[first - 1] if first else None, stored, None))
+        self._events.append(("stored", seq[first - 1] if first else None, stored, adapter))
         return True
 
     def _register_blocks(self, seq: MockSequence) -> None:
