@@ -4,7 +4,9 @@ vLLM, SGLang and TensorRT-LLM report a stored block as the engine's own block ha
 block's token ids. The router matches prefixes by *our* local hash of a block's tokens
 (router/kv/hashing.py), so each full block is sent on as `StoredBlock(engine hash as u64, local
 hash)`. The router knows no partial blocks: a partial block's hash is remembered per DP rank and
-its later removal is not passed on. Each adapter keeps the parsing of its engine's event format.
+its later removal is not passed on. A LoRA adapter's blocks are hashed with the adapter's seed
+and their stored event names it (router/kv/protocols.py). Each adapter keeps the parsing of its
+engine's event format.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.router.kv.hashing import local_block_hashes
+from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed
 from dynamo_graph.router.kv.protocols import StoredBlock
 
 if TYPE_CHECKING:
@@ -53,21 +55,30 @@ class KvBlockBridge:
         return size
 
     def store(
-        self, parent: int | None, hashes: Sequence[int], tokens: Sequence[int], size: int, rank: int
+        self,
+        parent: int | None,
+        hashes: Sequence[int],
+        tokens: Sequence[int],
+        size: int,
+        rank: int,
+        lora_name: str | None = None,
     ) -> int:
-        """Blocks `hashes` (u64s) holding `tokens` in order, `size` tokens each: the full ones go to
-        the sink, the rest are remembered as partial. Returns how many were partial."""
-        locals_ = local_block_hashes(tokens, size)
+        """Blocks `hashes` (u64s) holding `tokens` in order, `size` tokens each, of the LoRA
+        adapter `lora_name` (None: the base model): the full ones go to the sink, the rest are
+        remembered as partial. Returns how many were partial."""
+        locals_ = local_block_hashes(tokens, size, lora_hash_seed(lora_name))
         blocks = [StoredBlock(h, local) for h, local in zip(hashes, locals_, strict=False)]
         partial = hashes[len(blocks) :]
         for h in partial:
             self.mark_partial(h, rank)
-        self.store_blocks(parent, blocks, rank)
+        self.store_blocks(parent, blocks, rank, lora_name)
         return len(partial)
 
-    def store_blocks(self, parent: int | None, blocks: list[StoredBlock], rank: int) -> None:
+    def store_blocks(
+        self, parent: int | None, blocks: list[StoredBlock], rank: int, lora_name: str | None = None
+    ) -> None:
         if blocks:
-            self.sink.stored(parent, blocks, rank)
+            self.sink.stored(parent, blocks, rank, lora_name)
 
     def mark_partial(self, block_hash: int, rank: int) -> None:
         self._partial.setdefault(rank, set()).add(block_hash)

@@ -90,8 +90,9 @@ logprob and the top N by rank: vLLM's own values, streamed with their tokens.
 LoRA adapters (backend/lora.py): `load_lora` calls `AsyncLLM.add_lora(LoRARequest(name, id, path))`
 (a PEFT folder; vLLM must run with `enable_lora`, set automatically when `--lora-modules` declares
 adapters, else through `--extra-engine-args`), and a request whose `model` is the adapter's name
-runs with its `lora_request`; `unload_lora` calls `remove_lora`. KV events of adapter blocks
-(`lora_id` set) are not bridged: they are not the base model's cache.
+runs with its `lora_request`; `unload_lora` calls `remove_lora`. KV events of adapter blocks are
+bridged under the adapter's name (`BlockStored.lora_name`; their local hashes seeded by it, as the
+adapter's kv router hashes prompts): each adapter is kv-routed on its own blocks.
 
 Finish reasons: vLLM's "stop" (eos or a stop token id: it is the last id of the final chunk; the
 postprocessor hides it), "length", "abort" -> "cancelled", "error" -> "error".
@@ -389,9 +390,14 @@ class VllmKvEventBridge(KvBlockBridge):
                 self.warn_once(kind, "ignoring unknown KV event %s", kind)
 
     def _stored(self, event: Any, rank: int) -> None:
-        if getattr(event, "lora_id", None) is not None:
-            # A LoRA adapter's blocks are not the base model's cache (vLLM keys them by adapter)
-            # and adapters are not kv-routed: not reported, nor later their removal.
+        # A LoRA adapter's blocks (vLLM keys them by adapter) go out under the adapter's name,
+        # for the adapter's own kv router. A vLLM that names adapters by id only (before
+        # `lora_name`) cannot be followed: those blocks are not reported, nor later their removal.
+        lora_name = getattr(event, "lora_name", None) or None
+        if lora_name is None and getattr(event, "lora_id", None) is not None:
+            self.warn_once(
+                "lora_id", "KV events name LoRA adapters by id only: adapter blocks are not reported"
+            )
             for h in event.block_hashes:
                 self.mark_partial(block_hash_u64(h), rank)
             return
@@ -401,7 +407,7 @@ class VllmKvEventBridge(KvBlockBridge):
         parent = event.parent_block_hash
         hashes = [block_hash_u64(h) for h in event.block_hashes]
         parent_u64 = None if parent is None else block_hash_u64(parent)
-        if self.store(parent_u64, hashes, list(event.token_ids), size, rank):
+        if self.store(parent_u64, hashes, list(event.token_ids), size, rank, lora_name):
             self.warn_once("partial", "a BlockStored event without the tokens of all its blocks")
 
 

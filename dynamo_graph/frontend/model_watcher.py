@@ -19,8 +19,12 @@ may appear before the model's decode workers do: it waits, unserved, until they 
 
 LoRA adapters: a worker serving an adapter publishes its card (the base card under the
 adapter's name, `lora` naming the base model) one key below its own; the adapter becomes a model
-of its own, routed only to the workers whose adapter card is accepted, round-robin (KV events do
-not say which adapter a block belongs to). frontend/lora.py loads and unloads adapters.
+of its own, routed only to the workers whose adapter card is accepted. With `--router-mode kv`
+it gets its own KV router on the base model's channel: stored events name the adapter their
+blocks belong to, and the adapter's router keeps only its adapter's blocks (as the base model's
+keeps only the base model's) and hashes prompts with the adapter's seed, so adapter requests
+find the adapter's cached prefixes and nothing else (router/kv/protocols.py). Adapters loaded at
+run time get the same when their cards appear. frontend/lora.py loads and unloads adapters.
 
 Each model's instances are health-checked (runtime/health.py) with the payload each worker's
 card carries (`user_data.health_check_payload`): one that fails a check leaves routing until it
@@ -237,7 +241,9 @@ class ModelWatcher:
         client.allowed = set()
         if not kv:
             return client, None
-        router = KvRouter(card.kv_cache_block_size, self.kv_config)
+        router = KvRouter(
+            card.kv_cache_block_size, self.kv_config, lora_name=card.display_name if card.lora else None
+        )
         ROUTERS.add(card.display_name, "prefill" if "prefill" in card.model_type else "decode", router)
         return client, router
 
@@ -269,14 +275,7 @@ class ModelWatcher:
     ) -> _Model | None:
         """The model's decode (or aggregated) pool and its pipeline, listed in /v1/models."""
         name = card.display_name
-        # Adapters' KV differs from the base model's, but workers' KV events do not say which
-        # adapter a block belongs to: adapters (and embedding models) are routed round-robin.
-        kv = (
-            self.router_mode == "kv"
-            and card.model_input == "tokens"
-            and card.lora is None
-            and "embedding" not in card.model_type
-        )
+        kv = self.router_mode == "kv" and card.model_input == "tokens" and "embedding" not in card.model_type
         client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
@@ -286,12 +285,7 @@ class ModelWatcher:
             log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
             return None
         if self.router_mode == "kv" and not kv:
-            if card.lora is not None:
-                why = "is a LoRA adapter"
-            elif "embedding" in card.model_type:
-                why = "serves embeddings"
-            else:
-                why = "takes text, not tokens"
+            why = "serves embeddings" if "embedding" in card.model_type else "takes text, not tokens"
             log.warning("model %r %s: no kv routing for it; round-robin", name, why)
         model = await self._started_pool(card, endpoint, client, router)
         model.disagg = disagg

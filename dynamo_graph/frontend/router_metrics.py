@@ -2,7 +2,9 @@
 backlog, the load the router counts there (its own bookkeeping, the rank's last load report and
 the larger of the two, which cost and queue use) and, with the queue on, the tokens past which
 the rank is busy; per router, its queue and session bindings (router/kv/predict.py, reported.py,
-queue.py, affinity.py).
+queue.py, affinity.py), and what its index of the workers' caches holds and found: a LoRA
+adapter's router is labelled with the adapter's name, so its hits are told apart from the base
+model's.
 
 Process-wide, like the migration counts: routers belong to the model watcher's pools, which are
 built apart from the HTTP app whose FrontendMetrics exports them.
@@ -69,6 +71,17 @@ class RouterMetrics:
             labels=router_labels,
         )
         sessions = gauge("session_bindings", "Sessions bound to a worker", router_labels)
+        routed = CounterMetricFamily(
+            f"{PREFIX}_routed_requests", "Requests the router placed on a worker", labels=router_labels
+        )
+        overlap = CounterMetricFamily(
+            f"{PREFIX}_routed_overlap_blocks",
+            "Prompt KV blocks cached on the worker each request was placed on",
+            labels=router_labels,
+        )
+        indexed = gauge(
+            "indexed_blocks", "(worker rank, block) entries in the router's cache index", router_labels
+        )
         for (model, pool), router in list(self.routers.items()):
             seqs = router.sequences
             predictor = router.model
@@ -103,9 +116,12 @@ class RouterMetrics:
                 rejected.add_metric([model, pool], router.queue.rejected)
             if router.affinity is not None:
                 sessions.add_metric([model, pool], len(router.affinity))
+            routed.add_metric([model, pool], router.routed)
+            overlap.add_metric([model, pool], router.overlap_blocks_routed)
+            indexed.add_metric([model, pool], router.indexer.entries)
         yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, counted, busy)
         yield from (reported_tokens, reported_blocks, reported_waiting, reported_running, report_age)
-        yield from (queued, queued_total, rejected, sessions)
+        yield from (queued, queued_total, rejected, sessions, routed, overlap, indexed)
 
 
 ROUTERS = RouterMetrics()

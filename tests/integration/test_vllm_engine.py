@@ -117,12 +117,20 @@ class Sink:
 
     def __init__(self) -> None:
         self.stored_events: list[tuple[int | None, list[StoredBlock], int]] = []
+        self.lora_names: dict[int, str | None] = {}  # tokens hash -> the adapter of its stored event
         self.removed_events: list[list[int]] = []
         self.cleared_ranks: list[int] = []
         self.loads: list[LoadMetrics] = []
 
-    def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
+    def stored(
+        self,
+        parent_hash: int | None,
+        blocks: Sequence[StoredBlock],
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
         self.stored_events.append((parent_hash, list(blocks), dp_rank))
+        self.lora_names.update((b.tokens_hash, lora_name) for b in blocks)
 
     def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
         self.removed_events.append(list(block_hashes))

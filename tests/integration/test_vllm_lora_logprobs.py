@@ -30,7 +30,7 @@ from dynamo_graph.dev.tiny_lora import GGUF_LORA_NAME, build_tiny_lora
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.vllm import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
-from dynamo_graph.router.kv.hashing import local_block_hashes
+from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed
 from tests.integration.engine_helpers import collect, greedy_request, ids
 from tests.integration.test_vllm_engine import LONG, Sink
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
@@ -134,20 +134,23 @@ async def test_an_adapter_changes_greedy_output_as_in_vllm(
         )
         gguf_ids = list(itertools.islice(llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0), N))
         assert gguf_ids == with_adapter
-    # KV events: an adapter's blocks are not reported as the base model's cache.
+    # KV events: an adapter's blocks are reported under its name, hashed with its seed as the
+    # adapter's kv router hashes prompts, and never as the base model's cache.
     sink = engine.kv_event_sink
     assert isinstance(sink, Sink)
     tok = resolve_model(str(tiny_model)).load_tokenizer()
     adapter_prompt, base_prompt = (tok.encode(f"{n}: {LONG}").ids for n in ("adapter", "base"))
     await collect(engine, _request(adapter_prompt, model="sql"))
     await collect(engine, _request(base_prompt))
-    first_block = {local_block_hashes(p, 32)[0]: p for p in (adapter_prompt, base_prompt)}
+    adapter_blocks = local_block_hashes(adapter_prompt, 32, lora_hash_seed("sql"))
+    base_blocks = local_block_hashes(base_prompt, 32)
     for _ in range(100):  # events arrive in order: once the base prompt's are in, all are
-        seen = {b.tokens_hash for b in sink.blocks()}
-        if local_block_hashes(base_prompt, 32)[0] in seen:
+        if base_blocks[-1] in sink.lora_names:
             break
         await asyncio.sleep(0.05)
-    assert {h for h in first_block if h in seen} == {local_block_hashes(base_prompt, 32)[0]}
+    assert {sink.lora_names.get(h) for h in adapter_blocks} == {"sql"}, sink.lora_names
+    assert all(h in sink.lora_names and sink.lora_names[h] is None for h in base_blocks)
+    assert local_block_hashes(adapter_prompt, 32)[0] not in sink.lora_names  # not as the base model's
 
     await engine.unload_lora("sql")
     assert ids(await collect(engine, _request(prompt_ids, model="sql"))) == base

@@ -1,10 +1,12 @@
 """LoRA adapters end to end: a real frontend and two mocker workers, each its own process, over
 the embedded planes. An adapter loaded at run time on one worker is listed (with its base model
 as `parent`), served only by that worker, answers differently from the base model, and is gone
-(404) once unloaded; adapters declared on a worker's command line come up with it."""
+(404) once unloaded; adapters declared on a worker's command line come up with it; with kv
+routing, an adapter's requests go to the worker holding their cached prefix."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -14,12 +16,17 @@ import pytest
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
 from tests.procs import running_server
 from tests.system.routing_helpers import served_by
-from tests.system.test_distributed import wait_for
+from tests.system.test_distributed import instances, wait_for
 from tests.system.test_migration import Cluster
 
 ADAPTER = "tiny-sql"
 PROMPT = "SELECT the answer FROM"
 KEY = "sk-lora-test"
+# A document several KV blocks long (16-token blocks), asked several questions.
+DOCUMENT = (
+    "Shipping policy, section 4: parcels leave the depot within two working days; tracking numbers "
+    "are issued at the depot; delivery dates are promised only once the carrier confirms them."
+)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +154,64 @@ def test_in_process_serving_has_the_same_routes(tiny_model: Path, tiny_lora: Pat
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
         with pytest.raises(openai.NotFoundError):
             _complete(client, "runtime")
+
+
+def _router_metric(cluster: Cluster, name: str, model: str) -> float:
+    """`dynamo_frontend_router_{name}` of `model`'s decode router, from the frontend's /metrics."""
+    text = httpx.get(f"{cluster.frontend.base_url}/metrics", timeout=10).text
+    pattern = rf'^dynamo_frontend_router_{name}\{{model="{re.escape(model)}",pool="decode"\}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_adapter_requests_are_kv_routed_to_the_worker_holding_their_prefix(
+    make_cluster, tiny_lora: Path
+) -> None:
+    """Two mocker workers, the adapter loaded on both at run time: each document's follow-up
+    questions through the adapter go to the worker that cached the document for the adapter, as
+    the adapter's own KV router (fed by events naming the adapter) finds it; the same prompts for
+    the base model find nothing of the adapter's cached, nor does the base model's router."""
+    # Dynamo's cost spreads new prefixes over idle workers (the smallest cache wins a tie), so
+    # both workers hold documents; the adapter's router works alike under either cost.
+    cluster = make_cluster(
+        workers=2, limit=None, speedup=20.0, router="kv", frontend_args=["--router-cost", "dynamo"]
+    )
+    loaded = _post(cluster, "load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(tiny_lora)})
+    assert loaded.status_code == 200, loaded.text
+    wait_for(lambda: len(instances(cluster.frontend, ADAPTER)) == 2, 30, "the adapter on both workers")
+    client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
+    documents = [f"Document {d}: {DOCUMENT} Reference number {d * 7919}." for d in range(4)]
+
+    def ask(model: str, prompt: str) -> dict:
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        return answer.model_dump()
+
+    def cached(body: dict) -> int:
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    homes = set()
+    for document in documents:
+        indexed = _router_metric(cluster, "indexed_blocks", ADAPTER)
+        home, first = served_by(
+            cluster.frontend, ADAPTER, lambda d=document: ask(ADAPTER, f"{d} Question 0?")
+        )
+        assert cached(first) == 0
+        homes.add(home)
+        # The adapter's router has heard the worker's stored events for the document's blocks.
+        wait_for(
+            lambda i=indexed: _router_metric(cluster, "indexed_blocks", ADAPTER) > i, 10, "adapter KV events"
+        )
+        for question in range(1, 3):
+            served, body = served_by(
+                cluster.frontend, ADAPTER, lambda d=document, q=question: ask(ADAPTER, f"{d} Question {q}?")
+            )
+            assert served == home, f"a follow-up on {document[:12]!r} left the worker holding it"
+            assert cached(body) >= first["usage"]["prompt_tokens"] - 32, body["usage"]
+    assert len(homes) == 2, "every document landed on one worker"
+    assert _router_metric(cluster, "routed_overlap_blocks_total", ADAPTER) >= 8 * len(documents)
+    # The base model's router never indexed the adapter's blocks, and the same prompts for the
+    # base model are computed afresh wherever they go.
+    assert _router_metric(cluster, "indexed_blocks", cluster.model) == 0
+    for document in documents:
+        assert cached(ask(cluster.model, f"{document} Question 1?")) == 0
+    assert _router_metric(cluster, "routed_overlap_blocks_total", cluster.model) == 0

@@ -119,10 +119,12 @@ def start_cluster(
     router: str = "round-robin",
     speedup: float = 0.25,
     frontend_env: dict[str, str] | None = None,
+    frontend_args: list[str] | None = None,
 ) -> Cluster:
-    """A frontend (`--migration-limit limit`, none if None) and `workers` mocker workers, routable."""
+    """A frontend (`--migration-limit limit`, none if None; more flags: `frontend_args`) and
+    `workers` mocker workers, routable."""
     env = planes_env(tmp_path)
-    args = ["out=auto", "--router-mode", router]
+    args = ["out=auto", "--router-mode", router, *(frontend_args or [])]
     if limit is not None:
         args += ["--migration-limit", str(limit)]
     frontend = ServerProcess(args, env={**env, **(frontend_env or {})}, log_dir=tmp_path)

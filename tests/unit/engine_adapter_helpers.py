@@ -31,8 +31,9 @@ class RecordingSink:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def stored(self, parent_hash, blocks, dp_rank=0) -> None:
-        self.events.append(("stored", parent_hash, list(blocks), dp_rank))
+    def stored(self, parent_hash, blocks, dp_rank=0, lora_name=None) -> None:
+        adapter = () if lora_name is None else (lora_name,)  # base-model blocks: the 4-tuple
+        self.events.append(("stored", parent_hash, list(blocks), dp_rank, *adapter))
 
     def removed(self, block_hashes, dp_rank=0) -> None:
         self.events.append(("removed", list(block_hashes), dp_rank))

@@ -131,23 +131,38 @@ async def test_mocker_adapters_draw_other_tokens_deterministically() -> None:
         await engine.cleanup()
 
 
-async def test_mocker_adapter_blocks_are_their_own_and_unreported() -> None:
-    """As vLLM keys blocks by adapter: an adapter's prompt never hits the base model's cache, and
-    its blocks are not reported to the router (which indexes the base model's by tokens)."""
+async def test_mocker_adapter_blocks_are_their_own_and_named_in_kv_events() -> None:
+    """As vLLM keys blocks by adapter: an adapter's prompt never hits the base model's cache. Its
+    stored events name the adapter and carry the adapter-seeded hashes the kv router computes, so
+    an indexer of the adapter holds them and the base model's indexer does not (nor the reverse)."""
     from dynamo_graph.backend.lora import LoraAdapter
+    from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed, sequence_hashes
+    from dynamo_graph.router.kv.indexer import KvIndexer
+    from dynamo_graph.router.kv.protocols import KvCacheEvent, KvCleared, KvRemoved, KvStored
+
+    indexers = {None: KvIndexer(), "a": KvIndexer(lora_name="a")}
 
     class Sink:
-        def __init__(self) -> None:
-            self.stored_blocks: list[int] = []
+        """Every event to both indexers, as the frontend's routers of one channel receive them."""
 
-        def stored(self, parent_hash, blocks, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
-            self.stored_blocks.extend(b.block_hash for b in blocks)
+        def __init__(self) -> None:
+            self.names: list[str | None] = []
+            self.event_id = 0
+
+        def _apply(self, data: KvStored | KvRemoved | KvCleared) -> None:
+            self.event_id += 1
+            for indexer in indexers.values():
+                indexer.apply_event(KvCacheEvent(self.event_id, 7, data))
+
+        def stored(self, parent_hash, blocks, dp_rank=0, lora_name=None) -> None:  # type: ignore[no-untyped-def]
+            self.names.append(lora_name)
+            self._apply(KvStored(list(blocks), parent_hash, lora_name))
 
         def removed(self, block_hashes, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
-            pass
+            self._apply(KvRemoved(list(block_hashes)))
 
         def cleared(self, dp_rank=0) -> None:  # type: ignore[no-untyped-def]
-            pass
+            self._apply(KvCleared())
 
         def load(self, metrics) -> None:  # type: ignore[no-untyped-def]
             pass
@@ -155,25 +170,33 @@ async def test_mocker_adapter_blocks_are_their_own_and_unreported() -> None:
     engine = MockerEngine(MockerArgs(speedup_ratio=1e6, block_size=16), vocab_size=512)
     sink = engine.kv_event_sink = Sink()
     await engine.start()
+    prompt = list(range(1, 70))
 
-    async def run(model: str) -> tuple[int | None, int]:
+    async def run(model: str) -> int | None:
         req = PreprocessedRequest(
             model=model,
-            token_ids=list(range(1, 70)),
+            token_ids=prompt,
             stop_conditions=StopConditions(max_tokens=2),
             sampling_options=SamplingOptions(temperature=0.0),
         )
         outs = [out async for out in engine.generate(req, Context())]
         await asyncio.sleep(0.01)
-        return outs[0].cached_tokens, len(sink.stored_blocks)
+        return outs[0].cached_tokens
+
+    def depth(lora: str | None, hashed_as: str | None) -> int:
+        local = local_block_hashes(prompt, 16, lora_hash_seed(hashed_as))
+        return indexers[lora].find_matches(local, sequence_hashes(local)).get((7, 0), 0)
 
     try:
         await engine.load_lora(LoraAdapter("a", "/a", lora_id("a")))
-        assert await run("a") == (0, 0)  # computed, not reported
-        assert (await run("base"))[0] == 0  # the adapter's blocks are not the base model's
-        reported = len(sink.stored_blocks)
-        assert reported >= 4
-        assert await run("a") == (64, reported)  # its own blocks again: a hit, still unreported
-        assert await run("base") == (64, reported)
+        assert await run("a") == 0
+        assert set(sink.names) == {"a"}
+        assert await run("base") == 0  # the adapter's blocks are not the base model's
+        assert sink.names[-1] is None
+        assert await run("a") == 64 and await run("base") == 64  # each its own blocks again
+        assert depth("a", "a") == 4 and depth(None, None) == 4
+        assert depth("a", None) == 0 and depth(None, "a") == 0  # neither index matches the other's
+        assert indexers["a"].stats.other_model > 0 and indexers[None].stats.other_model > 0
     finally:
         await engine.cleanup()
+    assert depth("a", "a") == 0 and depth(None, None) == 0  # cleared: every index forgets the worker

@@ -39,9 +39,17 @@ class RecordingSink:
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.loads: list[LoadMetrics] = []
+        self.lora_names: list[str | None] = []  # of each stored event, in order
 
-    def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
+    def stored(
+        self,
+        parent_hash: int | None,
+        blocks: Sequence[StoredBlock],
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
         self.events.append(("stored", parent_hash, list(blocks), dp_rank))
+        self.lora_names.append(lora_name)
 
     def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
         self.events.append(("removed", list(block_hashes), dp_rank))
@@ -442,3 +450,28 @@ async def test_prefill_hands_over_and_decode_continues_without_prefilling(make_e
     # A request that ends at its first token comes back finished, with nothing to hand over.
     done, nothing = await prefill.prefill(request(prompt, max_tokens=1), Context())
     assert done.finish_reason == "length" and nothing is None
+
+
+async def test_a_handed_over_adapter_prompt_is_imported_as_the_adapters_blocks(make_engine) -> None:
+    """The decode worker imports an adapter request's prompt as that adapter's blocks (seeded
+    hashes, stored events naming it), so the request finds them, as a base-model one does."""
+    from dynamo_graph.backend.lora import LoraAdapter, lora_id
+    from dynamo_graph.router.kv.hashing import lora_hash_seed
+
+    sink = RecordingSink()
+    prefill = await make_engine(worker_id=1, block_size=16)
+    decode = await make_engine(sink, worker_id=2, block_size=16)
+    for engine in (prefill, decode):
+        await engine.load_lora(LoraAdapter("sql", "/adapters/sql", lora_id("sql")))
+    prompt = list(range(100, 150))
+    asked = request(prompt, max_tokens=8)
+    asked.model = "sql"
+    first, handoff = await prefill.prefill(asked, Context())
+    assert handoff is not None
+    follow = request([*prompt, *first.token_ids], max_tokens=7)
+    follow.model = "sql"
+    outs = [o async for o in decode.generate_from_kv(follow, handoff, Context())]
+    assert outs[0].cached_tokens == 48
+    imported = sink.events[0]
+    assert imported[0] == "stored" and sink.lora_names[0] == "sql"
+    assert [b.tokens_hash for b in imported[2]] == local_block_hashes(prompt, 16, lora_hash_seed("sql"))

@@ -226,7 +226,7 @@ def test_freed_blocks_are_evicted_lru_first_tail_blocks_first_with_removed_event
     for prompt in (pa, pb):
         sched.add(seq(prompt, 1))
         events += [ev for st in run(sched) for ev in st.events]
-    assert events == [("stored", None, ha), ("stored", None, hb)]
+    assert events == [("stored", None, ha, None), ("stored", None, hb, None)]
     # freed in reverse order: the tail block of a sequence goes before its head
     assert sched.kv.lru_order() == [ha[1].block_hash, ha[0].block_hash, hb[1].block_hash, hb[0].block_hash]
     assert sched.kv.used == 0 and sched.kv.cached == 4 and sched.kv.free == 2
@@ -234,13 +234,13 @@ def test_freed_blocks_are_evicted_lru_first_tail_blocks_first_with_removed_event
     c = seq(pc, 1)  # 4 blocks: 2 free + the 2 least recently freed
     sched.add(c)
     events = [ev for st in run(sched) for ev in st.events]
-    assert events == [("removed", [ha[1].block_hash, ha[0].block_hash]), ("stored", None, hc)]
+    assert events == [("removed", [ha[1].block_hash, ha[0].block_hash]), ("stored", None, hc, None)]
 
     b2 = seq(pb, 1)  # hits pb's first block (its last token is recomputed), evicts the LRU (pb's tail)
     sched.add(b2)
     events = [ev for st in run(sched) for ev in st.events]
     assert b2.cached_tokens == 4
-    assert events == [("removed", [hb[1].block_hash]), ("stored", hb[0].block_hash, [hb[1]])]
+    assert events == [("removed", [hb[1].block_hash]), ("stored", hb[0].block_hash, [hb[1]], None)]
 
     a2 = seq(pa, 1)  # evicted: no hit
     sched.add(a2)
@@ -258,9 +258,9 @@ def test_exact_kv_events_of_prefill_and_decode_blocks_match_the_router_hashes() 
     router = blocks_of(prompt, 4)  # what a kv router computes from the prompt
     full = blocks_of(prompt + generated[:2], 4)  # 12 computed tokens = 3 full blocks
     assert [st.events for st in steps] == [
-        [("stored", None, router)],  # prefill completes 2 full blocks
+        [("stored", None, router, None)],  # prefill completes 2 full blocks
         [],
-        [("stored", router[1].block_hash, [full[2]])],  # decode filled the third block
+        [("stored", router[1].block_hash, [full[2]], None)],  # decode filled the third block
     ]
     assert tokens_out(steps, s) == generated
     assert steps[-1].outputs[0][1].finish_reason == "length"

@@ -35,8 +35,9 @@ with the negated value our vLLM worker passes it.
 
 LoRA adapters (backend/lora.py): any path is accepted; a request whose `model` names a loaded
 adapter draws other tokens (the adapter's id is mixed into its seed). As in vLLM, an adapter's
-KV blocks are its own (their hashes chain from its id): they serve only its requests, and their
-`stored` events are not sent (the router indexes the base model's blocks by their tokens).
+KV blocks are its own: their local hashes are seeded by the adapter's name as the kv router
+seeds them (router/kv/hashing.py), so they serve only its requests, and their `stored` events
+name the adapter (`lora_name`), which lets the adapter's own kv router find them.
 """
 
 from __future__ import annotations
@@ -300,7 +301,8 @@ class MockerEngine(LLMEngine):
         seconds = handoff.size / (self.args.kv_transfer_gb_per_s * 1e9) / self.args.speedup_ratio
         if seconds > 0:
             await asyncio.sleep(seconds)
-        transferred = rank.scheduler.import_prefix(prefix)
+        adapter = request.model if request.model in self.adapters else None
+        transferred = rank.scheduler.import_prefix(prefix, adapter)
         async for out in self._run(request, context, rank, transferred=transferred):
             yield out
 
@@ -364,7 +366,7 @@ class MockerEngine(LLMEngine):
             min_tokens=sc.min_tokens or 0,
             stop_ids=stop_ids,
             sampler=sampler,
-            adapter=None if adapter is None else adapter.lora_id,
+            adapter=None if adapter is None else adapter.name,
             priority=request_priority(request),
         )
 
@@ -407,7 +409,7 @@ class MockerEngine(LLMEngine):
         try:
             for event in result.events:
                 if event[0] == "stored":
-                    sink.stored(event[1], event[2], dp_rank)
+                    sink.stored(event[1], event[2], dp_rank, event[3])
                 else:
                     sink.removed(event[1], dp_rank)
         except Exception as err:  # the event plane's trouble is not the requests' trouble

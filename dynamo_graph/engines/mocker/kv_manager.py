@@ -16,7 +16,8 @@ that still serves cache hits. Sequences free their blocks in reverse order, so a
 blocks are evicted before its head blocks (vLLM does the same: the head is more likely shared).
 
 Events are appended to `events` (the scheduler hands them to the engine's sink after the
-forward pass): `("stored", parent_hash, [StoredBlock])` and `("removed", [block_hash])`.
+forward pass): `("stored", parent_hash, [StoredBlock], lora_name)` (the adapter whose blocks
+they are, None for the base model) and `("removed", [block_hash])`.
 `stored` events are made by the scheduler (it knows the parents); this class makes `removed`.
 
 Without prefix caching nothing is ever registered or reused: every block is private and freed

@@ -63,7 +63,7 @@ from dynamo_graph.engines.mocker.args import MockerArgs
 from dynamo_graph.engines.mocker.kv_manager import KvManager
 from dynamo_graph.engines.mocker.perf_model import PerfModel, PolynomialPerfModel, iteration_ms
 from dynamo_graph.engines.mocker.queues import FcfsQueue, PriorityQueue, waiting_queue
-from dynamo_graph.router.kv.hashing import chain_hash, local_block_hashes, sequence_hashes
+from dynamo_graph.router.kv.hashing import chain_hash, local_block_hashes, lora_hash_seed, sequence_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
 
@@ -139,6 +139,7 @@ class MockSequence:
         "context",
         "finished",
         "generated",
+        "hash_seed",
         "in_prefill",
         "local_hashes",
         "max_tokens",
@@ -167,15 +168,17 @@ class MockSequence:
         sampler: TokenSampler,
         min_tokens: int = 0,
         stop_ids: frozenset[int] = frozenset(),
-        adapter: int | None = None,
+        adapter: str | None = None,
         priority: int = 0,
     ) -> None:
         self.context = context
         self.priority = priority  # Dynamo's sign: higher is more urgent
         self.arrival = -1  # the rank's arrival counter, set when it is first queued
-        # A LoRA adapter's id: its blocks are its own (chained from the id, as vLLM keys blocks
-        # by adapter), so they never serve the base model or another adapter, and unreported.
+        # A LoRA adapter's name: its blocks are its own (their local hashes seeded by it, as the
+        # kv router hashes them), so they never serve the base model or another adapter, and
+        # their stored events name it.
         self.adapter = adapter
+        self.hash_seed = lora_hash_seed(adapter)
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(self.tokens)
         self.max_tokens = max_tokens
@@ -205,8 +208,8 @@ class MockSequence:
 
     def hash_blocks(self, block_size: int) -> None:
         """Hashes of every full block of the known tokens (prompt + generated so far)."""
-        self.local_hashes = local_block_hashes(self.tokens, block_size)
-        self.seq_hashes = sequence_hashes(self.local_hashes, self.adapter)
+        self.local_hashes = local_block_hashes(self.tokens, block_size, self.hash_seed)
+        self.seq_hashes = sequence_hashes(self.local_hashes)
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
@@ -402,15 +405,16 @@ class Scheduler:
             scheduled.append((seq, chunk, False))
             budget -= chunk
 
-    def import_prefix(self, tokens: Sequence[int]) -> bool:
-        """The full blocks of `tokens`, computed by another worker (a KV transfer), become
-        cached blocks of this rank as if it had computed them, and are reported as stored; a
-        request for them then only computes what follows. False when they cannot be held (no
-        prefix caching, or no room): the request then simply prefills."""
+    def import_prefix(self, tokens: Sequence[int], adapter: str | None = None) -> bool:
+        """The full blocks of `tokens` (of LoRA adapter `adapter`, None: the base model),
+        computed by another worker (a KV transfer), become cached blocks of this rank as if it
+        had computed them, and are reported as stored; a request for them then only computes
+        what follows. False when they cannot be held (no prefix caching, or no room): the
+        request then simply prefills."""
         if not self.prefix_caching:
             return False
         bs, kv = self.block_size, self.kv
-        local = local_block_hashes(tokens, bs)
+        local = local_block_hashes(tokens, bs, lora_hash_seed(adapter))
         seq = sequence_hashes(local)
         first = 0
         while first < len(seq) and kv.is_cached(seq[first]):
@@ -424,7 +428,7 @@ class Scheduler:
             kv.promote(h)
         kv.release(seq[first:], 0)
         stored = [StoredBlock(seq[j], local[j]) for j in range(first, len(seq))]
-        self._events.append(("stored", seq[first - 1] if first else None, stored))
+        self._events.append(("stored", seq[first - 1] if first else None, stored, adapter))
         return True
 
     def _register_blocks(self, seq: MockSequence) -> None:
@@ -441,8 +445,7 @@ class Scheduler:
             blocks.append(StoredBlock(seq_hashes[j], local_hashes[j]))
         seq.num_cached = full
         seq.num_private -= full - first
-        if seq.adapter is None:  # the router indexes the base model's blocks by their tokens
-            self._events.append(("stored", seq_hashes[first - 1] if first else None, blocks))
+        self._events.append(("stored", seq_hashes[first - 1] if first else None, blocks, seq.adapter))
 
     def _sample(self, seq: MockSequence) -> LLMEngineOutput:
         token = seq.sampler.next()
@@ -450,9 +453,9 @@ class Scheduler:
         seq.generated += 1
         bs = self.block_size
         if self.prefix_caching and len(seq.tokens) % bs == 0:
-            local = local_block_hashes(seq.tokens[-bs:], bs)[0]
+            local = local_block_hashes(seq.tokens[-bs:], bs, seq.hash_seed)[0]
             seq.local_hashes.append(local)
-            seq.seq_hashes.append(chain_hash(seq.seq_hashes[-1] if seq.seq_hashes else seq.adapter, local))
+            seq.seq_hashes.append(chain_hash(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
         finish: FinishReason | None = None
         if token in seq.stop_ids and seq.generated > seq.min_tokens:
             finish = "stop"

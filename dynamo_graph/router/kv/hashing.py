@@ -5,6 +5,12 @@ blocks are hashed. The *sequence* hash chains them: `seq[0] = local[0]`,
 `seq[i] = xxh3_64(le64(seq[i-1]) ++ le64(local[i]))`, so it names a block together with
 everything before it. Local hashes key the radix tree's children; sequence hashes name blocks in
 events and in the router's bookkeeping.
+
+A LoRA adapter's blocks hold other keys and values than the base model's for the same tokens,
+so their local hashes are seeded by the adapter, as Dynamo seeds them:
+`seed = 1337 + xxh3_64(adapter name)` (mod 2^64; no name, or an empty one, is the base model).
+Their sequence hashes chain as usual, so no block of an adapter ever names the same prefix as a
+base-model block or another adapter's.
 """
 
 from __future__ import annotations
@@ -17,14 +23,23 @@ from collections.abc import Sequence
 from xxhash import xxh3_64_intdigest
 
 HASH_SEED = 1337
+_U64 = (1 << 64) - 1
 _U32 = 4
 _SWAP = sys.byteorder != "little"  # the hash is over little-endian u32s on every machine
 assert array("I").itemsize == _U32, "array('I') must hold 32-bit unsigned ints here"
 _pair = struct.Struct("<QQ").pack
 
 
-def local_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The local hash of every full block of `token_ids` (a trailing partial block is skipped)."""
+def lora_hash_seed(lora_name: str | None) -> int:
+    """The seed of the local hashes of `lora_name`'s blocks (None or "": the base model's)."""
+    if not lora_name:
+        return HASH_SEED
+    return (HASH_SEED + xxh3_64_intdigest(lora_name.encode())) & _U64
+
+
+def local_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = HASH_SEED) -> list[int]:
+    """The local hash of every full block of `token_ids` (a trailing partial block is skipped);
+    `seed`: `lora_hash_seed` of the adapter whose blocks these are."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, not {block_size}")
     full = len(token_ids) // block_size
@@ -35,7 +50,7 @@ def local_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         words.byteswap()
     data = memoryview(words).cast("B")
     step = block_size * _U32
-    return [xxh3_64_intdigest(data[i : i + step], HASH_SEED) for i in range(0, full * step, step)]
+    return [xxh3_64_intdigest(data[i : i + step], seed) for i in range(0, full * step, step)]
 
 
 def chain_hash(parent: int | None, local: int) -> int:

@@ -36,6 +36,11 @@ second on 64-block prompts (p50 3.4 µs, p99 16 µs), ~1.3M operations per secon
 A lookup costs one dict probe per matched block, so deep hits on a large index are bound by
 memory latency (~0.1-0.2 µs per block here).
 
+LoRA adapters: a `KvIndexer` holds one model's blocks, the base model's or one adapter's
+(`lora_name`); stored events of any other are skipped and counted (`stats.other_model`), so a
+router per adapter, fed by the same channel, holds only its adapter's blocks. Removals and
+clears carry no adapter and apply to every indexer (protocols.py says why that is safe).
+
 Robustness: events about unknown parents are skipped and counted, removals of unknown blocks
 are counted and ignored, an event repeating the last event id of its worker key is dropped as a
 duplicate, older ids are applied (a restarted publisher counts from 1 again) and counted;
@@ -249,18 +254,21 @@ class IndexerStats:
     reordered_events: int = 0  # older event id than the key's last one: applied
     malformed_events: int = 0  # hashes that are not u64, or an unknown event kind
     evicted: int = 0  # entries dropped to stay within max_blocks
+    other_model: int = 0  # stored events of another LoRA adapter (or the base model): skipped
 
 
 class KvIndexer(WorkerBlockIndex):
     """The workers' cached blocks as their KV events describe them (see the module docstring)."""
 
-    __slots__ = ("max_blocks", "stats")
+    __slots__ = ("lora_name", "max_blocks", "stats")
 
-    def __init__(self, *, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(self, *, max_blocks: int = DEFAULT_MAX_BLOCKS, lora_name: str | None = None) -> None:
+        """`lora_name`: the LoRA adapter whose blocks this index holds (None: the base model's)."""
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, not {max_blocks}")
         super().__init__()
         self.max_blocks = max_blocks
+        self.lora_name = lora_name or None
         self.stats = IndexerStats()
 
     def apply_event(self, event: KvCacheEvent) -> None:
@@ -270,6 +278,9 @@ class KvIndexer(WorkerBlockIndex):
         key = (event.worker_id, event.dp_rank)
         data = event.data
         kind = type(data)
+        if kind is KvStored and (data.lora_name or None) != self.lora_name:  # "": the base model
+            stats.other_model += 1
+            return
         worker = self._workers.get(key)
         if worker is None:
             if kind is not KvStored:  # nothing to remove or clear

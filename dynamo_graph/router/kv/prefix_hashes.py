@@ -9,9 +9,11 @@ which gives exactly what hashing the whole prompt gives (hashing.py: blocks are 
 multiples of the block size from the start, and each sequence hash depends only on its
 predecessor). The longest known prefix is used, and the longest named prefix is stored.
 
-One cache belongs to one router, so to one block size; router hashes carry no salt or LoRA
-parent (the key would have to include it if they did). Bounded at `DYN_ROUTER_HASH_CACHE_MB`
-(16) of hashes, least recently used out first.
+One cache belongs to one router, so to one block size and one model: the base model's, or one
+LoRA adapter's, whose local hashes are seeded by the adapter (`seed`, hashing.py). Keys name
+token ids only, which are the same whichever adapter a prompt is for, so a cache must never
+serve routers of two adapters: each adapter's router has its own (router.py). Bounded at
+`DYN_ROUTER_HASH_CACHE_MB` (16) of hashes, least recently used out first.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
+from dynamo_graph.router.kv.hashing import HASH_SEED, local_block_hashes, sequence_hashes
 from dynamo_graph.runtime.env import env_float
 
 _BYTES_PER_BLOCK = 2 * (8 + 36)  # two list slots and two int objects of up to 64 bits
@@ -30,10 +32,12 @@ class PrefixHashCache:
     """`hashes(token_ids, prefixes)` gives exactly `local_block_hashes` and `sequence_hashes`
     of `token_ids`, reusing those of the longest prefix hashed before."""
 
-    def __init__(self, block_size: int, *, max_bytes: int | None = None) -> None:
+    def __init__(self, block_size: int, *, seed: int = HASH_SEED, max_bytes: int | None = None) -> None:
+        """`seed`: of the local hashes (`lora_hash_seed` of the router's adapter)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.block_size = block_size
+        self.seed = seed
         if max_bytes is None:
             max_bytes = int(env_float("DYN_ROUTER_HASH_CACHE_MB", 16.0) * (1 << 20))
         self.max_bytes = max_bytes
@@ -52,7 +56,7 @@ class PrefixHashCache:
         count, key of those leading ids), shortest first, as the segment tokenizer names them."""
         bs = self.block_size
         if not prefixes or self.max_bytes <= 0:
-            local = local_block_hashes(token_ids, bs)
+            local = local_block_hashes(token_ids, bs, self.seed)
             return local, sequence_hashes(local)
         entries = self._entries
         found = None
@@ -65,12 +69,12 @@ class PrefixHashCache:
         if found is None:
             self.misses += 1
             done = 0
-            local = local_block_hashes(token_ids, bs)
+            local = local_block_hashes(token_ids, bs, self.seed)
             seq = sequence_hashes(local)
         else:  # new lists: callers may keep them
             self.hits += 1
             done = len(found[0])
-            rest = local_block_hashes(token_ids[done * bs :], bs)
+            rest = local_block_hashes(token_ids[done * bs :], bs, self.seed)
             local = [*found[0], *rest]
             seq = [*found[1], *sequence_hashes(rest, found[1][-1])]
         tokens, key = prefixes[-1]

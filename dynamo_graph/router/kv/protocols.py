@@ -5,6 +5,17 @@ Engines publish on their endpoint's channel (namespace/component): `kv_events` c
 router tolerates gaps, duplicates and events about blocks it never saw. `block_hash` is whatever
 stable id the engine gives a block (for the mocker, our sequence hash; for vLLM, its own hash);
 `tokens_hash` is the local hash of the block's tokens (see hashing.py).
+
+LoRA adapters: a `stored` event names the adapter its blocks belong to (`lora_name`, None for
+the base model, and then left out of the encoded event: readers from before the field decode
+base-model events as ever, and events from before it decode as the base model's), and their
+`tokens_hash`es are seeded by the adapter (`lora_hash_seed`). A frontend's KV router per model
+keeps only the stored blocks of its own model or adapter. `removed` and `cleared` carry no
+adapter, as vLLM's do not: engines name an adapter's blocks apart from the base model's (vLLM
+mixes the adapter into its block hash, the mocker into its local hashes), so every router of the
+channel applies a removal and drops the blocks it holds (to the others those hashes are unknown:
+counted, ignored), and a `cleared` empties the worker rank's blocks in every router (the
+engine's whole cache is gone, every adapter's with it). docs/kv-events.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -20,11 +31,13 @@ class StoredBlock(msgspec.Struct, array_like=True, frozen=True):
     tokens_hash: int
 
 
-class KvStored(msgspec.Struct, tag="stored", frozen=True):
-    """Blocks now cached, in order; the first one's parent is `parent_hash` (None: a first block)."""
+class KvStored(msgspec.Struct, tag="stored", frozen=True, omit_defaults=True):
+    """Blocks now cached, in order; the first one's parent is `parent_hash` (None: a first block).
+    `lora_name`: the LoRA adapter whose blocks they are (None: the base model's)."""
 
     blocks: list[StoredBlock]
     parent_hash: int | None = None
+    lora_name: str | None = None
 
 
 class KvRemoved(msgspec.Struct, tag="removed", frozen=True):

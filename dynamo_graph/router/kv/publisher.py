@@ -33,7 +33,14 @@ MAX_QUEUED_EVENTS = 65_536
 
 
 class KvEventSink(Protocol):
-    def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None: ...
+    def stored(
+        self,
+        parent_hash: int | None,
+        blocks: Sequence[StoredBlock],
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
+        """`lora_name`: the LoRA adapter whose blocks these are (None: the base model's)."""
 
     def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None: ...
 
@@ -69,9 +76,15 @@ class KvEventPublisher:
         self._queue.append((topic, payload))
         self._ready.set()
 
-    def stored(self, parent_hash: int | None, blocks: Sequence[StoredBlock], dp_rank: int = 0) -> None:
+    def stored(
+        self,
+        parent_hash: int | None,
+        blocks: Sequence[StoredBlock],
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
         if blocks:
-            self._event(KvStored(list(blocks), parent_hash), dp_rank)
+            self._event(KvStored(list(blocks), parent_hash, lora_name), dp_rank)
 
     def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
         if block_hashes:

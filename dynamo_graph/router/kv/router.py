@@ -7,6 +7,11 @@ scheduler.py), session affinity (affinity.py) and the queue in front of saturate
 (queue.py). The caller admits (when queueing is on), routes, then reports the first token and
 the end of every request it routed. The workers' load metrics (reported.py) add what other
 frontends sent to the same workers.
+
+A LoRA adapter served as a model of its own gets a router of its own (`lora_name`): its index
+keeps only the adapter's stored blocks from the shared channel, and it hashes prompts with the
+adapter's seed (hashing.py), so its hits are the adapter's cached prefixes and never the base
+model's or another adapter's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import msgspec
 
 from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
+from dynamo_graph.router.kv.hashing import lora_hash_seed
 from dynamo_graph.router.kv.indexer import KvIndexer
 from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
@@ -49,15 +55,22 @@ class NoWorkers(LookupError):
 
 class KvRouter:
     def __init__(
-        self, block_size: int, config: KvRouterConfig | None = None, *, seed: int | None = None
+        self,
+        block_size: int,
+        config: KvRouterConfig | None = None,
+        *,
+        seed: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
+        """`lora_name`: the LoRA adapter this router routes (None: the base model)."""
         if block_size <= 0:
             raise ValueError(f"kv routing needs a positive kv cache block size, not {block_size}")
         self.block_size = block_size
         self.config = config or KvRouterConfig()
+        self.lora_name = lora_name
         self.indexer: KvIndexer | ApproxKvIndexer
         if self.config.use_kv_events:
-            self.indexer = KvIndexer()
+            self.indexer = KvIndexer(lora_name=lora_name)
         else:
             self.indexer = ApproxKvIndexer(
                 ttl_s=self.config.ttl_s,
@@ -65,7 +78,7 @@ class KvRouter:
                 prune_target_ratio=self.config.prune_target_ratio,
             )
         self.sequences = ActiveSequences()
-        self.prefix_hashes = PrefixHashCache(block_size)
+        self.prefix_hashes = PrefixHashCache(block_size, seed=lora_hash_seed(lora_name))
         self.model = TtftModel()
         config = self.config
         self.affinity: SessionAffinity | None = None
