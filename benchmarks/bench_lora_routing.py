@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_routing import (  # noqa: E402
     Deployment,
+    add_workload_arguments,
     make_conversations,
     mocker_settings,
     run_point,
@@ -114,19 +115,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller workload; writes no JSON")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--doc-tokens", type=int, default=4096)
-    parser.add_argument("--convs-per-doc", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--user-tokens", type=int, default=64, help="mean user turn (+-50%%)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="mean output tokens per turn (+-50%%)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache blocks per worker")
-    parser.add_argument("--speedup-ratio", type=float, default=3.0)
-    parser.add_argument("--context-length", type=int, default=16384)
-    parser.add_argument("--kv-overlap-score-weight", type=float, default=1.0)
-    parser.add_argument("--router-temperature", type=float, default=0.0)
+    add_workload_arguments(parser)
     parser.add_argument("--max-seconds", type=float, default=40.0, help="no new turn after this, per point")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_routing.json"))
     args = parser.parse_args()

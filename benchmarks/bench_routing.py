@@ -614,6 +614,24 @@ def print_table(rows: list[dict]) -> None:
     print("(times in ms)")
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The conversations over shared documents and the mocker deployment they run on (shared
+    with bench_lora_routing.py)."""
+    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--doc-tokens", type=int, default=4096)
+    parser.add_argument("--convs-per-doc", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--user-tokens", type=int, default=64, help="mean user turn (+-50%%)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="mean output tokens per turn (+-50%%)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache blocks per worker")
+    parser.add_argument("--speedup-ratio", type=float, default=3.0)
+    parser.add_argument("--context-length", type=int, default=16384)
+    parser.add_argument("--kv-overlap-score-weight", type=float, default=1.0)
+    parser.add_argument("--router-temperature", type=float, default=0.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -622,20 +640,8 @@ def main() -> int:
     parser.add_argument("--modes", default="random,round-robin,kv,kv-approx")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--doc-tokens", type=int, default=4096)
-    parser.add_argument("--convs-per-doc", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--user-tokens", type=int, default=64, help="mean user turn (+-50%%)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="mean output tokens per turn (+-50%%)")
+    add_workload_arguments(parser)
     parser.add_argument("--c1-conversations", type=int, default=8, help="conversations run at c=1")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache blocks per worker")
-    parser.add_argument("--speedup-ratio", type=float, default=3.0)
-    parser.add_argument("--context-length", type=int, default=16384)
-    parser.add_argument("--kv-overlap-score-weight", type=float, default=1.0)
-    parser.add_argument("--router-temperature", type=float, default=0.0)
     parser.add_argument("--max-seconds", type=float, default=35.0, help="no new turn after this, per point")
     parser.add_argument("--router-debug", action="store_true", help="frontend logs every routing decision")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (path printed)")
