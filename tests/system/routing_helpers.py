@@ -1,9 +1,13 @@
 """Which worker instance served a request, for the KV-routing system tests (test_kv_routing.py,
-test_vllm_kv_routing.py): the frontend's /health counts requests per instance."""
+test_vllm_kv_routing.py, test_lora.py): the frontend's /health counts requests per instance;
+what a model's router holds, from /metrics."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+
+import httpx
 
 from tests.system.test_distributed import Frontend, instances
 
@@ -35,3 +39,11 @@ def served_by(frontend: Frontend, model: str, send: Callable[[], dict]) -> tuple
     changed = [i for i in after if after[i] != before.get(i, 0)]
     assert len(changed) == 1, (before, after)
     return changed[0], body
+
+
+def router_metric(frontend: Frontend, name: str, model: str) -> float:
+    """`dynamo_frontend_router_{name}` of `model`'s (decode) router, from the frontend's /metrics."""
+    text = httpx.get(f"{frontend.base_url}/metrics", timeout=10).text
+    pattern = rf'^dynamo_frontend_router_{name}\{{model="{re.escape(model)}",pool="decode"\}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0

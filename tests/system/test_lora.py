@@ -6,7 +6,6 @@ routing, an adapter's requests go to the worker holding their cached prefix."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
 from tests.procs import running_server
-from tests.system.routing_helpers import served_by
+from tests.system.routing_helpers import router_metric, served_by
 from tests.system.test_distributed import instances, wait_for
 from tests.system.test_migration import Cluster
 
@@ -156,14 +155,6 @@ def test_in_process_serving_has_the_same_routes(tiny_model: Path, tiny_lora: Pat
             _complete(client, "runtime")
 
 
-def _router_metric(cluster: Cluster, name: str, model: str) -> float:
-    """`dynamo_frontend_router_{name}` of `model`'s decode router, from the frontend's /metrics."""
-    text = httpx.get(f"{cluster.frontend.base_url}/metrics", timeout=10).text
-    pattern = rf'^dynamo_frontend_router_{name}\{{model="{re.escape(model)}",pool="decode"\}} (\S+)$'
-    found = re.search(pattern, text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_adapter_requests_are_kv_routed_to_the_worker_holding_their_prefix(
     make_cluster, tiny_lora: Path
 ) -> None:
@@ -189,18 +180,19 @@ def test_adapter_requests_are_kv_routed_to_the_worker_holding_their_prefix(
     def cached(body: dict) -> int:
         return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+    def adapter_blocks() -> float:
+        return router_metric(cluster.frontend, "indexed_blocks", ADAPTER)
+
     homes = set()
     for document in documents:
-        indexed = _router_metric(cluster, "indexed_blocks", ADAPTER)
+        indexed = adapter_blocks()
         home, first = served_by(
             cluster.frontend, ADAPTER, lambda d=document: ask(ADAPTER, f"{d} Question 0?")
         )
         assert cached(first) == 0
         homes.add(home)
         # The adapter's router has heard the worker's stored events for the document's blocks.
-        wait_for(
-            lambda i=indexed: _router_metric(cluster, "indexed_blocks", ADAPTER) > i, 10, "adapter KV events"
-        )
+        wait_for(lambda i=indexed: adapter_blocks() > i, 10, "adapter KV events")
         for question in range(1, 3):
             served, body = served_by(
                 cluster.frontend, ADAPTER, lambda d=document, q=question: ask(ADAPTER, f"{d} Question {q}?")
@@ -208,10 +200,10 @@ def test_adapter_requests_are_kv_routed_to_the_worker_holding_their_prefix(
             assert served == home, f"a follow-up on {document[:12]!r} left the worker holding it"
             assert cached(body) >= first["usage"]["prompt_tokens"] - 32, body["usage"]
     assert len(homes) == 2, "every document landed on one worker"
-    assert _router_metric(cluster, "routed_overlap_blocks_total", ADAPTER) >= 8 * len(documents)
+    assert router_metric(cluster.frontend, "routed_overlap_blocks_total", ADAPTER) >= 8 * len(documents)
     # The base model's router never indexed the adapter's blocks, and the same prompts for the
     # base model are computed afresh wherever they go.
-    assert _router_metric(cluster, "indexed_blocks", cluster.model) == 0
+    assert router_metric(cluster.frontend, "indexed_blocks", cluster.model) == 0
     for document in documents:
         assert cached(ask(cluster.model, f"{document} Question 1?")) == 0
-    assert _router_metric(cluster, "routed_overlap_blocks_total", cluster.model) == 0
+    assert router_metric(cluster.frontend, "routed_overlap_blocks_total", cluster.model) == 0

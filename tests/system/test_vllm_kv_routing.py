@@ -19,7 +19,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
 from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.routing_helpers import opening_messages, served_by
+from tests.system.routing_helpers import opening_messages, router_metric, served_by
 from tests.system.test_distributed import instances, wait_for
 
 pytestmark = pytest.mark.vllm
@@ -62,7 +62,10 @@ def vllm_kv_graph(
     env = {**planes, "VLLM_CPU_KVCACHE_SPACE": "1"}
     workers = [WorkerProcess(argv, env=env, log_dir=tmp_path, name=f"vllm{i}") for i in range(2)]
     frontend = ServerProcess(
-        ["out=auto", "--router-mode", "kv", "--use-kv-events", "true"],
+        # Dynamo's cost (overlap first): on this tiny CPU model a prefill costs about nothing, so the
+        # predictive cost weighs the ranks' fitted fixed costs, not the cache, and may rightly send
+        # a follow-up elsewhere; this test is about vLLM's events reaching the router.
+        ["out=auto", "--router-mode", "kv", "--use-kv-events", "true", "--router-cost", "dynamo"],
         env={**planes, "DYN_LOG": "info,dynamo_graph.router=debug"},
         log_dir=tmp_path,
     )
@@ -109,9 +112,12 @@ def follow_ups_land_on_their_home(frontend: ServerProcess, workers: list[WorkerP
     homes: dict[int, str] = {}
     for conv in range(4):
         messages = opening_messages(conv)
+        indexed = router_metric(frontend, "indexed_blocks", model)
         home, first = served_by(frontend, model, lambda m=messages: chat(m))
         homes[conv] = home
         assert first["usage"]["prompt_tokens"] > 2 * BLOCK
+        # The router has heard vLLM's stored events for the opening's blocks.
+        wait_for(lambda i=indexed: router_metric(frontend, "indexed_blocks", model) > i, 10, "KV events")
         messages.append(first["choices"][0]["message"])
         messages.append({"role": "user", "content": "Can you check again?"})
         served, body = served_by(frontend, model, lambda m=messages: chat(m))
