@@ -23,6 +23,7 @@ ids (no prefix sharing, so routing cannot help), `--output-tokens` out, streamed
    | queue-priority | priority | fcfs |
    | engine-priority | none | priority (our workers' default) |
    | queue+engine-priority | priority | priority |
+   | queue-reserve | priority, `--router-queue-reserve` `--reserve` (1) | priority |
 
    The first three are the settings before engines scheduled by priority, kept for comparison.
    A router queue runs with --router-queue-threshold set to each value of `--threshold` (a
@@ -95,6 +96,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "queue-priority": ("priority", "fcfs"),
     "engine-priority": (None, "priority"),
     "queue+engine-priority": ("priority", "priority"),
+    "queue-reserve": ("priority", "priority"),  # and --router-queue-reserve `--reserve`
 }
 
 
@@ -195,6 +197,8 @@ def deployment(
             "--router-max-queue-size", str(args.max_queue),
             "--router-queue-policy", queue,
         ]  # fmt: skip
+    if setting == "queue-reserve":
+        point.kv_router_args += ["--router-queue-reserve", str(args.reserve)]
     point_dir = run_dir / (setting if threshold is None else f"{setting}@{threshold}")
     point_dir.mkdir()
     dep = Deployment(point, "kv", 0, point_dir)
@@ -336,6 +340,7 @@ def main() -> int:
         help="--router-queue-threshold value(s): fractions of max_num_batched_tokens, comma-separated",
     )
     parser.add_argument("--max-queue", type=int, default=64, help="--router-max-queue-size")
+    parser.add_argument("--reserve", type=int, default=1, help="--router-queue-reserve of queue-reserve")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--repeats", type=int, default=1, help="whole runs, each with its own reference")
     parser.add_argument("--seed", type=int, default=0)

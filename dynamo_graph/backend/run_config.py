@@ -39,6 +39,7 @@ KV_ONLY_FLAGS = {
     "router_queue_threshold": "--router-queue-threshold",
     "router_queue_policy": "--router-queue-policy",
     "router_max_queue_size": "--router-max-queue-size",
+    "router_queue_reserve": "--router-queue-reserve",
 }
 DISAGGREGATION_MODES = ("agg", "prefill", "decode")
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class RunConfig:
     router_queue_threshold: float | None = None
     router_queue_policy: str = "priority"
     router_max_queue_size: int = 1024
+    router_queue_reserve: int = 0  # ranks kept free of ordinary prefill work for urgent requests
     migration_limit: int = 0
     static_worker: bool = False
     # Frontend health checks of worker instances (runtime/health.py); None: the environment's
@@ -190,6 +192,14 @@ def _validate_router(cfg: RunConfig) -> None:
         )
     if cfg.router_max_queue_size < 0:
         raise RunConfigError(f"--router-max-queue-size must be >= 0, not {cfg.router_max_queue_size}")
+    reserve = cfg.router_queue_reserve
+    if reserve < 0:
+        raise RunConfigError(f"--router-queue-reserve must be >= 0 workers, not {reserve}")
+    if reserve and (threshold is None or cfg.router_queue_policy != "priority"):
+        raise RunConfigError(
+            "--router-queue-reserve keeps workers free for urgent requests: it needs the queue "
+            "(--router-queue-threshold) in priority order (--router-queue-policy priority)"
+        )
     given = set(cfg.explicit)
     if cfg.router_session_affinity_ttl_secs > 0:
         given.add("router_session_affinity_ttl_secs")

@@ -136,6 +136,13 @@ def run_command(
     router_max_queue_size: Annotated[
         int, typer.Option("--router-max-queue-size", help="kv: queued requests; more get 529")
     ] = 1024,
+    router_queue_reserve: Annotated[
+        int,
+        typer.Option(
+            "--router-queue-reserve",
+            help="kv: workers kept free of ordinary prefill work for priority > 0 requests",
+        ),
+    ] = 0,
     migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
     health_check_interval_s: Annotated[
         float | None,
@@ -252,6 +259,7 @@ def run_command(
         "router_queue_threshold": router_queue_threshold,
         "router_queue_policy": router_queue_policy,
         "router_max_queue_size": router_max_queue_size,
+        "router_queue_reserve": router_queue_reserve,
         "migration_limit": migration_limit,
         "health_check_interval_s": health_check_interval_s,
         "health_check_timeout_s": health_check_timeout_s,

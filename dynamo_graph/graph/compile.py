@@ -515,6 +515,8 @@ def _kv_router_args(router: Router) -> list[str]:
         args += ["--router-queue-threshold", f"{router.queue_threshold:g}"]
         args += ["--router-queue-policy", router.queue_policy]
         args += ["--router-max-queue-size", str(router.max_queue_size)]
+        if router.queue_reserve:
+            args += ["--router-queue-reserve", str(router.queue_reserve)]
     return args
 
 

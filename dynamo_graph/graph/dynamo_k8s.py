@@ -211,6 +211,8 @@ def router_notes(key: str, router: Router) -> list[str]:
                 "orders by arrival time less the priority, not by priority first)"
             )
         notes.append(f"{where}.max_queue_size: {router.max_queue_size} (Dynamo's queue is unbounded)")
+        if router.queue_reserve:
+            notes.append(f"{where}.queue_reserve: {router.queue_reserve} (Dynamo keeps no worker free)")
     return notes
 
 

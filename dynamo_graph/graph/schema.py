@@ -400,6 +400,9 @@ class Router(_Model):
     max_queue_size: int = Field(1024, ge=0)
     """kv: held requests at most; more are answered 529 (503 with
     DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
+    queue_reserve: int = Field(0, ge=0)
+    """kv, with the queue in priority order: workers kept free of ordinary prefill work, so that
+    priority > 0 requests start at once (--router-queue-reserve); 0: none."""
 
     @model_validator(mode="after")
     def _kv_only(self) -> Router:
@@ -408,6 +411,11 @@ class Router(_Model):
             raise ValueError(
                 f"{', '.join(given)}: session affinity and the queue are the kv router's, "
                 f"not mode {self.mode}'s: set mode: kv"
+            )
+        if self.queue_reserve and (self.queue_threshold is None or self.queue_policy != "priority"):
+            raise ValueError(
+                "queue_reserve keeps workers free for urgent requests: it needs queue_threshold "
+                "and queue_policy: priority"
             )
         return self
 
@@ -418,6 +426,7 @@ KV_ONLY_ROUTER_KEYS = (
     "queue_threshold",
     "queue_policy",
     "max_queue_size",
+    "queue_reserve",
 )
 
 

@@ -49,6 +49,7 @@ _DISTRIBUTED_FLAGS = {
     "router_queue_threshold": "--router-queue-threshold",
     "router_queue_policy": "--router-queue-policy",
     "router_max_queue_size": "--router-max-queue-size",
+    "router_queue_reserve": "--router-queue-reserve",
     "migration_limit": "--migration-limit",
     "static_worker": "--static-worker",
     "disaggregation_mode": "--disaggregation-mode",
@@ -156,6 +157,7 @@ def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
         queue_threshold=cfg.router_queue_threshold,
         queue_policy=cfg.router_queue_policy,
         max_queue_size=cfg.router_max_queue_size,
+        queue_reserve=cfg.router_queue_reserve,
     )
 
 

@@ -340,6 +340,10 @@ def test_router_keys_without_a_dynamo_flag_are_listed_in_the_header(tmp_path: Pa
     assert "components.front.router.cost: predictive" in header
     assert "components.front.router.queue_policy: fcfs (rendered as Dynamo's fcfs" in header
     assert "components.front.router.max_queue_size: 16 (Dynamo's queue is unbounded)" in header
+    reserve = {"mode": "kv", "queue_threshold": 0, "queue_reserve": 1}
+    built = build(_router_graph(tmp_path, reserve), engines="dynamo")
+    header = render_dynamo_k8s(built.graph, built.plan).split("\n---")[0]
+    assert "components.front.router.queue_reserve: 1 (Dynamo keeps no worker free)" in header
     dynamo_cost = {"mode": "kv", "cost": "dynamo"}
     built = build(_router_graph(tmp_path, dynamo_cost), engines="dynamo")
     assert "Not rendered" not in render_dynamo_k8s(built.graph, built.plan)

@@ -25,8 +25,9 @@ components:
       session_affinity_ttl_secs: 30
       session_affinity_mode: hard
       queue_threshold: 0.5
-      queue_policy: fcfs
+      queue_policy: priority
       max_queue_size: 16
+      queue_reserve: 1
   backend: {kind: worker, model: tiny, engine: mocker}
 """
 
@@ -47,7 +48,8 @@ def test_graph_router_keys_become_flags_and_the_flags_a_config(tmp_path: Path) -
         30,
         "hard",
     )
-    assert (config.queue_threshold, config.queue_policy, config.max_queue_size) == (0.5, "fcfs", 16)
+    assert (config.queue_threshold, config.queue_policy, config.max_queue_size) == (0.5, "priority", 16)
+    assert config.queue_reserve == 1
 
 
 def test_default_graphs_compile_to_the_same_command_line_as_before(tmp_path: Path) -> None:
@@ -78,11 +80,21 @@ def test_affinity_or_queue_keys_without_kv_routing_are_refused_with_the_key_and_
     assert problem.location is not None and problem.location.line > 0
 
 
+def test_a_queue_reserve_without_a_priority_queue_is_refused_with_its_line() -> None:
+    text = MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv, queue_reserve: 1}")
+    [problem] = problems(text)
+    assert problem.path == "components.frontend.router" and "queue_threshold" in problem.message
+    assert problem.location is not None and problem.location.line > 0
+
+
 def test_the_queue_threshold_is_a_fraction_and_refused_negative_with_its_line() -> None:
     text = MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv, queue_threshold: -0.5}")
     [problem] = problems(text)
     assert problem.path == "components.frontend.router.queue_threshold"
     assert problem.location is not None and problem.location.line > 0
+
+
+FCFS_QUEUE = ["--router-mode", "kv", "--router-queue-threshold", "0", "--router-queue-policy", "fcfs"]
 
 
 @pytest.mark.parametrize(
@@ -95,6 +107,9 @@ def test_the_queue_threshold_is_a_fraction_and_refused_negative_with_its_line() 
         (["--router-queue-threshold", "0.5"], "--router-queue-threshold: .* add --router-mode kv"),
         (["--router-queue-policy", "fcfs"], "--router-queue-policy: .*not --router-mode round-robin"),
         (["--router-max-queue-size", "8"], "--router-max-queue-size: .* add --router-mode kv"),
+        (["--router-mode", "kv", "--router-queue-reserve", "1"], "--router-queue-reserve .* needs the queue"),
+        ([*FCFS_QUEUE, "--router-queue-reserve", "1"], "--router-queue-reserve .* priority order"),
+        (["--router-mode", "kv", "--router-queue-reserve", "-1"], "--router-queue-reserve must be >= 0"),
         (["--router-mode", "random", "--router-session-affinity-mode", "hard"], "not --router-mode random"),
     ],
 )

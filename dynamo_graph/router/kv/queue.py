@@ -22,6 +22,13 @@ the order with the least mean wait for a backlog, at the long requests' expense;
 priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does
 not outrank: it joins the queue whenever the queue is not empty.
 
+Reserve (`--router-queue-reserve R`, priority order only): ordinary requests (priority <= 0) are
+routed only while more than R ranks are not busy, urgent ones (priority > 0) whenever one is. At
+threshold 0 that keeps R ranks free of ordinary prefill work, so an urgent request starts its
+prefill at once instead of waiting for a pass in flight (passes cannot be preempted): its time
+to first token stays near the unloaded one, at the price of the reserved ranks' prefill
+throughput for ordinary work under overload (they still decode). Off (0) by default.
+
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
 answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
 nothing is lost silently. When the newcomer outranks the lowest-ranked waiting request, that one
@@ -63,7 +70,7 @@ class QueueFull(Overloaded):
 class RouterQueue:
     def __init__(
         self,
-        saturated: Callable[[], bool],
+        saturated: Callable[..., bool],
         *,
         policy: QueuePolicy = "priority",
         max_size: int = DEFAULT_MAX_QUEUE,
@@ -76,7 +83,8 @@ class RouterQueue:
         self._saturated = saturated
         self.policy = policy
         self.max_size = max_size
-        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        # (rank, arrival order, urgent, waiter)
+        self._heap: list[tuple[float, int, bool, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self._in_transit = 0
         self._recheck: asyncio.TimerHandle | None = None
@@ -103,14 +111,15 @@ class RouterQueue:
         best-placed worker (asked only when `wspt` queues it). The caller must call `routed()`
         once it has booked the request on a worker (or given up), so that the next waiting
         request can go."""
-        if not self._heap and not self._in_transit and not self._saturated():
+        urgent = self.policy == "priority" and priority > 0
+        if not self._heap and not self._in_transit and not self._saturated(urgent=urgent):
             self._in_transit += 1
             return True
         rank = self._rank(priority, uncached_tokens)
         if len(self) >= self.max_size:
             self._make_room(rank)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (rank, next(self._order), waiter))
+        heapq.heappush(self._heap, (rank, next(self._order), urgent, waiter))
         self.queued_total += 1
         self.pump()
         stop = asyncio.ensure_future(context.stopped())
@@ -131,12 +140,12 @@ class RouterQueue:
     def _make_room(self, rank: float) -> None:
         """The queue is full: the least urgent, most recent waiter is refused in favour of a
         more urgent newcomer; else the newcomer is."""
-        waiting = [entry for entry in self._heap if not entry[2].done()]
+        waiting = [entry for entry in self._heap if not entry[3].done()]
         last = max(waiting, key=lambda entry: (entry[0], entry[1]), default=None)
         self.rejected += 1
         if last is None or last[0] <= rank:
             raise QueueFull(_FULL)
-        last[2].set_exception(QueueFull(_FULL))
+        last[3].set_exception(QueueFull(_FULL))
 
     def _leave(self, waiter: asyncio.Future[None]) -> None:
         """A waiting request gives up: out of the queue, or if it was already dispatched, let
@@ -155,16 +164,16 @@ class RouterQueue:
     def pump(self) -> None:
         """Dispatch the head of the queue if nothing is in transit and a rank has room."""
         heap = self._heap
-        while heap and heap[0][2].done():
+        while heap and heap[0][3].done():
             heapq.heappop(heap)
         if not heap or self._in_transit:
             return
-        if self._saturated():
+        if self._saturated(urgent=heap[0][2]):
             # A rank can also free up without an event here (its load report goes stale).
             if self._recheck is None:
                 self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._rechecked)
             return
-        _, _, waiter = heapq.heappop(heap)
+        waiter = heapq.heappop(heap)[3]
         self._in_transit += 1
         waiter.set_result(None)
 

@@ -161,13 +161,15 @@ class KvRouter:
         fraction = self.config.queue_threshold or 0.0
         return fraction * self.max_batched_tokens.get(key[0], DEFAULT_MAX_BATCHED_TOKENS)
 
-    def saturated(self, instance_ids: Iterable[int] | None = None) -> bool:
-        """Whether every rank of these instances (default: the candidates of the last routing)
-        is busy (`busy_limit`)."""
+    def saturated(self, instance_ids: Iterable[int] | None = None, *, urgent: bool = False) -> bool:
+        """Whether a request may not be routed yet: every rank of these instances (default: the
+        candidates of the last routing) is busy (`busy_limit`) or, for one that is not `urgent`,
+        no more ranks than the reserve (`queue_reserve`) are not."""
         candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
         if self.config.queue_threshold is None or not candidates:
             return False
-        return all(self.prefill_tokens(key) > self.busy_limit(key) for key in candidates)
+        free = sum(1 for key in candidates if self.prefill_tokens(key) <= self.busy_limit(key))
+        return free <= (0 if urgent else self.config.queue_reserve)
 
     async def admit(
         self,

@@ -68,6 +68,8 @@ class KvRouterConfig:
     queue_threshold: float | None = None
     queue_policy: str = "priority"
     max_queue_size: int = 1024
+    # Ranks kept free of ordinary prefill work for urgent requests (queue.py); needs the queue.
+    queue_reserve: int = 0
 
     def __post_init__(self) -> None:
         if self.cost not in ROUTER_COSTS:
@@ -77,6 +79,10 @@ class KvRouterConfig:
         threshold = self.queue_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"router queue threshold must be a fraction >= 0, not {threshold}")
+        if self.queue_reserve < 0:
+            raise ValueError(f"router queue reserve must be >= 0 ranks, not {self.queue_reserve}")
+        if self.queue_reserve and (threshold is None or self.queue_policy != "priority"):
+            raise ValueError("a router queue reserve needs the queue (a threshold) in priority order")
         if self.overlap_score_weight < 0:
             raise ValueError(f"kv overlap score weight must be >= 0, not {self.overlap_score_weight}")
         if self.temperature < 0:
