@@ -55,7 +55,13 @@ unloaded ~94 ms before any CPU contention. A forward pass cannot be preempted (v
 What-ifs: `--max-num-batched-tokens 2048` 2.73x (overload_mnbt2048.json: two passes, each with
 the decode cost, and a lower capacity), `--workers 4` 2.16x (overload_w4.json: the sooner of
 four ends earlier, but the frontend's CPU at 39 req/s eats it on 2 cores). Reserving a worker's
-prefill slot for urgent requests would take the wait out (not done by the router queue yet).
+prefill slot for urgent requests would take the wait out: that is `--router-queue-reserve`.
+
+With it (`--settings queue+engine-priority,queue-reserve --threshold 0 --repeats 2`,
+results/overload_reserve.json, unloaded p90 ~90 ms): high-priority p90 1.48x and 1.40x the
+unloaded (p50 102-103 ms), against 2.35x and 2.27x without it in the same runs; nothing lost.
+The price: one of the two workers takes no ordinary prefill while the queue is full, so 304-305
+requests completed instead of 397-398 and 173-174 of ~478 were answered 529 (79-82 without).
 """
 
 from __future__ import annotations
