@@ -62,6 +62,8 @@ results/overload_reserve.json, unloaded p90 ~90 ms): high-priority p90 1.48x and
 unloaded (p50 102-103 ms), against 2.35x and 2.27x without it in the same runs; nothing lost.
 The price: one of the two workers takes no ordinary prefill while the queue is full, so 304-305
 requests completed instead of 397-398 and 173-174 of ~478 were answered 529 (79-82 without).
+With the reserve held only while urgent requests come (as it is now): 1.58x in one more run
+(results/overload_reserve_window.json).
 """
 
 from __future__ import annotations

@@ -401,8 +401,8 @@ class Router(_Model):
     """kv: held requests at most; more are answered 529 (503 with
     DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
     queue_reserve: int = Field(0, ge=0)
-    """kv, with the queue in priority order: workers kept free of ordinary prefill work, so that
-    priority > 0 requests start at once (--router-queue-reserve); 0: none."""
+    """kv, with the queue in priority order: workers kept free of ordinary prefill work while
+    priority > 0 requests are arriving, so that they start at once (--router-queue-reserve); 0: none."""
 
     @model_validator(mode="after")
     def _kv_only(self) -> Router:

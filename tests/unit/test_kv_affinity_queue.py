@@ -15,7 +15,7 @@ from dynamo_graph.llm.preprocessor import routing_hints
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.kv.affinity import SessionAffinity
 from dynamo_graph.router.kv.protocols import LoadMetrics
-from dynamo_graph.router.kv.queue import QueueFull, RouterQueue
+from dynamo_graph.router.kv.queue import RESERVE_WINDOW_S, QueueFull, RouterQueue
 from dynamo_graph.router.kv.reported import ReportedLoad
 from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig
@@ -90,7 +90,7 @@ def test_router_soft_affinity_moves_a_session_off_a_swamped_worker():
 
 async def _queue_order(policy: str) -> list[str]:
     busy = {"value": True}
-    queue = RouterQueue(lambda urgent=False: busy["value"], policy=policy, max_size=10)  # type: ignore[arg-type]
+    queue = RouterQueue(lambda: 0 if busy["value"] else 1, policy=policy, max_size=10)  # type: ignore[arg-type]
     served: list[str] = []
 
     async def request(name: str, priority: int) -> None:
@@ -119,7 +119,7 @@ async def test_fcfs_queue_ignores_priorities():
 
 
 async def test_queue_refuses_past_its_bound_and_lets_stopped_requests_go():
-    queue = RouterQueue(lambda urgent=False: True, max_size=2)
+    queue = RouterQueue(lambda: 0, max_size=2)
     contexts = [Context(), Context()]
     waiting = [asyncio.create_task(queue.admit(0, ctx)) for ctx in contexts]
     await asyncio.sleep(0.01)
@@ -137,7 +137,7 @@ async def test_queue_refuses_past_its_bound_and_lets_stopped_requests_go():
 
 async def test_a_free_rank_admits_at_once_and_a_dispatch_waits_for_the_previous_booking():
     busy = {"value": False}
-    queue = RouterQueue(lambda urgent=False: busy["value"])
+    queue = RouterQueue(lambda: 0 if busy["value"] else 1)
     assert await queue.admit(0, Context())  # in transit until routed
     second = asyncio.create_task(queue.admit(0, Context()))
     await asyncio.sleep(0.01)
@@ -162,34 +162,51 @@ async def test_router_saturation_follows_the_threshold():
 
 
 async def test_a_reserve_keeps_a_worker_free_of_ordinary_prefill_for_urgent_requests():
-    """Threshold 0, reserve 1, two workers: ordinary requests go only while both are free, an
-    urgent one whenever one is; when a worker frees, the waiting urgent request goes first."""
+    """Threshold 0, reserve 1, two workers. Without urgent traffic nothing is held back; once an
+    urgent request came, ordinary ones go only while both workers are free, urgent ones whenever
+    one is, and a waiting urgent request goes first to a worker that frees."""
     config = KvRouterConfig(use_kv_events=False, queue_threshold=0.0, queue_reserve=1)
     router = KvRouter(BS, config, seed=0)
     for worker in (1, 2):
         router.add_worker(worker, {"max_num_batched_tokens": 200})
 
-    async def admitted(priority: int, request_id: str, first: int) -> str:
+    async def admitted(priority: int, request_id: str) -> int:
         assert await router.admit(priority, Context(), [1, 2])
+        first = 1000 * len(router.sequences)
         choice = router.route(request_id, list(range(first, first + 4 * BS)), [1, 2])
         router.dispatched()
-        return request_id, choice.key[0]
+        return choice.key[0]
 
-    _, busy = await admitted(0, "a", 0)
-    ordinary = asyncio.create_task(admitted(0, "b", 1000))
+    workers = {await admitted(0, "a"), await admitted(0, "b")}  # no urgent traffic: both used
+    assert workers == {1, 2}
+    urgent = asyncio.create_task(admitted(5, "u"))
     await asyncio.sleep(0.01)
-    assert not ordinary.done()  # only one worker is free: the reserve
-    _, reserved = await admitted(5, "u", 2000)  # urgent: routed at once, to the free worker
-    assert reserved != busy
-    urgent = asyncio.create_task(admitted(5, "v", 3000))
-    await asyncio.sleep(0.01)
-    assert not urgent.done() and not ordinary.done()  # no worker free at all
+    assert not urgent.done()  # no worker free at all
     router.prefill_completed("a")
-    assert (await urgent)[1] == busy and not ordinary.done()  # the urgent one first, to the freed one
+    await urgent
+    ordinary = asyncio.create_task(admitted(0, "c"))
+    router.prefill_completed("b")  # one worker free: the reserve, now that urgent requests come
+    await asyncio.sleep(0.01)
+    assert not ordinary.done()
+    await admitted(5, "v")  # urgent: at once, to the free worker
     router.prefill_completed("u")
     await asyncio.sleep(0.01)
-    assert not ordinary.done()  # one free worker is still only the reserve
-    router.prefill_completed("v")
+    assert not ordinary.done()
+    router.prefill_completed("v")  # both free: more than the reserve
+    await ordinary
+
+
+async def test_the_reserve_lapses_when_urgent_requests_stop_coming():
+    clock = Clock()
+    free = {"ranks": 1}
+    queue = RouterQueue(lambda: free["ranks"], reserve=1, clock=clock)
+    assert await queue.admit(3, Context())  # urgent: one free rank is enough
+    queue.routed()
+    ordinary = asyncio.create_task(queue.admit(0, Context()))
+    await asyncio.sleep(0.01)
+    assert not ordinary.done()  # one free rank is the reserve
+    clock.now = RESERVE_WINDOW_S + 1  # no urgent request for a while
+    queue.pump()
     assert await ordinary
 
 
@@ -230,7 +247,7 @@ def test_overload_status_is_529_unless_told_503(monkeypatch: pytest.MonkeyPatch)
 
 
 async def test_a_full_priority_queue_refuses_its_least_urgent_newest_waiter_for_a_more_urgent_one():
-    queue = RouterQueue(lambda urgent=False: True, max_size=2)
+    queue = RouterQueue(lambda: 0, max_size=2)
     old_low = asyncio.create_task(queue.admit(0, Context()))
     await asyncio.sleep(0)
     new_low = asyncio.create_task(queue.admit(0, Context()))
@@ -285,7 +302,7 @@ async def test_wspt_serves_the_highest_priority_per_uncached_token_first():
     """Dynamo's weighted shortest processing time: (1 + priority) / uncached tokens, highest
     first, arrival order among equals; negative priorities count as 0."""
     busy = {"value": True}
-    queue = RouterQueue(lambda urgent=False: busy["value"], policy="wspt")
+    queue = RouterQueue(lambda: 0 if busy["value"] else 1, policy="wspt")
     order: list[str] = []
 
     async def request(name: str, priority: int, tokens: int) -> None:

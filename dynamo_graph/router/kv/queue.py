@@ -22,12 +22,13 @@ the order with the least mean wait for a backlog, at the long requests' expense;
 priorities count as 0, as in Dynamo). A new request never overtakes a waiting one that it does
 not outrank: it joins the queue whenever the queue is not empty.
 
-Reserve (`--router-queue-reserve R`, priority order only): ordinary requests (priority <= 0) are
-routed only while more than R ranks are not busy, urgent ones (priority > 0) whenever one is. At
-threshold 0 that keeps R ranks free of ordinary prefill work, so an urgent request starts its
-prefill at once instead of waiting for a pass in flight (passes cannot be preempted): its time
-to first token stays near the unloaded one, at the price of the reserved ranks' prefill
-throughput for ordinary work under overload (they still decode). Off (0) by default.
+Reserve (`--router-queue-reserve R`, priority order only): while urgent requests (priority > 0)
+are arriving (one within the last `RESERVE_WINDOW_S`), ordinary ones are routed only while more
+than R ranks are not busy; urgent ones go whenever one is. At threshold 0 that keeps R ranks free
+of ordinary prefill work, so an urgent request starts its prefill at once instead of waiting for
+a pass in flight (passes cannot be preempted): its time to first token stays near the unloaded
+one, at the price of the reserved ranks' prefill throughput for ordinary work under overload
+(they still decode). Without urgent traffic nothing is held back. Off (0) by default.
 
 Past `max_size` waiting requests a new one is refused at once with `QueueFull` (the frontend
 answers 529, or 503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503, with Retry-After), before any output:
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -55,6 +57,7 @@ QUEUE_POLICIES: tuple[QueuePolicy, ...] = ("priority", "fcfs", "wspt")
 DEFAULT_MAX_QUEUE = 1024
 RETRY_AFTER_S = 1
 RECHECK_S = 0.25
+RESERVE_WINDOW_S = 10.0  # the reserve holds while an urgent request came within this long
 # A worker's max_num_batched_tokens when its card does not say (Dynamo's: never busy).
 DEFAULT_MAX_BATCHED_TOKENS = 10_000_000
 _FULL = "every worker is saturated and the router's queue is full; retry shortly"
@@ -70,17 +73,25 @@ class QueueFull(Overloaded):
 class RouterQueue:
     def __init__(
         self,
-        saturated: Callable[..., bool],
+        free_ranks: Callable[[], float],
         *,
         policy: QueuePolicy = "priority",
         max_size: int = DEFAULT_MAX_QUEUE,
+        reserve: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`free_ranks`: how many worker ranks are below the threshold now."""
         if policy not in QUEUE_POLICIES:
             choices = ", ".join(QUEUE_POLICIES)
             raise ValueError(f"router queue policy must be one of {choices}, not {policy!r}")
         if max_size < 0:
             raise ValueError(f"router queue size must be >= 0, not {max_size}")
-        self._saturated = saturated
+        if reserve < 0:
+            raise ValueError(f"router queue reserve must be >= 0, not {reserve}")
+        self._free_ranks = free_ranks
+        self.reserve = reserve
+        self._clock = clock
+        self._last_urgent = -float("inf")
         self.policy = policy
         self.max_size = max_size
         # (rank, arrival order, urgent, waiter)
@@ -93,6 +104,14 @@ class RouterQueue:
 
     def __len__(self) -> int:
         return sum(1 for *_, waiter in self._heap if not waiter.done())
+
+    def _saturated(self, urgent: bool) -> bool:
+        """Whether a request (`urgent` or not) must wait: no rank is free, or, for an ordinary
+        one while urgent requests are arriving, no more than the reserve."""
+        held = 0
+        if not urgent and self.reserve and self._clock() - self._last_urgent < RESERVE_WINDOW_S:
+            held = self.reserve
+        return self._free_ranks() <= held
 
     def _rank(self, priority: int, uncached_tokens: Callable[[], int] | None) -> float:
         """The request's place in the queue: lower goes first (ties: first come)."""
@@ -112,7 +131,9 @@ class RouterQueue:
         once it has booked the request on a worker (or given up), so that the next waiting
         request can go."""
         urgent = self.policy == "priority" and priority > 0
-        if not self._heap and not self._in_transit and not self._saturated(urgent=urgent):
+        if urgent:
+            self._last_urgent = self._clock()
+        if not self._heap and not self._in_transit and not self._saturated(urgent):
             self._in_transit += 1
             return True
         rank = self._rank(priority, uncached_tokens)
@@ -168,7 +189,7 @@ class RouterQueue:
             heapq.heappop(heap)
         if not heap or self._in_transit:
             return
-        if self._saturated(urgent=heap[0][2]):
+        if self._saturated(heap[0][2]):
             # A rank can also free up without an event here (its load report goes stale).
             if self._recheck is None:
                 self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._rechecked)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,7 +89,9 @@ class KvRouter:
         self.queue: RouterQueue | None = None
         if config.queue_threshold is not None:
             policy: QueuePolicy = config.queue_policy  # type: ignore[assignment]
-            self.queue = RouterQueue(self.saturated, policy=policy, max_size=config.max_queue_size)
+            self.queue = RouterQueue(
+                self._room, policy=policy, max_size=config.max_queue_size, reserve=config.queue_reserve
+            )
         self._candidates: list[WorkerKey] = []
         # Per worker instance, from its model card: data-parallel ranks (1 when not told) and
         # max_num_batched_tokens (the queue threshold's unit).
@@ -161,15 +164,26 @@ class KvRouter:
         fraction = self.config.queue_threshold or 0.0
         return fraction * self.max_batched_tokens.get(key[0], DEFAULT_MAX_BATCHED_TOKENS)
 
-    def saturated(self, instance_ids: Iterable[int] | None = None, *, urgent: bool = False) -> bool:
-        """Whether a request may not be routed yet: every rank of these instances (default: the
-        candidates of the last routing) is busy (`busy_limit`) or, for one that is not `urgent`,
-        no more ranks than the reserve (`queue_reserve`) are not."""
+    def free_ranks(self, instance_ids: Iterable[int] | None = None) -> int:
+        """How many ranks of these instances (default: the candidates of the last routing) are
+        not busy (`busy_limit`); without a queue threshold, all of them."""
+        candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
+        if self.config.queue_threshold is None:
+            return len(candidates)
+        return sum(1 for key in candidates if self.prefill_tokens(key) <= self.busy_limit(key))
+
+    def _room(self) -> float:
+        """Free ranks as the queue counts them: without candidates nothing is worth waiting for
+        (routing says why)."""
+        return self.free_ranks() if self._candidates else math.inf
+
+    def saturated(self, instance_ids: Iterable[int] | None = None) -> bool:
+        """Whether every rank of these instances (default: the candidates of the last routing)
+        is busy (`busy_limit`)."""
         candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
         if self.config.queue_threshold is None or not candidates:
             return False
-        free = sum(1 for key in candidates if self.prefill_tokens(key) <= self.busy_limit(key))
-        return free <= (0 if urgent else self.config.queue_reserve)
+        return self.free_ranks(instance_ids) == 0
 
     async def admit(
         self,
