@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
-from dynamo_graph.backend.run_config import RunConfig, RunConfigError, apply_runtime_settings
+from dynamo_graph.backend.run_config import KV_ONLY_FLAGS, RunConfig, RunConfigError, apply_runtime_settings
 from dynamo_graph.backend.worker import StartedEngine, make_card, serve_engine, start_built_engine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.llm.model_source import resolve_model
@@ -44,12 +44,7 @@ _DISTRIBUTED_FLAGS = {
     "router_temperature": "--router-temperature",
     "use_kv_events": "--use-kv-events",
     "router_cost": "--router-cost",
-    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
-    "router_session_affinity_mode": "--router-session-affinity-mode",
-    "router_queue_threshold": "--router-queue-threshold",
-    "router_queue_policy": "--router-queue-policy",
-    "router_max_queue_size": "--router-max-queue-size",
-    "router_queue_reserve": "--router-queue-reserve",
+    **KV_ONLY_FLAGS,
     "migration_limit": "--migration-limit",
     "static_worker": "--static-worker",
     "disaggregation_mode": "--disaggregation-mode",
