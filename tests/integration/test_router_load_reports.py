@@ -51,7 +51,7 @@ async def test_another_frontends_work_holds_the_queue_until_the_worker_reports_i
     router, publisher = plane
     publisher.load(report(1500, 2))  # 1500 > 0.5 * 2048: busy, though this router sent nothing
     await wait_until(lambda: router.prefill_tokens((WORKER, 0)) == 1500, "the report never arrived")
-    assert router.saturated([WORKER]) and router.sequences.prefill_tokens((WORKER, 0)) == 0
+    assert router.free_ranks([WORKER]) == 0 and router.sequences.prefill_tokens((WORKER, 0)) == 0
     held = asyncio.create_task(router.admit(0, Context(), [WORKER]))
     await asyncio.sleep(0.3)  # several rechecks: still busy
     assert not held.done() and len(router.queue or ()) == 1
@@ -66,7 +66,7 @@ async def test_a_worker_that_stops_reporting_does_not_hold_the_queue(plane) -> N
     router, publisher = plane
     router.model.reported.max_age_s = 0.5
     publisher.load(report(5000, 9))  # its last words, then silence
-    await wait_until(lambda: router.saturated([WORKER]), "the report never arrived")
+    await wait_until(lambda: router.free_ranks([WORKER]) == 0, "the report never arrived")
     held = asyncio.create_task(router.admit(0, Context(), [WORKER]))
     await asyncio.sleep(0.1)
     assert not held.done()

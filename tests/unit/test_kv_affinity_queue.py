@@ -153,7 +153,7 @@ async def test_router_saturation_follows_the_threshold():
     assert await router.admit(0, Context(), [1])
     router.route("a", list(range(8 * BS)), [1])  # 128 tokens to prefill on the only worker
     router.dispatched()
-    assert router.saturated()
+    assert router.free_ranks() == 0
     held = asyncio.create_task(router.admit(0, Context(), [1]))
     await asyncio.sleep(0.01)
     assert not held.done()
@@ -270,16 +270,16 @@ def test_each_worker_is_busy_past_the_fraction_of_its_own_batch_and_unknown_ones
     router.add_worker(1, {"max_num_batched_tokens": 64})
     router.add_worker(2, {"max_num_batched_tokens": 4096, "data_parallel_size": 2})
     router.route("a", list(range(100)), [1])  # 100 > 1.0 * 64: worker 1 is busy
-    assert not router.saturated(workers)  # worker 2's ranks are not
+    assert router.free_ranks(workers) > 0  # worker 2's ranks are not
     router.route("b", list(range(1000, 6000)), [2])
     router.route("c", list(range(9000, 14000)), [2])
     assert {router.sequences.prefill_tokens((2, r)) for r in (0, 1)} == {5000}
-    assert router.saturated(workers)  # both ranks past 4096, and worker 1 past 64
+    assert router.free_ranks(workers) == 0  # both ranks past 4096, and worker 1 past 64
     router.add_worker(3, None)  # says nothing of its batch: 10,000,000, never busy
     router.route("d", list(range(20000, 40000)), [3])
-    assert not router.saturated([1, 2, 3])
+    assert router.free_ranks([1, 2, 3]) > 0
     router.remove_worker(3)
-    assert router.saturated(workers) and 3 not in router.max_batched_tokens
+    assert router.free_ranks(workers) == 0 and 3 not in router.max_batched_tokens
 
 
 def test_a_workers_reported_backlog_counts_until_it_goes_stale():
@@ -290,12 +290,12 @@ def test_a_workers_reported_backlog_counts_until_it_goes_stale():
     router.model.reported = ReportedLoad(max_age_s=5.0, clock=clock)
     router.add_worker(1, {"max_num_batched_tokens": 1000})
     router.route("mine", list(range(10)), [1])  # 10 tokens booked here
-    assert not router.saturated()
+    assert router.free_ranks() > 0
     router.model.reported.update(LoadMetrics(1, 40, 1024, 3, 1, prefill_tokens=900))
-    assert router.prefill_tokens((1, 0)) == 900 and router.saturated()
+    assert router.prefill_tokens((1, 0)) == 900 and router.free_ranks() == 0
     assert router.model.backlog_seconds((1, 0), router.sequences) == router.model.fit((1, 0)).predict(900, 40)
     clock.now = 5.5  # the worker went quiet
-    assert router.prefill_tokens((1, 0)) == 10 and not router.saturated()
+    assert router.prefill_tokens((1, 0)) == 10 and router.free_ranks() > 0
 
 
 async def test_wspt_serves_the_highest_priority_per_uncached_token_first():

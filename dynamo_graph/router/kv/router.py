@@ -90,7 +90,7 @@ class KvRouter:
         if config.queue_threshold is not None:
             policy: QueuePolicy = config.queue_policy  # type: ignore[assignment]
             self.queue = RouterQueue(
-                self._room, policy=policy, max_size=config.max_queue_size, reserve=config.queue_reserve
+                self.free_ranks, policy=policy, max_size=config.max_queue_size, reserve=config.queue_reserve
             )
         self._candidates: list[WorkerKey] = []
         # Per worker instance, from its model card: data-parallel ranks (1 when not told) and
@@ -164,26 +164,14 @@ class KvRouter:
         fraction = self.config.queue_threshold or 0.0
         return fraction * self.max_batched_tokens.get(key[0], DEFAULT_MAX_BATCHED_TOKENS)
 
-    def free_ranks(self, instance_ids: Iterable[int] | None = None) -> int:
+    def free_ranks(self, instance_ids: Iterable[int] | None = None) -> float:
         """How many ranks of these instances (default: the candidates of the last routing) are
-        not busy (`busy_limit`); without a queue threshold, all of them."""
-        candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
-        if self.config.queue_threshold is None:
-            return len(candidates)
-        return sum(1 for key in candidates if self.prefill_tokens(key) <= self.busy_limit(key))
-
-    def _room(self) -> float:
-        """Free ranks as the queue counts them: without candidates nothing is worth waiting for
-        (routing says why)."""
-        return self.free_ranks() if self._candidates else math.inf
-
-    def saturated(self, instance_ids: Iterable[int] | None = None) -> bool:
-        """Whether every rank of these instances (default: the candidates of the last routing)
-        is busy (`busy_limit`)."""
+        not busy (`busy_limit`), as the queue counts them: with no candidates, or no queue
+        threshold, nothing is worth waiting for (infinite; routing says what is wrong)."""
         candidates = self._candidates if instance_ids is None else self.targets(instance_ids)
         if self.config.queue_threshold is None or not candidates:
-            return False
-        return self.free_ranks(instance_ids) == 0
+            return math.inf
+        return sum(1 for key in candidates if self.prefill_tokens(key) <= self.busy_limit(key))
 
     async def admit(
         self,
