@@ -444,13 +444,13 @@ def measure_overhead(args: argparse.Namespace, cost: str = "predictive") -> dict
     from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
     from dynamo_graph.router.kv.protocols import KvCacheEvent, KvStored, StoredBlock
     from dynamo_graph.router.kv.router import KvRouter
-    from dynamo_graph.router.kv.scheduler import KvRouterConfig
+    from dynamo_graph.router.config import RouterConfig
 
     bs = 64
     n_workers = 8
     rng = random.Random(f"{args.seed}:overhead")
     low, high = 6, 2048
-    router = KvRouter(bs, KvRouterConfig(cost=cost), seed=1)
+    router = KvRouter(bs, RouterConfig(cost=cost), seed=1)
     workers = [rng.getrandbits(63) for _ in range(n_workers)]
 
     def ids(n: int) -> list[int]:

@@ -1,185 +1,161 @@
-"""dynamo-run's command line as data: its flags, their defaults, and a parser that needs no typer.
+"""A worker's command line: the engine's, the worker's and the planes' settings, as
+`backend.run(MyEngine)` takes them (`parse_worker_args`) and as `dyngraph run in=dyn://...`
+hands them to the serving loop (`WorkerConfig`).
 
-Every worker (`dyngraph run in=dyn://...` and `backend.run(MyEngine)` alike) and every process a
-graph compiles to is started with this command line, so its table lives with the worker, below
-the CLI. Typer (with pydantic, which it builds a validator per option with) costs ~0.15 s of CPU
-per process start: `parse_fast` reads plain `--flag VALUE` command lines itself and returns None
-for anything it is not sure of (`--help`, an unknown or malformed option, a value that is not a
-plain number where one is expected), which the CLI then hands to typer, so errors and help read
-the same. tests/unit/test_cli_fast_run.py checks the table against the typer command.
+The flags are derived from the settings classes (dynamo_graph/options.py); `dyngraph run`'s
+whole command line (process/run_config.py) adds the frontend's and the router's to these.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from typing import Any
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-# flag -> (parameter name, type); the typer signature of `run_command` in cli/main.py.
-RUN_OPTIONS: dict[str, tuple[str, type]] = {
-    "--model-path": ("model_path", str),
-    "--model-name": ("model_name", str),
-    "--model-config": ("model_config", str),
-    "--http-host": ("http_host", str),
-    "--http-port": ("http_port", int),
-    "--http-body-limit-mb": ("http_body_limit_mb", float),
-    "--max-concurrent-requests": ("max_concurrent_requests", int),
-    "--request-timeout-s": ("request_timeout_s", float),
-    "--api-key": ("api_key", str),
-    "--context-length": ("context_length", int),
-    "--kv-cache-block-size": ("kv_cache_block_size", int),
-    "--tensor-parallel-size": ("tensor_parallel_size", int),
-    "--num-nodes": ("num_nodes", int),
-    "--node-rank": ("node_rank", int),
-    "--leader-addr": ("leader_addr", str),
-    "--base-gpu-id": ("base_gpu_id", int),
-    "--extra-engine-args": ("extra_engine_args", Path),
-    "--router-mode": ("router_mode", str),
-    "--kv-overlap-score-weight": ("kv_overlap_score_weight", float),
-    "--router-temperature": ("router_temperature", float),
-    "--use-kv-events": ("use_kv_events", str),
-    "--router-cost": ("router_cost", str),
-    "--router-session-affinity-ttl-secs": ("router_session_affinity_ttl_secs", float),
-    "--router-session-affinity-mode": ("router_session_affinity_mode", str),
-    "--router-queue-threshold": ("router_queue_threshold", float),
-    "--router-queue-policy": ("router_queue_policy", str),
-    "--router-max-queue-size": ("router_max_queue_size", int),
-    "--router-queue-reserve": ("router_queue_reserve", int),
-    "--migration-limit": ("migration_limit", int),
-    "--health-check-interval-s": ("health_check_interval_s", float),
-    "--health-check-timeout-s": ("health_check_timeout_s", float),
-    "--max-inflight": ("max_inflight", int),
-    "--disaggregation-mode": ("disaggregation_mode", str),
-    "--max-local-prefill-length": ("max_local_prefill_length", int),
-    "--dyn-tool-call-parser": ("dyn_tool_call_parser", str),
-    "--dyn-reasoning-parser": ("dyn_reasoning_parser", str),
-    "--lora-modules": ("lora_modules", str),
-    "--discovery-backend": ("discovery_backend", str),
-    "--request-plane": ("request_plane", str),
-    "--event-plane": ("event_plane", str),
-}
-RUN_FLAGS = {  # boolean flags
-    "--static-worker": "static_worker",
-    "--is-prefill-worker": "is_prefill_worker",
-    "--is-decode-worker": "is_decode_worker",
-    "--router-conditional-disagg": "router_conditional_disagg",
-    "--enforce-disagg": "enforce_disagg",
-    "--embedding": "embedding",
-}
-RUN_DEFAULTS: dict[str, Any] = {
-    "model_path": None,
-    "model_name": None,
-    "model_config": None,
-    "http_host": "127.0.0.1",
-    "http_port": 8080,
-    "http_body_limit_mb": None,
-    "max_concurrent_requests": 1024,
-    "request_timeout_s": None,
-    "api_key": None,
-    "context_length": None,
-    "kv_cache_block_size": None,
-    "tensor_parallel_size": 1,
-    "num_nodes": 1,
-    "node_rank": 0,
-    "leader_addr": None,
-    "base_gpu_id": 0,
-    "extra_engine_args": None,
-    "router_mode": "round-robin",
-    "kv_overlap_score_weight": 1.0,
-    "router_temperature": 0.0,
-    "use_kv_events": "true",
-    "router_cost": "predictive",
-    "router_session_affinity_ttl_secs": 0.0,
-    "router_session_affinity_mode": "soft",
-    "router_queue_threshold": None,
-    "router_queue_policy": "priority",
-    "router_max_queue_size": 1024,
-    "router_queue_reserve": 0,
-    "migration_limit": 0,
-    "health_check_interval_s": None,
-    "health_check_timeout_s": None,
-    "max_inflight": 1024,
-    "static_worker": False,
-    "disaggregation_mode": "agg",
-    "is_prefill_worker": False,
-    "is_decode_worker": False,
-    "router_conditional_disagg": False,
-    "max_local_prefill_length": 512,
-    "enforce_disagg": False,
-    "embedding": False,
-    "dyn_tool_call_parser": None,
-    "dyn_reasoning_parser": None,
-    "lora_modules": None,
-    "discovery_backend": None,
-    "request_plane": None,
-    "event_plane": None,
-    "verbose": 0,
-}
-_INT = re.compile(r"-?[0-9]+")
-_FLOAT = re.compile(r"-?[0-9]+(\.[0-9]+)?")
-_VERBOSE = re.compile(r"-v+")
+from dynamo_graph.backend.settings import (
+    EngineSettings,
+    RunConfigError,
+    WorkerSettings,
+    resolve_disaggregation_mode,
+)
+from dynamo_graph.options import SettingError, flag_speller, flagged, from_params, parse_fast, validate
+from dynamo_graph.runtime.settings import PlaneSettings
 
-BOOL_WORDS = {
-    "true": True,
-    "1": True,
-    "yes": True,
-    "on": True,
-    "false": False,
-    "0": False,
-    "no": False,
-    "off": False,
-}
+if TYPE_CHECKING:
+    from dynamo_graph.llm.model_source import LocalModel
+
+WORKER_SETTINGS = (EngineSettings, WorkerSettings, PlaneSettings)
+DEFAULT_WORKER_ENDPOINT = "dyn://dynamo.backend.generate"
 
 
-def _convert(kind: type, value: str) -> Any:
-    """The value as typer would give it, or None where typer's answer is not this simple."""
-    if value.startswith("-") and kind is not int and kind is not float:
-        return None
-    if kind is int:
-        return int(value) if _INT.fullmatch(value) else None
-    if kind is float:
-        return float(value) if _FLOAT.fullmatch(value) else None
-    return Path(value) if kind is Path else value
+@dataclass
+class WorkerConfig:
+    """What serving an engine as a worker needs besides the engine: where to serve, which model
+    to publish, and the worker's settings."""
+
+    endpoint: str
+    engine: EngineSettings
+    worker: WorkerSettings
+    planes: PlaneSettings
+    model: LocalModel | None = None
+    verbosity: int = 0
+
+    @property
+    def engine_args(self) -> Sequence[str]:
+        """Arguments after `--` on the command line, for the engine's own parser."""
+        return self.engine.engine_argv
 
 
-def parse_fast(args: list[str]) -> tuple[list[str], dict[str, Any], set[str]] | None:
-    """`run`'s arguments as (words, parameters, names given explicitly), or None for typer.
-    Arguments after `--` go to the engine, as `engine_argv` in the parameters."""
-    words: list[str] = []
-    params = dict(RUN_DEFAULTS)
-    explicit: set[str] = set()
+def worker_settings(
+    params: Mapping[str, Any],
+    explicit: set[str],
+    *,
+    output: str | None = None,
+    engine_argv: Sequence[str] = (),
+) -> tuple[EngineSettings, WorkerSettings, PlaneSettings]:
+    """The worker's three settings from a parsed command line, checked (deprecated spellings
+    resolved)."""
+    try:
+        engine = from_params(
+            EngineSettings,
+            params,
+            engine=output,
+            http_port=params.get("http_port", 8080),
+            engine_argv=list(engine_argv),
+            explicit=set(explicit),
+        )
+        worker = from_params(WorkerSettings, params)
+        planes = from_params(PlaneSettings, params)
+        for settings in (engine, worker, planes):
+            validate(settings, flag_speller(type(settings)))
+        both = {
+            **{o.name: o.flag for o in flagged(EngineSettings)},
+            **{o.name: o.flag for o in flagged(WorkerSettings)},
+        }
+        resolve_disaggregation_mode(engine, worker, lambda name: both.get(name) or name)
+    except SettingError as err:
+        raise RunConfigError(str(err)) from None
+    return engine, worker, planes
+
+
+def apply_planes(planes: PlaneSettings) -> None:
+    """Put the plane flags into the environment, then check the runtime's settings before
+    connecting."""
+    from dynamo_graph.runtime import discovery, transport
+    from dynamo_graph.runtime.events import event_plane_kind
+    from dynamo_graph.runtime.health import HealthSettings
+
+    planes.to_env()
+    try:
+        discovery.check_settings()
+        transport.check_settings()
+        event_plane_kind()
+        HealthSettings.from_env()
+    except (ValueError, discovery.DiscoveryError) as err:
+        raise RunConfigError(str(err)) from None
+
+
+def _split_endpoint(args: list[str]) -> tuple[str | None, list[str]]:
+    """`--endpoint dyn://...` (a backend.run spelling) out of `args`."""
+    endpoint: str | None = None
+    rest: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
-        i += 1
-        if arg == "--":  # the rest is the engine's own (a python engine file's sys.argv)
-            params["engine_argv"] = args[i:]
-            break
-        if not arg.startswith("-"):
-            words.append(arg)
-            explicit.add("words")
-        elif arg in RUN_FLAGS:
-            params[RUN_FLAGS[arg]] = True
-            explicit.add(RUN_FLAGS[arg])
-        elif arg == "--verbose" or _VERBOSE.fullmatch(arg):
-            params["verbose"] += 1 if arg == "--verbose" else len(arg) - 1
-            explicit.add("verbose")
+        if arg == "--endpoint" and i + 1 < len(args):
+            endpoint, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--endpoint="):
+            endpoint = arg.partition("=")[2]
         else:
-            flag, sep, value = arg.partition("=")
-            if flag not in RUN_OPTIONS:
-                return None  # --help, an unknown option, `--`, ...
-            if not sep:
-                if i >= len(args):
-                    return None
-                value = args[i]
-                i += 1
-            name, kind = RUN_OPTIONS[flag]
-            converted = _convert(kind, value)
-            if converted is None:
-                return None
-            params[name] = converted
-            explicit.add(name)
-    return words, params, explicit
+            rest.append(arg)
+        i += 1
+    return endpoint, rest
+
+
+def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerConfig:
+    """A worker's command line, as `dynamo_graph.backend.run` takes it: the worker's flags and
+    words (`in=dyn://ns.comp.ep` or `--endpoint dyn://ns.comp.ep`, default
+    dyn://dynamo.backend.generate; MODEL or --model-path), then `--` and the engine's own args."""
+    from dynamo_graph.runtime.names import EndpointName, NameError_
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    engine_argv: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, engine_argv = args[:cut], args[cut + 1 :]
+    endpoint, rest = _split_endpoint(args)
+    parsed = parse_fast(rest, flagged(*WORKER_SETTINGS))
+    if parsed is None:
+        bad = next((a for a in rest if a.startswith("-")), None)
+        raise RunConfigError(
+            f"cannot parse the worker's command line at {bad!r}: it takes a worker's flags "
+            "(see `dyngraph run --help`), --endpoint dyn://ns.comp.ep, and the engine's own "
+            "arguments after `--`"
+        )
+    words, params, explicit = parsed
+    given: str | None = None
+    for word in words:
+        key, sep, value = word.partition("=")
+        if sep and key == "in":
+            if not value.startswith("dyn://"):
+                raise RunConfigError(f"a worker serves a dyn:// endpoint, not in={value}")
+            given = value
+        elif sep and key == "out":
+            raise RunConfigError(f"out={value}: a worker started with backend.run serves its own engine")
+        elif not sep and params.get("model_path") is None:
+            params["model_path"] = word
+        else:
+            raise RunConfigError(f"unexpected argument {word!r} (expected in=dyn://..., and one MODEL)")
+    if given is not None and endpoint is not None and endpoint != given:
+        raise RunConfigError(f"two endpoints given: in={given} and --endpoint {endpoint}")
+    try:
+        name = EndpointName.parse(given or endpoint or DEFAULT_WORKER_ENDPOINT)
+    except NameError_ as err:
+        raise RunConfigError(str(err)) from None
+    engine, worker, planes = worker_settings(params, explicit, engine_argv=engine_argv)
+    return WorkerConfig(str(name), engine, worker, planes, verbosity=params["verbose"])
 
 
 def fail(message: str) -> int:

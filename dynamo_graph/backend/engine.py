@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from dynamo_graph.backend.errors import EngineError, InvalidArgument
-from dynamo_graph.backend.run_config import WorkerConfig
 from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from dynamo_graph.backend.command_line import WorkerConfig
     from dynamo_graph.backend.kv_transfer import KvHandoff
     from dynamo_graph.backend.lora import LoraAdapter
     from dynamo_graph.llm.model_source import LocalModel
@@ -120,16 +120,16 @@ class LLMEngine(abc.ABC):
         `[in=dyn://ns.comp.ep | --endpoint dyn://ns.comp.ep] [MODEL | --model-path P] [--flags]
         [-- ENGINE ARGS]`. Resolves the model, then calls `from_config`. Override to parse
         flags of your own (e.g. those after `--`, in `WorkerConfig.engine_args`)."""
-        from dynamo_graph.backend.run_config import parse_worker_args
+        from dynamo_graph.backend.command_line import parse_worker_args
         from dynamo_graph.llm.model_source import resolve_model
 
         worker = parse_worker_args(argv)
-        cfg = worker.settings
-        if cfg.model_path:
+        settings = worker.engine
+        if settings.model_path:
             worker.model = resolve_model(
-                cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name
+                settings.model_path, model_config=settings.model_config, model_name=settings.model_name
             )
-        return cls.from_config(cfg.engine_settings(), worker.model), worker
+        return cls.from_config(settings, worker.model), worker
 
     def health_check_request(self, config: EngineConfig) -> dict[str, Any] | None:
         """A tiny request (in wire form) that proves the engine serves: the worker publishes it

@@ -41,25 +41,24 @@ from dynamo_graph.backend.engine import LLMEngine, WorkerConfig
 
 async def serve(engine: LLMEngine, worker: WorkerConfig) -> int:
     """Serve an engine that is built but not started; returns the exit code once shut down."""
-    from dynamo_graph.backend.run_config import apply_runtime_settings
+    from dynamo_graph.backend.command_line import apply_planes
     from dynamo_graph.backend.worker import StartedEngine, serve_engine, start_built_engine
     from dynamo_graph.runtime.names import EndpointName
 
-    cfg = worker.settings
-    apply_runtime_settings(cfg)
+    apply_planes(worker.planes)
     name = EndpointName.parse(worker.endpoint)
 
     async def start(worker_id: int, before_start) -> StartedEngine:  # type: ignore[no-untyped-def]
         return await start_built_engine(
             engine,
-            cfg,
+            worker,
             worker.model,
             engine_name=type(engine).__name__,
             worker_id=worker_id,
             before_start=before_start,
         )
 
-    return await serve_engine(cfg, name, start)
+    return await serve_engine(worker, name, start)
 
 
 async def run_async(engine_class: type[LLMEngine], argv: Sequence[str] | None = None) -> int:
@@ -74,7 +73,7 @@ async def run_async(engine_class: type[LLMEngine], argv: Sequence[str] | None = 
     except (RunConfigError, ModelResolutionError) as err:
         return fail(str(err))
     try:
-        setup_logging(worker.settings.verbosity)
+        setup_logging(worker.verbosity)
     except LogSpecError as err:
         return fail(str(err))
     try:

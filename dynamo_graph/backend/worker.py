@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from dynamo_graph.backend.command_line import WorkerConfig
 from dynamo_graph.backend.embedding import EmbeddingEngine
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.handlers import (
@@ -41,7 +42,7 @@ from dynamo_graph.backend.handlers import (
 )
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
 from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publisher, lora_handler
-from dynamo_graph.backend.run_config import RunConfig, RunConfigError
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest, PreprocessedRequest
@@ -98,26 +99,26 @@ class StartedEngine:
 
 
 def make_card(
-    cfg: RunConfig, engine_name: str, config: EngineConfig, model: LocalModel | None
+    cfg: WorkerConfig, engine_name: str, config: EngineConfig, model: LocalModel | None
 ) -> ModelDeploymentCard:
-    context_length = cfg.context_length or config.context_length
+    context_length = cfg.engine.context_length or config.context_length
     if model is None:
-        name = cfg.model_name or config.served_model_name or engine_name
+        name = cfg.engine.model_name or config.served_model_name or engine_name
         card = ModelDeploymentCard.without_files(name, context_length=context_length)
-        card.migration_limit = cfg.migration_limit
+        card.migration_limit = cfg.worker.migration_limit
     else:
         card = ModelDeploymentCard.from_local_model(
             model,
             model_input=config.model_input,
             context_length=context_length or model.context_length,
-            kv_cache_block_size=cfg.kv_cache_block_size or config.kv_cache_block_size or 16,
-            migration_limit=cfg.migration_limit,
+            kv_cache_block_size=cfg.engine.kv_cache_block_size or config.kv_cache_block_size or 16,
+            migration_limit=cfg.worker.migration_limit,
         )
         card.runtime_config = _runtime_config(config)
     if config.model_type:
         card.model_type = list(config.model_type)  # type: ignore[arg-type]
-    card.tool_call_parser = cfg.dyn_tool_call_parser
-    card.reasoning_parser = cfg.dyn_reasoning_parser
+    card.tool_call_parser = cfg.worker.dyn_tool_call_parser
+    card.reasoning_parser = cfg.worker.dyn_reasoning_parser
     card.engine = engine_name
     card.capabilities = list(config.capabilities or ())
     return card
@@ -136,7 +137,7 @@ def _runtime_config(config: EngineConfig) -> dict[str, int] | None:
 
 async def start_built_engine(
     engine: LLMEngine,
-    cfg: RunConfig,
+    cfg: WorkerConfig,
     model: LocalModel | None,
     *,
     engine_name: str,
@@ -170,7 +171,7 @@ EngineStarter = Callable[[int, Callable[[LLMEngine], Awaitable[None]]], Awaitabl
 
 
 async def serve_engine(
-    cfg: RunConfig, name: EndpointName, start: EngineStarter, *, grace_s: float | None = None
+    cfg: WorkerConfig, name: EndpointName, start: EngineStarter, *, grace_s: float | None = None
 ) -> int:
     """Serve one engine as a worker; shared by `dyngraph run in=dyn://` and `backend.run`.
 
@@ -180,11 +181,11 @@ async def serve_engine(
     engine drain and streams in flight finish (one grace period for both), close the runtime
     (lease), release the engine, withdraw the event publisher. `grace_s`: DYN_SHUTDOWN_GRACE_S
     or SHUTDOWN_GRACE_S unless given."""
-    if cfg.static_worker:
+    if cfg.worker.static_worker:
         check_static_worker_settings()
     grace_s = shutdown_grace_from_env() if grace_s is None else grace_s
     closing = Closing()
-    runtime = await DistributedRuntime.create(static=cfg.static_worker)
+    runtime = await DistributedRuntime.create(static=cfg.worker.static_worker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, runtime.shutdown)
@@ -208,8 +209,8 @@ async def serve_engine(
             if health_check_enabled():
                 await run_health_check(engine, started.config, payload)
         endpoint = runtime.namespace(name.namespace).component(name.component).endpoint(name.endpoint)
-        cap = InflightCap(cfg.max_inflight)
-        mode = cfg.disaggregation_mode
+        cap = InflightCap(cfg.worker.max_inflight)
+        mode = cfg.engine.disaggregation_mode
         if mode != "agg":
             check_disaggregation(engine, started.config, mode)
         if isinstance(engine, EmbeddingEngine):
@@ -251,7 +252,7 @@ async def serve_engine(
 
 
 async def _serve_lora_adapters(
-    cfg: RunConfig,
+    cfg: WorkerConfig,
     runtime: DistributedRuntime,
     name: EndpointName,
     engine: LLMEngine,
@@ -261,11 +262,11 @@ async def _serve_lora_adapters(
     """Load the adapters of --lora-modules, and take load/unload requests on the `lora` endpoint
     (a static worker has no discovery to publish adapter cards in: it serves none)."""
     if runtime.discovery is None:
-        if cfg.lora_modules:
+        if cfg.engine.lora_modules:
             raise RunConfigError("--lora-modules needs discovery (adapter cards); not with --static-worker")
         return
     manager = LoraManager(engine, card, discovery_publisher(endpoint))
-    await manager.load_declared(cfg.lora_modules)
+    await manager.load_declared(cfg.engine.lora_modules)
     control = runtime.namespace(name.namespace).component(name.component).endpoint(LORA_ENDPOINT)
     await control.start_serving(lora_handler(manager))
 

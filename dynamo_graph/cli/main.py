@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -48,240 +48,31 @@ def _explicit_flags(ctx: typer.Context) -> set[str]:
     return {name for name, source in sources.items() if source is not None and source.name == "COMMANDLINE"}
 
 
-@app.command(
-    "run",
-    context_settings={"allow_interspersed_args": True},
-    help="Run a model in one process: dyngraph run in=http|text|stdin|batch:FILE|none out=ENGINE [MODEL].",
-)
-def run_command(
-    ctx: typer.Context,
-    words: Annotated[
-        list[str] | None, typer.Argument(help="in=INPUT, out=ENGINE and/or MODEL", show_default=False)
-    ] = None,
-    model_path: Annotated[
-        str | None, typer.Option("--model-path", help="HF folder, GGUF file or org/name")
-    ] = None,
-    model_name: Annotated[
-        str | None, typer.Option("--model-name", help="name the model is served under")
-    ] = None,
-    model_config: Annotated[
-        str | None, typer.Option("--model-config", help="HF folder with tokenizer files (for a GGUF)")
-    ] = None,
-    http_host: Annotated[
-        str, typer.Option("--http-host", help="address the HTTP server binds")
-    ] = "127.0.0.1",
-    http_port: Annotated[int, typer.Option("--http-port")] = 8080,
-    http_body_limit_mb: Annotated[
-        float | None,
-        typer.Option(
-            "--http-body-limit-mb", help="largest request body, MiB (env DYN_HTTP_BODY_LIMIT_MB; 32)"
-        ),
-    ] = None,
-    max_concurrent_requests: Annotated[
-        int,
-        typer.Option(
-            "--max-concurrent-requests", help="generation requests in flight; more get 503 (0: unlimited)"
-        ),
-    ] = 1024,
-    request_timeout_s: Annotated[
-        float | None,
-        typer.Option("--request-timeout-s", help="cancel a request after this long: 504 / error event"),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            help="require this key (comma list for several) on /v1 routes; DYN_API_KEY keeps it out of ps",
-        ),
-    ] = None,
-    context_length: Annotated[
-        int | None, typer.Option("--context-length", help="override the model's context length")
-    ] = None,
-    kv_cache_block_size: Annotated[int | None, typer.Option("--kv-cache-block-size")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size")] = 1,
-    num_nodes: Annotated[int, typer.Option("--num-nodes")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank")] = 0,
-    leader_addr: Annotated[str | None, typer.Option("--leader-addr", help="HOST:PORT of node rank 0")] = None,
-    base_gpu_id: Annotated[int, typer.Option("--base-gpu-id")] = 0,
-    extra_engine_args: Annotated[
-        Path | None, typer.Option("--extra-engine-args", help="JSON file of engine arguments")
-    ] = None,
-    router_mode: Annotated[
-        str, typer.Option("--router-mode", help="random | round-robin | kv")
-    ] = "round-robin",
-    kv_overlap_score_weight: Annotated[float, typer.Option("--kv-overlap-score-weight")] = 1.0,
-    router_temperature: Annotated[float, typer.Option("--router-temperature")] = 0.0,
-    use_kv_events: Annotated[str, typer.Option("--use-kv-events", help="true | false")] = "true",
-    router_cost: Annotated[
-        str, typer.Option("--router-cost", help="kv: predictive (lowest predicted TTFT) | dynamo")
-    ] = "predictive",
-    router_session_affinity_ttl_secs: Annotated[
-        float,
-        typer.Option("--router-session-affinity-ttl-secs", help="kv: keep a session on its worker (0: off)"),
-    ] = 0.0,
-    router_session_affinity_mode: Annotated[
-        str, typer.Option("--router-session-affinity-mode", help="hard | soft")
-    ] = "soft",
-    router_queue_threshold: Annotated[
-        float | None,
-        typer.Option(
-            "--router-queue-threshold",
-            help="kv: queue while every worker has more prefill tokens waiting than this fraction "
-            "of its max_num_batched_tokens",
-        ),
-    ] = None,
-    router_queue_policy: Annotated[
-        str, typer.Option("--router-queue-policy", help="priority | fcfs | wspt")
-    ] = "priority",
-    router_max_queue_size: Annotated[
-        int, typer.Option("--router-max-queue-size", help="kv: queued requests; more get 529")
-    ] = 1024,
-    router_queue_reserve: Annotated[
-        int,
-        typer.Option(
-            "--router-queue-reserve",
-            help="kv: workers kept free of ordinary prefill work for priority > 0 requests",
-        ),
-    ] = 0,
-    migration_limit: Annotated[int, typer.Option("--migration-limit")] = 0,
-    health_check_interval_s: Annotated[
-        float | None,
-        typer.Option(
-            "--health-check-interval-s",
-            help="frontend: health-check an instance silent this long (env DYN_HEALTH_CHECK_INTERVAL_S; "
-            "5; 0: off)",
-        ),
-    ] = None,
-    health_check_timeout_s: Annotated[
-        float | None,
-        typer.Option(
-            "--health-check-timeout-s",
-            help="frontend: a health check unanswered this long makes the instance unhealthy "
-            "(env DYN_HEALTH_CHECK_TIMEOUT_S; 3)",
-        ),
-    ] = None,
-    max_inflight: Annotated[
-        int,
-        typer.Option(
-            "--max-inflight", help="worker: requests in flight; more are answered overloaded (0: unlimited)"
-        ),
-    ] = 1024,
-    static_worker: Annotated[bool, typer.Option("--static-worker")] = False,
-    disaggregation_mode: Annotated[
-        str,
-        typer.Option(
-            "--disaggregation-mode",
-            help="worker: agg (whole requests) | prefill (prompts; hands the KV over) | decode",
-        ),
-    ] = "agg",
-    is_prefill_worker: Annotated[
-        bool, typer.Option("--is-prefill-worker", help="deprecated: --disaggregation-mode prefill")
-    ] = False,
-    is_decode_worker: Annotated[
-        bool, typer.Option("--is-decode-worker", help="deprecated: --disaggregation-mode decode")
-    ] = False,
-    router_conditional_disagg: Annotated[
-        bool,
-        typer.Option(
-            "--router-conditional-disagg",
-            help="frontend: prefill short prompts on the decode worker (see --max-local-prefill-length)",
-        ),
-    ] = False,
-    max_local_prefill_length: Annotated[
-        int,
-        typer.Option(
-            "--max-local-prefill-length",
-            help="frontend: with --router-conditional-disagg, uncached prompt tokens below this stay local",
-        ),
-    ] = 512,
-    enforce_disagg: Annotated[
-        bool,
-        typer.Option("--enforce-disagg", help="frontend: never prefill locally (no prefill worker: 503)"),
-    ] = False,
-    embedding: Annotated[
-        bool, typer.Option("--embedding", help="worker: serve the model's embeddings (/v1/embeddings)")
-    ] = False,
-    discovery_backend: Annotated[
-        str | None, typer.Option("--discovery-backend", help="file | etcd (env DYN_DISCOVERY_BACKEND)")
-    ] = None,
-    request_plane: Annotated[
-        str | None, typer.Option("--request-plane", help="tcp | nats (env DYN_REQUEST_PLANE)")
-    ] = None,
-    event_plane: Annotated[
-        str | None, typer.Option("--event-plane", help="zmq | nats | inproc (env DYN_EVENT_PLANE)")
-    ] = None,
-    dyn_tool_call_parser: Annotated[
-        str | None,
-        typer.Option(
-            "--dyn-tool-call-parser",
-            help="tool calls in the model's output: hermes | llama3_json | mistral | pythonic | deepseek_v3",
-        ),
-    ] = None,
-    dyn_reasoning_parser: Annotated[
-        str | None,
-        typer.Option(
-            "--dyn-reasoning-parser", help="the model's thinking -> reasoning_content: deepseek_r1 | qwen3"
-        ),
-    ] = None,
-    lora_modules: Annotated[
-        str | None,
-        typer.Option("--lora-modules", help="LoRA adapters to serve beside the model: NAME=PATH[,NAME=PATH]"),
-    ] = None,
-    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="-v debug, -vv trace")] = 0,
-) -> None:
+def run_command(ctx: typer.Context, words: list[str] | None = None, **params: Any) -> None:
     from dynamo_graph.cli.run import execute
 
-    params = {
-        "model_path": model_path,
-        "model_name": model_name,
-        "model_config": model_config,
-        "http_host": http_host,
-        "http_port": http_port,
-        "http_body_limit_mb": http_body_limit_mb,
-        "max_concurrent_requests": max_concurrent_requests,
-        "request_timeout_s": request_timeout_s,
-        "api_key": api_key,
-        "context_length": context_length,
-        "kv_cache_block_size": kv_cache_block_size,
-        "tensor_parallel_size": tensor_parallel_size,
-        "num_nodes": num_nodes,
-        "node_rank": node_rank,
-        "leader_addr": leader_addr,
-        "base_gpu_id": base_gpu_id,
-        "extra_engine_args": extra_engine_args,
-        "router_mode": router_mode,
-        "kv_overlap_score_weight": kv_overlap_score_weight,
-        "router_temperature": router_temperature,
-        "use_kv_events": use_kv_events,
-        "router_cost": router_cost,
-        "router_session_affinity_ttl_secs": router_session_affinity_ttl_secs,
-        "router_session_affinity_mode": router_session_affinity_mode,
-        "router_queue_threshold": router_queue_threshold,
-        "router_queue_policy": router_queue_policy,
-        "router_max_queue_size": router_max_queue_size,
-        "router_queue_reserve": router_queue_reserve,
-        "migration_limit": migration_limit,
-        "health_check_interval_s": health_check_interval_s,
-        "health_check_timeout_s": health_check_timeout_s,
-        "max_inflight": max_inflight,
-        "static_worker": static_worker,
-        "disaggregation_mode": disaggregation_mode,
-        "is_prefill_worker": is_prefill_worker,
-        "is_decode_worker": is_decode_worker,
-        "router_conditional_disagg": router_conditional_disagg,
-        "max_local_prefill_length": max_local_prefill_length,
-        "enforce_disagg": enforce_disagg,
-        "embedding": embedding,
-        "discovery_backend": discovery_backend,
-        "request_plane": request_plane,
-        "event_plane": event_plane,
-        "dyn_tool_call_parser": dyn_tool_call_parser,
-        "dyn_reasoning_parser": dyn_reasoning_parser,
-        "lora_modules": lora_modules,
-        "verbose": verbose,
-    }
     code = execute(words, params, _explicit_flags(ctx))
     raise typer.Exit(code)
+
+
+def _register_run_command() -> None:
+    """`run`'s typer options, derived from the settings classes (process/run_config.py), so a
+    setting is declared once: its flag, type, default and help come from its field."""
+    from dynamo_graph.cli.run_options import run_signature
+
+    run_command.__signature__ = run_signature()  # type: ignore[attr-defined]
+    run_command.__annotations__ = {
+        p.name: p.annotation for p in run_command.__signature__.parameters.values()
+    }  # type: ignore[attr-defined]
+    app.command(
+        "run",
+        context_settings={"allow_interspersed_args": True},
+        help="Run a model in one process: "
+        "dyngraph run in=http|text|stdin|batch:FILE|none out=ENGINE [MODEL].",
+    )(run_command)
+
+
+_register_run_command()
 
 
 def _build_or_exit(graph_file: Path, overrides: list[str] | None, engines: Engines = "dyngraph") -> Built:
@@ -519,7 +310,7 @@ def version_command() -> None:
 
 
 def _run_fast(args: list[str]) -> None:
-    """`dyngraph run` with a plain command line skips typer (backend/command_line.py says why)."""
+    """`dyngraph run` with a plain command line skips typer (cli/run.py says why)."""
     from dynamo_graph.cli.run import main_fast
 
     code = main_fast(args)

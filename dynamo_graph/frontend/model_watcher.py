@@ -54,9 +54,9 @@ from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.llm.protocol import PreprocessedRequest
-from dynamo_graph.router.disagg import DisaggConfig, DisaggRouter, UncachedTokens
+from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.router.disagg import DisaggRouter, UncachedTokens
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import KvRouterConfig
 from dynamo_graph.router.migration import Migration, RoutedBackend
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
@@ -155,7 +155,7 @@ class ModelWatcher:
         registry: ModelRegistry,
         *,
         router_mode: str = "round-robin",
-        kv_config: KvRouterConfig | None = None,
+        kv_config: RouterConfig | None = None,
         only_endpoint: EndpointName | None = None,
         migration_limit: int | None = None,
         health: HealthSettings | None = None,

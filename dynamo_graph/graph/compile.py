@@ -23,8 +23,12 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
+from dynamo_graph.frontend.settings import LimitSettings
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy, port_placeholder
-from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Router, Worker
+from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
+from dynamo_graph.options import to_argv
+from dynamo_graph.router.config import DisaggConfig, RouterConfig
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
@@ -284,7 +288,6 @@ class _Compiler:
         serves_workers = bool(endpoints)
         if comp.models is not None and len(endpoints) == 1:
             out = endpoints.pop()  # serve just that endpoint's workers
-        router = comp.router
         port_name = f"{name}-0.http"
         http_port = _port(comp.http.port, port_name)
         argv = [
@@ -296,34 +299,12 @@ class _Compiler:
             comp.http.host,
             "--http-port",
             http_port,
-            "--router-mode",
-            router.mode,
-            "--kv-overlap-score-weight",
-            f"{router.kv_overlap_score_weight:g}",
-            "--router-temperature",
-            f"{router.temperature:g}",
-            "--use-kv-events",
-            "true" if router.use_kv_events else "false",
-            "--max-concurrent-requests",
-            str(comp.limits.max_concurrent_requests),
+            *to_argv(RouterConfig(**comp.router.model_dump())),
+            *to_argv(DisaggConfig(**comp.disagg.model_dump())),
+            *to_argv(LimitSettings(**comp.limits.model_dump())),
         ]
-        if router.mode == "kv":
-            argv += _kv_router_args(router)
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]
-        if comp.disagg.conditional:
-            argv += ["--router-conditional-disagg"]
-            argv += ["--max-local-prefill-length", str(comp.disagg.max_local_prefill_length)]
-        if comp.disagg.enforce:
-            argv += ["--enforce-disagg"]
-        if comp.limits.request_timeout_s is not None:
-            argv += ["--request-timeout-s", f"{comp.limits.request_timeout_s:g}"]
-        if comp.limits.body_limit_mb is not None:
-            argv += ["--http-body-limit-mb", f"{comp.limits.body_limit_mb:g}"]
-        if comp.limits.health_check_interval_s is not None:
-            argv += ["--health-check-interval-s", f"{comp.limits.health_check_interval_s:g}"]
-        if comp.limits.health_check_timeout_s is not None:
-            argv += ["--health-check-timeout-s", f"{comp.limits.health_check_timeout_s:g}"]
         # Keys reach the frontend only through its environment: the plan names the variables.
         auth_env = {"DYN_API_KEY_ENV": ",".join(comp.api_key_env)} if comp.api_key_env else {}
         depends_on, restart = self._common(name)
@@ -401,44 +382,35 @@ class _Compiler:
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
         engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
+        adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in (model.lora_adapters or {}).items())
+        args_file = self._engine_args_file(name, worker)
+        engine_settings = EngineSettings(
+            model_path=_resolve_path(model.path, self.graph_dir),
+            model_name=str(model.name),
+            model_config=_resolve_path(model.config, self.graph_dir) if model.config else None,
+            context_length=model.context_length or None,
+            kv_cache_block_size=model.kv_cache_block_size or None,
+            extra_engine_args=Path(args_file) if args_file else None,
+            tensor_parallel_size=worker.gpus.tensor_parallel_size,
+            disaggregation_mode=worker.role,
+            lora_modules=",".join(adapters) or None,
+            embedding=worker.embedding,
+        )
+        worker_settings = WorkerSettings(
+            migration_limit=worker.migration_limit or 0,
+            static_worker=worker.static,
+            max_inflight=worker.max_inflight if worker.max_inflight is not None else 1024,
+            dyn_tool_call_parser=model.tool_call_parser,
+            dyn_reasoning_parser=model.reasoning_parser,
+        )
         argv = [
             "dyngraph",
             "run",
             f"in={worker.endpoint_name()}",
             f"out={engine}",
-            "--model-path",
-            _resolve_path(model.path, self.graph_dir),
-            "--model-name",
-            str(model.name),
+            *to_argv(engine_settings),
+            *to_argv(worker_settings),
         ]
-        if model.config:
-            argv += ["--model-config", _resolve_path(model.config, self.graph_dir)]
-        if model.context_length:
-            argv += ["--context-length", str(model.context_length)]
-        if model.kv_cache_block_size:
-            argv += ["--kv-cache-block-size", str(model.kv_cache_block_size)]
-        if model.tool_call_parser:
-            argv += ["--dyn-tool-call-parser", model.tool_call_parser]
-        if model.reasoning_parser:
-            argv += ["--dyn-reasoning-parser", model.reasoning_parser]
-        if model.lora_adapters:
-            adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in model.lora_adapters.items())
-            argv += ["--lora-modules", ",".join(adapters)]
-        args_file = self._engine_args_file(name, worker)
-        if args_file:
-            argv += ["--extra-engine-args", args_file]
-        if worker.gpus.tensor_parallel_size > 1:
-            argv += ["--tensor-parallel-size", str(worker.gpus.tensor_parallel_size)]
-        if worker.migration_limit:
-            argv += ["--migration-limit", str(worker.migration_limit)]
-        if worker.max_inflight is not None:
-            argv += ["--max-inflight", str(worker.max_inflight)]
-        if worker.static:
-            argv += ["--static-worker"]
-        if worker.role != "agg":
-            argv += ["--disaggregation-mode", worker.role]
-        if worker.embedding:
-            argv += ["--embedding"]
         depends_on, restart = self._common(name)
         procs = []
         on_host: dict[str, int] = {}
@@ -500,24 +472,6 @@ class _Compiler:
             hosts=self.remote_hosts(),
             local_python=self.local_python(),
         )
-
-
-def _kv_router_args(router: Router) -> list[str]:
-    """The kv router's cost, session affinity and queue flags, those that differ from the
-    defaults (so plans of graphs that do not set them stay as they were)."""
-    args: list[str] = []
-    if router.cost != "predictive":
-        args += ["--router-cost", router.cost]
-    if router.session_affinity_ttl_secs:
-        args += ["--router-session-affinity-ttl-secs", f"{router.session_affinity_ttl_secs:g}"]
-        args += ["--router-session-affinity-mode", router.session_affinity_mode]
-    if router.queue_threshold is not None:
-        args += ["--router-queue-threshold", f"{router.queue_threshold:g}"]
-        args += ["--router-queue-policy", router.queue_policy]
-        args += ["--router-max-queue-size", str(router.max_queue_size)]
-        if router.queue_reserve:
-            args += ["--router-queue-reserve", str(router.queue_reserve)]
-    return args
 
 
 def _hosts_of(comp: Frontend | Worker) -> list[str]:

@@ -28,10 +28,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.frontend.settings import HttpSettings, LimitSettings
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
+from dynamo_graph.graph.sections import section
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
+from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
 
 KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
@@ -355,111 +358,14 @@ class _Component(_Model):
     """Seconds between SIGTERM and SIGKILL on shutdown."""
 
 
-class Http(_Model):
-    """Where the OpenAI-compatible HTTP server listens."""
-
-    host: str = "127.0.0.1"
-    """Bind address (--http-host); `0.0.0.0` to serve other machines."""
-    port: AutoPort = 8080
-    """Port (--http-port), or `auto` for one that is free on the frontend's host at `up` (kept
-    for the life of the supervisor; `up` prints it)."""
-
-
-class Router(_Model):
-    """How the frontend picks a worker instance."""
-
-    mode: Literal["random", "round-robin", "kv"] = "round-robin"
-    """--router-mode; `kv` routes by KV cache overlap and needs KV events (or
-    `use_kv_events: false`)."""
-    kv_overlap_score_weight: float = Field(1.0, ge=0)
-    """kv: weight of cached-prefix overlap against load (--kv-overlap-score-weight)."""
-    temperature: float = Field(0.0, ge=0)
-    """kv: softmax temperature of the pick, 0 = always the best (--router-temperature)."""
-    use_kv_events: bool = True
-    """kv: follow workers' KV events; false predicts cache contents from routed requests
-    (--use-kv-events)."""
-    cost: Literal["predictive", "dynamo"] = "predictive"
-    """kv: `predictive` sends a request where its time to first token is predicted lowest (a
-    per-worker prefill cost fitted from observed TTFTs); `dynamo` uses Dynamo's block cost
-    (--router-cost)."""
-    session_affinity_ttl_secs: float = Field(0.0, ge=0)
-    """kv: keep a session's requests (`x-session-id` header or `nvext.agent_context.session_id`)
-    on one worker for this many seconds after its last request; 0 = off
-    (--router-session-affinity-ttl-secs)."""
-    session_affinity_mode: Literal["hard", "soft"] = "soft"
-    """kv: `soft` lets a session move when its worker's predicted TTFT is clearly worse; `hard`
-    never (--router-session-affinity-mode)."""
-    queue_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
-    """kv: hold requests at the frontend while every worker has more prompt tokens waiting
-    than this fraction of its max_num_batched_tokens (as Dynamo's; 0: as soon as every worker
-    has any); default: never (--router-queue-threshold)."""
-    queue_policy: Literal["priority", "fcfs", "wspt"] = "priority"
-    """kv: order of the held requests: highest `x-dynamo-request-priority` /
-    `nvext.agent_hints.priority` first, first come first served, or Dynamo's weighted shortest
-    processing time, (1 + priority) / uncached prompt tokens (--router-queue-policy)."""
-    max_queue_size: int = Field(1024, ge=0)
-    """kv: held requests at most; more are answered 529 (503 with
-    DYN_HTTP_OVERLOAD_STATUS_CODE=503) with Retry-After (--router-max-queue-size)."""
-    queue_reserve: int = Field(0, ge=0)
-    """kv, with the queue in priority order: workers kept free of ordinary prefill work while
-    priority > 0 requests are arriving, so that they start at once (--router-queue-reserve); 0: none."""
-
-    @model_validator(mode="after")
-    def _kv_only(self) -> Router:
-        given = [key for key in KV_ONLY_ROUTER_KEYS if key in self.model_fields_set]
-        if self.mode != "kv" and given:
-            raise ValueError(
-                f"{', '.join(given)}: session affinity and the queue are the kv router's, "
-                f"not mode {self.mode}'s: set mode: kv"
-            )
-        if self.queue_reserve and (self.queue_threshold is None or self.queue_policy != "priority"):
-            raise ValueError(
-                "queue_reserve keeps workers free for urgent requests: it needs queue_threshold "
-                "and queue_policy: priority"
-            )
-        return self
-
-
-KV_ONLY_ROUTER_KEYS = (
-    "session_affinity_ttl_secs",
-    "session_affinity_mode",
-    "queue_threshold",
-    "queue_policy",
-    "max_queue_size",
-    "queue_reserve",
+_AUTO_PORT = (
+    "Or `auto`: one that is free on the frontend's host at `up` (kept for the life of the "
+    "supervisor; `up` prints it)."
 )
-
-
-class Disagg(_Model):
-    """Disaggregated prefill/decode at the frontend, for models with `role: prefill` workers."""
-
-    conditional: bool = False
-    """Prefill a prompt on the decode worker when fewer of its tokens than
-    `max_local_prefill_length` are uncached there (--router-conditional-disagg)."""
-    max_local_prefill_length: int = Field(512, ge=0)
-    """The threshold of `conditional`, in uncached prompt tokens (--max-local-prefill-length)."""
-    enforce: bool = False
-    """Never prefill on a decode worker: without a prefill worker requests get 503
-    (--enforce-disagg)."""
-
-
-class Limits(_Model):
-    """What the frontend lets requests use; past a limit a client gets an OpenAI error body."""
-
-    max_concurrent_requests: int = Field(1024, ge=0)
-    """Generation requests in flight at once; more are answered 503 with `Retry-After` at once,
-    never queued (--max-concurrent-requests; 0 = unlimited)."""
-    request_timeout_s: float | None = Field(None, gt=0)
-    """Cancel a request's generation after this many seconds: 504, or an error event mid-stream
-    (--request-timeout-s); default none."""
-    body_limit_mb: float | None = Field(None, gt=0)
-    """Largest request body in MiB; larger is 413 (--http-body-limit-mb); default 32."""
-    health_check_interval_s: float | None = Field(None, ge=0)
-    """Probe a worker instance that has been silent this long (--health-check-interval-s;
-    default 5, 0 = no health checks)."""
-    health_check_timeout_s: float | None = Field(None, gt=0)
-    """A probe not answered within this takes the instance out of routing until one passes
-    (--health-check-timeout-s; default 3)."""
+Http = section("Http", _Model, HttpSettings, overrides={"port": (AutoPort, 8080, _AUTO_PORT)})
+Router = section("Router", _Model, RouterConfig)
+Disagg = section("Disagg", _Model, DisaggConfig)
+Limits = section("Limits", _Model, LimitSettings)
 
 
 class Frontend(_Component):

@@ -27,28 +27,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 
 from dynamo_graph.llm.protocol import KvImportReport, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.router.config import DisaggConfig
 from dynamo_graph.router.migration import RoutedBackend, continuation
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import InvalidArgument, RequestError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DisaggConfig:
-    """The frontend's disaggregation settings (--router-conditional-disagg,
-    --max-local-prefill-length, --enforce-disagg)."""
-
-    conditional: bool = False
-    max_local_prefill_length: int = 512
-    enforce: bool = False
 
 
 class NoPrefillWorkers(NoInstances):

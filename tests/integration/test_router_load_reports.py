@@ -12,7 +12,7 @@ import pytest
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.router.kv.publisher import KvEventPublisher
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import KvRouterConfig
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.events import create_event_publisher
 from dynamo_graph.runtime.runtime import DistributedRuntime
@@ -32,7 +32,7 @@ async def wait_until(check, what: str, timeout_s: float = 5.0) -> None:
 async def plane(monkeypatch: pytest.MonkeyPatch):
     """A router subscribed to channel NS/COMP and the worker's publisher on it."""
     monkeypatch.setenv("DYN_EVENT_PLANE", "inproc")
-    router = KvRouter(16, KvRouterConfig(use_kv_events=False, queue_threshold=0.5), seed=0)
+    router = KvRouter(16, RouterConfig(use_kv_events=False, queue_threshold=0.5), seed=0)
     router.add_worker(WORKER, {"max_num_batched_tokens": BATCH})
     await router.subscribe(DistributedRuntime(discovery=None, static=True), NS, COMP)
     publisher = KvEventPublisher(

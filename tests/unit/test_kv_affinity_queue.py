@@ -13,12 +13,13 @@ from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.preprocessor import routing_hints
 from dynamo_graph.llm.protocol import PreprocessedRequest
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.affinity import SessionAffinity
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.router.kv.queue import RESERVE_WINDOW_S, QueueFull, RouterQueue
 from dynamo_graph.router.kv.reported import ReportedLoad
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig
+from dynamo_graph.router.kv.scheduler import Choice
 from dynamo_graph.runtime.context import Context
 
 BS = 16
@@ -67,7 +68,7 @@ def test_bindings_expire_after_the_ttl_since_last_use_and_leave_with_their_worke
 
 
 def test_router_keeps_a_session_on_its_worker_across_unrelated_prompts():
-    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, session_affinity_ttl_s=60), seed=0)
+    router = KvRouter(BS, RouterConfig(use_kv_events=False, session_affinity_ttl_secs=60), seed=0)
     homes = set()
     for turn in range(6):
         prompt = list(range(turn * 1000, turn * 1000 + 4 * BS))  # nothing shared between turns
@@ -78,7 +79,7 @@ def test_router_keeps_a_session_on_its_worker_across_unrelated_prompts():
 
 
 def test_router_soft_affinity_moves_a_session_off_a_swamped_worker():
-    config = KvRouterConfig(use_kv_events=False, session_affinity_ttl_s=60, session_affinity_mode="soft")
+    config = RouterConfig(use_kv_events=False, session_affinity_ttl_secs=60, session_affinity_mode="soft")
     router = KvRouter(BS, config, seed=0)
     home = router.route("a", list(range(4 * BS)), [1, 2], session_id="s").key
     router.free("a")
@@ -147,7 +148,7 @@ async def test_a_free_rank_admits_at_once_and_a_dispatch_waits_for_the_previous_
 
 
 async def test_router_saturation_follows_the_threshold():
-    config = KvRouterConfig(use_kv_events=False, queue_threshold=0.5)
+    config = RouterConfig(use_kv_events=False, queue_threshold=0.5)
     router = KvRouter(BS, config, seed=0)
     router.add_worker(1, {"max_num_batched_tokens": 200})  # busy past 0.5 * 200 = 100 tokens
     assert await router.admit(0, Context(), [1])
@@ -165,7 +166,7 @@ async def test_a_reserve_keeps_a_worker_free_of_ordinary_prefill_for_urgent_requ
     """Threshold 0, reserve 1, two workers. Without urgent traffic nothing is held back; once an
     urgent request came, ordinary ones go only while both workers are free, urgent ones whenever
     one is, and a waiting urgent request goes first to a worker that frees."""
-    config = KvRouterConfig(use_kv_events=False, queue_threshold=0.0, queue_reserve=1)
+    config = RouterConfig(use_kv_events=False, queue_threshold=0.0, queue_reserve=1)
     router = KvRouter(BS, config, seed=0)
     for worker in (1, 2):
         router.add_worker(worker, {"max_num_batched_tokens": 200})
@@ -265,7 +266,7 @@ async def test_a_full_priority_queue_refuses_its_least_urgent_newest_waiter_for_
 
 
 def test_each_worker_is_busy_past_the_fraction_of_its_own_batch_and_unknown_ones_never():
-    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, queue_threshold=1.0), seed=0)
+    router = KvRouter(BS, RouterConfig(use_kv_events=False, queue_threshold=1.0), seed=0)
     workers = [1, 2]
     router.add_worker(1, {"max_num_batched_tokens": 64})
     router.add_worker(2, {"max_num_batched_tokens": 4096, "data_parallel_size": 2})
@@ -286,7 +287,7 @@ def test_a_workers_reported_backlog_counts_until_it_goes_stale():
     """Work another frontend sent shows only in the worker's load metrics; a report older than
     the bound no longer pins the worker as busy."""
     clock = Clock()
-    router = KvRouter(BS, KvRouterConfig(use_kv_events=False, queue_threshold=0.5), seed=0)
+    router = KvRouter(BS, RouterConfig(use_kv_events=False, queue_threshold=0.5), seed=0)
     router.model.reported = ReportedLoad(max_age_s=5.0, clock=clock)
     router.add_worker(1, {"max_num_batched_tokens": 1000})
     router.route("mine", list(range(10)), [1])  # 10 tokens booked here

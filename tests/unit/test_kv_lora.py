@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 from xxhash import xxh3_64_intdigest
 
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.hashing import HASH_SEED, local_block_hashes, lora_hash_seed, sequence_hashes
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
 from dynamo_graph.router.kv.protocols import (
@@ -19,7 +20,6 @@ from dynamo_graph.router.kv.protocols import (
     encode_event,
 )
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 BS = 16
 PROMPT = list(range(100, 100 + 10 * BS))
@@ -121,7 +121,7 @@ def test_an_adapters_prefix_hash_cache_gives_its_seeded_hashes() -> None:
 
 
 def test_without_kv_events_an_adapters_router_remembers_its_own_decisions() -> None:
-    router = KvRouter(BS, KvRouterConfig(use_kv_events=False), seed=0, lora_name="sql")
+    router = KvRouter(BS, RouterConfig(use_kv_events=False), seed=0, lora_name="sql")
     first = router.route("t1", PROMPT, [1, 2, 3])
     router.free("t1")
     again = router.route("t2", [*PROMPT, 7, 8], [1, 2, 3])

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.predict import (
     DEFAULT_COEFFS,
     TtftFit,
@@ -14,7 +15,7 @@ from dynamo_graph.router.kv.predict import (
     predict_workers,
 )
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig
+from dynamo_graph.router.kv.scheduler import Choice
 from dynamo_graph.router.kv.sequences import ActiveSequences
 
 BS = 16
@@ -114,7 +115,7 @@ def test_near_ties_without_a_prefix_go_to_the_smallest_cache():
 
 
 def _router(**kw: object) -> KvRouter:
-    return KvRouter(BS, KvRouterConfig(use_kv_events=False, **kw), seed=0)  # type: ignore[arg-type]
+    return KvRouter(BS, RouterConfig(use_kv_events=False, **kw), seed=0)  # type: ignore[arg-type]
 
 
 def test_concurrent_first_uses_of_a_prefix_meet_on_one_worker():
@@ -158,4 +159,4 @@ def test_dynamo_cost_stays_selectable():
     choice = router.route("a", list(range(4 * BS)), [1, 2])
     assert choice.logit >= 4  # blocks, not seconds
     with pytest.raises(ValueError, match="router cost"):
-        KvRouterConfig(cost="fastest")
+        RouterConfig(cost="fastest")

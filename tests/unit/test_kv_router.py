@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.protocols import KvCacheEvent, KvStored, StoredBlock
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 BS = 16
 
@@ -57,7 +57,7 @@ def test_data_parallel_ranks_are_separate_targets_and_leave_with_their_worker():
 
 
 def test_without_events_the_router_remembers_its_own_decisions():
-    router = KvRouter(BS, KvRouterConfig(use_kv_events=False), seed=0)
+    router = KvRouter(BS, RouterConfig(use_kv_events=False), seed=0)
     conversation = list(range(300))
     first = router.route("t1", conversation, [1, 2, 3]).key
     router.prefill_completed("t1")
@@ -70,7 +70,7 @@ def test_without_events_the_router_remembers_its_own_decisions():
 
 
 def test_overlap_weight_zero_ignores_the_cache():
-    router = KvRouter(BS, KvRouterConfig(overlap_score_weight=0.0), seed=0)
+    router = KvRouter(BS, RouterConfig(overlap_score_weight=0.0), seed=0)
     router.indexer.apply_event(stored_event(2, list(range(160))))
     choice = router.route("r", list(range(160)), [1, 2])
     assert choice.overlap_blocks == 0

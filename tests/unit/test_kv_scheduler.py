@@ -8,8 +8,10 @@ from collections import Counter
 
 import pytest
 
+from dynamo_graph.router.config import RouterConfig
+from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
-from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig, score_workers, select
+from dynamo_graph.router.kv.scheduler import Choice, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences
 
 BS = 4
@@ -102,7 +104,7 @@ def test_softmax_follows_normalised_logits():
 
 
 def test_config_rejects_negative_knobs():
-    with pytest.raises(ValueError, match="overlap score weight"):
-        KvRouterConfig(overlap_score_weight=-1)
-    with pytest.raises(ValueError, match="temperature"):
-        KvRouterConfig(temperature=-0.1)
+    with pytest.raises(ValueError, match="kv_overlap_score_weight must be at least 0"):
+        KvRouter(16, RouterConfig(kv_overlap_score_weight=-1))
+    with pytest.raises(ValueError, match="temperature must be at least 0"):
+        KvRouter(16, RouterConfig(temperature=-0.1))

@@ -22,7 +22,7 @@ from dynamo_graph.llm.segment_tokenizer import LONG_SEGMENT_CHARS, SegmentTokeni
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import KvRouterConfig
+from dynamo_graph.router.config import RouterConfig
 
 ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs",))
 SHORT = st.text(ALPHABET, max_size=120)
@@ -123,7 +123,7 @@ def test_the_router_routes_the_same_with_and_without_prefixes(model, tokenizer: 
     costs for a multi-turn workload over four workers."""
     template = ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
     segments = SegmentTokenizer(tokenizer)
-    config = KvRouterConfig(use_kv_events=False)  # the router indexes its own decisions
+    config = RouterConfig(use_kv_events=False)  # the router indexes its own decisions
     reusing, hashing = KvRouter(16, config, seed=7), KvRouter(16, config, seed=7)
     workers = [11, 22, 33, 44]
     for n in range(24):
@@ -159,7 +159,7 @@ def test_uncached_tokens_are_the_same_with_and_without_prefixes(base, cached, pr
     """A worker holds a cut of a shared base; prompts are the base cut anywhere plus new ids,
     with named prefixes at random points: the uncached count with the prefixes' hashes reused
     equals the one from hashing every prompt whole, and the overlap it implies is right."""
-    config = KvRouterConfig(use_kv_events=False)
+    config = RouterConfig(use_kv_events=False)
     reusing, hashing = KvRouter(block_size, config, seed=1), KvRouter(block_size, config, seed=1)
     held = base[: min(cached, len(base))]
     for router in (reusing, hashing):

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_graph.options import check_values
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
 from dynamo_graph.router.kv.hashing import lora_hash_seed
@@ -39,7 +41,7 @@ from dynamo_graph.router.kv.protocols import (
     decode_load_metrics,
 )
 from dynamo_graph.router.kv.queue import DEFAULT_MAX_BATCHED_TOKENS, QueuePolicy, RouterQueue
-from dynamo_graph.router.kv.scheduler import Choice, KvRouterConfig, score_workers, select
+from dynamo_graph.router.kv.scheduler import Choice, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ class KvRouter:
     def __init__(
         self,
         block_size: int,
-        config: KvRouterConfig | None = None,
+        config: RouterConfig | None = None,
         *,
         seed: int | None = None,
         lora_name: str | None = None,
@@ -67,7 +69,8 @@ class KvRouter:
         if block_size <= 0:
             raise ValueError(f"kv routing needs a positive kv cache block size, not {block_size}")
         self.block_size = block_size
-        self.config = config or KvRouterConfig()
+        self.config = config or RouterConfig()
+        check_values(self.config, str)  # a router configured in code is held to the same bounds
         self.lora_name = lora_name
         self.indexer: KvIndexer | ApproxKvIndexer
         if self.config.use_kv_events:
@@ -83,9 +86,9 @@ class KvRouter:
         self.model = TtftModel()
         config = self.config
         self.affinity: SessionAffinity | None = None
-        if config.session_affinity_ttl_s > 0:
+        if config.session_affinity_ttl_secs > 0:
             mode: AffinityMode = config.session_affinity_mode  # type: ignore[assignment]
-            self.affinity = SessionAffinity(config.session_affinity_ttl_s, mode)
+            self.affinity = SessionAffinity(config.session_affinity_ttl_secs, mode)
         self.queue: RouterQueue | None = None
         if config.queue_threshold is not None:
             policy: QueuePolicy = config.queue_policy  # type: ignore[assignment]
@@ -120,7 +123,7 @@ class KvRouter:
         (unless without KV events, or when overlap does not count: weight 0), and the
         predictive cost and the queue from their load metrics."""
         topics = []
-        if self.config.use_kv_events and self.config.overlap_score_weight != 0:
+        if self.config.use_kv_events and self.config.kv_overlap_score_weight != 0:
             topics.append(KV_EVENTS_TOPIC)
         if self.config.cost == "predictive" or self.queue is not None:
             topics.append(LOAD_METRICS_TOPIC)
@@ -216,7 +219,7 @@ class KvRouter:
             raise NoWorkers("no worker instances to route to")
         block_size = self.block_size
         config = self.config
-        weight = config.overlap_score_weight
+        weight = config.kv_overlap_score_weight
         local, seq = self.prefix_hashes.hashes(token_ids, prefixes)
         overlaps = self.indexer.find_matches(local, seq) if weight and local else {}
         isl = len(token_ids)

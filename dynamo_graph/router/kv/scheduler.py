@@ -41,52 +41,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
-
-ROUTER_COSTS = ("predictive", "dynamo")
-
-
-@dataclass(frozen=True, slots=True)
-class KvRouterConfig:
-    overlap_score_weight: float = 1.0
-    temperature: float = 0.0
-    use_kv_events: bool = True
-    # The approximate indexer's settings (without KV events), as Dynamo's defaults.
-    ttl_s: float = 120.0
-    max_tree_size: int = 2**20
-    prune_target_ratio: float = 0.8
-    # `predictive` (predict.py): the lowest predicted time to first token; `dynamo`: the cost above.
-    cost: str = "predictive"
-    # Session affinity (affinity.py): seconds a session stays bound after its last use; 0: off.
-    session_affinity_ttl_s: float = 0.0
-    session_affinity_mode: str = "soft"
-    # Queueing (queue.py): hold requests while every rank has more prefill tokens waiting than
-    # this fraction of its max_num_batched_tokens (Dynamo's --router-queue-threshold); None: never.
-    queue_threshold: float | None = None
-    queue_policy: str = "priority"
-    max_queue_size: int = 1024
-    # Ranks kept free of ordinary prefill work for urgent requests (queue.py); needs the queue.
-    queue_reserve: int = 0
-
-    def __post_init__(self) -> None:
-        if self.cost not in ROUTER_COSTS:
-            raise ValueError(f"router cost must be one of {', '.join(ROUTER_COSTS)}, not {self.cost!r}")
-        if self.session_affinity_ttl_s < 0:
-            raise ValueError(f"session affinity ttl must be >= 0, not {self.session_affinity_ttl_s}")
-        threshold = self.queue_threshold
-        if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
-            raise ValueError(f"router queue threshold must be a fraction >= 0, not {threshold}")
-        if self.queue_reserve < 0:
-            raise ValueError(f"router queue reserve must be >= 0 ranks, not {self.queue_reserve}")
-        if self.queue_reserve and (threshold is None or self.queue_policy != "priority"):
-            raise ValueError("a router queue reserve needs the queue (a threshold) in priority order")
-        if self.overlap_score_weight < 0:
-            raise ValueError(f"kv overlap score weight must be >= 0, not {self.overlap_score_weight}")
-        if self.temperature < 0:
-            raise ValueError(f"router temperature must be >= 0, not {self.temperature}")
 
 
 class Choice(NamedTuple):  # a tuple: built for every candidate of every request

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
-from dynamo_graph.backend.run_config import KV_ONLY_FLAGS, RunConfig, RunConfigError, apply_runtime_settings
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.backend.worker import StartedEngine, make_card, serve_engine, start_built_engine
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.options import flagged
+from dynamo_graph.process.run_config import RUN_OPTIONS, RunConfig, apply_runtime_settings
+from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
@@ -30,65 +33,41 @@ if TYPE_CHECKING:
     from dynamo_graph.frontend.models import ModelRegistry
     from dynamo_graph.llm.embeddings import EmbeddingPipeline
     from dynamo_graph.llm.pipeline import ModelPipeline
-    from dynamo_graph.router.disagg import DisaggConfig
-    from dynamo_graph.router.kv.scheduler import KvRouterConfig
 
 log = logging.getLogger(__name__)
 WAIT_FOR_MODEL_S = 60.0
 console = Console(stderr=True, soft_wrap=True)
 
-# Flags that configure parts this process does not have with one in-process engine.
-_DISTRIBUTED_FLAGS = {
-    "router_mode": "--router-mode",
-    "kv_overlap_score_weight": "--kv-overlap-score-weight",
-    "router_temperature": "--router-temperature",
-    "use_kv_events": "--use-kv-events",
-    "router_cost": "--router-cost",
-    **KV_ONLY_FLAGS,
-    "migration_limit": "--migration-limit",
-    "static_worker": "--static-worker",
-    "disaggregation_mode": "--disaggregation-mode",
-    "router_conditional_disagg": "--router-conditional-disagg",
-    "max_local_prefill_length": "--max-local-prefill-length",
-    "enforce_disagg": "--enforce-disagg",
-}
-_ENGINE_FLAGS = {
-    "tensor_parallel_size": "--tensor-parallel-size",
-    "num_nodes": "--num-nodes",
-    "node_rank": "--node-rank",
-    "leader_addr": "--leader-addr",
-    "base_gpu_id": "--base-gpu-id",
-    "extra_engine_args": "--extra-engine-args",
-}
-
-
-# The HTTP frontend's own settings: nothing to apply them to without in=http.
-_HTTP_FLAGS = {
-    "http_body_limit_mb": "--http-body-limit-mb",
-    "max_concurrent_requests": "--max-concurrent-requests",
-    "request_timeout_s": "--request-timeout-s",
-    "api_key": "--api-key",
-}
-# A worker publishes these in its model card / registration; the router flags stay unused.
-_WORKER_FLAGS = {"migration_limit", "static_worker", "disaggregation_mode"}
+# Settings of a worker (in=dyn://) that an in-process engine has no use for.
+_WORKER_ONLY = ("migration_limit", "static_worker", "disaggregation_mode")
+# The engine's parallelism, which the echo engines ignore.
+_PARALLELISM = (
+    "tensor_parallel_size",
+    "num_nodes",
+    "node_rank",
+    "leader_addr",
+    "base_gpu_id",
+    "extra_engine_args",
+)
+# The HTTP frontend's own: nothing to apply them to without in=http.
+_HTTP_ONLY = ("http_body_limit_mb", "max_concurrent_requests", "request_timeout_s", "api_key")
 
 
 def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
     """Say which given flags have no effect here, instead of dropping them silently."""
-    worker = cfg.input == "dyn"
-    unused = [
-        flag
-        for key, flag in _DISTRIBUTED_FLAGS.items()
-        if key in cfg.explicit and not (worker and key in _WORKER_FLAGS)
-    ]
+    flags = {opt.param: opt.flag for opt in RUN_OPTIONS}
+    unused = [opt.param for opt in flagged(RouterConfig, DisaggConfig)]
+    if cfg.input != "dyn":
+        unused += _WORKER_ONLY
     if engine_name.startswith("echo"):
-        unused += [flag for key, flag in _ENGINE_FLAGS.items() if key in cfg.explicit]
+        unused += _PARALLELISM
     if cfg.input != "http":
-        unused += [flag for key, flag in _HTTP_FLAGS.items() if key in cfg.explicit]
-    if unused:
+        unused += _HTTP_ONLY
+    given = [flags[param] for param in flags if param in unused and param in cfg.explicit]
+    if given:
         log.warning(
             "%s: no effect with in=%s out=%s (no router in this process)",
-            ", ".join(unused),
+            ", ".join(str(flag) for flag in given),
             cfg.input,
             engine_name,
         )
@@ -112,10 +91,13 @@ async def start_engine(
     _warn_unused_flags(cfg, engine_name)
     model = None
     if cfg.model_path:
-        model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
-    engine = create_engine(engine_name, cfg.engine_settings(), model)
+        model = resolve_model(
+            cfg.model_path, model_config=cfg.engine.model_config, model_name=cfg.engine.model_name
+        )
+    engine = create_engine(engine_name, cfg.engine, model)
+    worker = cfg.worker_config(cfg.input_arg or "")
     return await start_built_engine(
-        engine, cfg, model, engine_name=engine_name, worker_id=worker_id, before_start=before_start
+        engine, worker, model, engine_name=engine_name, worker_id=worker_id, before_start=before_start
     )
 
 
@@ -126,34 +108,7 @@ async def serve_worker(cfg: RunConfig, name: EndpointName) -> int:
     async def start(worker_id: int, before_start: Callable[[LLMEngine], Awaitable[None]]) -> StartedEngine:
         return await start_engine(cfg, worker_id=worker_id, before_start=before_start)
 
-    return await serve_engine(cfg, name, start)
-
-
-def disagg_config(cfg: RunConfig) -> DisaggConfig:
-    from dynamo_graph.router.disagg import DisaggConfig
-
-    return DisaggConfig(
-        conditional=cfg.router_conditional_disagg,
-        max_local_prefill_length=cfg.max_local_prefill_length,
-        enforce=cfg.enforce_disagg,
-    )
-
-
-def kv_router_config(cfg: RunConfig) -> KvRouterConfig:
-    from dynamo_graph.router.kv.scheduler import KvRouterConfig
-
-    return KvRouterConfig(
-        overlap_score_weight=cfg.kv_overlap_score_weight,
-        temperature=cfg.router_temperature,
-        use_kv_events=cfg.use_kv_events,
-        cost=cfg.router_cost,
-        session_affinity_ttl_s=cfg.router_session_affinity_ttl_secs,
-        session_affinity_mode=cfg.router_session_affinity_mode,
-        queue_threshold=cfg.router_queue_threshold,
-        queue_policy=cfg.router_queue_policy,
-        max_queue_size=cfg.router_max_queue_size,
-        queue_reserve=cfg.router_queue_reserve,
-    )
+    return await serve_engine(cfg.worker_config(str(name)), name, start)
 
 
 async def _wait_for_signal() -> None:
@@ -172,12 +127,12 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
     from dynamo_graph.frontend.limits import FrontendLimits
 
     limits = FrontendLimits.from_settings(
-        body_limit_mb=cfg.http_body_limit_mb,
-        max_concurrent=cfg.max_concurrent_requests,
-        request_timeout_s=cfg.request_timeout_s,
+        body_limit_mb=cfg.limits.body_limit_mb,
+        max_concurrent=cfg.limits.max_concurrent_requests,
+        request_timeout_s=cfg.limits.request_timeout_s,
     )
     try:
-        keys = ApiKeys(keys_from_settings(cfg.api_key))
+        keys = ApiKeys(keys_from_settings(cfg.http.api_key))
     except ValueError as err:
         raise RunConfigError(str(err)) from None
     return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora)
@@ -187,17 +142,17 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     from dynamo_graph.frontend.app import make_server
 
     app = frontend_app(cfg, registry, lora)
-    server = make_server(app, cfg.http_host, cfg.http_port)
+    server = make_server(app, cfg.http.host, cfg.http.port)
     names = ", ".join(registry.names()) or "models as workers appear"
     auth = "API key required" if app.api_keys else "no API key"
     console.print(
-        f"[bold green]dyngraph[/] serving {names} on http://{cfg.http_host}:{cfg.http_port}/v1"
+        f"[bold green]dyngraph[/] serving {names} on http://{cfg.http.host}:{cfg.http.port}/v1"
         f" ({auth}; Ctrl-C to stop)"
     )
-    if not app.api_keys and cfg.http_host not in ("127.0.0.1", "localhost", "::1"):
+    if not app.api_keys and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
-            cfg.http_host,
+            cfg.http.host,
         )
     await server.serve()
 
@@ -270,11 +225,13 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
 
     addresses = _static_addresses()
     assert cfg.model_path is not None
-    model = resolve_model(cfg.model_path, model_config=cfg.model_config, model_name=cfg.model_name)
-    card = make_card(cfg, "static", EngineConfig(model_input="tokens"), model)
+    model = resolve_model(
+        cfg.model_path, model_config=cfg.engine.model_config, model_name=cfg.engine.model_name
+    )
+    card = make_card(cfg.worker_config(str(name)), "static", EngineConfig(model_input="tokens"), model)
     runtime = await DistributedRuntime.create(static=True)
-    kv = cfg.router_mode == "kv"
-    client = Client(runtime, name, router_mode="round-robin" if kv else cfg.router_mode)
+    kv = cfg.router.mode == "kv"
+    client = Client(runtime, name, router_mode="round-robin" if kv else cfg.router.mode)
     for index, address in enumerate(addresses, start=1):
         client.add_static(
             InstanceRecord(
@@ -290,10 +247,12 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client)
     if kv:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
-        router = KvRouter(card.kv_cache_block_size, replace(kv_router_config(cfg), use_kv_events=False))
+        router = KvRouter(card.kv_cache_block_size, replace(cfg.router, use_kv_events=False))
         ROUTERS.add(card.display_name, "decode", router)
         backend = KvRoutedTokensBackend(client, router)
-    migrating = Migration(backend, cfg.migration_limit, model=card.display_name, on_migrate=count_migration)
+    migrating = Migration(
+        backend, cfg.worker.migration_limit, model=card.display_name, on_migrate=count_migration
+    )
     registry.add(tokens_pipeline(card, model, migrating), instances=client.health_report)
     # Discovery cannot vouch for static workers: health checks are all that notices a wedged one.
     checker = HealthChecker(
@@ -328,12 +287,12 @@ async def _run_frontend(cfg: RunConfig) -> int:
     watcher = ModelWatcher(
         runtime,
         registry,
-        router_mode=cfg.router_mode,
-        kv_config=kv_router_config(cfg),
+        router_mode=cfg.router.mode,
+        kv_config=cfg.router,
         only_endpoint=only,
         # The frontend's --migration-limit wins when given; else each worker's card says.
-        migration_limit=cfg.migration_limit if "migration_limit" in cfg.explicit else None,
-        disagg=disagg_config(cfg),
+        migration_limit=cfg.worker.migration_limit if "migration_limit" in cfg.explicit else None,
+        disagg=cfg.disagg,
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     lora = LoraAdmin(watcher)
@@ -362,12 +321,12 @@ async def run_async(cfg: RunConfig) -> int:
         assert cfg.input_arg is not None
         return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
     if _discovers_workers(cfg):
-        if cfg.lora_modules:
+        if cfg.engine.lora_modules:
             raise RunConfigError(
                 "--lora-modules is a worker's flag: the frontend lists the adapters workers load"
             )
         return await _run_frontend(cfg)
-    if cfg.lora_modules and cfg.input != "http":
+    if cfg.engine.lora_modules and cfg.input != "http":
         raise RunConfigError(f"--lora-modules serves adapters as models over HTTP: not with in={cfg.input}")
     started = await start_engine(cfg)
     pipeline = started.pipeline()
@@ -381,7 +340,7 @@ async def run_async(cfg: RunConfig) -> int:
             registry = ModelRegistry()
             registry.add(pipeline)
             lora = LocalLoraAdmin(started, registry)
-            await lora.load_declared(cfg.lora_modules)
+            await lora.load_declared(cfg.engine.lora_modules)
             await _serve_http(cfg, registry, lora)
             return 0
         return await _drive_input(cfg, pipeline, echo=echo)

@@ -1,0 +1,48 @@
+"""The frontend's settings, declared once (dynamo_graph/options.py derives the rest from them):
+where it listens, its API keys, and what it lets requests use. A graph frontend's `http:` and
+`limits:` sections are built from the same fields (graph/sections.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynamo_graph.options import SettingError, Spell, setting
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """Where the OpenAI-compatible HTTP server listens."""
+
+    host: str = setting("127.0.0.1", flag="--http-host")
+    """Bind address; `0.0.0.0` to serve other machines."""
+    port: int = setting(8080, flag="--http-port", ge=0, le=65535)
+    """Port."""
+    api_key: str | None = setting(None, flag="--api-key", in_graph=False)
+    """Require this key (a comma list for several) on /v1 routes; DYN_API_KEY keeps it out of
+    `ps`, DYN_API_KEY_ENV names variables that hold keys."""
+
+    def check(self, given: set[str], spell: Spell) -> None:
+        if self.api_key is not None and not [k for k in self.api_key.split(",") if k.strip()]:
+            raise SettingError(
+                f"{spell('api_key')} needs a key (or a comma list of keys)"
+            )  # never echo a key
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    """What the frontend lets requests use; past a limit a client gets an OpenAI error body."""
+
+    max_concurrent_requests: int = setting(1024, flag="--max-concurrent-requests", ge=0)
+    """Generation requests in flight at once; more are answered 503 with `Retry-After` at once,
+    never queued (0 = unlimited)."""
+    request_timeout_s: float | None = setting(None, flag="--request-timeout-s", gt=0)
+    """Cancel a request's generation after this many seconds: 504, or an error event
+    mid-stream; default none."""
+    body_limit_mb: float | None = setting(None, flag="--http-body-limit-mb", gt=0)
+    """Largest request body in MiB; larger is 413; default DYN_HTTP_BODY_LIMIT_MB, else 32."""
+    health_check_interval_s: float | None = setting(None, flag="--health-check-interval-s", ge=0)
+    """Probe a worker instance that has been silent this long (default
+    DYN_HEALTH_CHECK_INTERVAL_S, else 5; 0 = no health checks)."""
+    health_check_timeout_s: float | None = setting(None, flag="--health-check-timeout-s", gt=0)
+    """A probe not answered within this takes the instance out of routing until one passes
+    (default DYN_HEALTH_CHECK_TIMEOUT_S, else 3)."""

@@ -1,0 +1,160 @@
+"""One `dyngraph run`: which input, which output engine, and dynamo-run's flags, as the
+composition of the settings classes of the rooms below (each declares its own; see
+dynamo_graph/options.py). The command line is derived from them (`RUN_OPTIONS`): the fast
+parser's table here, the typer options in cli/run_options.py, a graph's argv in graph/compile.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dynamo_graph.backend.command_line import WorkerConfig, apply_planes, worker_settings
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError, WorkerSettings
+from dynamo_graph.frontend.settings import HttpSettings, LimitSettings
+from dynamo_graph.options import (
+    SettingError,
+    check_values,
+    flag_speller,
+    flagged,
+    from_params,
+    given_fields,
+    parse_fast,
+    validate,
+)
+from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.runtime.settings import PlaneSettings
+
+InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
+# The order of `dyngraph run --help`.
+RUN_SETTINGS = (
+    EngineSettings,
+    HttpSettings,
+    LimitSettings,
+    RouterConfig,
+    DisaggConfig,
+    WorkerSettings,
+    PlaneSettings,
+)
+RUN_OPTIONS = flagged(*RUN_SETTINGS)
+assert len({opt.param for opt in RUN_OPTIONS}) == len(RUN_OPTIONS), "two settings share a flag"
+
+_HEALTH_ENV = {
+    "health_check_interval_s": "DYN_HEALTH_CHECK_INTERVAL_S",
+    "health_check_timeout_s": "DYN_HEALTH_CHECK_TIMEOUT_S",
+}
+
+
+@dataclass
+class RunConfig:
+    engine: EngineSettings
+    worker: WorkerSettings
+    planes: PlaneSettings
+    http: HttpSettings = field(default_factory=HttpSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    input: InputKind = "text"
+    input_arg: str | None = None  # the batch file, or the dyn:// endpoint
+    output: str | None = None  # None: the default engine
+    verbosity: int = 0
+    # Parameters (`Option.param`) given explicitly on the command line.
+    explicit: set[str] = field(default_factory=set)
+
+    @property
+    def model_path(self) -> str | None:
+        return self.engine.model_path
+
+    def worker_config(self, endpoint: str) -> WorkerConfig:
+        """This process's part as a worker serving `endpoint`."""
+        return WorkerConfig(endpoint, self.engine, self.worker, self.planes, verbosity=self.verbosity)
+
+
+def parse_run_args(args: list[str]) -> tuple[list[str], dict[str, Any], set[str]] | None:
+    """`dyngraph run`'s arguments without typer (options.parse_fast); None: typer must parse."""
+    return parse_fast(args, RUN_OPTIONS)
+
+
+def parse_input(word: str) -> tuple[InputKind, str | None]:
+    """`text`, `stdin`, `http`, `none`, `batch:FILE`, `dyn://ns.comp.ep`."""
+    if word.startswith("batch:"):
+        path = word[len("batch:") :]
+        if not path:
+            raise RunConfigError("in=batch:FILE needs a file, e.g. in=batch:prompts.jsonl")
+        if not os.path.isfile(path):
+            raise RunConfigError(f"in=batch: no such file {path!r}")
+        return "batch", path
+    if word.startswith("dyn://"):
+        return "dyn", word
+    if word in ("text", "stdin", "http", "none"):
+        return word, None  # type: ignore[return-value]
+    raise RunConfigError(
+        f"unknown input {word!r}; use text, stdin, http, batch:FILE, none or dyn://ns.comp.ep"
+    )
+
+
+def run_config_from_args(
+    words: Sequence[str] | None,
+    params: dict[str, Any],
+    explicit: set[str],
+    *,
+    engine_argv: Sequence[str] = (),
+) -> tuple[RunConfig, bool]:
+    """`dyngraph run`'s parsed command line (`parse_run_args` or typer) as a checked RunConfig:
+    `in=...`, `out=...` and one MODEL among the words. Returns (config, whether in= was given)."""
+    params = dict(params)
+    input_kind: InputKind = "text"
+    input_arg: str | None = None
+    output: str | None = None
+    input_given = False
+    for word in words or []:
+        key, sep, value = word.partition("=")
+        if sep and key == "in":
+            input_kind, input_arg = parse_input(value)
+            input_given = True
+        elif sep and key == "out":
+            output = value
+        elif params.get("model_path") is None and not sep:
+            params["model_path"] = word
+        else:
+            raise RunConfigError(f"unexpected argument {word!r} (expected in=..., out=... and one MODEL)")
+    engine, worker, planes = worker_settings(params, explicit, output=output, engine_argv=engine_argv)
+    try:
+        cfg = RunConfig(
+            engine=engine,
+            worker=worker,
+            planes=planes,
+            http=from_params(HttpSettings, params),
+            limits=from_params(LimitSettings, params),
+            router=from_params(RouterConfig, params),
+            disagg=from_params(DisaggConfig, params),
+            input=input_kind,
+            input_arg=input_arg,
+            output=output,
+            verbosity=params.get("verbose", 0),
+            explicit=set(explicit),
+        )
+        for settings in (cfg.http, cfg.limits, cfg.disagg):
+            validate(settings, flag_speller(type(settings)))
+        if input_kind == "dyn":  # a worker has no router: its router flags are reported unused
+            check_values(cfg.router, flag_speller(RouterConfig))
+        else:
+            validate(cfg.router, flag_speller(RouterConfig), given=given_fields(RouterConfig, explicit))
+        from dynamo_graph.backend.lora import parse_lora_modules
+
+        parse_lora_modules(engine.lora_modules)
+    except SettingError as err:
+        raise RunConfigError(str(err)) from None
+    return cfg, input_given
+
+
+def apply_runtime_settings(cfg: RunConfig) -> None:
+    """Put the plane and health-check flags into the environment (so every part of the runtime,
+    and any child process, sees one configuration), then check them before connecting."""
+    for name, env in _HEALTH_ENV.items():
+        value = getattr(cfg.limits, name)
+        if value is not None:
+            os.environ[env] = f"{value:g}"
+    apply_planes(cfg.planes)
