@@ -158,3 +158,13 @@ def apply_runtime_settings(cfg: RunConfig) -> None:
         if value is not None:
             os.environ[env] = f"{value:g}"
     apply_planes(cfg.planes)
+
+
+def parse_run_config(args: list[str]) -> RunConfig:
+    """A `dyngraph run` command line (plain `--flag VALUE` form) as a checked RunConfig: for
+    embedders and tests; the CLI goes through typer where this form does not parse."""
+    parsed = parse_run_args(args)
+    if parsed is None:
+        raise RunConfigError(f"not a plain dyngraph run command line: {' '.join(args)}")
+    words, params, explicit = parsed
+    return run_config_from_args(words, params, explicit, engine_argv=params.pop("engine_argv", ()))[0]

@@ -127,11 +127,12 @@ def test_model_cards_carry_no_key(tiny_model: Path) -> None:
     import msgspec
 
     from dynamo_graph.backend.engine import EngineConfig
-    from dynamo_graph.backend.run_config import RunConfig
     from dynamo_graph.backend.worker import make_card
     from dynamo_graph.llm.model_source import resolve_model
+    from dynamo_graph.process.run_config import parse_run_config
 
-    cfg = RunConfig(model_path=str(tiny_model), api_key=FLAG_KEYS[0])
+    run = parse_run_config(["--model-path", str(tiny_model), "--api-key", FLAG_KEYS[0]])
+    cfg = run.worker_config("dyn://dynamo.backend.generate")
     model = resolve_model(str(tiny_model))
     for card in (
         make_card(cfg, "echo_core", EngineConfig(model_input="tokens"), model),

@@ -15,12 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dynamo_graph.backend.command_line import parse_worker_args
 from dynamo_graph.backend.conformance import check_engine
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine, normalize_finish_reason
 from dynamo_graph.backend.errors import EngineError
 from dynamo_graph.backend.handlers import tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
-from dynamo_graph.backend.run_config import RunConfigError, parse_worker_args
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.runtime.context import Context
 from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
 
@@ -35,9 +36,8 @@ def test_worker_args_take_dynamo_run_flags_and_engine_args() -> None:
         ["in=dyn://ns.comp", "/models/m", "--migration-limit", "2", "--", "--delay-ms", "5"]
     )
     assert worker.endpoint == "dyn://ns.comp.generate"
-    assert worker.model_path == "/models/m" and worker.migration_limit == 2
-    assert list(worker.engine_args) == ["--delay-ms", "5"] == worker.settings.engine_argv
-    assert worker.settings.input == "dyn"
+    assert worker.engine.model_path == "/models/m" and worker.worker.migration_limit == 2
+    assert list(worker.engine_args) == ["--delay-ms", "5"] == worker.engine.engine_argv
     assert parse_worker_args(["--endpoint", "dyn://a.b.c"]).endpoint == "dyn://a.b.c"
     assert parse_worker_args([]).endpoint == "dyn://dynamo.backend.generate"
 

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from dynamo_graph.backend.protocol import LLMEngineOutput
-from dynamo_graph.backend.run_config import RunConfig
 from dynamo_graph.engines.echo import EchoFullEngine
 from dynamo_graph.inputs.batch import run_batch
-from dynamo_graph.inputs.launch import start_engine
 from dynamo_graph.inputs.stdin import run_stdin
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline
+from dynamo_graph.process.launch import start_engine
+from dynamo_graph.process.run_config import parse_run_config
 from dynamo_graph.runtime.context import Context
 from tests.procs import DYNGRAPH, run_cli
 
@@ -48,7 +48,7 @@ def echo_full_pipeline(delay_s: float = 0.0) -> TextPipeline:
 @pytest.fixture
 async def echo_core_pipeline(tiny_model: Path) -> AsyncIterator[ModelPipeline]:
     """The real tokens pipeline `dyngraph run out=echo_core MODEL` builds."""
-    started = await start_engine(RunConfig(output="echo_core", model_path=str(tiny_model)))
+    started = await start_engine(parse_run_config(["out=echo_core", str(tiny_model)]))
     try:
         yield started.pipeline()
     finally:

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.router.kv.publisher import KvEventPublisher
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.events import create_event_publisher
 from dynamo_graph.runtime.runtime import DistributedRuntime

@@ -156,7 +156,7 @@ def test_fault_tolerance_settings_become_flags_and_env(tmp_path: Path) -> None:
     assert _flag(frontend.argv, "--request-timeout-s") == "30"
     assert _flag(frontend.argv, "--health-check-interval-s") == "2"
     assert _flag(frontend.argv, "--health-check-timeout-s") == "1"
-    assert _flag(frontend.argv, "--max-concurrent-requests") == "1024"
+    assert "--max-concurrent-requests" not in frontend.argv  # the default goes without saying
     assert frontend.env["DYN_API_KEY_ENV"] == "DEMO_KEY"  # the variable's name, never a key
     assert _flag(worker.argv, "--max-inflight") == "16"
     assert worker.env["DYN_SHUTDOWN_GRACE_S"] == "5"  # drained before the supervisor's SIGKILL at 8 s

@@ -14,8 +14,9 @@ import pytest
 from dynamo_graph.backend.errors import EngineError, EngineOverloaded, InvalidArgument
 from dynamo_graph.backend.handlers import InflightCap, tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest
-from dynamo_graph.backend.run_config import RunConfig, RunConfigError, validate
+from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.frontend.models import ModelRegistry
+from dynamo_graph.process.run_config import parse_run_config
 from dynamo_graph.runtime.client import Client, InstanceOverloaded, NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.health import (
@@ -275,11 +276,11 @@ def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="DYN_HEALTH_CHECK_INTERVAL_S"):
         HealthSettings.from_env()
     with pytest.raises(RunConfigError, match="--health-check-interval-s"):
-        validate(RunConfig(health_check_interval_s=-1))
+        parse_run_config(["--health-check-interval-s", "-1"])
     with pytest.raises(RunConfigError, match="--health-check-timeout-s"):
-        validate(RunConfig(health_check_timeout_s=0))
+        parse_run_config(["--health-check-timeout-s", "0"])
     with pytest.raises(RunConfigError, match="--max-inflight"):
-        validate(RunConfig(max_inflight=-1))
+        parse_run_config(["--max-inflight", "-1"])
 
 
 def test_default_payloads_are_valid_requests() -> None:

@@ -70,7 +70,7 @@ def test_without_events_the_router_remembers_its_own_decisions():
 
 
 def test_overlap_weight_zero_ignores_the_cache():
-    router = KvRouter(BS, RouterConfig(overlap_score_weight=0.0), seed=0)
+    router = KvRouter(BS, RouterConfig(kv_overlap_score_weight=0.0), seed=0)
     router.indexer.apply_event(stored_event(2, list(range(160))))
     choice = router.route("r", list(range(160)), [1, 2])
     assert choice.overlap_blocks == 0

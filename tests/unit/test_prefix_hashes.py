@@ -19,10 +19,10 @@ from xxhash import xxh3_128_digest
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.segment_tokenizer import LONG_SEGMENT_CHARS, SegmentTokenizer
+from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.prefix_hashes import PrefixHashCache
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.config import RouterConfig
 
 ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs",))
 SHORT = st.text(ALPHABET, max_size=120)
