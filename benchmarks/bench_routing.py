@@ -441,10 +441,10 @@ def measure_overhead(args: argparse.Namespace, cost: str = "predictive") -> dict
     with the router's `cost`."""
     from xxhash import xxh3_128_digest
 
+    from dynamo_graph.router.config import RouterConfig
     from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
     from dynamo_graph.router.kv.protocols import KvCacheEvent, KvStored, StoredBlock
     from dynamo_graph.router.kv.router import KvRouter
-    from dynamo_graph.router.config import RouterConfig
 
     bs = 64
     n_workers = 8

@@ -36,7 +36,8 @@ import types
 from collections.abc import Sequence
 from typing import NoReturn
 
-from dynamo_graph.backend.engine import LLMEngine, WorkerConfig
+from dynamo_graph.backend.command_line import WorkerConfig
+from dynamo_graph.backend.engine import LLMEngine
 
 
 async def serve(engine: LLMEngine, worker: WorkerConfig) -> int:
