@@ -63,4 +63,5 @@ def section(
     doc = classes[0].__doc__
     model = create_model(name, __base__=base, __doc__=doc, __validators__={"_checks": _checks}, **fields)
     model.__module__ = base.__module__
+    model.__settings__ = classes  # type: ignore[attr-defined]  # read by graph/reference.py
     return model

@@ -338,3 +338,11 @@ def test_a_queue_reserve_without_the_queue_is_refused_in_the_same_words_as_the_f
 def test_a_negative_queue_threshold_is_refused_at_its_key(tmp_path: Path) -> None:
     problem = _graph_problem(tmp_path, "{mode: kv, queue_threshold: -0.5}")
     assert problem.path == "components.frontend.router.queue_threshold"
+
+
+def test_the_settings_reference_in_docs_is_current() -> None:
+    from dynamo_graph.graph.reference import reference
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md"
+    regenerate = "python -m dynamo_graph.graph.reference > docs/reference/settings.md"
+    assert path.read_text() == reference(), f"stale: run {regenerate}"
