@@ -92,7 +92,7 @@ class Option:
 
     @property
     def param(self) -> str:
-        """The command line's parameter name: the flag without dashes (`router_queue_reserve`)."""
+        """The command line's parameter name: the flag without dashes (`http_body_limit_mb`)."""
         return (self.spec.flag or self.name).lstrip("-").replace("-", "_")
 
     @property
@@ -153,7 +153,7 @@ def flagged(*classes: type) -> tuple[Option, ...]:
 
 
 def flag_speller(cls: type) -> Spell:
-    """Names settings of `cls` as their flags (`--router-queue-reserve`)."""
+    """Names settings of `cls` as their flags (`--http-body-limit-mb`)."""
     flags = {opt.name: opt.flag or opt.name for opt in options(cls)}
     return lambda name: flags.get(name, name)
 
