@@ -14,13 +14,11 @@ command line with it before anything else is loaded).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import inspect
 import math
 import re
-import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -265,7 +263,10 @@ def to_argv(obj: Any) -> list[str]:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings of `cls` and its bases (a string right below a field), dedented
-    and joined into one paragraph per field."""
+    and joined into one paragraph per field. (For help and docs only: a worker never reads them.)"""
+    import ast
+    import textwrap
+
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if klass is object:

@@ -28,6 +28,8 @@ import yaml
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAGS, Backend
 from dynamo_graph.graph.schema import KV_TRANSFER_ENGINES
+from dynamo_graph.options import options
+from dynamo_graph.router.config import RouterConfig
 
 _ROUTER_MODES = ("random", "round-robin", "kv")
 
@@ -41,17 +43,18 @@ def _queue_policy(value: str) -> str:
     return policies[value]
 
 
-# Dynamo's frontend router flags -> the graph's router keys (dynamo_k8s.router_flags writes them).
-_ROUTER_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "--router-prefill-load-scale": ("kv_overlap_score_weight", float),
-    "--router-kv-overlap-score-weight": ("kv_overlap_score_weight", float),  # Dynamo 1.x, deprecated
-    "--kv-overlap-score-weight": ("kv_overlap_score_weight", float),  # Dynamo 0.x
-    "--router-temperature": ("temperature", float),
-    "--router-session-affinity-ttl-secs": ("session_affinity_ttl_secs", float),
-    "--router-session-affinity-mode": ("session_affinity_mode", str),
-    "--router-queue-threshold": ("queue_threshold", float),
-    "--router-queue-policy": ("queue_policy", _queue_policy),
+# Dynamo's frontend router flags -> the graph's router keys: the settings Dynamo spells
+# (router/config.py, the same table dynamo_k8s.router_flags writes), and older spellings.
+_OLD_DYNAMO_FLAGS = {
+    "--router-kv-overlap-score-weight": "--router-prefill-load-scale",  # Dynamo 1.x, deprecated
+    "--kv-overlap-score-weight": "--router-prefill-load-scale",  # Dynamo 0.x
 }
+_ROUTER_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    opt.spec.dynamo: (opt.name, _queue_policy if opt.name == "queue_policy" else opt.kind)
+    for opt in options(RouterConfig)
+    if opt.spec.dynamo is not None
+}
+_ROUTER_FLAGS.update({old: _ROUTER_FLAGS[new] for old, new in _OLD_DYNAMO_FLAGS.items()})
 _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replicas", "envFromSecret", "envs"}
 _CONTAINER_KEYS = {"image", "command", "args", "workingDir"}
 

@@ -39,6 +39,8 @@ from dynamo_graph.graph.kube import (
 )
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Frontend, Graph, Limits, Router, Worker
+from dynamo_graph.options import format_value, options
+from dynamo_graph.router.config import RouterConfig
 
 API_VERSION = "nvidia.com/v1alpha1"
 KIND = "DynamoGraphDeployment"
@@ -182,19 +184,19 @@ QUEUE_POLICIES = {"priority": "fcfs", "fcfs": "fcfs", "wspt": "wspt"}
 
 
 def router_flags(router: Router) -> list[str]:
-    """The kv router's settings as `python3 -m dynamo.frontend` 1.6 flags. Our overlap weight
-    scales the prefill blocks against the decode blocks, which is Dynamo 1.6's prefill load
-    scale (its old --kv-overlap-score-weight)."""
-    args = ["--router-prefill-load-scale", f"{router.kv_overlap_score_weight:g}"]
-    args += ["--router-temperature", f"{router.temperature:g}"]
-    if not router.use_kv_events:
-        args.append("--no-router-kv-events")
-    if router.session_affinity_ttl_secs:
-        args += ["--router-session-affinity-ttl-secs", f"{router.session_affinity_ttl_secs:g}"]
-        args += ["--router-session-affinity-mode", router.session_affinity_mode]
-    if router.queue_threshold is not None:
-        args += ["--router-queue-threshold", f"{router.queue_threshold:g}"]
-        args += ["--router-queue-policy", QUEUE_POLICIES[router.queue_policy]]
+    """The kv router's settings as `python3 -m dynamo.frontend` 1.6 flags: each setting that
+    Dynamo spells (its field's `dynamo`, router/config.py), where it differs from the default
+    (our defaults are Dynamo's, the queue policy's mapped default included). Our overlap
+    weight scales the prefill blocks against the decode blocks: Dynamo 1.6's prefill load scale."""
+    config = RouterConfig(**router.model_dump())
+    args = [] if config.use_kv_events else ["--no-router-kv-events"]
+    for opt in options(RouterConfig):
+        value = getattr(config, opt.name)
+        if opt.spec.dynamo is None or value == opt.default or value is None:
+            continue
+        if opt.name == "queue_policy":
+            value = QUEUE_POLICIES[value]
+        args += [opt.spec.dynamo, format_value(value)]
     return args
 
 

@@ -58,7 +58,9 @@ class RouterConfig:
     """kv: hold requests at the frontend while every worker has more prompt tokens waiting
     than this fraction of its max_num_batched_tokens (as Dynamo's; 0: as soon as every worker
     has any); default: never."""
-    queue_policy: Literal["priority", "fcfs", "wspt"] = setting("priority", flag="--router-queue-policy")
+    queue_policy: Literal["priority", "fcfs", "wspt"] = setting(
+        "priority", flag="--router-queue-policy", dynamo="--router-queue-policy"
+    )
     """kv: order of the held requests: highest `x-dynamo-request-priority` /
     `nvext.agent_hints.priority` first, first come first served, or Dynamo's weighted shortest
     processing time, (1 + priority) / uncached prompt tokens."""
