@@ -20,7 +20,7 @@ from dynamo_graph.frontend.limits import Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import OVERLOADED, OpenAIHandler
-from dynamo_graph.frontend.responses import StreamWriter
+from dynamo_graph.frontend.sse import StreamWriter
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
 

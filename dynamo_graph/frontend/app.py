@@ -1,10 +1,10 @@
-"""The HTTP frontend: an ASGI dispatcher in front of a FastAPI app.
+"""The HTTP frontend: an ASGI dispatcher in front of a FastAPI app, and the OpenAPI document.
 
 The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py),
 and so do `GET /health` and `GET /live` (the readiness probes); everything else (models, metrics,
 docs, errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
 in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
-started, off the critical path of a graph coming up.
+started, off the critical path of a graph coming up. The uvicorn server it runs in is server.py's.
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dynamo_graph.frontend import (
     anthropic_messages,
@@ -51,7 +46,7 @@ log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
 
-__all__ = ["FrontendApp", "body_limit_from_env", "make_server"]
+__all__ = ["FrontendApp", "body_limit_from_env"]
 
 
 def _error_response(status: int, message: str) -> Response:
@@ -307,84 +302,3 @@ class FrontendApp:
                 await _send_json(send, 200, LIVE_BODY)
                 return
         await (self._api or await self.api())(scope, receive, send)
-
-
-MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is a 431 and the connection closes
-_HEAD_TOO_LARGE = error_body(
-    431, f"Request line and headers are larger than {MAX_HEAD_BYTES} bytes", code="headers_too_large"
-)
-_HEAD_TOO_LARGE_RESPONSE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_HEAD_TOO_LARGE)
-) + _HEAD_TOO_LARGE
-
-
-class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """Sets TCP_NODELAY on every accepted socket: without it small SSE writes on a kept-alive
-    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1, notes/DYNAMO.md).
-
-    Also bounds a request's head: httptools gathers the URL and each header in memory with no
-    limit of its own, so a client that keeps sending one would grow the frontend without end."""
-
-    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._in_head = True
-        self._message_ended = False
-        self._head_bytes = 0
-        super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        was_in_head = self._in_head
-        self._message_ended = False
-        super().data_received(data)
-        # Count a chunk that began and ended inside one request's head (one that also ended a
-        # message may hold body bytes: not counted, so a head can pass the limit by one read).
-        if was_in_head and self._in_head and not self._message_ended:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                self.transport.write(_HEAD_TOO_LARGE_RESPONSE)
-                self.transport.close()
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._head_bytes = 0
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._in_head = True  # the next request on this connection starts with its head
-        self._message_ended = True
-        super().on_message_complete()
-
-
-class GracefulServer(uvicorn.Server):
-    """Exits normally after a graceful shutdown on SIGINT/SIGTERM. uvicorn re-raises the signal
-    once it has shut down, so the process would die "killed by SIGTERM" and a supervisor could
-    not tell a clean stop from a crash."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
-
-
-def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
-    cap = app.limits.max_concurrent
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http=NoDelayHttpToolsProtocol,
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        log_level="warning",
-        timeout_graceful_shutdown=30,
-        # Connections (and tasks) at once: well above the request cap, so excess requests still
-        # get the frontend's own 503, while a flood of idle connections stays bounded.
-        limit_concurrency=4 * cap + 256 if cap else None,
-    )
-    return GracefulServer(config)

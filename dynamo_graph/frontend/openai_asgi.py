@@ -25,8 +25,8 @@ from dynamo_graph.frontend.errors import HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.responses import StreamWriter
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
+from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
 from dynamo_graph.llm.logprobs import TokenLogprob
 from dynamo_graph.llm.openai import AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
@@ -41,11 +41,6 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 __all__ = ["DEFAULT_BODY_LIMIT", "OpenAIHandler"]
 MAX_N = 1  # choices per request: the pipelines produce one
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
+from dynamo_graph.frontend.openai_chat.events import ChunkWriter, chunk_writer
 from dynamo_graph.frontend.openai_chat.protocol import DECODER, chat_completion_body
-from dynamo_graph.frontend.responses import ChunkWriter, chunk_writer
 from dynamo_graph.llm.pipeline import Prepared
 
 

@@ -1,6 +1,5 @@
-"""Byte builders shared by the OpenAI routes: the stream writer contract, usage, and the SSE
-chunks of chat and completions (one writer: their chunks differ in a few bytes). Each route's
-whole JSON body is its package's (openai_chat/protocol.py, openai_completions/protocol.py).
+"""The SSE chunks of chat and completions (one writer: their chunks differ in a few bytes). Each
+route's whole JSON body is its package's (openai_chat/protocol.py, openai_completions/protocol.py).
 
 Streamed chunks are assembled from a per-request prefix and a JSON-escaped delta instead of
 encoding a dict per token: at 64 chunks per request this is the difference between fitting
@@ -11,10 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from dynamo_graph.frontend.openai_chat.protocol import usage_dict
+from dynamo_graph.frontend.sse import DONE, error_event
 from dynamo_graph.llm.logprobs import chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
 
@@ -23,35 +24,6 @@ if TYPE_CHECKING:
     from dynamo_graph.llm.openai import AnyRequest
 
 _encode = msgspec.json.encode
-DONE = b"data: [DONE]\n\n"
-
-
-class StreamWriter(Protocol):
-    """One streamed response's bytes, in the order the handler sends them; every API surface
-    (chat, completions, Responses, Messages) has one."""
-
-    def start(self) -> bytes:
-        """Events before the first delta ("" for none)."""
-
-    def delta(self, delta: Delta) -> bytes:
-        """A visible delta's events."""
-
-    def finish(self, reason: str) -> bytes:
-        """The closing events, after the delta with the finish reason."""
-
-    def failure(self, err: HTTPError) -> bytes:
-        """The closing events when the stream fails after it started."""
-
-
-def usage_dict(prepared: Prepared) -> dict:
-    usage = {
-        "prompt_tokens": prepared.prompt_tokens,
-        "completion_tokens": prepared.completion_tokens,
-        "total_tokens": prepared.prompt_tokens + prepared.completion_tokens,
-    }
-    if prepared.cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": prepared.cached_tokens}
-    return usage
 
 
 class ChunkWriter:
@@ -135,8 +107,7 @@ class ChunkWriter:
         return tail + DONE
 
     def failure(self, err: HTTPError) -> bytes:
-        """An error after the stream started: OpenAI clients raise on a data event with `error`."""
-        return b"data: " + err.body() + b"\n\n" + DONE
+        return error_event(err)
 
 
 def chunk_writer(request: AnyRequest, prepared: Prepared, *, chat: bool) -> ChunkWriter:
