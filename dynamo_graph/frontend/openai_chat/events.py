@@ -1,5 +1,6 @@
-"""The SSE chunks of chat and completions (one writer: their chunks differ in a few bytes). Each
-route's whole JSON body is its package's (openai_chat/protocol.py, openai_completions/protocol.py).
+"""Chat and completions answers: their SSE chunks (one writer: the chunks differ in a few bytes)
+and their whole, non-streamed answer gathered from the same deltas. The bodies' JSON is the
+packages' protocol.py (openai_chat/, openai_completions/).
 
 Streamed chunks are assembled from a per-request prefix and a JSON-escaped delta instead of
 encoding a dict per token: at 64 chunks per request this is the difference between fitting
@@ -10,14 +11,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from dynamo_graph.frontend.openai_chat.protocol import usage_dict
 from dynamo_graph.frontend.sse import DONE, error_event
-from dynamo_graph.llm.logprobs import chat_logprobs, completion_logprobs
+from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
+from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.errors import HTTPError
@@ -116,3 +119,51 @@ def chunk_writer(request: AnyRequest, prepared: Prepared, *, chat: bool) -> Chun
     opts = request.stream_options
     usage = opts is not None and opts.include_usage
     return ChunkWriter(request.model, chat=chat, prepared=prepared if usage else None)
+
+
+# chat_completion_body's signature: (model, text, finish_reason, prepared, *, reasoning,
+# tool_calls, logprobs) -> the whole answer's bytes.
+BodyBuilder = Callable[..., bytes]
+
+
+class WholeAnswer:
+    """One request's deltas gathered into its whole chat completion or completion, for a request
+    that does not stream; `build` renders it (chat_completion_body, or completions' own)."""
+
+    __slots__ = ("_build", "_calls", "_finish", "_logprobs", "_model", "_prepared", "_reasoning", "_text")
+
+    def __init__(self, model: str, prepared: Prepared, build: BodyBuilder) -> None:
+        self._model = model
+        self._prepared = prepared
+        self._build = build
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: list[ToolCallDelta] = []
+        pre = prepared.preprocessed
+        wanted = pre is not None and pre.output_options.logprobs is not None
+        self._logprobs: list[TokenLogprob] | None = [] if wanted else None
+        self._finish = ""
+
+    def delta(self, delta: Delta) -> None:
+        if delta.logprobs and self._logprobs is not None:
+            self._logprobs.extend(delta.logprobs)
+        if delta.text:
+            self._text.append(delta.text)
+        elif delta.reasoning:
+            self._reasoning.append(delta.reasoning)
+        elif delta.tool_call is not None:
+            self._calls.append(delta.tool_call)
+
+    def finish(self, reason: str) -> None:
+        self._finish = reason
+
+    def body(self) -> bytes:
+        return self._build(
+            self._model,
+            "".join(self._text),
+            self._finish,
+            self._prepared,
+            reasoning="".join(self._reasoning),
+            tool_calls=merge_events(self._calls).tool_calls,
+            logprobs=self._logprobs,
+        )
