@@ -1,10 +1,11 @@
 """The HTTP frontend: an ASGI dispatcher in front of a FastAPI app, and the OpenAPI document.
 
-The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py),
-and so do `GET /health` and `GET /live` (the readiness probes); everything else (models, metrics,
-docs, errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
-in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
-started, off the critical path of a graph coming up. The uvicorn server it runs in is server.py's.
+The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py,
+each exporting its routes as a `Surface`: `SURFACES` lists them), and so do `GET /health` and
+`GET /live` (the readiness probes); everything else (models, metrics, docs, errors) is ordinary
+FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built in a worker thread:
+on the first request that needs it, or API_WARMUP_S after the frontend started, off the critical
+path of a graph coming up. The uvicorn server it runs in is server.py's.
 """
 
 from __future__ import annotations
@@ -23,18 +24,12 @@ from dynamo_graph.frontend import (
     openai_embeddings,
     openai_responses,
 )
-from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
-from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
-from dynamo_graph.frontend.openai_chat import ChatHandler
-from dynamo_graph.frontend.openai_completions import CompletionsHandler
-from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
-from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -45,8 +40,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
-
-__all__ = ["FrontendApp", "body_limit_from_env"]
+# The generation routes, one API surface per package: adding one is its package and a line here.
+SURFACES = (
+    openai_chat.SURFACE,
+    openai_completions.SURFACE,
+    openai_responses.SURFACE,
+    anthropic_messages.SURFACE,
+    openai_embeddings.SURFACE,
+    generate_tokens.SURFACE,
+)
 
 
 def _error_response(status: int, message: str) -> Response:
@@ -116,66 +118,19 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     return api
 
 
-_OPENAI_ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "integer", "null"]},
-            },
-            "required": ["message", "type"],
-        }
-    },
-    "required": ["error"],
-}
-
-
-_ANTHROPIC_ERROR = {
-    "type": "object",
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-            "required": ["type", "message"],
-        },
-    },
-    "required": ["type", "error"],
-}
-
-
 def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     """The OpenAPI document with the raw-ASGI generation routes, their request bodies' schemas
     generated from the msgspec types the handlers decode into."""
     import msgspec
 
-    from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
-    from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
-    from dynamo_graph.frontend.openai_chat.protocol import ChatCompletionRequest
-    from dynamo_graph.frontend.openai_completions.protocol import CompletionRequest
-    from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
-    from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
-
-    types = [
-        ChatCompletionRequest,
-        CompletionRequest,
-        ResponsesRequest,
-        MessagesRequest,
-        CountTokensRequest,
-        EmbeddingsRequest,
-        GenerateRequest,
-    ]
-    (chat, comp, resp, msgs, count, embed, tokens), components = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}"
+    routes = [(route, surface.error) for surface in SURFACES for route in surface.routes]
+    bodies, components = msgspec.json.schema_components(
+        [route.handler.decoder.type for route, _ in routes], ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
-    schemas["OpenAIError"] = _OPENAI_ERROR
-    schemas["AnthropicError"] = _ANTHROPIC_ERROR
+    for surface in SURFACES:
+        schemas[surface.error.name] = surface.error.schema
     statuses = [
         (400, "Invalid request; the field is named"),
         (401, "Missing or wrong API key"),
@@ -185,26 +140,13 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (503, "At the concurrency limit; see Retry-After"),
         (504, "Past the request time limit"),
     ]
-    for path, schema, summary, error in [
-        (openai_chat.PATH, chat, "Create a chat completion (OpenAI)", "OpenAIError"),
-        (openai_completions.PATH, comp, "Create a completion (OpenAI)", "OpenAIError"),
-        (openai_responses.PATH, resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
-        (anthropic_messages.PATH, msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
-        (
-            anthropic_messages.COUNT_TOKENS_PATH,
-            count,
-            "Count a message's input tokens (Anthropic)",
-            "AnthropicError",
-        ),
-        (openai_embeddings.PATH, embed, "Create embeddings (OpenAI)", "OpenAIError"),
-        (generate_tokens.PATH, tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
-    ]:
-        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
+    for (route, error), schema in zip(routes, bodies, strict=True):
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error.name}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
-        doc.setdefault("paths", {})[path] = {
+        doc.setdefault("paths", {})[route.path] = {
             "post": {
-                "summary": summary,
-                "operationId": path.strip("/").replace("/", "_"),
+                "summary": route.summary,
+                "operationId": route.path.strip("/").replace("/", "_"),
                 "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                 "responses": {
                     "200": {
@@ -251,15 +193,9 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            openai_chat.PATH: ChatHandler(models, self.metrics, limits, self.admission),
-            openai_completions.PATH: CompletionsHandler(models, self.metrics, limits, self.admission),
-            openai_responses.PATH: ResponsesHandler(models, self.metrics, limits, self.admission),
-            anthropic_messages.PATH: MessagesHandler(models, self.metrics, limits, self.admission),
-            anthropic_messages.COUNT_TOKENS_PATH: CountTokensHandler(
-                models, self.metrics, limits, self.admission
-            ),
-            openai_embeddings.PATH: EmbeddingsHandler(models, self.metrics, limits, self.admission),
-            generate_tokens.PATH: GenerateTokensHandler(models, self.metrics, limits, self.admission),
+            route.path: route.handler(models, self.metrics, limits, self.admission)
+            for surface in SURFACES
+            for route in surface.routes
         }
         if lora is not None:
             from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes

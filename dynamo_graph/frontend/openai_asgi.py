@@ -4,11 +4,11 @@ streaming and gathering loops, and error answers.
 
 Each API surface is a package beside this module (`openai_chat/`, `openai_completions/`,
 `openai_responses/`, ...) that subclasses `OpenAIHandler` with its decoder, writers and error
-shape. The handlers sit beside the FastAPI app rather than inside it: FastAPI's request and
-streaming layers cost about as much CPU as everything else a streamed request needs
-(notes/PERF.md). Request bodies decode straight into msgspec Structs whose errors name the field;
-the response status is only sent once the first delta (or error) is known, so failures before
-the first token are still proper 4xx/5xx answers.
+shape, and exports a `Surface` record of its routes for app.py. The handlers sit beside the
+FastAPI app rather than inside it: FastAPI's request and streaming layers cost about as much CPU
+as everything else a streamed request needs (notes/PERF.md). Request bodies decode straight into
+msgspec Structs whose errors name the field; the response status is only sent once the first
+delta (or error) is known, so failures before the first token are still proper 4xx/5xx answers.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema, HTTPError, from_decode_error
 from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
@@ -412,6 +413,24 @@ class OpenAIHandler:
             return False
         await send_json(send, 200, answer.body())
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One generation route: where it is, who serves it, and its OpenAPI summary (the request
+    body's schema is the handler's `decoder` type)."""
+
+    path: str
+    handler: type[OpenAIHandler]
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """What an API surface's package exports for app.py to serve and document it."""
+
+    routes: tuple[Route, ...]
+    error: ErrorSchema = OPENAI_ERROR  # the shape of its error bodies, for the OpenAPI doc
 
 
 def _check_caps(request: AnyRequest) -> None:
