@@ -11,67 +11,33 @@ cancellation on disconnect apply unchanged; only decoding, error bodies and outp
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
-import msgspec
-
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
-from dynamo_graph.frontend.limits import Admission, FrontendLimits
-from dynamo_graph.frontend.metrics import FrontendMetrics
-from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import OVERLOADED, OpenAIHandler
-from dynamo_graph.frontend.responses import StreamWriter
+from dynamo_graph.frontend.openai_asgi import Answer, OpenAIHandler
+from dynamo_graph.frontend.sse import StreamWriter
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
 
 
-class ResponseWriter(StreamWriter, Protocol):
-    """A surface's writer also builds the whole response, for requests that do not stream."""
-
-    def body(self) -> bytes:
-        """The whole response, after `finish`."""
+class ResponseWriter(StreamWriter, Answer, Protocol):
+    """A surface's writer streams the events and also builds the whole response (`body`)."""
 
 
 class SurfaceHandler(OpenAIHandler, abc.ABC):
     """The chat route's handler under another API's request and response shapes. Subclasses set
-    `endpoint` (the metrics label), `surface_decoder` and `param_names`, and implement `to_chat`,
-    `render_error` and `writer`."""
+    `endpoint` (the metrics label), `decoder` and `param_names`, implement `convert` and `writer`,
+    and `render_error` where the API's errors are not OpenAI's."""
 
     kind = "chat"
-    surface_decoder: msgspec.json.Decoder
-    # Chat request field -> the field of this API a client set, for errors the pipeline raises.
-    param_names: ClassVar[dict[str, str]] = {}
-
-    def __init__(
-        self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
-    ) -> None:
-        super().__init__(models, metrics, limits, admission)
-        self.overloaded_body = self.error_body(OVERLOADED)
-
-    def decode(self, body: bytes) -> tuple[ChatCompletionRequest, Any]:
-        try:
-            request = self.surface_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise from_decode_error(err) from None
-        return self.to_chat(request), request
-
-    def error_body(self, err: HTTPError) -> bytes:
-        param = self.param_names.get(err.param or "")
-        if param is not None:
-            message = err.message.replace(err.param or "", param)
-            err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
-        return self.render_error(err)
 
     @abc.abstractmethod
-    def to_chat(self, request: Any) -> ChatCompletionRequest:
+    def convert(self, request: Any) -> ChatCompletionRequest:
         """The chat request the pipeline runs; raises HTTPError naming this API's field."""
-
-    @abc.abstractmethod
-    def render_error(self, err: HTTPError) -> bytes:
-        """An error body in this API's shape."""
 
     @abc.abstractmethod
     def writer(self, request: Any, prepared: Prepared) -> ResponseWriter:
         """Formats one response, streamed or whole."""
 
-    _unary = OpenAIHandler._gathered
+    def answer(self, request: Any, prepared: Prepared) -> ResponseWriter:
+        """The writer gathers the whole response too."""
+        return self.writer(request, prepared)

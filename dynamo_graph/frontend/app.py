@@ -1,10 +1,11 @@
-"""The HTTP frontend: an ASGI dispatcher in front of a FastAPI app.
+"""The HTTP frontend: an ASGI dispatcher in front of a FastAPI app, and the OpenAPI document.
 
-The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py),
-and so do `GET /health` and `GET /live` (the readiness probes); everything else (models, metrics,
-docs, errors) is ordinary FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built
-in a worker thread: on the first request that needs it, or API_WARMUP_S after the frontend
-started, off the critical path of a graph coming up.
+The generation routes go to plain ASGI handlers (a package per API surface, on openai_asgi.py,
+each exporting its routes as a `Surface`: `SURFACES` lists them), and so do `GET /health` and
+`GET /live` (the readiness probes); everything else (models, metrics, docs, errors) is ordinary
+FastAPI. Importing FastAPI costs ~0.3 s of CPU, so the FastAPI app is built in a worker thread:
+on the first request that needs it, or API_WARMUP_S after the frontend started, off the critical
+path of a graph coming up. The uvicorn server it runs in is server.py's.
 """
 
 from __future__ import annotations
@@ -13,12 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dynamo_graph.frontend import (
     anthropic_messages,
@@ -28,18 +24,12 @@ from dynamo_graph.frontend import (
     openai_embeddings,
     openai_responses,
 )
-from dynamo_graph.frontend.anthropic_messages import CountTokensHandler, MessagesHandler
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
-from dynamo_graph.frontend.generate_tokens import GenerateTokensHandler
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
-from dynamo_graph.frontend.openai_chat import ChatHandler
-from dynamo_graph.frontend.openai_completions import CompletionsHandler
-from dynamo_graph.frontend.openai_embeddings import EmbeddingsHandler
-from dynamo_graph.frontend.openai_responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -50,8 +40,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 API_WARMUP_S = 1.5  # after startup, build the FastAPI app in the background
 
-
-__all__ = ["FrontendApp", "body_limit_from_env", "make_server"]
+# The generation routes, one API surface per package: adding one is its package and a line here.
+SURFACES = (
+    openai_chat.SURFACE,
+    openai_completions.SURFACE,
+    openai_responses.SURFACE,
+    anthropic_messages.SURFACE,
+    openai_embeddings.SURFACE,
+    generate_tokens.SURFACE,
+)
 
 
 def _error_response(status: int, message: str) -> Response:
@@ -121,66 +118,19 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     return api
 
 
-_OPENAI_ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "integer", "null"]},
-            },
-            "required": ["message", "type"],
-        }
-    },
-    "required": ["error"],
-}
-
-
-_ANTHROPIC_ERROR = {
-    "type": "object",
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-            "required": ["type", "message"],
-        },
-    },
-    "required": ["type", "error"],
-}
-
-
 def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     """The OpenAPI document with the raw-ASGI generation routes, their request bodies' schemas
     generated from the msgspec types the handlers decode into."""
     import msgspec
 
-    from dynamo_graph.frontend.anthropic_messages.protocol import CountTokensRequest, MessagesRequest
-    from dynamo_graph.frontend.generate_tokens.protocol import GenerateRequest
-    from dynamo_graph.frontend.openai_chat.protocol import ChatCompletionRequest
-    from dynamo_graph.frontend.openai_completions.protocol import CompletionRequest
-    from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest
-    from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
-
-    types = [
-        ChatCompletionRequest,
-        CompletionRequest,
-        ResponsesRequest,
-        MessagesRequest,
-        CountTokensRequest,
-        EmbeddingsRequest,
-        GenerateRequest,
-    ]
-    (chat, comp, resp, msgs, count, embed, tokens), components = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}"
+    routes = [(route, surface.error) for surface in SURFACES for route in surface.routes]
+    bodies, components = msgspec.json.schema_components(
+        [route.handler.decoder.type for route, _ in routes], ref_template="#/components/schemas/{name}"
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
-    schemas["OpenAIError"] = _OPENAI_ERROR
-    schemas["AnthropicError"] = _ANTHROPIC_ERROR
+    for surface in SURFACES:
+        schemas[surface.error.name] = surface.error.schema
     statuses = [
         (400, "Invalid request; the field is named"),
         (401, "Missing or wrong API key"),
@@ -190,26 +140,13 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (503, "At the concurrency limit; see Retry-After"),
         (504, "Past the request time limit"),
     ]
-    for path, schema, summary, error in [
-        (openai_chat.PATH, chat, "Create a chat completion (OpenAI)", "OpenAIError"),
-        (openai_completions.PATH, comp, "Create a completion (OpenAI)", "OpenAIError"),
-        (openai_responses.PATH, resp, "Create a response (OpenAI Responses API)", "OpenAIError"),
-        (anthropic_messages.PATH, msgs, "Create a message (Anthropic Messages API)", "AnthropicError"),
-        (
-            anthropic_messages.COUNT_TOKENS_PATH,
-            count,
-            "Count a message's input tokens (Anthropic)",
-            "AnthropicError",
-        ),
-        (openai_embeddings.PATH, embed, "Create embeddings (OpenAI)", "OpenAIError"),
-        (generate_tokens.PATH, tokens, "Generate token ids from token ids (vLLM's shape)", "OpenAIError"),
-    ]:
-        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
+    for (route, error), schema in zip(routes, bodies, strict=True):
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error.name}"}}}
         errors = {str(code): {"description": text, "content": content} for code, text in statuses}
-        doc.setdefault("paths", {})[path] = {
+        doc.setdefault("paths", {})[route.path] = {
             "post": {
-                "summary": summary,
-                "operationId": path.strip("/").replace("/", "_"),
+                "summary": route.summary,
+                "operationId": route.path.strip("/").replace("/", "_"),
                 "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                 "responses": {
                     "200": {
@@ -256,15 +193,9 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            openai_chat.PATH: ChatHandler(models, self.metrics, limits, self.admission),
-            openai_completions.PATH: CompletionsHandler(models, self.metrics, limits, self.admission),
-            openai_responses.PATH: ResponsesHandler(models, self.metrics, limits, self.admission),
-            anthropic_messages.PATH: MessagesHandler(models, self.metrics, limits, self.admission),
-            anthropic_messages.COUNT_TOKENS_PATH: CountTokensHandler(
-                models, self.metrics, limits, self.admission
-            ),
-            openai_embeddings.PATH: EmbeddingsHandler(models, self.metrics, limits, self.admission),
-            generate_tokens.PATH: GenerateTokensHandler(models, self.metrics, limits, self.admission),
+            route.path: route.handler(models, self.metrics, limits, self.admission)
+            for surface in SURFACES
+            for route in surface.routes
         }
         if lora is not None:
             from dynamo_graph.frontend.lora import LOAD_PATH, UNLOAD_PATH, LoraRoutes
@@ -307,84 +238,3 @@ class FrontendApp:
                 await _send_json(send, 200, LIVE_BODY)
                 return
         await (self._api or await self.api())(scope, receive, send)
-
-
-MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is a 431 and the connection closes
-_HEAD_TOO_LARGE = error_body(
-    431, f"Request line and headers are larger than {MAX_HEAD_BYTES} bytes", code="headers_too_large"
-)
-_HEAD_TOO_LARGE_RESPONSE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_HEAD_TOO_LARGE)
-) + _HEAD_TOO_LARGE
-
-
-class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """Sets TCP_NODELAY on every accepted socket: without it small SSE writes on a kept-alive
-    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1, notes/DYNAMO.md).
-
-    Also bounds a request's head: httptools gathers the URL and each header in memory with no
-    limit of its own, so a client that keeps sending one would grow the frontend without end."""
-
-    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._in_head = True
-        self._message_ended = False
-        self._head_bytes = 0
-        super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        was_in_head = self._in_head
-        self._message_ended = False
-        super().data_received(data)
-        # Count a chunk that began and ended inside one request's head (one that also ended a
-        # message may hold body bytes: not counted, so a head can pass the limit by one read).
-        if was_in_head and self._in_head and not self._message_ended:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                self.transport.write(_HEAD_TOO_LARGE_RESPONSE)
-                self.transport.close()
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._head_bytes = 0
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._in_head = True  # the next request on this connection starts with its head
-        self._message_ended = True
-        super().on_message_complete()
-
-
-class GracefulServer(uvicorn.Server):
-    """Exits normally after a graceful shutdown on SIGINT/SIGTERM. uvicorn re-raises the signal
-    once it has shut down, so the process would die "killed by SIGTERM" and a supervisor could
-    not tell a clean stop from a crash."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
-
-
-def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
-    cap = app.limits.max_concurrent
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http=NoDelayHttpToolsProtocol,
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        log_level="warning",
-        timeout_graceful_shutdown=30,
-        # Connections (and tasks) at once: well above the request cap, so excess requests still
-        # get the frontend's own 503, while a flood of idle connections stays bounded.
-        limit_concurrency=4 * cap + 256 if cap else None,
-    )
-    return GracefulServer(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -103,6 +104,34 @@ def error_body(
         "code": code if code is not None else status,
     }
     return msgspec.json.encode({"error": error})
+
+
+class ErrorSchema(NamedTuple):
+    """An API's error body as a named JSON Schema, for the OpenAPI document."""
+
+    name: str
+    schema: dict[str, Any]
+
+
+OPENAI_ERROR = ErrorSchema(
+    "OpenAIError",
+    {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "integer", "null"]},
+                },
+                "required": ["message", "type"],
+            }
+        },
+        "required": ["error"],
+    },
+)
 
 
 # msgspec's messages end with " - at `$.field[0].sub`"; the path becomes the OpenAI `param`.

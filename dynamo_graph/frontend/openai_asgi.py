@@ -1,13 +1,14 @@
 """What every generation route shares, as a plain ASGI handler (the hot path): body reading,
-limits, admission, the streaming and gathering loops, and error answers.
+limits, admission, the request's lifecycle (metrics, deadline, cancellation on disconnect), the
+streaming and gathering loops, and error answers.
 
 Each API surface is a package beside this module (`openai_chat/`, `openai_completions/`,
-`openai_responses/`, ...) that subclasses `OpenAIHandler` with its decoder, writer and error
-shape. The handlers sit beside the FastAPI app rather than inside it: FastAPI's request and
-streaming layers cost about as much CPU as everything else a streamed request needs
-(notes/PERF.md). Request bodies decode straight into msgspec Structs whose errors name the field;
-the response status is only sent once the first delta (or error) is known, so failures before
-the first token are still proper 4xx/5xx answers.
+`openai_responses/`, ...) that subclasses `OpenAIHandler` with its decoder, writers and error
+shape, and exports a `Surface` record of its routes for app.py. The handlers sit beside the
+FastAPI app rather than inside it: FastAPI's request and streaming layers cost about as much CPU
+as everything else a streamed request needs (notes/PERF.md). Request bodies decode straight into
+msgspec Structs whose errors name the field; the response status is only sent once the first
+delta (or error) is known, so failures before the first token are still proper 4xx/5xx answers.
 """
 
 from __future__ import annotations
@@ -17,20 +18,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
-from dynamo_graph.frontend.limits import DEFAULT_BODY_LIMIT, RETRY_AFTER_S, Admission, FrontendLimits
+from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema, HTTPError, from_decode_error
+from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.responses import StreamWriter
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
-from dynamo_graph.llm.logprobs import TokenLogprob
+from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
 from dynamo_graph.llm.openai import AnyRequest, requested_max_tokens
-from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
-from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
+from dynamo_graph.llm.pipeline import Delta, ModelPipeline, Prepared
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
 
@@ -41,12 +41,6 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-__all__ = ["DEFAULT_BODY_LIMIT", "OpenAIHandler"]
 MAX_N = 1  # choices per request: the pipelines produce one
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
@@ -54,7 +48,6 @@ OVERLOADED_HEADERS = [*JSON_HEADERS, (b"retry-after", str(RETRY_AFTER_S).encode(
 OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
-OVERLOADED_BODY = OVERLOADED.body()
 
 
 async def send_json(
@@ -119,35 +112,45 @@ def as_http_error(err: Exception) -> HTTPError:
     return HTTPError(500, f"Internal error: {err}", code="internal")
 
 
+class Answer(Protocol):
+    """A request's whole answer, gathered from the pipeline's deltas when it does not stream."""
+
+    def delta(self, delta: Delta) -> object:
+        """Gathers a visible delta."""
+
+    def finish(self, reason: str) -> object:
+        """Takes the finish reason, after the last delta."""
+
+    def body(self) -> bytes:
+        """The whole answer, after `finish`."""
+
+
 class OpenAIHandler:
     """Serves one endpoint kind ("chat", "completions", "embedding") for every registered model.
 
     Each API surface subclasses it (openai_chat/, openai_completions/, api_surface.py, ...): it
-    sets `kind` and `endpoint`, sets `decoder` or overrides `decode`, and provides `writer` (and
-    `full_body` for a unary answer gathered as text); error bodies are OpenAI's unless it
-    overrides `error_body`.
+    sets `kind`, `endpoint` and `decoder` (and `convert` when the pipeline runs another request
+    type), and provides `writer` for a streamed answer and `answer` for a whole one; error bodies
+    are OpenAI's unless it overrides `render_error`.
     """
 
     kind: ClassVar[str]  # the model card's model_type a model needs to be served here
     endpoint: ClassVar[str]  # the metrics label
-    overloaded_body = OVERLOADED_BODY
-    decoder: msgspec.json.Decoder | None = None  # the surface's request type
+    # The request as the client sends it; its type is the route's request body in the OpenAPI doc.
+    decoder: ClassVar[msgspec.json.Decoder]
+    # The pipeline request's field -> the field of this API a client set, for errors the pipeline raises.
+    param_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
-        self,
-        models: ModelRegistry,
-        metrics: FrontendMetrics,
-        limits: FrontendLimits | int,
-        admission: Admission | None = None,
+        self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
     ) -> None:
-        if isinstance(limits, int):  # a body limit alone
-            limits = FrontendLimits(body_limit=limits)
         self.models = models
         self.metrics = metrics
         self.limits = limits
         self.body_limit = limits.body_limit
         self.timeout_s = limits.request_timeout_s
-        self.admission = Admission(limits) if admission is None else admission
+        self.admission = admission
+        self.overloaded_body = self.error_body(OVERLOADED)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -199,17 +202,22 @@ class OpenAIHandler:
         try:
             body = await self._read(scope, receive, deadline)
             request, original = self.decode(body)
-            _check_caps(request)
-            pipeline = self._model(request.model)
-            _check_context(pipeline, request)
-            prepared = self._prepare(pipeline, request)
-            apply_routing_headers(prepared.preprocessed, scope["headers"])
+            pipeline, prepared = self._accept(request, scope)
         except HTTPError as err:
             await self._refuse(send, err)
             return
         except ConnectionResetError:
             return
         await self._serve(pipeline, prepared, original, receive, send, deadline)
+
+    def _accept(self, request: AnyRequest, scope: Scope) -> tuple[ModelPipeline, Prepared]:
+        """The request's model and the request as it prepared it; HTTPError when refused."""
+        _check_caps(request)
+        pipeline = self._model(request.model)
+        _check_context(pipeline, request)
+        prepared = self._prepare(pipeline, request)
+        apply_routing_headers(prepared.preprocessed, scope["headers"])
+        return pipeline, prepared
 
     async def _refuse(self, send: Send, err: HTTPError) -> None:
         """Answer a request refused before it ran."""
@@ -218,43 +226,48 @@ class OpenAIHandler:
         await send_json(send, err.status, self.error_body(err), err.headers)
 
     def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
-        """(the request the pipeline runs, the request as the client sent it): one and the same
-        here; another API surface's request becomes a chat request."""
+        """(the request the pipeline runs, the request as the client sent it)."""
         try:
             request = self.decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise from_decode_error(err) from None
-        return request, request
+        return self.convert(request), request
+
+    def convert(self, request: Any) -> Any:
+        """The request the pipeline runs: the client's own here; another API's request becomes a
+        chat or completions request (raising HTTPError that names this API's field)."""
+        return request
 
     def error_body(self, err: HTTPError) -> bytes:
-        """An error as this API's clients expect it."""
+        """An error as this API's clients expect it, naming the field they set (`param_names`)."""
+        param = self.param_names.get(err.param or "")
+        if param is not None:
+            message = err.message.replace(err.param or "", param)
+            err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
+        return self.render_error(err)
+
+    def render_error(self, err: HTTPError) -> bytes:
+        """An error body in this API's shape: OpenAI's here."""
         return err.body()
 
     def writer(self, request: Any, prepared: Prepared) -> StreamWriter:
         """Formats one streamed response: each surface's own."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
-    def full_body(
-        self,
-        model: str,
-        text: str,
-        finish_reason: str,
-        prepared: Prepared,
-        *,
-        reasoning: str,
-        tool_calls: list[dict] | None,
-        logprobs: list[TokenLogprob] | None,
-    ) -> bytes:
-        """The whole answer `_unary` sends, from the gathered text: each surface's own."""
-        raise NotImplementedError(f"{type(self).__name__} answers through its writer")
+    def answer(self, request: Any, prepared: Prepared) -> Answer:
+        """Gathers one whole response: each surface's own."""
+        raise NotImplementedError(f"{type(self).__name__} has no gathered answer")
 
-    async def _failure(self, err: Exception, context: Context, deltas: AsyncIterator[Any]) -> HTTPError:
+    async def _failure(
+        self, err: Exception, context: Context, deltas: AsyncIterator[Any] | None = None
+    ) -> HTTPError:
         if isinstance(err, TimeoutError):
             # Cancel the generation: the engine (or the worker, through the request plane) stops.
             context.stop_generating()
             self.admission.count("timeout")
-            with contextlib.suppress(Exception):
-                await deltas.aclose()  # type: ignore[attr-defined]
+            if deltas is not None:
+                with contextlib.suppress(Exception):
+                    await deltas.aclose()  # type: ignore[attr-defined]
         return as_http_error(err)
 
     @staticmethod
@@ -277,7 +290,9 @@ class OpenAIHandler:
         send: Send,
         deadline: float | None = None,
     ) -> None:
-        """`request`: as the client sent it (`decode`)."""
+        """The request's lifecycle around its answer, streamed (`_stream`) or whole (`_unary`):
+        in-flight and request metrics, cancellation when the client goes away. `request`: as the
+        client sent it (`decode`)."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
         watcher = asyncio.create_task(watch_disconnect(receive, context))
@@ -297,10 +312,15 @@ class OpenAIHandler:
             watcher.cancel()
             metrics.count_request(self.endpoint, request_type, status)
             metrics.duration.observe(time.perf_counter() - start)
-            metrics.isl.observe(prepared.prompt_tokens)
-            metrics.osl.observe(prepared.completion_tokens)
-            if prepared.cached_tokens is not None:
-                metrics.cached_tokens.observe(prepared.cached_tokens)
+            self._count_tokens(metrics, prepared)
+
+    @staticmethod
+    def _count_tokens(metrics: ModelMetrics, prepared: Prepared) -> None:
+        """The request's token histograms: prompt, completion, cached prompt."""
+        metrics.isl.observe(prepared.prompt_tokens)
+        metrics.osl.observe(prepared.completion_tokens)
+        if prepared.cached_tokens is not None:
+            metrics.cached_tokens.observe(prepared.cached_tokens)
 
     async def _stream(
         self,
@@ -369,63 +389,8 @@ class OpenAIHandler:
         start: float,
         deadline: float | None,
     ) -> bool:
-        parts: list[str] = []
-        reasoning: list[str] = []
-        calls: list[ToolCallDelta] = []
-        pre = prepared.preprocessed
-        logprobs: list[TokenLogprob] | None = None
-        if pre is not None and pre.output_options.logprobs is not None:
-            logprobs = []
-        finish: str | None = None
-        deltas = pipeline.stream(prepared, context)
-        try:
-            async with asyncio.timeout_at(deadline):
-                async for delta in deltas:
-                    if delta.visible():
-                        if not (parts or reasoning or calls or logprobs):
-                            metrics.ttft.observe(time.perf_counter() - start)
-                        if delta.logprobs and logprobs is not None:
-                            logprobs.extend(delta.logprobs)
-                        if delta.text:
-                            parts.append(delta.text)
-                        elif delta.reasoning:
-                            reasoning.append(delta.reasoning)
-                        elif delta.tool_call is not None:
-                            calls.append(delta.tool_call)
-                    if delta.finish_reason is not None:
-                        finish = delta.finish_reason
-        except Exception as err:
-            http_err = await self._failure(err, context, deltas)
-            await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
-            return False
-        if finish is None:  # cancelled by the client: nobody is listening
-            return False
-        body = self.full_body(
-            request.model,
-            "".join(parts),
-            finish,
-            prepared,
-            reasoning="".join(reasoning),
-            tool_calls=merge_events(calls).tool_calls,
-            logprobs=logprobs,
-        )
-        await send_json(send, 200, body)
-        return True
-
-    async def _gathered(
-        self,
-        pipeline: ModelPipeline,
-        prepared: Prepared,
-        request: Any,
-        context: Context,
-        send: Send,
-        metrics: ModelMetrics,
-        start: float,
-        deadline: float | None,
-    ) -> bool:
-        """The stream gathered into one response by a writer with `body()` (the other API
-        surfaces, token-in/token-out): their `_unary`."""
-        writer = self.writer(request, prepared)
+        """The stream gathered into one JSON answer by the surface's `answer`."""
+        answer = self.answer(request, prepared)
         first = True
         finished = False
         deltas = pipeline.stream(prepared, context)
@@ -436,9 +401,9 @@ class OpenAIHandler:
                         if first:
                             metrics.ttft.observe(time.perf_counter() - start)
                             first = False
-                        writer.delta(delta)
+                        answer.delta(delta)
                     if delta.finish_reason is not None:
-                        writer.finish(delta.finish_reason)
+                        answer.finish(delta.finish_reason)
                         finished = True
         except Exception as err:
             http_err = await self._failure(err, context, deltas)
@@ -446,8 +411,26 @@ class OpenAIHandler:
             return False
         if not finished:  # cancelled by the client: nobody is listening
             return False
-        await send_json(send, 200, writer.body())
+        await send_json(send, 200, answer.body())
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One generation route: where it is, who serves it, and its OpenAPI summary (the request
+    body's schema is the handler's `decoder` type)."""
+
+    path: str
+    handler: type[OpenAIHandler]
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """What an API surface's package exports for app.py to serve and document it."""
+
+    routes: tuple[Route, ...]
+    error: ErrorSchema = OPENAI_ERROR  # the shape of its error bodies, for the OpenAPI doc
 
 
 def _check_caps(request: AnyRequest) -> None:

@@ -139,7 +139,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
-    from dynamo_graph.frontend.app import make_server
+    from dynamo_graph.frontend.server import make_server
 
     app = frontend_app(cfg, registry, lora)
     server = make_server(app, cfg.http.host, cfg.http.port)

@@ -25,7 +25,7 @@ from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import Overloaded, RequestError, ShuttingDown
 from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
-from dynamo_graph.runtime.push import InstancePicker
+from dynamo_graph.runtime.pickers import InstancePicker
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
 if TYPE_CHECKING:

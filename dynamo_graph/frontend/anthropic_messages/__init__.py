@@ -1,9 +1,16 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), served as chat
 completions (api_surface.py)."""
 
+from dynamo_graph.frontend.anthropic_messages.events import ANTHROPIC_ERROR
 from dynamo_graph.frontend.anthropic_messages.serving import CountTokensHandler, MessagesHandler
+from dynamo_graph.frontend.openai_asgi import Route, Surface
 
-PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+SURFACE = Surface(
+    (
+        Route("/v1/messages", MessagesHandler, "Create a message (Anthropic Messages API)"),
+        Route("/v1/messages/count_tokens", CountTokensHandler, "Count a message's input tokens (Anthropic)"),
+    ),
+    error=ANTHROPIC_ERROR,
+)
 
-__all__ = ["COUNT_TOKENS_PATH", "PATH", "CountTokensHandler", "MessagesHandler"]
+__all__ = ["SURFACE"]

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from dynamo_graph.frontend.anthropic_messages.protocol import MessagesRequest
-from dynamo_graph.frontend.errors import HTTPError
+from dynamo_graph.frontend.errors import ErrorSchema, HTTPError
 from dynamo_graph.llm.chat_output import Delta
 from dynamo_graph.llm.pipeline import Prepared
 
@@ -41,6 +41,23 @@ def error_object(err: HTTPError) -> dict[str, Any]:
     if err.param and f"`{err.param}`" not in message:
         message = f"{message} (field `{err.param}`)"
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+ANTHROPIC_ERROR = ErrorSchema(
+    "AnthropicError",
+    {
+        "type": "object",
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                "required": ["type", "message"],
+            },
+        },
+        "required": ["type", "error"],
+    },
+)
 
 
 class MessageEvents:

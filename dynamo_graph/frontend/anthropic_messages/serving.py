@@ -131,10 +131,10 @@ class MessagesHandler(SurfaceHandler):
     """`POST /v1/messages`."""
 
     endpoint = "messages"
-    surface_decoder = msgspec.json.Decoder(MessagesRequest)
+    decoder = msgspec.json.Decoder(MessagesRequest)
     param_names: ClassVar[dict[str, str]] = {"stop": "stop_sequences"}
 
-    def to_chat(self, request: CountTokensRequest) -> ChatCompletionRequest:
+    def convert(self, request: CountTokensRequest) -> ChatCompletionRequest:
         return to_chat(request)
 
     def render_error(self, err: HTTPError) -> bytes:
@@ -148,7 +148,7 @@ class CountTokensHandler(MessagesHandler):
     """`POST /v1/messages/count_tokens`: the prompt the model's template makes, counted; nothing
     is generated."""
 
-    surface_decoder = msgspec.json.Decoder(CountTokensRequest)
+    decoder = msgspec.json.Decoder(CountTokensRequest)
 
     async def _serve(
         self,

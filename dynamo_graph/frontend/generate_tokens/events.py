@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_graph.frontend.responses import DONE, usage_dict
+from dynamo_graph.frontend.openai_chat.protocol import usage_dict
+from dynamo_graph.frontend.sse import DONE, error_event
 from dynamo_graph.llm.pipeline import Prepared
 from dynamo_graph.llm.token_output import TokenDelta
 
@@ -73,7 +74,7 @@ class TokensWriter:
         return tail + b"}\n\n" + DONE
 
     def failure(self, err: HTTPError) -> bytes:
-        return b"data: " + err.body() + b"\n\n" + DONE
+        return error_event(err)
 
     def body(self) -> bytes:
         choice = {

@@ -10,18 +10,16 @@ never sees token ids.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError
 from dynamo_graph.frontend.generate_tokens.events import TokensWriter
 from dynamo_graph.frontend.generate_tokens.protocol import PARAM_NAMES, GenerateRequest, to_completion
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
 from dynamo_graph.llm.openai import AnyRequest, CompletionRequest
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared, TokensPipeline
-
-_DECODER = msgspec.json.Decoder(GenerateRequest)
 
 
 class GenerateTokensHandler(OpenAIHandler):
@@ -29,12 +27,10 @@ class GenerateTokensHandler(OpenAIHandler):
 
     kind = "completions"
     endpoint = "generate"
+    decoder = msgspec.json.Decoder(GenerateRequest)
+    param_names: ClassVar[dict[str, str]] = PARAM_NAMES
 
-    def decode(self, body: bytes) -> tuple[CompletionRequest, GenerateRequest]:
-        try:
-            request = _DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise from_decode_error(err) from None
+    def convert(self, request: GenerateRequest) -> CompletionRequest:
         model = request.model
         if model is None:
             names = self.models.names()
@@ -46,14 +42,7 @@ class GenerateTokensHandler(OpenAIHandler):
                     code="invalid_request",
                 )
             model = names[0]
-        return to_completion(request, model), request
-
-    def error_body(self, err: HTTPError) -> bytes:
-        param = PARAM_NAMES.get(err.param or "")
-        if param is not None:
-            message = err.message.replace(err.param or "", param)
-            err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
-        return err.body()
+        return to_completion(request, model)
 
     @staticmethod
     def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
@@ -75,4 +64,6 @@ class GenerateTokensHandler(OpenAIHandler):
             request.model or prepared.request.model, request.request_id, prepared, usage=usage
         )
 
-    _unary = OpenAIHandler._gathered
+    def answer(self, request: Any, prepared: Prepared) -> TokensWriter:
+        """The writer gathers the whole answer too."""
+        return self.writer(request, prepared)

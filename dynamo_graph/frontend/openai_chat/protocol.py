@@ -1,5 +1,6 @@
 """The chat completion request (decoded straight into the pipeline's msgspec type, so errors name
-the field) and the whole, non-streamed response body."""
+the field), the whole, non-streamed response body, and OpenAI's usage object (completions and
+token-in/token-out report it too)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,24 @@ import uuid
 
 import msgspec
 
-from dynamo_graph.frontend.responses import usage_dict
 from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
 
-__all__ = ["DECODER", "ChatCompletionRequest", "chat_completion_body"]
+__all__ = ["DECODER", "ChatCompletionRequest", "chat_completion_body", "usage_dict"]
 
 DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def usage_dict(prepared: Prepared) -> dict:
+    usage = {
+        "prompt_tokens": prepared.prompt_tokens,
+        "completion_tokens": prepared.completion_tokens,
+        "total_tokens": prepared.prompt_tokens + prepared.completion_tokens,
+    }
+    if prepared.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": prepared.cached_tokens}
+    return usage
 
 
 def chat_completion_body(

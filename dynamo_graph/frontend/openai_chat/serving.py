@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
+from dynamo_graph.frontend.openai_chat.events import ChunkWriter, WholeAnswer, chunk_writer
 from dynamo_graph.frontend.openai_chat.protocol import DECODER, chat_completion_body
-from dynamo_graph.frontend.responses import ChunkWriter, chunk_writer
 from dynamo_graph.llm.pipeline import Prepared
 
 
@@ -17,7 +17,9 @@ class ChatHandler(OpenAIHandler):
     kind = "chat"
     endpoint = "chat_completions"
     decoder = DECODER
-    full_body = staticmethod(chat_completion_body)  # type: ignore[assignment]
 
     def writer(self, request: Any, prepared: Prepared) -> ChunkWriter:
         return chunk_writer(request, prepared, chat=True)
+
+    def answer(self, request: Any, prepared: Prepared) -> WholeAnswer:
+        return WholeAnswer(request.model, prepared, chat_completion_body)

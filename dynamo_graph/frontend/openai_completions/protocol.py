@@ -8,7 +8,7 @@ import uuid
 
 import msgspec
 
-from dynamo_graph.frontend.responses import usage_dict
+from dynamo_graph.frontend.openai_chat.protocol import usage_dict
 from dynamo_graph.llm.logprobs import TokenLogprob, completion_logprobs
 from dynamo_graph.llm.openai import CompletionRequest
 from dynamo_graph.llm.pipeline import Prepared

@@ -1,7 +1,8 @@
 """OpenAI's embeddings API (`POST /v1/embeddings`), served by embedding workers."""
 
+from dynamo_graph.frontend.openai_asgi import Route, Surface
 from dynamo_graph.frontend.openai_embeddings.serving import EmbeddingsHandler
 
-PATH = "/v1/embeddings"
+SURFACE = Surface((Route("/v1/embeddings", EmbeddingsHandler, "Create embeddings (OpenAI)"),))
 
-__all__ = ["PATH", "EmbeddingsHandler"]
+__all__ = ["SURFACE"]

@@ -11,13 +11,15 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
 
 class EmbeddingsRequest(msgspec.Struct, kw_only=True):
+    stream: ClassVar[bool] = False  # an embeddings answer is always whole (one JSON body)
+
     model: str
     input: str | list[Any]
     encoding_format: Literal["float", "base64"] = "float"

@@ -4,8 +4,8 @@ The pipeline's deltas each carry one kind of output (chat_output.py), in the ord
 wrote it; a change of kind, or a new tool call, closes the open item and opens the next:
 `reasoning` (reasoning_text parts), `message` (one output_text part) or `function_call`. Every
 event has the next `sequence_number`. The per-token text delta is built from a prefix made when
-its item opens, as the chat route's chunks are (responses.py), to stay within the frontend's CPU
-budget (notes/PERF.md).
+its item opens, as the chat route's chunks are (openai_chat/events.py), to stay within the
+frontend's CPU budget (notes/PERF.md).
 """
 
 from __future__ import annotations

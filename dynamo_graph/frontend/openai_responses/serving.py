@@ -134,18 +134,15 @@ class ResponsesHandler(SurfaceHandler):
 
     endpoint = "responses"
 
-    surface_decoder = msgspec.json.Decoder(ResponsesRequest)
+    decoder = msgspec.json.Decoder(ResponsesRequest)
     param_names: ClassVar[dict[str, str]] = {
         "max_tokens": "max_output_tokens",
         "messages": "input",
         "response_format": "text.format",
     }
 
-    def to_chat(self, request: ResponsesRequest) -> ChatCompletionRequest:
+    def convert(self, request: ResponsesRequest) -> ChatCompletionRequest:
         return to_chat(request)
-
-    def render_error(self, err: HTTPError) -> bytes:
-        return err.body()
 
     def writer(self, request: ResponsesRequest, prepared: Prepared) -> ResponseEvents:
         return ResponseEvents(request, prepared)

@@ -1,6 +1,6 @@
-"""Byte builders shared by the OpenAI routes: the stream writer contract, usage, and the SSE
-chunks of chat and completions (one writer: their chunks differ in a few bytes). Each route's
-whole JSON body is its package's (openai_chat/protocol.py, openai_completions/protocol.py).
+"""Chat and completions answers: their SSE chunks (one writer: the chunks differ in a few bytes)
+and their whole, non-streamed answer gathered from the same deltas. The bodies' JSON is the
+packages' protocol.py (openai_chat/, openai_completions/).
 
 Streamed chunks are assembled from a per-request prefix and a JSON-escaped delta instead of
 encoding a dict per token: at 64 chunks per request this is the difference between fitting
@@ -11,47 +11,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynamo_graph.llm.logprobs import chat_logprobs, completion_logprobs
+from dynamo_graph.frontend.openai_chat.protocol import usage_dict
+from dynamo_graph.frontend.sse import DONE, error_event
+from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
+from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.errors import HTTPError
     from dynamo_graph.llm.openai import AnyRequest
 
 _encode = msgspec.json.encode
-DONE = b"data: [DONE]\n\n"
-
-
-class StreamWriter(Protocol):
-    """One streamed response's bytes, in the order the handler sends them; every API surface
-    (chat, completions, Responses, Messages) has one."""
-
-    def start(self) -> bytes:
-        """Events before the first delta ("" for none)."""
-
-    def delta(self, delta: Delta) -> bytes:
-        """A visible delta's events."""
-
-    def finish(self, reason: str) -> bytes:
-        """The closing events, after the delta with the finish reason."""
-
-    def failure(self, err: HTTPError) -> bytes:
-        """The closing events when the stream fails after it started."""
-
-
-def usage_dict(prepared: Prepared) -> dict:
-    usage = {
-        "prompt_tokens": prepared.prompt_tokens,
-        "completion_tokens": prepared.completion_tokens,
-        "total_tokens": prepared.prompt_tokens + prepared.completion_tokens,
-    }
-    if prepared.cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": prepared.cached_tokens}
-    return usage
 
 
 class ChunkWriter:
@@ -135,8 +110,7 @@ class ChunkWriter:
         return tail + DONE
 
     def failure(self, err: HTTPError) -> bytes:
-        """An error after the stream started: OpenAI clients raise on a data event with `error`."""
-        return b"data: " + err.body() + b"\n\n" + DONE
+        return error_event(err)
 
 
 def chunk_writer(request: AnyRequest, prepared: Prepared, *, chat: bool) -> ChunkWriter:
@@ -145,3 +119,51 @@ def chunk_writer(request: AnyRequest, prepared: Prepared, *, chat: bool) -> Chun
     opts = request.stream_options
     usage = opts is not None and opts.include_usage
     return ChunkWriter(request.model, chat=chat, prepared=prepared if usage else None)
+
+
+# chat_completion_body's signature: (model, text, finish_reason, prepared, *, reasoning,
+# tool_calls, logprobs) -> the whole answer's bytes.
+BodyBuilder = Callable[..., bytes]
+
+
+class WholeAnswer:
+    """One request's deltas gathered into its whole chat completion or completion, for a request
+    that does not stream; `build` renders it (chat_completion_body, or completions' own)."""
+
+    __slots__ = ("_build", "_calls", "_finish", "_logprobs", "_model", "_prepared", "_reasoning", "_text")
+
+    def __init__(self, model: str, prepared: Prepared, build: BodyBuilder) -> None:
+        self._model = model
+        self._prepared = prepared
+        self._build = build
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: list[ToolCallDelta] = []
+        pre = prepared.preprocessed
+        wanted = pre is not None and pre.output_options.logprobs is not None
+        self._logprobs: list[TokenLogprob] | None = [] if wanted else None
+        self._finish = ""
+
+    def delta(self, delta: Delta) -> None:
+        if delta.logprobs and self._logprobs is not None:
+            self._logprobs.extend(delta.logprobs)
+        if delta.text:
+            self._text.append(delta.text)
+        elif delta.reasoning:
+            self._reasoning.append(delta.reasoning)
+        elif delta.tool_call is not None:
+            self._calls.append(delta.tool_call)
+
+    def finish(self, reason: str) -> None:
+        self._finish = reason
+
+    def body(self) -> bytes:
+        return self._build(
+            self._model,
+            "".join(self._text),
+            self._finish,
+            self._prepared,
+            reasoning="".join(self._reasoning),
+            tool_calls=merge_events(self._calls).tool_calls,
+            logprobs=self._logprobs,
+        )

@@ -1,6 +1,7 @@
 """Picking an instance for a request without looking at its content: random and round-robin.
 
-KV-aware routing (router/kv) looks at the request's blocks; these two only spread load.
+KV-aware routing (router/kv) looks at the request's blocks; these two only spread load. Dynamo
+calls them its "push router" modes.
 """
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-PUSH_MODES = ("random", "round-robin")
+MODES = ("random", "round-robin")
 
 
 class InstancePicker:
     def __init__(self, mode: str = "round-robin", *, seed: int | None = None) -> None:
-        if mode not in PUSH_MODES:
-            raise ValueError(f"router mode must be one of {', '.join(PUSH_MODES)}, not {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"router mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         self._next = 0
         self._rng = random.Random(seed)
