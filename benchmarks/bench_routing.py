@@ -56,7 +56,7 @@ pressure) mean 2.95x, p50 2.83x; at c=1 mean 1.65x. The p50 at c=8 stays low bec
 round-robin request is still a hit more often than not, and a hit costs the same wherever it
 lands (a forward pass is >= 16.5 ms in the perf model). Raising --kv-overlap-score-weight to 4
 halves kv's misses but unbalances the workers (160/147/104/101 requests) and leaves TTFT
-unchanged; counting the tokens to compute twice in the cost (router/kv/scheduler.py) cut
+unchanged; counting the tokens to compute twice in the cost (router/kv/cost.py) cut
 cold-prefix recomputation from 7.6% to 4.3% of requests and TTFT mean/p90 by 6%/18%.
 
 Measured per (mode, c): TTFT p50/p90 (first turns and follow-up turns apart too), ITL p50

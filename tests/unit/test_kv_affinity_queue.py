@@ -15,11 +15,11 @@ from dynamo_graph.llm.preprocessor import routing_hints
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.affinity import SessionAffinity
+from dynamo_graph.router.kv.cost import Choice
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.router.kv.queue import RESERVE_WINDOW_S, QueueFull, RouterQueue
 from dynamo_graph.router.kv.reported import ReportedLoad
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import Choice
 from dynamo_graph.runtime.context import Context
 
 BS = 16

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from dynamo_graph.router.config import RouterConfig
+from dynamo_graph.router.kv.cost import Choice
 from dynamo_graph.router.kv.predict import (
     DEFAULT_COEFFS,
     TtftFit,
@@ -15,7 +16,6 @@ from dynamo_graph.router.kv.predict import (
     predict_workers,
 )
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import Choice
 from dynamo_graph.router.kv.sequences import ActiveSequences
 
 BS = 16

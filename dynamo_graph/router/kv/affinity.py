@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from dynamo_graph.router.kv.scheduler import Choice
+from dynamo_graph.router.kv.cost import Choice
 from dynamo_graph.router.kv.sequences import WorkerKey
 
 AffinityMode = Literal["hard", "soft"]

@@ -34,7 +34,7 @@ Why this form. In the mocker (perf_model.py, Dynamo's fit to a vLLM worker), a p
 16.5 ms + 0.0152 ms per prefill token (+ a small quadratic term) + decode_ms(kv usage), and
 prefill tokens queued on a worker are computed in passes of up to max_num_batched_tokens; so the
 wait of a request is close to linear in the prefill tokens ahead of it plus its own, with a
-decode term per pass that grows with the running batch's KV. Dynamo's cost (scheduler.py) adds
+decode term per pass that grows with the running batch's KV. Dynamo's cost (cost.py) adds
 prefill blocks and decode blocks with fixed weights, so it cannot tell a 2x slower worker from
 a fast one, and it weighs a queued decode block like 1 to 64 prefill tokens regardless of the
 hardware.
@@ -58,8 +58,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from dynamo_graph.router.kv.cost import Choice, overlap_of
 from dynamo_graph.router.kv.reported import ReportedLoad
-from dynamo_graph.router.kv.scheduler import Choice, overlap_of
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
 # Features are scaled so that the normal equations stay well conditioned.

@@ -3,7 +3,7 @@
 Ties together the indexer of the workers' caches (fed by KV events from the event plane, or,
 with `use_kv_events=False`, the approximate indexer fed by the router's own decisions), the
 bookkeeping of in-flight requests, the cost (predict.py's predicted TTFT by default, or Dynamo's,
-scheduler.py), session affinity (affinity.py) and the queue in front of saturated workers
+cost.py), session affinity (affinity.py) and the queue in front of saturated workers
 (queue.py). The caller admits (when queueing is on), routes, then reports the first token and
 the end of every request it routed. The workers' load metrics (reported.py) add what other
 frontends sent to the same workers.
@@ -30,6 +30,7 @@ from dynamo_graph.options import check_values
 from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.affinity import AffinityMode, SessionAffinity
 from dynamo_graph.router.kv.approx import ApproxKvIndexer
+from dynamo_graph.router.kv.cost import Choice, score_workers, select
 from dynamo_graph.router.kv.hashing import lora_hash_seed
 from dynamo_graph.router.kv.indexer import KvIndexer
 from dynamo_graph.router.kv.predict import TtftModel, pick_near_best, predict_workers
@@ -41,7 +42,6 @@ from dynamo_graph.router.kv.protocols import (
     decode_load_metrics,
 )
 from dynamo_graph.router.kv.queue import DEFAULT_MAX_BATCHED_TOKENS, QueuePolicy, RouterQueue
-from dynamo_graph.router.kv.scheduler import Choice, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences, WorkerKey
 
 if TYPE_CHECKING:

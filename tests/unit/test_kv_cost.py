@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from dynamo_graph.router.config import RouterConfig
+from dynamo_graph.router.kv.cost import Choice, score_workers, select
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.kv.scheduler import Choice, score_workers, select
 from dynamo_graph.router.kv.sequences import ActiveSequences
 
 BS = 4
