@@ -182,10 +182,6 @@ async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeli
     return await run_text(pipeline, ignore_eos=echo)
 
 
-def _discovers_workers(cfg: RunConfig) -> bool:
-    return cfg.output == "auto" or (cfg.output or "").startswith("dyn://")
-
-
 async def _first_model(registry: ModelRegistry, timeout_s: float) -> ModelPipeline | EmbeddingPipeline:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not registry.names():
@@ -311,23 +307,13 @@ async def _run_frontend(cfg: RunConfig) -> int:
 
 
 async def run_async(cfg: RunConfig) -> int:
-    if cfg.input == "dyn" or _discovers_workers(cfg):
+    if cfg.input == "dyn" or cfg.discovers_workers:
         apply_runtime_settings(cfg)
     if cfg.input == "dyn":
-        if _discovers_workers(cfg):
-            raise RunConfigError(
-                f"in={cfg.input_arg} serves an engine: give out=ENGINE, not out={cfg.output}"
-            )
         assert cfg.input_arg is not None
         return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
-    if _discovers_workers(cfg):
-        if cfg.engine.lora_modules:
-            raise RunConfigError(
-                "--lora-modules is a worker's flag: the frontend lists the adapters workers load"
-            )
+    if cfg.discovers_workers:
         return await _run_frontend(cfg)
-    if cfg.engine.lora_modules and cfg.input != "http":
-        raise RunConfigError(f"--lora-modules serves adapters as models over HTTP: not with in={cfg.input}")
     started = await start_engine(cfg)
     pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.

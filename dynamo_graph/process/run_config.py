@@ -67,6 +67,11 @@ class RunConfig:
     def model_path(self) -> str | None:
         return self.engine.model_path
 
+    @property
+    def discovers_workers(self) -> bool:
+        """A frontend of workers it discovers (`out=auto`) or is told of (`out=dyn://...`)."""
+        return self.output == "auto" or (self.output or "").startswith("dyn://")
+
     def worker_config(self, endpoint: str) -> WorkerConfig:
         """This process's part as a worker serving `endpoint`."""
         return WorkerConfig(endpoint, self.engine, self.worker, self.planes, verbosity=self.verbosity)
@@ -147,7 +152,23 @@ def run_config_from_args(
         parse_lora_modules(engine.lora_modules)
     except SettingError as err:
         raise RunConfigError(str(err)) from None
+    _check_parts(cfg)
     return cfg, input_given
+
+
+def _check_parts(cfg: RunConfig) -> None:
+    """The rules between the words (in=, out=) and the flags."""
+    if cfg.input == "dyn" and cfg.discovers_workers:
+        raise RunConfigError(f"in={cfg.input_arg} serves an engine: give out=ENGINE, not out={cfg.output}")
+    if cfg.engine.lora_modules and cfg.input != "dyn":
+        if cfg.discovers_workers:
+            raise RunConfigError(
+                "--lora-modules is a worker's flag: the frontend lists the adapters workers load"
+            )
+        if cfg.input != "http":
+            raise RunConfigError(
+                f"--lora-modules serves adapters as models over HTTP: not with in={cfg.input}"
+            )
 
 
 def apply_runtime_settings(cfg: RunConfig) -> None:

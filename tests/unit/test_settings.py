@@ -346,3 +346,16 @@ def test_the_settings_reference_in_docs_is_current() -> None:
     path = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md"
     regenerate = "python -m dynamo_graph.graph.reference > docs/reference/settings.md"
     assert path.read_text() == reference(), f"stale: run {regenerate}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["in=dyn://a.b.c", "out=auto"], "serves an engine: give out=ENGINE"),
+        (["in=http", "out=auto", "--lora-modules", "a=/x"], "--lora-modules is a worker's flag"),
+        (["in=none", "out=mocker", "/m", "--lora-modules", "a=/x"], "serves adapters as models over HTTP"),
+    ],
+)
+def test_the_words_and_the_flags_must_fit_together(args: list[str], message: str) -> None:
+    with pytest.raises(RunConfigError, match=message):
+        parse_run_config(args)
