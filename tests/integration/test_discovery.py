@@ -21,7 +21,7 @@ from dynamo_graph.runtime.discovery import Discovery, DiscoveryError, WatchEvent
 from dynamo_graph.runtime.discovery import etcd as etcd_module
 from dynamo_graph.runtime.discovery.etcd import EtcdDiscovery
 from dynamo_graph.runtime.discovery.file import LEASES_DIR, FileDiscovery, default_file_root
-from tests.services import EtcdProc
+from tests.support.services import EtcdProc
 
 TTL_S = 2
 POLL_S = 0.1

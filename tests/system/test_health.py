@@ -15,11 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.scripts import SCRIPTS
+from tests.support.waiting import wait_for
 
 ENDPOINT = "dyn://health.pytok.generate"
-ENGINE = Path(__file__).with_name("wedge_engine.py")
+ENGINE = SCRIPTS / "wedge_engine.py"
 INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
 INTERVAL_S, TIMEOUT_S = 1.0, 1.0
 

@@ -123,7 +123,7 @@ def test_shell_render_is_valid_bash_and_mermaid_draws_the_route(tmp_path: Path) 
 
 
 def test_cli_validate_and_render(tmp_path: Path) -> None:
-    from tests.procs import run_cli
+    from tests.support.processes import run_cli
 
     good = _write(tmp_path, BASE)
     result = run_cli(["validate", str(good)])

@@ -10,7 +10,7 @@ from dynamo_graph.backend.command_line import parse_fast
 from dynamo_graph.backend.run_config import RunConfigError, run_config_from_args, validate
 from dynamo_graph.graph.build import build
 from dynamo_graph.inputs.launch import kv_router_config
-from tests.unit.test_graph_validate import MINIMAL, problems
+from tests.support.graph_problems import MINIMAL, problems
 
 GRAPH = """
 name: demo
