@@ -268,7 +268,7 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
 
         async def load_during_restart() -> list[int]:
             task = asyncio.create_task(_load(front.base_url, model, 200, 4))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the restart lands while the load runs (200 requests take longer)
             await asyncio.to_thread(etcd.restart)  # type: ignore[attr-defined]
             return await task
 
@@ -277,7 +277,7 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
         wait_for(lambda: len(instances(front, model)) == 2, 10, "both workers after the restart")
 
         etcd.stop()  # type: ignore[attr-defined]
-        time.sleep(float(LEASE_TTL) + 1.5)
+        time.sleep(float(LEASE_TTL) + 1.5)  # the outage outlasts the lease: the TTL is what is tested
         etcd.restart()  # type: ignore[attr-defined]
         # The leases expired while etcd was down: workers must re-grant and re-register alone.
         wait_for(lambda: len(instances(front, model)) == 2, 20, "both workers to come back by themselves")

@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.mocker_cluster import Cluster
 from tests.support.streaming import StreamResult, completion_body, run_one, stream_completion
+from tests.support.waiting import wait_for_async
 
 
 def kill_serving_worker_after(cluster: Cluster, chunks: int) -> tuple[Callable[[int], None], list[str]]:
@@ -114,7 +115,7 @@ def test_sigterm_to_a_worker_under_load_loses_no_request(make_cluster: Callable[
     stopped_at: list[float] = []
 
     async def sigterm_soon() -> None:
-        await asyncio.sleep(1.0)  # every request has started on one worker or the other
+        await wait_for_async(lambda: sum(cluster.sent().values()) >= len(bodies), 20, "every request routed")
         stopping.proc.send_signal(signal.SIGTERM)
         stopped_at.append(time.monotonic())
 
@@ -141,7 +142,7 @@ def test_sigterm_with_a_long_grace_lets_requests_finish_where_they_are(
     bodies = [completion_body(cluster.model, f"short {i}", 40) for i in range(8)]
 
     async def sigterm_soon() -> None:
-        await asyncio.sleep(0.5)
+        await wait_for_async(lambda: sum(cluster.sent().values()) >= len(bodies), 20, "every request routed")
         stopping.proc.send_signal(signal.SIGTERM)
 
     results = asyncio.run(_concurrent(cluster.frontend.base_url, bodies, sigterm_soon))

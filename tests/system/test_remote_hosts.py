@@ -429,7 +429,7 @@ def test_down_while_a_host_is_disconnected_stops_its_process_once_re_attached(
         down = subprocess.Popen(
             [*DYNGRAPH, "down", str(graph.file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        time.sleep(1.0)
+        time.sleep(1.0)  # a non-event (down keeps waiting) can only be checked after a while
         assert down.poll() is None and pid_alive(worker)  # waiting for h1
     finally:
         os.kill(h1.sshd_pid(), signal.SIGCONT)
