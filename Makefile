@@ -51,7 +51,7 @@ services:
 test: setup llamacpp services
 	$(BIN)/ruff check dynamo_graph tests benchmarks
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # The CI smoke graphs as a user's CI runs them: `dyngraph test` brings each up isolated, runs the
 # checks in its `tests:` section, tears it down, and writes a JUnit report (echo-etcd-nats needs

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.*
 
 from dynamo_graph.dev.tiny_model import ensure_tiny_model
-from tests.system.test_chaos import ChaosConfig, run_chaos, run_load, undisturbed_usage
-from tests.system.test_migration import start_cluster
+from tests.support.chaos import ChaosConfig, run_chaos, run_load, undisturbed_usage
+from tests.support.mocker_cluster import start_cluster
 
 RESULTS = Path(__file__).with_name("results") / "chaos.json"
 

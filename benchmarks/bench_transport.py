@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from dynamo_graph.runtime.context import Context  # noqa: E402
 from dynamo_graph.runtime.transport import RequestPlaneClient, create_client  # noqa: E402
 
-SUBJECT = "test.echo.generate"  # served by tests/integration/transport_worker.py
+SUBJECT = "test.echo.generate"  # served by tests/support/scripts/transport_worker.py
 FRAMES = 64
 CONCURRENCY = (1, 32, 128)
 TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
@@ -63,7 +63,7 @@ def start_nats(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def start_worker(kind: str, tmp: Path, nats_url: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     record_file = tmp / f"{kind}-record.json"
-    cmd = [sys.executable, "-m", "tests.integration.transport_worker", kind, str(record_file)]
+    cmd = [sys.executable, "-m", "tests.support.scripts.transport_worker", kind, str(record_file)]
     if kind == "nats":
         cmd += ["--nats-url", nats_url]
     proc = subprocess.Popen(cmd, cwd=ROOT)

@@ -10,7 +10,7 @@ from typing import TypeVar
 import pytest
 
 from dynamo_graph.dev.tiny_model import ensure_tiny_model
-from tests.services import EtcdProc, NatsProc, start_etcd, start_nats
+from tests.support.services import EtcdProc, NatsProc, start_etcd, start_nats
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(out)
 
 
-# ---- services: etcd and nats-server (tests/services.py) -------------------------------------
+# ---- services: etcd and nats-server (tests/support/services.py) -------------------------------------
 
 
 def _service_or_skip(start: Callable[[], T], binary: str) -> T:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import ServerProcess, echo_core_args, run_cli, running_server
+from tests.support.processes import ServerProcess, echo_core_args, run_cli, running_server
 
 FLAG_KEYS = ("sk-flag-1f2e3d4c5b6a", "sk-flag-second-99887766")
 ENV_KEY = "sk-env-0a1b2c3d4e5f"  # via DYN_API_KEY_ENV=MY_FRONTEND_KEY, as a graph passes it

@@ -8,7 +8,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from dynamo_graph.backend.handlers import tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.runtime.context import Context
-from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.processes import ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.waiting import wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_engine.py"
 
@@ -165,15 +165,6 @@ def _models(base_url: str) -> list[str]:
     return [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=5).json()["data"]]
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_custom_engine_worker_behind_a_frontend(
     frontend: ServerProcess, tiny_model: Path, planes: dict[str, str], tmp_path: Path
 ) -> None:
@@ -195,7 +186,9 @@ def test_custom_engine_worker_behind_a_frontend(
         log_dir=tmp_path,
     )
     try:
-        _wait(lambda: "reverse" in _models(frontend.base_url), 30, f"the worker to register:\n{worker.log()}")
+        wait_for(
+            lambda: "reverse" in _models(frontend.base_url), 30, f"the worker to register:\n{worker.log()}"
+        )
         client = openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="none")
         reply = client.chat.completions.create(
             model="reverse", messages=[{"role": "user", "content": "abc"}], max_tokens=100
@@ -216,7 +209,7 @@ def test_custom_engine_worker_behind_a_frontend(
         assert "this engine takes at most 64" in str(err.value)
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(timeout=15) == 0, worker.log()
-        _wait(lambda: "reverse" not in _models(frontend.base_url), 10, "the model to leave")
+        wait_for(lambda: "reverse" not in _models(frontend.base_url), 10, "the model to leave")
     finally:
         worker.stop()
 

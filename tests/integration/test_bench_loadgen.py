@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_graph.bench import workload
 from dynamo_graph.bench.loadgen import Request, Target, run_closed, run_open
-from tests.procs import ServerProcess, free_port, running_server
+from tests.support.processes import ServerProcess, free_port, running_server
 
 
 @pytest.fixture(scope="module")

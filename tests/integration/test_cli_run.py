@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import run_cli
+from tests.support.processes import run_cli
 
 
 def test_unknown_engine_lists_engines() -> None:

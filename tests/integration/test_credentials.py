@@ -11,7 +11,7 @@ from etcd3aio import Etcd3Client
 from dynamo_graph.runtime.credentials import CredentialsError, etcd_credentials, nats_connect_options
 from dynamo_graph.runtime.discovery import DiscoveryError
 from dynamo_graph.runtime.discovery.etcd import EtcdDiscovery
-from tests.services import EtcdProc
+from tests.support.services import EtcdProc
 
 PASSWORD = "s3cret-pw"
 

@@ -21,7 +21,7 @@ from dynamo_graph.runtime.discovery import Discovery, DiscoveryError, WatchEvent
 from dynamo_graph.runtime.discovery import etcd as etcd_module
 from dynamo_graph.runtime.discovery.etcd import EtcdDiscovery
 from dynamo_graph.runtime.discovery.file import LEASES_DIR, FileDiscovery, default_file_root
-from tests.services import EtcdProc
+from tests.support.services import EtcdProc
 
 TTL_S = 2
 POLL_S = 0.1
@@ -279,7 +279,7 @@ async def test_etcd_down_longer_than_ttl(etcd_fresh: EtcdProc) -> None:
         watcher = Watcher(reader, "svc/")
         await watcher.wait_for(lambda s: "svc/a" in s, 1.0)
         etcd_fresh.stop()
-        await asyncio.sleep(TTL_S + 1)
+        await asyncio.sleep(TTL_S + 1)  # the outage outlasts the lease: the TTL is what is tested
         etcd_fresh.restart()
         await watcher.wait_for(lambda s: "svc/a" in s, 3.0)
         await owner.put("svc/b", b"2")

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_http_openai import _metric
-from tests.procs import ServerProcess, echo_core_args, running_server
+from tests.support.metrics import metric
+from tests.support.processes import ServerProcess, echo_core_args, running_server
 
 np = pytest.importorskip("numpy")
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "zzz", "a", "hello there"]
@@ -111,9 +111,9 @@ def test_chat_request_to_embedding_model_is_refused(mocker: ServerProcess) -> No
 
 
 def test_metrics_label_the_endpoint(mocker: ServerProcess) -> None:
-    before = _metric(mocker, 'dynamo_frontend_requests_total{endpoint="embeddings"')
+    before = metric(mocker, "dynamo_frontend_requests_total", endpoint="embeddings")
     vectors(mocker, "counted")
-    assert _metric(mocker, 'dynamo_frontend_requests_total{endpoint="embeddings"') == before + 1
+    assert metric(mocker, "dynamo_frontend_requests_total", endpoint="embeddings") == before + 1
 
 
 def test_embeddings_on_a_chat_model_answer_400(tiny_model: Path, tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_llamacpp_vectors_equal_llama_cpp_pythons_own(tiny_model: Path, tmp_path
 
 def test_llamacpp_without_pooling_says_how_to_set_it(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
-    from tests.procs import run_cli
+    from tests.support.processes import run_cli
 
     gguf = tiny_model / "tiny-llama-f32.gguf"
     done = run_cli(
@@ -156,7 +156,7 @@ def test_llamacpp_without_pooling_says_how_to_set_it(tiny_model: Path, tmp_path:
 
 
 def test_an_embedding_model_is_not_chatted_with_on_stdin(tiny_model: Path) -> None:
-    from tests.procs import run_cli
+    from tests.support.processes import run_cli
 
     done = run_cli(["run", "out=mocker", str(tiny_model), "--embedding"], input_text="hi\n", timeout=60)
     assert done.returncode != 0

@@ -33,7 +33,7 @@ from dynamo_graph.runtime.events import (
 )
 from dynamo_graph.runtime.events.nats import NatsEventSubscriber
 from dynamo_graph.runtime.events.zmq import ZmqEventPublisher, ZmqEventSubscriber, event_channels_prefix
-from tests.services import NatsProc
+from tests.support.services import NatsProc
 
 NS, COMP = "evtest", "worker"
 SYNC = "sync"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import ServerProcess, echo_core_args, running_server
+from tests.support.processes import ServerProcess, echo_core_args, running_server
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_http_openai import _metric
-from tests.procs import ServerProcess, echo_core_args, running_server
+from tests.support.metrics import metric
+from tests.support.processes import ServerProcess, echo_core_args, running_server
 
 PATH = "/inference/v1/generate"
 PROMPT = [0, 17, 42, 300, 301, 302, 7]
@@ -130,7 +130,6 @@ def test_bad_input_names_the_field(echo: ServerProcess, body: dict, param: str) 
 
 
 def test_metrics_label_the_endpoint(mocker: ServerProcess) -> None:
-    label = 'dynamo_frontend_requests_total{endpoint="generate"'
-    before = _metric(mocker, label)
+    before = metric(mocker, "dynamo_frontend_requests_total", endpoint="generate")
     assert generate(mocker, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}}).status_code == 200
-    assert _metric(mocker, label) == before + 1
+    assert metric(mocker, "dynamo_frontend_requests_total", endpoint="generate") == before + 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import ServerProcess
+from tests.support.processes import ServerProcess
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import ServerProcess
+from tests.support.http_streams import cancelled_streams, paced_server
+from tests.support.metrics import metric
+from tests.support.processes import ServerProcess
 
 QUESTION = "What is the capital of Tuvalu?"
 TEMPLATED = (
@@ -161,14 +163,6 @@ def test_health_live_metrics(server: ServerProcess, model_name: str) -> None:
         assert name in metrics
 
 
-def _metric(server: ServerProcess, prefix: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
-        if line.startswith(prefix):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def stream_body(model: str) -> dict:
     return {
         "model": model,
@@ -176,39 +170,6 @@ def stream_body(model: str) -> dict:
         "stream": True,
         "nvext": {"ignore_eos": True},
     }
-
-
-def cancelled_streams(server: ServerProcess, endpoint: str, model: str, within_s: float = 1.5) -> float:
-    """Streams of `endpoint` the frontend counted as cancelled, waiting up to `within_s` for one."""
-    label = (
-        f'dynamo_frontend_requests_total{{endpoint="{endpoint}",model="{model}"'
-        ',request_type="stream",status="cancelled"}'
-    )
-    deadline = time.monotonic() + within_s
-    cancelled = _metric(server, label)
-    while not cancelled and time.monotonic() < deadline:
-        time.sleep(0.05)
-        cancelled = _metric(server, label)
-    return cancelled
-
-
-def abandon_stream(server: ServerProcess, path: str, body: dict, marker: str) -> None:
-    """Start a stream and hang up as soon as a line containing `marker` arrives."""
-    with httpx.Client(timeout=10) as http, http.stream("POST", f"{server.base_url}{path}", json=body) as resp:
-        for line in resp.iter_lines():
-            if marker in line:
-                return
-    raise AssertionError(f"the stream of {path} ended without a line containing {marker!r}")
-
-
-def paced_server(tiny_model: Path, tmp_path: Path, delay_ms: int) -> ServerProcess:
-    proc = ServerProcess(
-        ["out=echo_core", "--model-path", str(tiny_model)],
-        env={"DYN_TOKEN_ECHO_DELAY_MS": str(delay_ms)},
-        log_dir=tmp_path,
-    )
-    proc.wait_ready()
-    return proc
 
 
 def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) -> None:
@@ -226,7 +187,7 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
             assert any(line.startswith("data: ") for line in got)
         # The whole stream would take ~2.4 s; cancellation must end it long before.
         assert cancelled_streams(proc, "chat_completions", tiny_model.name) == 1
-        assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
+        assert metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()
 

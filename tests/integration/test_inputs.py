@@ -32,7 +32,7 @@ from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline
 from dynamo_graph.process.launch import start_engine
 from dynamo_graph.process.run_config import parse_run_config
 from dynamo_graph.runtime.context import Context
-from tests.procs import DYNGRAPH, run_cli
+from tests.support.processes import DYNGRAPH, run_cli
 
 QUESTION = "What is the capital of Tuvalu?"
 USER_HEADER = "<|start_header_id|>user<|end_header_id|>"

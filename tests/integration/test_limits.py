@@ -13,20 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import ServerProcess, echo_core_args, running_server
+from tests.support.metrics import metric
+from tests.support.processes import ServerProcess, echo_core_args, running_server
+from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "What is the capital of Tuvalu?"}]
 CHAT = "/v1/chat/completions"
 CAP = 4
-
-
-def _metric(proc: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{proc.base_url}/metrics", timeout=5).text
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == name:
-            return float(value)
-    return 0.0
 
 
 def _rss_kb(pid: int) -> int:
@@ -53,7 +46,7 @@ def test_body_over_the_flag_limit_is_413(capped: ServerProcess) -> None:
     assert resp.status_code == 413
     error = resp.json()["error"]
     assert error["code"] == "body_too_large" and "16384" in error["message"]
-    assert _metric(capped, 'dynamo_frontend_rejected_requests_total{reason="body_too_large"}') >= 1
+    assert metric(capped, "dynamo_frontend_rejected_requests_total", reason="body_too_large") >= 1
     small = {"model": "tiny", "messages": MSG, "max_tokens": 2}
     assert httpx.post(f"{capped.base_url}{CHAT}", json=small, timeout=10).status_code == 200
 
@@ -99,7 +92,7 @@ def test_saturation_rejects_the_excess_quickly_and_memory_stays_bounded(capped: 
     n = 10 * CAP
     asyncio.run(_burst(capped.base_url, n))  # warm up: connections, lazy imports, the API app
     rss_before = _rss_kb(capped.proc.pid)
-    rejected_before = _metric(capped, 'dynamo_frontend_rejected_requests_total{reason="overloaded"}')
+    rejected_before = metric(capped, "dynamo_frontend_rejected_requests_total", reason="overloaded")
     results = []
     for _ in range(3):
         results += asyncio.run(_burst(capped.base_url, n))
@@ -117,9 +110,9 @@ def test_saturation_rejects_the_excess_quickly_and_memory_stays_bounded(capped: 
         assert headers["retry-after"] == "1"
         assert json.loads(text)["error"]["code"] == "overloaded"
         assert first < 2.0  # answered at once; a served request takes ~1 s by itself
-    rejected = _metric(capped, 'dynamo_frontend_rejected_requests_total{reason="overloaded"}')
+    rejected = metric(capped, "dynamo_frontend_rejected_requests_total", reason="overloaded")
     assert rejected - rejected_before == len(busy)
-    assert _metric(capped, "dynamo_frontend_admitted_requests") == 0
+    assert metric(capped, "dynamo_frontend_admitted_requests") == 0
     assert rss_after - rss_before < 20 * 1024, (rss_before, rss_after)
 
 
@@ -159,15 +152,6 @@ def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc
         yield proc, marker
 
 
-def _wait_for(path: Path, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_timeout_before_the_first_byte_is_504_and_cancels(
     timed: tuple[ServerProcess, Path], stream: bool
@@ -180,7 +164,7 @@ def test_timeout_before_the_first_byte_is_504_and_cancels(
     assert resp.status_code == 504, resp.text
     assert resp.json()["error"]["code"] == "timeout"
     assert 0.9 < took < 5, took
-    assert _wait_for(marker.with_suffix(".late")), "the engine's generation was not cancelled"
+    wait_for(marker.with_suffix(".late").exists, 5, "the engine's generation to be cancelled")
     marker.with_suffix(".late").unlink()
 
 
@@ -194,15 +178,15 @@ def test_timeout_mid_stream_is_an_error_event_and_cancels(timed: tuple[ServerPro
     error = json.loads(lines[-2][6:])["error"]
     assert error["code"] == "timeout"
     assert 2 <= len(lines) - 2 <= 8  # a few words in ~1 s, then the error
-    assert _wait_for(marker.with_suffix(".go")), "the engine's generation was not cancelled"
-    assert _metric(proc, 'dynamo_frontend_rejected_requests_total{reason="timeout"}') >= 1
-    assert _metric(proc, "dynamo_frontend_admitted_requests") == 0
+    wait_for(marker.with_suffix(".go").exists, 5, "the engine's generation to be cancelled")
+    assert metric(proc, "dynamo_frontend_rejected_requests_total", reason="timeout") >= 1
+    assert metric(proc, "dynamo_frontend_admitted_requests") == 0
 
 
 def test_timeout_cancels_the_generation_on_a_remote_worker(tmp_path: Path) -> None:
     """Frontend and worker in separate processes: the frontend's deadline reaches the worker's
     engine through the request plane."""
-    from tests.procs import WorkerProcess
+    from tests.support.processes import WorkerProcess
 
     engine = tmp_path / "slow_engine.py"
     engine.write_text(SLOW_ENGINE)
@@ -227,7 +211,7 @@ def test_timeout_cancels_the_generation_on_a_remote_worker(tmp_path: Path) -> No
             assert resp.status_code == 200
             lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
         assert json.loads(lines[-2][6:])["error"]["code"] == "timeout"
-        assert _wait_for(marker.with_suffix(".go")), f"the worker kept generating:\n{worker.log()}"
+        wait_for(marker.with_suffix(".go").exists, 5, "the worker to stop generating")
     finally:
         frontend.stop()
         worker.stop()

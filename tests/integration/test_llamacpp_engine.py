@@ -30,8 +30,8 @@ from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.migration import continuation
 from dynamo_graph.runtime.context import Context
-from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
-from tests.procs import ServerProcess, run_cli
+from tests.support.engine_requests import collect, greedy_request, ids, llama_greedy_reference, stream_chat
+from tests.support.processes import ServerProcess, run_cli
 
 if os.environ.get("CI"):
     import llama_cpp  # CI installs the llamacpp extra: a missing package must fail, not skip

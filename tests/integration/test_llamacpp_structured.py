@@ -20,8 +20,8 @@ from dynamo_graph.backend.protocol import OutputOptions, SamplingOptions
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.llamacpp import LlamaCppArgs, LlamaCppEngine
 from dynamo_graph.llm.model_source import resolve_model
-from tests.integration.engine_helpers import collect, greedy_request, ids
-from tests.procs import ServerProcess, running_server
+from tests.support.engine_requests import collect, greedy_request, ids
+from tests.support.processes import ServerProcess, running_server
 
 if os.environ.get("CI"):
     import llama_cpp

@@ -14,7 +14,7 @@ from openai.types.completion_choice import Logprobs
 
 from dynamo_graph.backend.protocol import TopLogprob
 from dynamo_graph.engines.mocker.scheduler import TokenSampler
-from tests.procs import running_server
+from tests.support.processes import running_server
 
 
 def test_the_mocker_reports_its_uniform_distribution() -> None:

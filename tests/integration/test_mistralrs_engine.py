@@ -27,7 +27,7 @@ from dynamo_graph.backend.settings import EngineSettings
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.llm.model_source import LocalModel, resolve_model
 from dynamo_graph.runtime.context import Context
-from tests.procs import ServerProcess, run_cli
+from tests.support.processes import ServerProcess, run_cli
 
 if os.environ.get("CI"):
     import mistralrs  # noqa: F401 - CI installs the extra: a missing package must fail, not skip

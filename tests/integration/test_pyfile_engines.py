@@ -19,7 +19,7 @@ from dynamo_graph.engines import create_engine, get_engine_spec
 from dynamo_graph.engines.pyfile import PythonEngineError, PythonFileEngine
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.runtime.context import Context
-from tests.procs import ServerProcess, run_cli
+from tests.support.processes import ServerProcess, run_cli
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

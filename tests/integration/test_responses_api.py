@@ -15,10 +15,12 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_http_openai import _metric, abandon_stream, cancelled_streams, paced_server
-from tests.procs import ServerProcess
+from tests.support.http_streams import abandon_stream, cancelled_streams, paced_server
+from tests.support.metrics import metric
+from tests.support.processes import ServerProcess
+from tests.support.scripts import SCRIPTS
 
-ENGINE = Path(__file__).with_name("agent_engine.py")
+ENGINE = SCRIPTS / "agent_engine.py"
 QUESTION = "What is the capital of Tuvalu?"
 HEADER = "<|start_header_id|>{}<|end_header_id|>\n\n"
 TEMPLATED = (
@@ -206,7 +208,7 @@ def test_client_disconnect_cancels_generation(tiny_model: Path, tmp_path: Path) 
         body = {"model": tiny_model.name, "input": QUESTION, "stream": True, "nvext": {"ignore_eos": True}}
         abandon_stream(proc, "/v1/responses", body, "output_text.delta")
         assert cancelled_streams(proc, "responses", tiny_model.name) == 1
-        assert _metric(proc, "dynamo_frontend_inflight_requests") == 0
+        assert metric(proc, "dynamo_frontend_inflight_requests") == 0
     finally:
         proc.stop()
 
@@ -233,7 +235,7 @@ def test_stored_responses_are_not_kept(echo: tuple[openai.OpenAI, str]) -> None:
 
 def test_failure_mid_stream(tiny_model: Path, tmp_path: Path) -> None:
     """An engine failure after the stream began: OpenAI's `error` event, then `response.failed`."""
-    engine = Path(__file__).with_name("failing_engine.py")
+    engine = SCRIPTS / "failing_engine.py"
     proc = ServerProcess([f"out=pytok:{engine}", "--model-path", str(tiny_model)], log_dir=tmp_path)
     try:
         proc.wait_ready()

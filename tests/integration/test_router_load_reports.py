@@ -16,16 +16,10 @@ from dynamo_graph.router.kv.router import KvRouter
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.events import create_event_publisher
 from dynamo_graph.runtime.runtime import DistributedRuntime
+from tests.support.waiting import wait_for_async
 
 NS, COMP, WORKER = "loadrep", "backend", 0x51
 BATCH = 2048
-
-
-async def wait_until(check, what: str, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -47,14 +41,24 @@ def report(prefill_tokens: int, waiting: int) -> LoadMetrics:
     return LoadMetrics(WORKER, 64, 1024, waiting, 1, prefill_tokens=prefill_tokens)
 
 
-async def test_another_frontends_work_holds_the_queue_until_the_worker_reports_it_done(plane) -> None:
+async def test_another_frontends_work_holds_the_queue_until_the_worker_reports_it_done(
+    plane, monkeypatch: pytest.MonkeyPatch
+) -> None:
     router, publisher = plane
+    rechecks: list[float] = []  # the queue's periodic rechecks, counted to wait for them, not for a time
+    recheck = router.queue._rechecked
+
+    def counted() -> None:
+        rechecks.append(asyncio.get_running_loop().time())
+        recheck()
+
+    monkeypatch.setattr(router.queue, "_rechecked", counted)
     publisher.load(report(1500, 2))  # 1500 > 0.5 * 2048: busy, though this router sent nothing
-    await wait_until(lambda: router.prefill_tokens((WORKER, 0)) == 1500, "the report never arrived")
+    await wait_for_async(lambda: router.prefill_tokens((WORKER, 0)) == 1500, 5, "the load report")
     assert router.free_ranks([WORKER]) == 0 and router.sequences.prefill_tokens((WORKER, 0)) == 0
     held = asyncio.create_task(router.admit(0, Context(), [WORKER]))
-    await asyncio.sleep(0.3)  # several rechecks: still busy
-    assert not held.done() and len(router.queue or ()) == 1
+    await wait_for_async(lambda: len(rechecks) >= 2, 5, "two rechecks of the queue")
+    assert not held.done() and len(router.queue or ()) == 1  # still busy
     publisher.load(report(200, 0))  # the other frontend's prompts are computed
     assert await asyncio.wait_for(held, 5)
     router.dispatched()
@@ -66,9 +70,9 @@ async def test_a_worker_that_stops_reporting_does_not_hold_the_queue(plane) -> N
     router, publisher = plane
     router.model.reported.max_age_s = 0.5
     publisher.load(report(5000, 9))  # its last words, then silence
-    await wait_until(lambda: router.free_ranks([WORKER]) == 0, "the report never arrived")
+    await wait_for_async(lambda: router.free_ranks([WORKER]) == 0, 5, "the load report")
     held = asyncio.create_task(router.admit(0, Context(), [WORKER]))
-    await asyncio.sleep(0.1)
+    await wait_for_async(lambda: len(router.queue or ()) == 1, 5, "the request to queue")
     assert not held.done()
     assert await asyncio.wait_for(held, 5)  # released once the report is older than 0.5 s
     router.dispatched()

@@ -4,7 +4,7 @@ file discovery directory, talking over the tcp request plane."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from dynamo_graph.runtime import Context, DistributedRuntime
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.discovery.file import FileDiscovery
+from tests.support.waiting import wait_for_async
 
 
 async def _runtime(kv: Path) -> DistributedRuntime:
@@ -26,12 +27,6 @@ async def runtimes(tmp_path: Path) -> AsyncIterator[list[DistributedRuntime]]:
     yield made
     for runtime in made:
         await runtime.close(0.5)
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    """Poll: discovery changes arrive on their own schedule (the file backend polls too)."""
-    while not predicate():  # noqa: ASYNC110 - there is no event to wait on from outside the client
-        await asyncio.sleep(0.05)
 
 
 async def _serve(runtime: DistributedRuntime, tag: str) -> None:
@@ -50,7 +45,7 @@ async def test_round_robin_random_and_direct(runtimes: list[DistributedRuntime])
     client = await caller.namespace("api").component("worker").endpoint("generate").client()
     async with asyncio.timeout(10):
         assert await client.wait_for_instances()  # returns once at least one is there
-        await _until(lambda: len(client.instance_ids()) == 2)
+        await wait_for_async(lambda: len(client.instance_ids()) == 2, 10, "both workers")
         assert sorted(client.instance_ids()) == sorted([worker_a.instance_id, worker_b.instance_id])
 
         seen = []
@@ -75,7 +70,7 @@ async def test_closed_worker_leaves_the_client(runtimes: list[DistributedRuntime
     async with asyncio.timeout(10):
         await client.wait_for_instances()
         await worker.close(0.1)
-        await _until(lambda: not client.instance_ids())
+        await wait_for_async(lambda: not client.instance_ids(), 10, "the closed worker to leave")
         with pytest.raises(NoInstances):
             await client.round_robin({"n": 1})
     await client.close()

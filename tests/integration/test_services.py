@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from tests.services import EtcdProc, NatsProc, start_nats
+from tests.support.services import EtcdProc, NatsProc, start_nats
 
 
 def _connects(url: str) -> bool:

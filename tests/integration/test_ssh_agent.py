@@ -19,6 +19,8 @@ import pytest
 
 import dynamo_graph
 from dynamo_graph.graph.supervise import agent, agent_run
+from tests.support.processes import pid_alive
+from tests.support.waiting import wait_for
 
 SECRET = "agent-secret-value"
 SLEEPER = "import os, signal, time; print(os.environ['S'], flush=True); time.sleep(60)"
@@ -27,21 +29,14 @@ STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+def _wait_gone(pid: int) -> None:
+    wait_for(lambda: not pid_alive(pid), 5, f"process {pid} to end")
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+def _written(pid: int) -> int:
+    """Bytes the process has written so far, whoever reads them (/proc/PID/io)."""
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(io["wchar"])
 
 
 @pytest.fixture
@@ -82,7 +77,7 @@ def test_output_pid_and_stop_when_stdin_closes(start_agent) -> None:
     assert SECRET.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     assert os.getpgid(pid) == pid and os.getsid(pid) == pid  # its own session
     proc.stdin.close()  # what a dropped ssh connection looks like from the agent
-    assert _wait_gone(pid, 5)
+    _wait_gone(pid)
     assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
     assert proc.wait(5) == 0
 
@@ -95,7 +90,7 @@ def test_term_escalates_to_sigkill_after_the_grace(start_agent) -> None:
     proc.stdin.flush()
     assert proc.stderr.readline().decode().split() == ["exit", str(-signal.SIGKILL)]
     assert 0.4 < time.monotonic() - started < 5
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 def test_a_silent_supervisor_counts_as_gone(start_agent) -> None:
@@ -104,10 +99,10 @@ def test_a_silent_supervisor_counts_as_gone(start_agent) -> None:
     for _ in range(5):  # pinged: it keeps running
         proc.stdin.write(b"ping\n")
         proc.stdin.flush()
-        time.sleep(0.2)
-    assert _alive(pid)
+        time.sleep(0.2)  # the heartbeat's pace, not a wait for something to happen
+    assert pid_alive(pid)
     started = time.monotonic()  # no ping for 3 heartbeats (a partition, stdin still open): stopped
-    assert _wait_gone(pid, 5)
+    _wait_gone(pid)
     assert 0.3 < time.monotonic() - started < 3
     assert proc.stderr.read().decode().split() == ["exit", str(-signal.SIGTERM)]
 
@@ -132,8 +127,8 @@ def test_a_lost_channel_is_re_attached_with_the_output_kept_meanwhile(start_agen
     proc, pid = start_agent(COUNTER, tag=tag, reattach=10.0)
     assert proc.stdout.readline() == b"0\n"
     proc.stdin.close()  # the connection is cut: the process goes on, its output kept
-    time.sleep(0.5)
-    assert _alive(pid)
+    time.sleep(0.5)  # a non-event (it is not stopped) can only be checked after a while
+    assert pid_alive(pid)
     again = _attach(tag)
     try:
         assert again.stderr.readline().decode().split()[:2] == ["pid", str(pid)]
@@ -148,14 +143,14 @@ def test_a_lost_channel_is_re_attached_with_the_output_kept_meanwhile(start_agen
         if again.poll() is None:
             again.kill()
             again.wait(10)
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 def test_a_process_ended_while_detached_is_reported_to_whoever_re_attaches(start_agent) -> None:
     tag = f"dg-test-{os.getpid()}/re-1"
     proc, pid = start_agent("import sys, time; time.sleep(0.3); sys.exit(3)", tag=tag, reattach=10.0)
     proc.stdin.close()
-    assert _wait_gone(pid, 5)
+    _wait_gone(pid)
     again = _attach(tag)
     _, err = again.communicate(timeout=10)
     assert err.decode().split() == ["pid", str(pid), "0", "exit", "3"]
@@ -176,7 +171,8 @@ def test_output_kept_while_detached_is_bounded_and_the_loss_said(start_agent) ->
     assert proc.stdout.readline() == b"started\n"
     proc.stdin.close()
     proc.stdout.close()  # nobody reads the old channel any more
-    time.sleep(3)  # it writes everything while detached
+    total = len(b"started\n") + lines * 50 + len(b"done\n")
+    wait_for(lambda: _written(pid) >= total, 30, "the process to write everything while detached")
     again = _attach(tag)
     try:
         assert again.stderr.readline().decode().split()[:2] == ["pid", str(pid)]
@@ -203,7 +199,7 @@ def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
     assert proc.stdout.readline().decode().strip() == SECRET
     proc.stdin.close()
     started = time.monotonic()
-    assert _wait_gone(pid, 5)
+    _wait_gone(pid)
     assert time.monotonic() - started > 0.4
     assert proc.wait(10) == 0
     late = _attach(tag)
@@ -214,7 +210,7 @@ def test_nobody_re_attaching_in_time_stops_the_process(start_agent) -> None:
 def test_killing_the_agent_kills_its_process(start_agent) -> None:
     proc, pid = start_agent(SLEEPER)
     proc.kill()
-    assert _wait_gone(pid, 5)
+    _wait_gone(pid)
 
 
 def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
@@ -230,7 +226,7 @@ def test_scan_finds_and_stops_a_graph_s_processes(start_agent) -> None:
     assert scan("dg-scan-test/") == {str(pid): "dg-scan-test/w-0"}
     assert scan("dg-other/") == {}
     assert scan("dg-scan-test/", "--kill", "0.3") == {}  # it ignores SIGTERM: SIGKILL after the grace
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 def test_scan_kill_clears_the_sockets_that_killed_agents_left(start_agent) -> None:
@@ -240,7 +236,8 @@ def test_scan_kill_clears_the_sockets_that_killed_agents_left(start_agent) -> No
     assert path.exists() and path.parent.name == f"dg-clear-{os.getpid()}"
     assert path.parent.stat().st_mode & 0o777 == 0o700
     proc.kill()  # SIGKILL: nothing of the agent's own cleanup runs
-    assert _wait_gone(pid, 5) and path.exists()
+    _wait_gone(pid)
+    assert path.exists()
     out = subprocess.run(
         [sys.executable, "-m", agent.MODULE, "scan", tag.split("/")[0] + "/", "--kill", "0.1"],
         capture_output=True,

@@ -1,6 +1,6 @@
 """Tool calls and reasoning through the HTTP frontend, with the official `openai` client.
 
-The engine is tests/integration/agent_engine.py (a pytok file): it reads the real prompt
+The engine is tests/support/scripts/agent_engine.py (a pytok file): it reads the real prompt
 (the tiny model's chat template) and answers in one tool-call format, a token a chunk, so the
 frontend's parsers see the markup split wherever the tokenizer splits it. Each server runs one
 format, with or without a thinking section, and the test does an agent's round trip: tools ->
@@ -20,9 +20,10 @@ import pytest
 
 from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
-from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env, run_cli, running_server
+from tests.support.processes import ServerProcess, WorkerProcess, embedded_planes_env, run_cli, running_server
+from tests.support.scripts import SCRIPTS
 
-ENGINE = Path(__file__).with_name("agent_engine.py")
+ENGINE = SCRIPTS / "agent_engine.py"
 TOOLS = [
     {
         "type": "function",

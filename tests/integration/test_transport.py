@@ -1,7 +1,7 @@
 """The request plane, the same suite over tcp and nats: content and order, one terminal frame,
 typed errors, cancellation reaching the worker, dead workers, timeouts, many streams on one
 connection, unregister and graceful stop. Workers run in a real subprocess where death or
-isolation matters (tests/integration/transport_worker.py), in-process elsewhere."""
+isolation matters (tests/support/scripts/transport_worker.py), in-process elsewhere."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from dynamo_graph.runtime.transport import (
     create_server,
 )
 from dynamo_graph.runtime.transport.frames import Ack, Data, End, Error, Request, decode, encode
-from tests.integration.transport_worker import SUBJECT
+from tests.support.scripts.transport_worker import SUBJECT
+from tests.support.waiting import wait_for_async
 
 KINDS = ["tcp", "nats"]
 REPO = Path(__file__).resolve().parents[2]
@@ -101,7 +102,7 @@ def _spawn_worker(kind: str, nats_url: str, tmp: Path) -> Worker:
     cmd = [
         sys.executable,
         "-m",
-        "tests.integration.transport_worker",
+        "tests.support.scripts.transport_worker",
         kind,
         str(record_file),
         "--log",
@@ -159,16 +160,6 @@ def numbered(n: int) -> Callable[[bytes, dict[str, str], Context], AsyncIterator
 
 async def collect(stream: AsyncIterator[bytes]) -> list[bytes]:
     return [item async for item in stream]
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until predicate() holds (polled every 2 ms); fails after timeout_s."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.002)
-    return time.monotonic() - started
 
 
 # ---------------------------------------------------------------------------------- content
@@ -288,13 +279,17 @@ async def test_cancel_reaches_worker_within_100ms(plane: Plane, shared_worker: W
         stream = client.stream(shared_worker.record, SUBJECT, echo_request(10_000, 0.01), {}, context)
         got = [await anext(stream) for _ in range(3)]
         assert got == [b":0", b":1", b":2"]
-        started = time.monotonic()
         if how == "stop_generating":
             context.stop_generating()
             assert await collect(stream) == []  # ends quietly
         else:
             await stream.aclose()  # type: ignore[attr-defined]
-        elapsed = started + await wait_for(lambda: context.id in shared_worker.cancelled(), 2) - started
+        elapsed = await wait_for_async(
+            lambda: context.id in shared_worker.cancelled(),
+            2,
+            "the cancellation to reach the worker",
+            poll=0.002,
+        )
         assert elapsed < 0.1, f"cancel took {elapsed * 1000:.0f} ms to reach the worker"
 
 

@@ -41,8 +41,8 @@ from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
-from tests.integration.engine_helpers import collect, greedy_request, ids, llama_greedy_reference, stream_chat
-from tests.procs import ServerProcess, free_port
+from tests.support.engine_requests import collect, greedy_request, ids, llama_greedy_reference, stream_chat
+from tests.support.processes import ServerProcess, free_port
 
 pytestmark = pytest.mark.vllm
 # The async tests share the module's event loop, where the module's engine lives.

@@ -31,10 +31,10 @@ from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.vllm import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed
-from tests.integration.engine_helpers import collect, greedy_request, ids
 from tests.integration.test_vllm_engine import LONG, Sink
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import wait_for
+from tests.support.engine_requests import collect, greedy_request, ids
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 in_module_loop = pytest.mark.asyncio(loop_scope="module")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.system.test_migration import Cluster, start_cluster
+from tests.support.mocker_cluster import Cluster, start_cluster
 
 
 @pytest.fixture

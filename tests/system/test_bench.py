@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import DYNGRAPH, free_port, run_cli
+from tests.support.processes import DYNGRAPH, free_port, port_refuses, run_cli
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs" / "ci"
 WORKLOAD = ["--input-len", "48", "--output-len", "8"]
@@ -42,12 +41,6 @@ def served_requests(url: str) -> float:
 def git(cwd: Path, *args: str) -> str:
     done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=30)
     return done.stdout.strip()
-
-
-def refuses(url: str) -> bool:
-    port = int(url.rsplit(":", 1)[1])
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def test_bench_a_running_graph_counts_what_its_metrics_count(tmp_path: Path, tiny_model: Path) -> None:
@@ -158,7 +151,7 @@ def test_sweep_over_router_modes_brings_each_up_and_leaves_nothing(tmp_path: Pat
     assert not (state / "supervisor.pid").exists()
     for record in json.loads((state / "processes.json").read_text()):
         assert record["state"] in ("stopped", "exited"), record
-    assert all(refuses(url) for url in urls)
+    assert all(port_refuses(int(url.rsplit(":", 1)[1])) for url in urls)
     status = run_cli(["status", str(graph)])
     assert "not running" in status.stdout
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import run_cli
+from tests.support.processes import run_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "dynamo" / "examples").glob("*.yaml"))
 

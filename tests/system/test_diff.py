@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import DYNGRAPH
-from tests.system.test_supervisor import Graph, pid_alive, wait_for
+from tests.support.local_graph import Graph
+from tests.support.processes import DYNGRAPH, pid_alive
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture

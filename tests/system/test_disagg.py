@@ -5,130 +5,17 @@ decode workers that fetch it from them (worker to worker) and generate the rest.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.procs import ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import wait_for
-from tests.system.test_migration import StreamResult, completion_body, run_one, stream_completion
-
-INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
-LONG = "The quarterly report covers revenue, costs, hiring, the new office and the roadmap. " * 6
-
-
-@dataclass
-class DisaggCluster:
-    tmp_path: Path
-    model_path: Path
-    env: dict[str, str]
-    args_file: Path
-    frontend: ServerProcess
-    engine: str = "mocker"
-    prefill: list[WorkerProcess] = field(default_factory=list)
-    decode: list[WorkerProcess] = field(default_factory=list)
-
-    @property
-    def model(self) -> str:
-        return self.model_path.name
-
-    def start_worker(
-        self, mode: str, engine: str | None = None, *flags: str, env: dict[str, str] | None = None
-    ) -> WorkerProcess:
-        """A prefill or decode worker of `engine` (default the cluster's), with more `flags`."""
-        component = "prefill" if mode == "prefill" else "backend"
-        worker = WorkerProcess.dyngraph(
-            [
-                f"in=dyn://pd.{component}.generate",
-                f"out={engine or self.engine}",
-                str(self.model_path),
-                "--extra-engine-args",
-                str(self.args_file),
-                "--disaggregation-mode",
-                mode,
-                *flags,
-            ],
-            env={**self.env, **(env or {})},
-            log_dir=self.tmp_path,
-            name=mode,
-        )
-        (self.prefill if mode == "prefill" else self.decode).append(worker)
-        return worker
-
-    def health(self) -> dict[str, Any]:
-        details = httpx.get(f"{self.frontend.base_url}/health", timeout=5).json().get("details", {})
-        return details.get(self.model) or {}
-
-    def sent(self, pool: str) -> dict[str, int]:
-        return {i["instance_id"]: i["requests"] for i in self.health().get(pool, [])}
-
-    def wait_pools(self, prefill: int, decode: int, timeout: float = 60.0) -> None:
-        wait_for(
-            lambda: len(self.sent("prefill_instances")) >= prefill and len(self.sent("instances")) >= decode,
-            timeout,
-            f"{prefill} prefill and {decode} decode workers routable",
-        )
-
-    def metric(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for line in httpx.get(f"{self.frontend.base_url}/metrics", timeout=10).text.splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def instance_of(self, worker: WorkerProcess) -> str | None:
-        found = INSTANCE_RE.search(worker.log())
-        return found.group(1) if found else None
-
-    def stop(self) -> None:
-        self.frontend.stop()
-        for worker in [*self.prefill, *self.decode]:
-            worker.stop()
-
-
-def start(
-    tmp_path: Path,
-    model_path: Path,
-    *,
-    prefill: int,
-    decode: int,
-    frontend_args: tuple[str, ...] = (),
-    speedup: float = 4.0,
-    prefill_env: dict[str, str] | None = None,
-    engine: str = "mocker",
-    engine_args: dict[str, Any] | None = None,
-) -> DisaggCluster:
-    """A frontend and `prefill` + `decode` workers of `engine` (mocker: with `speedup`)."""
-    env = embedded_planes_env(tmp_path, zmq_events=True)
-    args_file = tmp_path / f"{engine}.json"
-    if engine_args is None:
-        engine_args = {"block_size": 16, "speedup_ratio": speedup, "num_gpu_blocks": 4096}
-    args_file.write_text(json.dumps(engine_args))
-    frontend = ServerProcess(
-        ["out=auto", "--router-mode", "kv", "--migration-limit", "3", *frontend_args],
-        env=env,
-        log_dir=tmp_path,
-    )
-    cluster = DisaggCluster(tmp_path, model_path, env, args_file, frontend, engine)
-    try:
-        frontend.wait_ready(path="/live", timeout=60)
-        for _ in range(prefill):
-            cluster.start_worker("prefill", env=prefill_env)
-        for _ in range(decode):
-            cluster.start_worker("decode")
-        cluster.wait_pools(prefill, decode)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+from tests.support.disagg_cluster import LONG, DisaggCluster, start_disagg
+from tests.support.processes import ServerProcess
+from tests.support.streaming import StreamResult, completion_body, run_one, stream_completion
+from tests.support.waiting import wait_for, wait_for_async
 
 
 @pytest.fixture
@@ -136,7 +23,7 @@ def clusters(tmp_path: Path, tiny_model: Path):
     made: list[DisaggCluster] = []
 
     def make(**kw: Any) -> DisaggCluster:
-        cluster = start(tmp_path, tiny_model, **kw)
+        cluster = start_disagg(tmp_path, tiny_model, **kw)
         made.append(cluster)
         return cluster
 
@@ -158,7 +45,11 @@ def test_prompts_go_to_the_prefill_pool_by_kv_and_decode_fetches_their_kv(cluste
     first = run_one(base, completion_body(cluster.model, LONG + "Question 0?", 12))
     assert first.complete(12), first
     (holder,) = changed(before, cluster.sent("prefill_instances"))
-    time.sleep(0.3)  # the prefill worker's stored events reach the frontend
+    wait_for(
+        lambda: cluster.metric("dynamo_frontend_router_indexed_blocks", pool="prefill") > 0,
+        10,
+        "the prefill worker's stored events to reach the frontend",
+    )
     for i in range(1, 4):
         before = cluster.sent("prefill_instances")
         again = run_one(base, completion_body(cluster.model, LONG + f"Question {i}?", 12))
@@ -180,7 +71,11 @@ def test_conditional_disagg_keeps_what_the_decode_pool_has_cached_local(clusters
     long_prompt = run_one(base, completion_body(cluster.model, LONG + "Question 0?", 8))
     assert long_prompt.complete(8), long_prompt
     assert cluster.metric("dynamo_frontend_disagg_prefill_total", where="remote") == 1
-    time.sleep(0.3)  # the decode worker's stored events (of the imported prompt) reach the frontend
+    wait_for(
+        lambda: cluster.metric("dynamo_frontend_router_indexed_blocks", pool="decode") > 0,
+        10,
+        "the decode worker's stored events (of the imported prompt) to reach the frontend",
+    )
     # A short prompt, and a follow-up whose long prefix the decode worker now holds, stay local.
     for prompt in ("Hi", LONG + "Question 1?"):
         before = cluster.sent("prefill_instances")
@@ -222,7 +117,11 @@ def test_kill9_of_a_prefill_worker_under_load_loses_no_request(clusters) -> None
     killed_at: list[float] = []
 
     async def kill_soon() -> None:
-        await asyncio.sleep(0.5)
+        await wait_for_async(
+            lambda: cluster.sent("prefill_instances").get(victim.instance() or "", 0) > 0,
+            20,
+            "requests on the prefill worker to kill",
+        )
         victim.kill9()
         killed_at.append(time.perf_counter())
 
@@ -298,7 +197,7 @@ def test_kill9_of_the_decode_worker_mid_stream_migrates_through_prefill_again(cl
         if chunks == 5 and not killed:
             (serving,) = changed(before, cluster.sent("instances"))
             killed.append(serving)
-            victim = next(w for w in cluster.decode if cluster.instance_of(w) == serving)
+            victim = next(w for w in cluster.decode if w.instance() == serving)
             victim.kill9()
 
     result = run_one(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ServerProcess
-from tests.system.test_disagg import LONG, start
+from tests.support.disagg_cluster import LONG, start_disagg
+from tests.support.processes import ServerProcess
 
 if os.environ.get("CI"):
     import llama_cpp  # noqa: F401 - CI installs the llamacpp extra: a missing package must fail, not skip
@@ -54,7 +54,7 @@ def test_one_prefill_and_one_decode_worker_answer_as_the_aggregated_model(
         log_dir=tmp_path,
     )
     # llama.cpp publishes no KV events: the kv router predicts from what it routed.
-    cluster = start(
+    cluster = start_disagg(
         tmp_path,
         tiny_model,
         prefill=1,

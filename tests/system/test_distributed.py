@@ -8,12 +8,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import httpx
 import pytest
 
-from tests.procs import ServerProcess, WorkerProcess
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, free_port, run_cli
+from tests.support.routing import instances
+from tests.support.scripts import SCRIPTS
+from tests.support.waiting import wait_for
 
 MODEL_ENDPOINT = "dyn://dist.backend.generate"
 LEASE_TTL = "2"
@@ -68,30 +70,7 @@ def frontend(tmp_path: Path, planes: dict[str, str]) -> Iterator[ServerProcess]:
 def echo_worker(
     spawn: Callable[..., WorkerProcess], model: Path, env: dict[str, str] | None = None
 ) -> WorkerProcess:
-    from tests.procs import DYNGRAPH
-
     return spawn([*DYNGRAPH, "run", f"in={MODEL_ENDPOINT}", "out=echo_core", str(model)], env)
-
-
-class Frontend(Protocol):
-    """What the helpers below need of a frontend: a ServerProcess, or a graph's frontend."""
-
-    base_url: str
-
-
-def instances(frontend: Frontend, model: str) -> list[dict]:
-    health = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
-    details = health.get("details", {}).get(model)
-    return details["instances"] if details else []
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def chat(base_url: str, model: str, text: str, **kw: object) -> httpx.Response:
@@ -185,7 +164,7 @@ def test_client_disconnect_reaches_the_worker_within_100ms(
     tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess, tmp_path: Path
 ) -> None:
     log = tmp_path / "cancel.log"
-    worker_script = Path(__file__).with_name("cancel_worker.py")
+    worker_script = SCRIPTS / "cancel_worker.py"
     spawn([sys.executable, str(worker_script), str(tiny_model)], {"CANCEL_LOG": str(log)})
     wait_for(lambda: len(instances(frontend, "slow")) == 1, 20, "the slow worker")
     body = {"model": "slow", "messages": [{"role": "user", "content": "hello"}], "stream": True}
@@ -274,8 +253,6 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
 ) -> None:
     etcd, env = etcd_planes
     model = tiny_model.name
-    from tests.procs import DYNGRAPH
-
     workers = [
         WorkerProcess(
             [*DYNGRAPH, "run", f"in={MODEL_ENDPOINT}", "out=echo_core", str(tiny_model)],
@@ -291,7 +268,7 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
 
         async def load_during_restart() -> list[int]:
             task = asyncio.create_task(_load(front.base_url, model, 200, 4))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the restart lands while the load runs (200 requests take longer)
             await asyncio.to_thread(etcd.restart)  # type: ignore[attr-defined]
             return await task
 
@@ -300,7 +277,7 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
         wait_for(lambda: len(instances(front, model)) == 2, 10, "both workers after the restart")
 
         etcd.stop()  # type: ignore[attr-defined]
-        time.sleep(float(LEASE_TTL) + 1.5)
+        time.sleep(float(LEASE_TTL) + 1.5)  # the outage outlasts the lease: the TTL is what is tested
         etcd.restart()  # type: ignore[attr-defined]
         # The leases expired while etcd was down: workers must re-grant and re-register alone.
         wait_for(lambda: len(instances(front, model)) == 2, 20, "both workers to come back by themselves")
@@ -312,8 +289,6 @@ def test_etcd_restart_and_outage_longer_than_the_lease(
 
 
 def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path: Path) -> None:
-    from tests.procs import DYNGRAPH, free_port
-
     port = free_port()
     env = {"DYN_TCP_PORT": str(port), "DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": "http://127.0.0.1:9"}
     # The etcd settings point nowhere: neither side may touch discovery.
@@ -353,8 +328,6 @@ def test_static_worker_and_frontend_without_discovery(tiny_model: Path, tmp_path
 
 
 def test_static_worker_needs_a_fixed_port(tiny_model: Path) -> None:
-    from tests.procs import run_cli
-
     result = run_cli(
         ["run", "in=dyn://static.backend.generate", "out=echo_core", str(tiny_model), "--static-worker"],
         env={"DYN_TCP_PORT": ""},
@@ -368,8 +341,6 @@ def test_worker_with_a_different_model_card_is_refused(
 ) -> None:
     """Same model name, different card (context length): the frontend says so and never routes
     to the odd one out."""
-    from tests.procs import DYNGRAPH
-
     model = tiny_model.name
     echo_worker(spawn, tiny_model)
     wait_for(lambda: len(instances(frontend, model)) == 1, 20, "the first worker")

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import instances, wait_for
-from tests.system.test_router_sessions_queue import BLOCKER
-from tests.system.test_router_sessions_queue import _first_token_at as first_token_at
+from tests.support.metrics import metric
+from tests.support.priority_load import BLOCKER, first_token_at
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances
+from tests.support.waiting import wait_for, wait_for_async
 
 ENDPOINT = "dyn://prio.mocker.generate"
 # BLOCKER keeps the worker's one sequence busy for seconds (prefill passes of ~3.4 s and ~0.9 s
@@ -49,17 +47,10 @@ def deployment(
         worker.stop()
 
 
-def inflight(server: ServerProcess) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
-    match = re.search(r"^dynamo_frontend_inflight_requests\{[^}]*\} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 async def wait_inflight(server: ServerProcess, n: int) -> None:
-    deadline = time.monotonic() + 20
-    while inflight(server) < n:
-        assert time.monotonic() < deadline, f"{n} requests never reached the frontend"
-        await asyncio.sleep(0.05)
+    await wait_for_async(
+        lambda: metric(server, "dynamo_frontend_inflight_requests") >= n, 20, f"{n} requests in the frontend"
+    )
 
 
 def test_the_worker_admits_the_urgent_request_first(
@@ -76,7 +67,9 @@ def test_the_worker_admits_the_urgent_request_first(
         tasks: dict[str, asyncio.Task[float]] = {}
         for name, priority in (("low0", -1), ("low1", -1), ("high", 10)):
             await wait_inflight(frontend, len(tasks) + 1)  # the previous one is in
-            await asyncio.sleep(0.2)  # and on the worker
+            # and on the worker: nothing outside the worker tells when a request has reached its
+            # queue, so this one wait stays a time (the worker takes a request within milliseconds)
+            await asyncio.sleep(0.2)
             tasks[name] = asyncio.create_task(first_token_at(api, model, f"job {name} please", priority))
         times = {name: await task for name, task in tasks.items()}
         first_of_blocker = await blocker

@@ -6,7 +6,6 @@ request elsewhere. Real processes over file discovery and the tcp request plane.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.scripts import SCRIPTS
+from tests.support.waiting import wait_for
 
 ENDPOINT = "dyn://health.pytok.generate"
-ENGINE = Path(__file__).with_name("wedge_engine.py")
-INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
+ENGINE = SCRIPTS / "wedge_engine.py"
 INTERVAL_S, TIMEOUT_S = 1.0, 1.0
 
 
@@ -64,16 +63,8 @@ def _worker(tmp_path: Path, procs: list[Any], model: Path, env: dict[str, str], 
 
 
 def _instance(worker: WorkerProcess) -> str:
-    found: list[str] = []
-
-    def seen() -> bool:
-        m = INSTANCE_RE.search(worker.log())
-        if m:
-            found.append(m.group(1))
-        return bool(m)
-
-    wait_for(seen, 60, "the worker to serve")
-    return found[0]
+    wait_for(worker.instance, 60, "the worker to serve")
+    return worker.instance() or ""
 
 
 def _health(front: ServerProcess, model: str) -> tuple[int, dict[str, Any]]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.routing_helpers import opening_messages, served_by
-from tests.system.test_distributed import instances, wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances, opening_messages, served_by
+from tests.support.waiting import wait_for
 
 ENDPOINT = "dyn://kv.mocker.generate"
 

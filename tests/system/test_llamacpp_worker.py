@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess
-from tests.system.test_distributed import instances, wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess
+from tests.support.routing import instances
+from tests.support.waiting import wait_for
 
 if os.environ.get("CI"):
     import llama_cpp  # noqa: F401 - CI installs the llamacpp extra: a missing package must fail

@@ -13,10 +13,11 @@ import openai
 import pytest
 
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
-from tests.procs import running_server
-from tests.system.routing_helpers import router_metric, served_by
-from tests.system.test_distributed import instances, wait_for
-from tests.system.test_migration import Cluster
+from tests.support.metrics import router_metric
+from tests.support.mocker_cluster import Cluster
+from tests.support.processes import running_server
+from tests.support.routing import instances, served_by
+from tests.support.waiting import wait_for
 
 ADAPTER = "tiny-sql"
 PROMPT = "SELECT the answer FROM"

@@ -8,8 +8,9 @@ import os
 import signal
 from pathlib import Path
 
-from tests.procs import run_cli
-from tests.system.test_supervisor import Graph, pid_alive, wait_for
+from tests.support.local_graph import Graph
+from tests.support.processes import pid_alive, run_cli
+from tests.support.waiting import wait_for
 
 
 def _ls(env: dict[str, str]) -> list[dict]:

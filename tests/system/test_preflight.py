@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import free_port, run_cli
+from tests.support.processes import free_port, run_cli
 
 FAST_S = 15.0  # "within seconds", with room for a loaded CI machine
 

@@ -1,4 +1,4 @@
-"""`dyngraph up` on remote hosts: two network namespaces, each with a real sshd (tests/sshhosts.py),
+"""`dyngraph up` on remote hosts: two network namespaces, each with a real sshd (tests/support/ssh_hosts.py),
 the frontend and managed etcd + nats-server here, workers there over ssh.
 
 The namespaces share the pid space with the test, so a remote pid can be signalled and looked
@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -30,9 +29,10 @@ from dynamo_graph.graph.supervise.agent import REATTACH_S
 from dynamo_graph.graph.supervise.ports import fill_plan
 from dynamo_graph.graph.supervise.ssh import RemoteProcess
 from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
-from tests.procs import DYNGRAPH, free_port, run_cli
-from tests.sshhosts import SshHost, SshHosts, missing_requirements
-from tests.system.routing_helpers import opening_messages, served_by
+from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses, run_cli
+from tests.support.routing import opening_messages, served_by
+from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
+from tests.support.waiting import wait_for
 
 VENV = Path(__file__).resolve().parents[2] / ".venv"
 SECRET = "s3cret-never-on-a-command-line"
@@ -92,7 +92,7 @@ class RemoteGraph:
 
     @property
     def base_url(self) -> str:
-        """The frontend's (as tests.procs.ServerProcess has it, for the routing helpers)."""
+        """The frontend's (as tests.support.processes.ServerProcess has it, for the routing helpers)."""
         return f"http://127.0.0.1:{self.port}"
 
     def cli(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
@@ -136,28 +136,6 @@ def make_graph(tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path) -> Iterato
     yield make
     for graph in made:
         graph.cli("down")
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def refuses(address: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex((address, port)) != 0
 
 
 class Load:
@@ -217,8 +195,8 @@ def test_remote_workers_serve_restart_reconnect_and_down(
 
     # The secret reached the workers' environment, and no command line on either host.
     remote = graph.remote_pids()
-    assert any(SECRET.encode() in Path(f"/proc/{p}/environ").read_bytes() for p in remote if alive(p))
-    cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in remote if alive(p)]
+    assert any(SECRET.encode() in Path(f"/proc/{p}/environ").read_bytes() for p in remote if pid_alive(p))
+    cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in remote if pid_alive(p)]
     assert len(cmdlines) >= 4 and not [c for c in cmdlines if SECRET.encode() in c]
 
     # kill -9 of a remote worker: restarted per policy; requests keep succeeding meanwhile.
@@ -246,7 +224,7 @@ def test_remote_workers_serve_restart_reconnect_and_down(
         status = run_cli(["status", str(graph.file)], env={"COLUMNS": "200"})
         row = next(line for line in status.stdout.splitlines() if "h1" in line)
         assert "h1 (disconnected)" in row and "reconnecting" in row and str(old["pid"]) in row, status.stdout
-        assert alive(old["pid"])
+        assert pid_alive(old["pid"])
     finally:
         os.kill(h1.sshd_pid(), signal.SIGCONT)
     wait_for(lambda: _state(graph, "backend-1") == "ready", 30, "backend-1 re-attached")
@@ -284,9 +262,9 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     ports = graph.local_ports()
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
-    assert graph.remote_pids() == [] and not [p for p in pids if alive(p)]
+    assert graph.remote_pids() == [] and not [p for p in pids if pid_alive(p)]
     assert h0.listening_ports() == [] and h1.listening_ports() == []
-    assert [p for p in ports if not refuses(*p)] == []
+    assert [(a, port) for a, port in ports if not port_refuses(port, a)] == []
 
 
 def cut_connection(host: SshHost) -> None:
@@ -323,7 +301,7 @@ def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     edge_port, side_port = ports["edge-0.http"], ports["side-0.http"]
     assert f"edge-0: http://127.0.0.1:{edge_port}/v1 on host h1" in up.stdout
     assert f"side-0: http://127.0.0.1:{side_port}/v1" in up.stdout
-    assert graph.processes()["edge-0"]["state"] == "ready" and refuses("127.0.0.1", edge_port)
+    assert graph.processes()["edge-0"]["state"] == "ready" and port_refuses(edge_port)
     assert edge_port in ssh_hosts.hosts[1].listening_ports()
     side = OpenAI(base_url=f"http://127.0.0.1:{side_port}/v1", api_key="none", max_retries=0, timeout=10)
     assert [m.id for m in side.models.list().data] == ["tiny-model"]
@@ -333,10 +311,10 @@ def test_auto_ports_remote_frontend_and_supervisor_killed_leaves_no_orphan(
     os.kill(supervisor, signal.SIGKILL)
     # Nobody re-attaches them: their agents stop them once agent.REATTACH_S has passed.
     wait_for(lambda: graph.remote_pids() == [], 15 + REATTACH_S, "the remote processes to stop")
-    assert not [p for p in remote if alive(p)]
+    assert not [p for p in remote if pid_alive(p)]
     down = graph.cli("down")  # stops the local orphans (frontend, etcd, nats) and checks the hosts
     assert down.returncode == 0, down.stdout + down.stderr
-    assert [p for p in graph.local_ports() if not refuses(*p)] == []
+    assert [(a, port) for a, port in graph.local_ports() if not port_refuses(port, a)] == []
 
 
 def test_smoke_fault_kills_a_remote_replica_and_the_graph_heals(
@@ -421,7 +399,9 @@ def test_partition_stops_the_remote_process_and_the_graph_heals(
     try:
         started = time.monotonic()
         wait_for(
-            lambda: not alive(worker), 30 + REATTACH_S, "the partitioned worker to be stopped by its agent"
+            lambda: not pid_alive(worker),
+            30 + REATTACH_S,
+            "the partitioned worker to be stopped by its agent",
         )
         assert time.monotonic() - started >= 4 + REATTACH_S  # the heartbeat ran out, then the wait
     finally:
@@ -449,13 +429,13 @@ def test_down_while_a_host_is_disconnected_stops_its_process_once_re_attached(
         down = subprocess.Popen(
             [*DYNGRAPH, "down", str(graph.file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        time.sleep(1.0)
-        assert down.poll() is None and alive(worker)  # waiting for h1
+        time.sleep(1.0)  # a non-event (down keeps waiting) can only be checked after a while
+        assert down.poll() is None and pid_alive(worker)  # waiting for h1
     finally:
         os.kill(h1.sshd_pid(), signal.SIGCONT)
     out, _ = down.communicate(timeout=60)
     assert down.returncode == 0, out
-    assert not alive(worker) and graph.remote_pids() == []
+    assert not pid_alive(worker) and graph.remote_pids() == []
     assert "re-attached on host 'h1'" in (graph.state / "logs/backend-1.log").read_text()
 
 
@@ -584,7 +564,7 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
     assert not (graph.state / "supervisor.pid").exists()
     records = graph.state / "processes.json"  # the spawned supervisor stopped with an empty plan
     assert not records.exists() or json.loads(records.read_text()) == []
-    assert refuses("127.0.0.1", graph.port)
+    assert port_refuses(graph.port)
 
 
 async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts, tmp_path: Path) -> None:
@@ -631,7 +611,7 @@ async def test_more_processes_than_one_connection_may_carry(ssh_hosts: SshHosts,
         codes = [await proc.stop() for proc in procs]
         await pool.close()
     assert codes == [-signal.SIGTERM] * 12
-    assert not [p for p in procs if p.pid and alive(p.pid)]
+    assert not [p for p in procs if p.pid and pid_alive(p.pid)]
 
 
 async def test_side_channel_ports_of_replicas_on_one_host_are_distinct_and_free_there(

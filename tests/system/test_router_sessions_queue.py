@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.routing_helpers import served_by
-from tests.system.test_distributed import instances, wait_for
+from tests.support.metrics import metric, scrape
+from tests.support.priority_load import BLOCKER, first_token_at
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances, served_by
+from tests.support.waiting import wait_for, wait_for_async
 
 ENDPOINT = "dyn://rq.mocker.generate"
 Deploy = Callable[..., ServerProcess]
@@ -62,14 +61,9 @@ def client(frontend: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def metrics(frontend: ServerProcess) -> str:
-    return httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
-
-
-def queue_depth(frontend: ServerProcess) -> float:
-    text = metrics(frontend)
-    match = re.search(r'^dynamo_frontend_router_queue_depth\{[^}]*pool="decode"[^}]*\} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
+def _gauge(frontend: ServerProcess, name: str) -> float:
+    """The decode pool's `dynamo_frontend_router_{name}` (one worker: one rank), 0 if absent."""
+    return metric(frontend, f"dynamo_frontend_router_{name}", pool="decode")
 
 
 def test_a_session_stays_on_its_worker_across_unrelated_prompts(deploy: Deploy, tiny_model: Path) -> None:
@@ -100,44 +94,19 @@ def test_a_session_stays_on_its_worker_across_unrelated_prompts(deploy: Deploy, 
     body = {"nvext": {"agent_context": {"session_id": "alpha"}}}
     home, _ = served_by(frontend, model, lambda: ask("something else entirely", extra_body=body))
     assert home == homes["alpha"]
-    metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
-    assert re.search(r"^dynamo_frontend_router_session_bindings\{[^}]*\} 4\.0$", metrics, re.M), metrics
-    assert "dynamo_frontend_router_ttft_seconds_per_prefill_token{" in metrics
-
-
-# A prompt that keeps the slow worker busy for seconds (two prefill passes of ~2.8 s and ~0.9 s
-# at speedup 0.05), so the test's requests queue behind it even on a loaded machine.
-BLOCKER = [100 + i % 500 for i in range(10_000)]
-
-
-async def _first_token_at(
-    api: openai.AsyncOpenAI, model: str, prompt: str | list[int], priority: int | None
-) -> float:
-    headers = {} if priority is None else {"x-dynamo-request-priority": str(priority)}
-    stream = await api.completions.create(
-        model=model, prompt=prompt, max_tokens=2, stream=True, extra_headers=headers
-    )
-    first = 0.0
-    async for chunk in stream:
-        if not first and chunk.choices and chunk.choices[0].text:
-            first = time.monotonic()
-    return first
+    assert metric(frontend, "dynamo_frontend_router_session_bindings") == 4
+    assert "dynamo_frontend_router_ttft_seconds_per_prefill_token{" in scrape(frontend)
 
 
 async def _wait_blocked(frontend: ServerProcess) -> None:
     """Until the blocker is booked on the worker (its prefill tokens wait there)."""
-    deadline = time.monotonic() + 20
-    pattern = re.compile(r"^dynamo_frontend_router_queued_prefill_tokens\{[^}]*\} ([1-9]\S*)$", re.M)
-    while not pattern.search(metrics(frontend)):
-        assert time.monotonic() < deadline, "the blocker never reached the worker"
-        await asyncio.sleep(0.05)
+    await wait_for_async(
+        lambda: _gauge(frontend, "queued_prefill_tokens") > 0, 20, "the blocker to reach the worker"
+    )
 
 
 async def _wait_queued(frontend: ServerProcess, n: int) -> None:
-    deadline = time.monotonic() + 20
-    while queue_depth(frontend) < n:
-        assert time.monotonic() < deadline, f"{n} requests never queued"
-        await asyncio.sleep(0.05)
+    await wait_for_async(lambda: _gauge(frontend, "queue_depth") >= n, 20, f"{n} requests to queue")
 
 
 def test_queued_requests_go_in_priority_order(deploy: Deploy, tiny_model: Path) -> None:
@@ -147,13 +116,13 @@ def test_queued_requests_go_in_priority_order(deploy: Deploy, tiny_model: Path) 
 
     async def run() -> dict[str, float]:
         api = client(frontend)
-        blocker = asyncio.create_task(_first_token_at(api, model, BLOCKER, None))
+        blocker = asyncio.create_task(first_token_at(api, model, BLOCKER, None))
         await _wait_blocked(frontend)
         tasks = {}
         for i in range(3):
-            tasks[f"low{i}"] = asyncio.create_task(_first_token_at(api, model, f"background job {i}", -1))
+            tasks[f"low{i}"] = asyncio.create_task(first_token_at(api, model, f"background job {i}", -1))
             await _wait_queued(frontend, i + 1)
-        tasks["high"] = asyncio.create_task(_first_token_at(api, model, "the user is waiting", 10))
+        tasks["high"] = asyncio.create_task(first_token_at(api, model, "the user is waiting", 10))
         await _wait_queued(frontend, 4)
         times = {name: await task for name, task in tasks.items()}
         await blocker
@@ -172,12 +141,12 @@ def test_past_the_queue_bound_the_answer_is_529_with_retry_after(deploy: Deploy,
 
     async def run() -> tuple[openai.APIStatusError, list[float]]:
         api = client(frontend)
-        served = [asyncio.create_task(_first_token_at(api, model, BLOCKER, None))]
+        served = [asyncio.create_task(first_token_at(api, model, BLOCKER, None))]
         await _wait_blocked(frontend)
-        served.append(asyncio.create_task(_first_token_at(api, model, "queued", None)))
+        served.append(asyncio.create_task(first_token_at(api, model, "queued", None)))
         await _wait_queued(frontend, 1)
         with pytest.raises(openai.APIStatusError) as refused:
-            await _first_token_at(api, model, "one too many", 0)  # no more urgent: refused
+            await first_token_at(api, model, "one too many", 0)  # no more urgent: refused
         firsts = await asyncio.gather(*served)  # nothing admitted was lost
         await api.close()
         return refused.value, firsts
@@ -187,15 +156,7 @@ def test_past_the_queue_bound_the_answer_is_529_with_retry_after(deploy: Deploy,
     assert err.response.headers["retry-after"] == "1"
     assert err.body["code"] == "overloaded" and "queue" in err.body["message"]  # type: ignore[index]
     assert all(firsts)
-    metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=5).text
-    assert re.search(r"^dynamo_frontend_router_queue_rejected_requests_total\{[^}]*\} 1\.0$", metrics, re.M)
-
-
-def _gauge(frontend: ServerProcess, name: str) -> float:
-    """The decode pool's value of a per-rank router gauge (one worker: one rank), 0 if absent."""
-    pattern = rf'^dynamo_frontend_router_{name}\{{[^}}]*pool="decode"[^}}]*\}} (\S+)$'
-    match = re.search(pattern, metrics(frontend), re.M)
-    return float(match.group(1)) if match else 0.0
+    assert metric(frontend, "dynamo_frontend_router_queue_rejected_requests_total") == 1
 
 
 def test_a_second_frontend_sees_the_first_ones_work_in_the_workers_load_reports(
@@ -217,19 +178,20 @@ def test_a_second_frontend_sees_the_first_ones_work_in_the_workers_load_reports(
 
         async def run() -> tuple[float, float, float]:
             api_first, api_second = client(first), client(second)
-            blocker = asyncio.create_task(_first_token_at(api_first, model, BLOCKER, None))
+            blocker = asyncio.create_task(first_token_at(api_first, model, BLOCKER, None))
             await _wait_blocked(first)
-            deadline = time.monotonic() + 20
-            while not (
-                _gauge(second, "reported_running_requests") or _gauge(second, "reported_waiting_requests")
-            ):
-                assert time.monotonic() < deadline, "the second frontend never heard the worker's load"
-                await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: (
+                    _gauge(second, "reported_running_requests") or _gauge(second, "reported_waiting_requests")
+                ),
+                20,
+                "the second frontend to hear the worker's load",
+            )
             assert _gauge(second, "queued_prefill_tokens") == 0  # it sent nothing itself
             reported = _gauge(second, "reported_prefill_tokens")  # the mocker reports its backlog
             assert reported > 0, "the worker's load report carries no queued prefill tokens"
             assert _gauge(second, "counted_prefill_tokens") >= reported
-            held = asyncio.create_task(_first_token_at(api_second, model, "from the other frontend", None))
+            held = asyncio.create_task(first_token_at(api_second, model, "from the other frontend", None))
             await _wait_queued(second, 1)
             blocked_first = await blocker
             held_first = await held

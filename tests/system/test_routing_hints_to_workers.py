@@ -14,8 +14,9 @@ import openai
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.segment_tokenizer import SegmentTokenizer
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.test_distributed import instances, wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances
+from tests.support.waiting import wait_for
 
 ENGINE = """
 import json

@@ -1,4 +1,4 @@
-"""`dyngraph up --target slurm` on a real Slurm cluster that the test builds (tests/slurmcluster.py):
+"""`dyngraph up --target slurm` on a real Slurm cluster that the test builds (tests/support/slurm_cluster.py):
 one node, and two nodes with the second slurmd in a network namespace.
 
 The graph becomes one job whose steps are the plan's processes; the official openai client talks
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.procs import free_port, run_cli
-from tests.slurmcluster import SlurmCluster, missing_requirements
+from tests.support.processes import free_port, run_cli
+from tests.support.slurm_cluster import SlurmCluster, missing_requirements
+from tests.support.waiting import wait_for
 
 UP_TIMEOUT_S = 120.0
 SECRET = "s3cret-never-in-the-script"
@@ -118,13 +118,6 @@ def _workers(replicas: int = 2, **worker: Any) -> dict[str, Any]:
     return {"backend": backend}
 
 
-def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
 def test_one_node_serves_the_openai_client_and_down_leaves_nothing(
     one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
 ) -> None:
@@ -148,7 +141,7 @@ def test_one_node_serves_the_openai_client_and_down_leaves_nothing(
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert graph.steps() == {}
-    _wait(lambda: not one_node.processes())
+    wait_for(lambda: not one_node.processes(), 30, "the node to run none of the graph's processes")
     assert "not running" in graph.cli("down").stdout
 
 
@@ -163,7 +156,7 @@ def test_a_process_that_fails_is_reported_by_up_and_down_cleans_up(
     assert "model path" in done.stdout and "does not exist" in done.stdout  # the worker's own error
     assert "the rest keeps running" in done.stdout
     assert graph.cli("down").returncode == 0
-    _wait(lambda: not one_node.processes())
+    wait_for(lambda: not one_node.processes(), 30, "the node to run none of the graph's processes")
 
 
 def test_a_killed_step_is_reported_by_status(
@@ -176,7 +169,7 @@ def test_a_killed_step_is_reported_by_status(
     def reported() -> bool:
         return "failed" in graph.cli("status").stdout
 
-    _wait(reported)
+    wait_for(reported, 30, "status to report the failed step")
     status = graph.cli("status").stdout
     assert "backend-1: no step running; step ended with exit 137 (SIGKILL)" in status, status
     assert status.count("ready") == 2, status  # the frontend and the other worker serve on
@@ -191,9 +184,13 @@ def test_a_killed_step_restarts_by_its_policy(
     graph.up()
     first = graph.steps()["backend-0"]
     subprocess.run(["scancel", "--signal=KILL", first], env=one_node.env(), check=True)
-    _wait(lambda: graph.steps().get("backend-0") not in (None, first))
-    _wait(lambda: "restarted after exit 137 (SIGKILL)" in graph.cli("status").stdout)
-    _wait(lambda: graph.cli("status").stdout.count("ready") == 2)
+    wait_for(lambda: graph.steps().get("backend-0") not in (None, first), 30, "a new step of backend-0")
+    wait_for(
+        lambda: "restarted after exit 137 (SIGKILL)" in graph.cli("status").stdout,
+        30,
+        "status to tell the restart",
+    )
+    wait_for(lambda: graph.cli("status").stdout.count("ready") == 2, 30, "both processes ready")
     assert graph.chat()
 
 
@@ -221,8 +218,12 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
 
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
-    _wait(lambda: not two_nodes.processes())
-    _wait(lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)))
+    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
+    wait_for(
+        lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
+        30,
+        "only slurmd left in the nodes",
+    )
 
 
 def _cmdline(pid: int) -> str:

@@ -21,7 +21,7 @@ import pytest
 from dynamo_graph.graph.supervise.local import pid_alive
 from dynamo_graph.graph.supervise.ports import listening, plan_ports
 from dynamo_graph.graph.supervise.state import StateDir
-from tests.procs import DYNGRAPH, run_cli
+from tests.support.processes import DYNGRAPH, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 KEPT = re.compile(r"state and logs kept in (\S+)")

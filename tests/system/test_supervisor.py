@@ -7,58 +7,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
-from tests.procs import DYNGRAPH, free_port, run_cli
-
-GRAPHS = Path(__file__).resolve().parents[2] / "graphs" / "ci"
-
-
-class Graph:
-    """A copied smoke graph with its frontend on a free port and the tiny model's absolute path."""
-
-    def __init__(self, source: str, tmp_path: Path, tiny_model: Path) -> None:
-        self.file = tmp_path / source
-        shutil.copy(GRAPHS / source, self.file)
-        self.port = free_port()
-        self.overrides = [
-            f"components.frontend.http.port={self.port}",
-            f"models.tiny-model.path={tiny_model}",
-        ]
-        self.state = tmp_path / ".dyngraph" / self.file.stem
-
-    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
-
-    def up(self, *overrides: str) -> subprocess.CompletedProcess[str]:
-        return self.cli("up", "-d", *self.overrides, *overrides)
-
-    def processes(self) -> dict[str, dict]:
-        records = json.loads((self.state / "processes.json").read_text())
-        return {r["name"]: r for r in records}
-
-    def ports(self) -> list[int]:
-        ports_file = self.state / "ports.json"
-        auto = list(json.loads(ports_file.read_text()).values()) if ports_file.exists() else []
-        return [self.port, *auto]
-
-    def chat(self) -> str:
-        url = f"http://127.0.0.1:{self.port}/v1"
-        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=10)
-        reply = client.chat.completions.create(
-            model="tiny-model",
-            messages=[{"role": "user", "content": "hello there"}],
-            max_tokens=4,
-            extra_body={"nvext": {"ignore_eos": True}},
-        )
-        return reply.choices[0].message.content or ""
+from tests.support.local_graph import Graph
+from tests.support.processes import DYNGRAPH, pid_alive, port_refuses
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -74,28 +31,6 @@ def make_graph(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], Gra
     yield make
     for graph in made:
         graph.cli("down", timeout=90)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def port_refuses(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def assert_all_gone(pids: list[int], ports: list[int]) -> None:

@@ -5,7 +5,6 @@ embedded planes (file discovery, tcp, zmq KV events)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.routing_helpers import requests_per_instance, served_by
-from tests.system.test_distributed import instances, wait_for
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances, requests_per_instance, served_by
+from tests.support.waiting import wait_for
 
 EMBED = "tiny-embed"
 
@@ -100,7 +99,8 @@ def test_an_embedding_request_whose_worker_dies_is_retried(tiny_model: Path, tmp
             answers.append(
                 pool.submit(httpx.post, f"{frontend.base_url}/v1/embeddings", json=body, timeout=60)
             )
-            time.sleep(1.0)  # the fast worker has answered its request; the slow one is computing
+            # the fast worker has answered its request; the slow one is computing
+            wait_for(lambda: sum(a.done() for a in answers) == 1, 30, "the fast worker's answer")
             workers[0].kill9()
             responses = [a.result() for a in answers]
         assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]

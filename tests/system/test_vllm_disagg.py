@@ -21,9 +21,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("llama_c
 
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.llm.model_source import resolve_model
-from tests.integration.engine_helpers import llama_greedy_reference
-from tests.procs import ServerProcess, embedded_planes_env, free_port
-from tests.system.test_disagg import DisaggCluster
+from tests.support.disagg_cluster import DisaggCluster
+from tests.support.engine_requests import llama_greedy_reference
+from tests.support.processes import ServerProcess, embedded_planes_env, free_port
 
 pytestmark = pytest.mark.vllm
 

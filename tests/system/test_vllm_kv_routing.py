@@ -18,9 +18,10 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
 
 from dynamo_graph.dev.tiny_lora import build_tiny_lora
-from tests.procs import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.system.routing_helpers import opening_messages, router_metric, served_by
-from tests.system.test_distributed import instances, wait_for
+from tests.support.metrics import router_metric
+from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.routing import instances, opening_messages, served_by
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 

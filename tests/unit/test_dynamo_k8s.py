@@ -1,6 +1,6 @@
 """`render -f dynamo-k8s` and `dyngraph import`: DynamoGraphDeployments out of graphs and back.
 
-Every DGD is checked against the CRD's schema made strict (tests/kube_schemas.py): a field the
+Every DGD is checked against the CRD's schema made strict (tests/support/kube_schemas.py): a field the
 operator does not know is an error, as `kubectl apply --validate=strict` makes it.
 """
 
@@ -17,7 +17,7 @@ from dynamo_graph.graph.dgd_import import DgdError, command_line, import_dgd, im
 from dynamo_graph.graph.dynamo_k8s import build_dgd, render_dynamo_k8s
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.render import render
-from tests.kube_schemas import dgd_errors
+from tests.support.kube_schemas import dgd_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -14,7 +14,7 @@ from dynamo_graph.graph.build import build
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.protocol import StopConditions
 from dynamo_graph.llm.token_output import TokenLimits
-from tests.unit.test_graph_validate import MINIMAL, problems
+from tests.support.graph_problems import MINIMAL, problems
 
 
 def test_token_limits_keep_the_stop_token_and_honour_min_tokens() -> None:

@@ -1,7 +1,7 @@
 """`render -f k8s`: plain Kubernetes manifests that run a graph's compiled plan.
 
 Every object is validated against Kubernetes' own OpenAPI schemas, strictly
-(tests/kube_schemas.py: kubernetes-validate, pinned, Kubernetes K8S_VERSION).
+(tests/support/kube_schemas.py: kubernetes-validate, pinned, Kubernetes K8S_VERSION).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.render import render
-from tests.kube_schemas import k8s_errors
+from tests.support.kube_schemas import k8s_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "fixtures" / "snapshots"

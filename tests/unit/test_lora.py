@@ -25,7 +25,7 @@ from dynamo_graph.runtime.names import (
     endpoint_from_key,
     instance_id_from_key,
 )
-from tests.unit.test_graph_validate import problems
+from tests.support.graph_problems import problems
 
 
 def test_adapter_card_keys_parse_like_card_keys() -> None:

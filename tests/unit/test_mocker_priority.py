@@ -22,7 +22,7 @@ from dynamo_graph.engines.mocker.scheduler import (
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.runtime.context import Context
-from tests.unit.test_mocker_scheduler import VOCAB, run, scheduler, tokens_out
+from tests.support.mocker_steps import VOCAB, run, scheduler, tokens_out
 
 
 def seq(prompt: Sequence[int], max_tokens: int, priority: int = 0) -> MockSequence:

@@ -6,12 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from dynamo_graph.engines.mocker.args import MockerArgs
 from dynamo_graph.engines.mocker.kv_manager import KvManager
 from dynamo_graph.engines.mocker.scheduler import (
     MockSequence,
-    Scheduler,
-    StepResult,
     TokenSampler,
     mock_token_ids,
     sampling_seed,
@@ -19,8 +16,7 @@ from dynamo_graph.engines.mocker.scheduler import (
 from dynamo_graph.router.kv.hashing import local_block_hashes, sequence_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
-
-VOCAB = 1000
+from tests.support.mocker_steps import VOCAB, run, scheduler, tokens_out
 
 
 def seq(
@@ -36,25 +32,9 @@ def seq(
     )
 
 
-def scheduler(**kw: object) -> Scheduler:
-    return Scheduler(MockerArgs(**kw), max_model_len=4096)  # type: ignore[arg-type]
-
-
-def run(sched: Scheduler, limit: int = 10_000) -> list[StepResult]:
-    steps = []
-    while sched.has_work():
-        steps.append(sched.step())
-        assert len(steps) < limit, "the scheduler does not make progress"
-    return steps
-
-
 def blocks_of(tokens: Sequence[int], block_size: int) -> list[StoredBlock]:
     local = local_block_hashes(tokens, block_size)
     return [StoredBlock(s, h) for s, h in zip(sequence_hashes(local), local, strict=True)]
-
-
-def tokens_out(steps: list[StepResult], s: MockSequence) -> list[int]:
-    return [t for step in steps for q, out in step.outputs if q is s for t in out.token_ids]
 
 
 # ---- admission -------------------------------------------------------------------------------

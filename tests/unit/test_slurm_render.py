@@ -21,7 +21,7 @@ from dynamo_graph.graph.render import render
 from dynamo_graph.graph.slurm.job import SlurmState, records
 from dynamo_graph.graph.slurm.script import fill_plan, secret_env, slurm_plan
 from dynamo_graph.graph.supervise.state import StateDir
-from tests.procs import run_cli
+from tests.support.processes import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_GRAPH = ROOT / "tests" / "fixtures" / "slurm" / "gpu-cluster.yaml"

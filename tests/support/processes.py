@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,10 +12,13 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 DYNGRAPH = [sys.executable, "-m", "dynamo_graph"]
+# What a worker logs once it serves: "instance <hex id> serving ...".
+INSTANCE_RE = re.compile(r"instance ([0-9a-f]+) serving")
 
 
 def embedded_planes_env(tmp_path: Path, *, zmq_events: bool = False) -> dict[str, str]:
@@ -31,6 +35,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_refuses(port: int, address: str = "127.0.0.1") -> bool:
+    """Nothing listens on `address:port` (any more)."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((address, port)) != 0
+
+
+def pid_alive(pid: int) -> bool:
+    """The process runs: it exists and is not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class Frontend(Protocol):
+    """What helpers need of a frontend: its URL (a ServerProcess, a cluster's or a graph's frontend)."""
+
+    base_url: str
 
 
 class ServerProcess:
@@ -135,6 +161,11 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def instance(self) -> str | None:
+        """The instance id the worker registered under, once its log says it serves."""
+        found = INSTANCE_RE.search(self.log())
+        return found.group(1) if found else None
 
     def kill9(self) -> None:
         self.proc.kill()

@@ -1,6 +1,6 @@
 """A request-plane worker in its own process, for transport tests and benchmarks.
 
-    python -m tests.integration.transport_worker tcp|nats RECORD_FILE [--nats-url URL] [--log FILE]
+    python -m tests.support.scripts.transport_worker tcp|nats RECORD_FILE [--nats-url URL] [--log FILE]
 
 Serves subject `test.echo.generate` and writes its transport record as JSON to RECORD_FILE
 once it is listening. The request body is JSON {"n", "delay_s", "tag", "paced"}: the handler

@@ -1,4 +1,4 @@
-"""A pytok engine file (`out=pytok:tests/system/wedge_engine.py`) that a test can wedge: while the
+"""A pytok engine file (`out=pytok:tests/support/scripts/wedge_engine.py`) that a test can wedge: while the
 file named by WEDGE_FILE exists, every request (health checks included) hangs without a word,
 as a stuck engine does, while the worker process, its lease and its registration stay alive.
 Otherwise it streams the prompt's last tokens back, up to max_tokens (ignoring eos), one every

@@ -1,15 +1,14 @@
-"""Which worker instance served a request, for the KV-routing system tests (test_kv_routing.py,
-test_vllm_kv_routing.py, test_lora.py): the frontend's /health counts requests per instance;
-what a model's router holds, from /metrics."""
+"""Which worker instances a frontend routes to, and which one served a request: the frontend's
+/health lists them with a request count each. Conversation openings long enough to fill several
+KV blocks, for the KV-routing tests."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import httpx
 
-from tests.system.test_distributed import Frontend, instances
+from tests.support.processes import Frontend
 
 # A long shared system prompt, so that a conversation's opening fills several KV blocks.
 SYSTEM = (
@@ -17,6 +16,13 @@ SYSTEM = (
     "relevant policy section, and never promise delivery dates that the tracking system has not "
     "confirmed. Customers may write in any language; answer in theirs."
 )
+
+
+def instances(frontend: Frontend, model: str) -> list[dict]:
+    """`model`'s routable worker instances, as the frontend's /health lists them."""
+    health = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
+    details = health.get("details", {}).get(model)
+    return details["instances"] if details else []
 
 
 def opening_messages(conv: int) -> list[dict]:
@@ -39,11 +45,3 @@ def served_by(frontend: Frontend, model: str, send: Callable[[], dict]) -> tuple
     changed = [i for i in after if after[i] != before.get(i, 0)]
     assert len(changed) == 1, (before, after)
     return changed[0], body
-
-
-def router_metric(frontend: Frontend, name: str, model: str) -> float:
-    """`dynamo_frontend_router_{name}` of `model`'s (decode) router, from the frontend's /metrics."""
-    text = httpx.get(f"{frontend.base_url}/metrics", timeout=10).text
-    pattern = rf'^dynamo_frontend_router_{name}\{{model="{re.escape(model)}",pool="decode"\}} (\S+)$'
-    found = re.search(pattern, text, re.M)
-    return float(found.group(1)) if found else 0.0

@@ -1,7 +1,7 @@
 """A pytok engine file that answers like an agent model, in one tool-call format:
 
     AGENT_FORMAT=hermes [AGENT_THINK=qwen3|deepseek_r1] dyngraph run in=http \
-        out=pytok:tests/integration/agent_engine.py --model-path TINY --dyn-tool-call-parser hermes
+        out=pytok:tests/support/scripts/agent_engine.py --model-path TINY --dyn-tool-call-parser hermes
 
 It reads the real prompt (the tiny model's chat template, decoded with its tokenizer): while the
 conversation has no tool result yet, it calls the first offered tool, with the tool's first

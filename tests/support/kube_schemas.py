@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 
 K8S_VERSION = "1.33.0"
-DGD_SCHEMA = Path(__file__).resolve().parent / "fixtures" / "dynamo" / "dgd-v1alpha1.schema.json"
+DGD_SCHEMA = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo" / "dgd-v1alpha1.schema.json"
 
 
 def _strict(schema: Any) -> Any:
