@@ -1,10 +1,11 @@
-"""What an engine is built from: `EngineSettings`, and the error a setting that cannot be used raises.
+"""What an engine and a worker are built from (`EngineSettings`, `WorkerSettings`), declared once
+as settings (dynamo_graph/options.py), and the error a setting that cannot be used raises.
 
 An engine needs the model, its context length and KV block size, the parallelism flags and the
-`--extra-engine-args` file, not the whole `dyngraph run` command line (backend/run_config.py):
-frontend, routing and plane flags are none of its business. `RunConfig.engine_settings()` cuts
-this out of a command line; tests and embedders build it directly. Field names are dynamo-run's
-flag names, so an engine file written against the command line's settings keeps working.
+`--extra-engine-args` file, not the whole `dyngraph run` command line (process/run_config.py):
+frontend, routing and plane flags are none of its business. Tests and embedders build it
+directly. Field names are dynamo-run's flag names, so an engine file written against the command
+line's settings keeps working.
 """
 
 from __future__ import annotations
