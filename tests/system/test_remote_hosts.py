@@ -26,10 +26,10 @@ from openai import OpenAI
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
-from dynamo_graph.graph.supervise.agent import REATTACH_S
-from dynamo_graph.graph.supervise.ports import fill_plan
-from dynamo_graph.graph.supervise.ssh import RemoteProcess
-from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
+from dynamo_graph.graph.targets.local.ports import fill_plan
+from dynamo_graph.graph.targets.local.remote.agent import REATTACH_S
+from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
+from dynamo_graph.graph.targets.local.remote.ssh import SshHosts as SshHosts_
 from tests.procs import DYNGRAPH, free_port, run_cli
 from tests.sshhosts import SshHost, SshHosts, missing_requirements
 from tests.system.routing_helpers import opening_messages, served_by

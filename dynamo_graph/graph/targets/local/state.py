@@ -28,7 +28,7 @@ from typing import Literal
 import msgspec
 
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.supervise.local import pid_alive, pid_start_ticks
+from dynamo_graph.graph.targets.local.process import pid_alive, pid_start_ticks
 
 # reconnecting: on a remote host whose connection was lost; still running there, being re-attached.
 ProcState = Literal["starting", "ready", "reconnecting", "restarting", "exited", "failed", "stopped"]
