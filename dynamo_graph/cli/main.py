@@ -313,9 +313,10 @@ def validate_command(
     built = _build_or_exit(graph_file, overrides)
     if preflight:
         from dynamo_graph.graph.targets.local import commands
+        from dynamo_graph.graph.targets.local.state import StateDir
 
         with _graph_problems(graph_file):  # ports a running graph holds are its own
-            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
+            commands.preflight(built, check_ports=StateDir.of(graph_file).supervisor() is None)
     procs = len(built.plan.processes)
     err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
 
@@ -358,14 +359,6 @@ def import_command(
     for note in imported.notes:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     err.print(f"{output}: graph {imported.name!r} from {dgd_file}", highlight=False)
-
-
-def _state_of(graph_file: Path):  # returns a graph.targets.local.state.StateDir
-    """The graph's state dir, as the local target keeps it."""
-    from dynamo_graph.graph.paths import state_dir
-    from dynamo_graph.graph.targets.local.state import StateDir
-
-    return StateDir(state_dir(graph_file))
 
 
 def _target_exit(command: Callable[[], int]) -> typer.Exit:

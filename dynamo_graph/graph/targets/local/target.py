@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from rich.console import Console
 
-from dynamo_graph.graph.paths import state_dir
 from dynamo_graph.graph.targets.base import Renderer, Target
 from dynamo_graph.graph.targets.local import commands
 from dynamo_graph.graph.targets.local.diff import print_diff
@@ -17,10 +16,6 @@ from dynamo_graph.graph.targets.local.state import StateDir
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built
-
-
-def _state(graph_file: Path) -> StateDir:
-    return StateDir(state_dir(graph_file))
 
 
 class LocalTarget(Target):
@@ -38,13 +33,13 @@ class LocalTarget(Target):
     ) -> int:
         if dry_run:
             built = build()
-            commands.preflight(built, check_ports=_state(graph_file).supervisor() is None)
+            commands.preflight(built, check_ports=StateDir.of(graph_file).supervisor() is None)
             return print_diff(built, console)
         if not detach:
             built = build()
             self._before_up(built)  # then preflight on the graph's hosts
             return commands.up_foreground(built, console)
-        with commands.DetachedUp(_state(graph_file)) as up:  # the supervisor boots while we load
+        with commands.DetachedUp(StateDir.of(graph_file)) as up:  # the supervisor boots while we load
             built = build()
             self._before_up(built)
             return up.run(built, console)
@@ -54,10 +49,10 @@ class LocalTarget(Target):
             other.before_up_elsewhere(built)
 
     def status(self, graph_file: Path, console: Console) -> int:
-        return commands.status(_state(graph_file), console)
+        return commands.status(StateDir.of(graph_file), console)
 
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:
-        return commands.logs(_state(graph_file), console, selector, follow, lines)
+        return commands.logs(StateDir.of(graph_file), console, selector, follow, lines)
 
     def down(self, graph_file: Path, console: Console) -> int:
-        return commands.down(_state(graph_file), console)
+        return commands.down(StateDir.of(graph_file), console)

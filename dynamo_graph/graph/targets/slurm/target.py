@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from rich.console import Console
 
-from dynamo_graph.graph.paths import state_dir
 from dynamo_graph.graph.targets.base import Renderer, Target, TargetError
 from dynamo_graph.graph.targets.local import commands as local
 from dynamo_graph.graph.targets.local.state import StateDir
@@ -19,10 +18,6 @@ from dynamo_graph.graph.targets.slurm.script import render_slurm
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built
-
-
-def _state(graph_file: Path) -> StateDir:
-    return StateDir(state_dir(graph_file))
 
 
 class SlurmTarget(Target):
@@ -39,17 +34,17 @@ class SlurmTarget(Target):
         return commands.up(build(), console)
 
     def status(self, graph_file: Path, console: Console) -> int:
-        return commands.status(_state(graph_file), console)
+        return commands.status(StateDir.of(graph_file), console)
 
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:
-        return local.logs(_state(graph_file), console, selector, follow, lines)
+        return local.logs(StateDir.of(graph_file), console, selector, follow, lines)
 
     def down(self, graph_file: Path, console: Console) -> int:
-        return commands.down(_state(graph_file), console)
+        return commands.down(StateDir.of(graph_file), console)
 
     def has_record(self, graph_file: Path) -> bool:
         """Whether the graph's last `up` was `--target slurm` (so status / down ask Slurm)."""
-        return SlurmState(_state(graph_file)).job() is not None
+        return SlurmState(StateDir.of(graph_file)).job() is not None
 
     def before_up_elsewhere(self, built: Built) -> None:
         commands.before_local_up(built)
