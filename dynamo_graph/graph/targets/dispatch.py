@@ -5,6 +5,7 @@ the format (the graph's own formats are graph/render.py's)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.render import render_json, render_mermaid, render_yaml
@@ -13,7 +14,9 @@ from dynamo_graph.graph.targets.base import Renderer, Target, TargetError
 from dynamo_graph.graph.targets.k8s.target import KubernetesTarget
 from dynamo_graph.graph.targets.local.target import LocalTarget
 from dynamo_graph.graph.targets.slurm.target import SlurmTarget
-from dynamo_graph.graph.validate import Engines
+
+if TYPE_CHECKING:
+    from dynamo_graph.graph.validate import Engines
 
 SLURM = SlurmTarget()
 LOCAL = LocalTarget(others=[SLURM])
