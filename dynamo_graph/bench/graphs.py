@@ -13,10 +13,10 @@ from rich.console import Console
 from dynamo_graph.graph.build import Built
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.supervise import commands
-from dynamo_graph.graph.supervise.ports import fill_plan
-from dynamo_graph.graph.supervise.state import StateDir
-from dynamo_graph.graph.supervise.ui import frontend_url
+from dynamo_graph.graph.targets.local import commands
+from dynamo_graph.graph.targets.local.ports import fill_plan
+from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.local.ui import frontend_url
 
 
 class GraphNotReady(RuntimeError):

@@ -21,6 +21,8 @@ from dynamo_graph.cli.problems import graph_problems as _graph_problems
 from dynamo_graph.cli.problems import problems as _problems
 
 if TYPE_CHECKING:  # the commands import the graph layer when they run, to start fast
+    from collections.abc import Callable
+
     from dynamo_graph.graph.build import Built
     from dynamo_graph.graph.validate import Engines
 
@@ -101,10 +103,11 @@ def validate_command(
 ) -> None:
     built = _build_or_exit(graph_file, overrides)
     if preflight:
-        from dynamo_graph.graph.supervise import commands
+        from dynamo_graph.graph.targets.local import commands
+        from dynamo_graph.graph.targets.local.state import StateDir
 
         with _graph_problems(graph_file):  # ports a running graph holds are its own
-            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
+            commands.preflight(built, check_ports=StateDir.of(graph_file).supervisor() is None)
     procs = len(built.plan.processes)
     err.print(f"{graph_file}: valid graph {built.graph.name!r}, {procs} process{'es' if procs != 1 else ''}")
 
@@ -118,7 +121,7 @@ def render_command(
     ] = "yaml",
 ) -> None:
     from dynamo_graph.graph.errors import GraphError
-    from dynamo_graph.graph.render import ENGINES_OF_FORMAT, FORMATS, render
+    from dynamo_graph.graph.targets.dispatch import ENGINES_OF_FORMAT, FORMATS, render
 
     if fmt not in FORMATS:
         raise _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -135,8 +138,8 @@ def import_command(
     dgd_file: Annotated[Path, typer.Argument(help="a DynamoGraphDeployment YAML file")],
     output: Annotated[Path, typer.Option("--output", "-o", help="the graph file to write")],
 ) -> None:
-    from dynamo_graph.graph.dgd_import import DgdError, import_dgd_file
     from dynamo_graph.graph.errors import GraphError
+    from dynamo_graph.graph.targets.k8s.dgd_import import DgdError, import_dgd_file
 
     try:
         imported = import_dgd_file(dgd_file, output)
@@ -149,12 +152,14 @@ def import_command(
     err.print(f"{output}: graph {imported.name!r} from {dgd_file}", highlight=False)
 
 
-def _state_of(graph_file: Path):  # returns a graph.supervise.state.StateDir
-    """The graph's state dir; `status`, `logs` and `down` need no valid graph, only its path."""
-    from dynamo_graph.graph.paths import state_dir
-    from dynamo_graph.graph.supervise.state import StateDir
+def _target_exit(command: Callable[[], int]) -> typer.Exit:
+    """A target's command: its exit code, or 2 with the message when the target cannot do it."""
+    from dynamo_graph.graph.targets.base import TargetError
 
-    return StateDir(state_dir(graph_file))
+    try:
+        return typer.Exit(command())
+    except TargetError as e:
+        return _fail(str(e))
 
 
 @app.command("up", help="Start a graph (or apply its changes to the running one); -d to detach.")
@@ -170,66 +175,46 @@ def up_command(
         typer.Option("--dry-run", help="preflight, then print what would change (as `diff`); start nothing"),
     ] = False,
 ) -> None:
-    from dynamo_graph.graph.slurm import commands as slurm
-    from dynamo_graph.graph.supervise import commands
+    from dynamo_graph.graph.targets.dispatch import target_named
 
-    out = Console(soft_wrap=True)
-    if target not in ("local", "slurm"):
-        raise _fail(f"--target must be local or slurm, not {target!r}")
-    if target == "slurm" and dry_run:
-        raise _fail("--dry-run is for the local target; `dyngraph render -f slurm` shows the job unsubmitted")
-    if target == "slurm":  # the job runs detached: Slurm supervises it
-        built = _build_or_exit(graph_file, overrides)
-        with _graph_problems(graph_file):
-            raise typer.Exit(slurm.up(built, out))
-    if dry_run:
-        built = _build_or_exit(graph_file, overrides)
-        with _graph_problems(graph_file):
-            commands.preflight(built, check_ports=_state_of(graph_file).supervisor() is None)
-        raise typer.Exit(_print_diff(built, out))
-    if not detach:
-        built = _build_or_exit(graph_file, overrides)
-        with _graph_problems(graph_file):  # Slurm nodes in the graph; preflight on the graph's hosts
-            slurm.before_local_up(built)
-            raise typer.Exit(commands.up_foreground(built, out))
-    with commands.DetachedUp(_state_of(graph_file)) as up:  # the supervisor boots while we load
-        built = _build_or_exit(graph_file, overrides)
-        with _graph_problems(graph_file):
-            slurm.before_local_up(built)
-            code = up.run(built, out)
-    raise typer.Exit(code)
+    def up() -> int:
+        chosen = target_named(target)
+        with _graph_problems(graph_file):  # preflight on the graph's hosts, a Slurm job of it
+            return chosen.up(
+                graph_file,
+                lambda: _build_or_exit(graph_file, overrides),
+                Console(soft_wrap=True),
+                detach=detach,
+                dry_run=dry_run,
+            )
 
-
-def _print_diff(built: Built, out: Console) -> int:
-    from dynamo_graph.graph.diff import print_diff
-
-    return print_diff(built, out)
+    raise _target_exit(up)
 
 
 @app.command(
     "diff", help="What `up` would change in the running graph, per process (+ ~ -); exit 1 if anything."
 )
 def diff_command(graph_file: GraphFile, overrides: Overrides = None) -> None:
+    from dynamo_graph.graph.targets.local.diff import print_diff
+
     built = _build_or_exit(graph_file, overrides)
-    raise typer.Exit(_print_diff(built, Console(soft_wrap=True)))
+    raise typer.Exit(print_diff(built, Console(soft_wrap=True)))
 
 
 @app.command("ls", help="List the graphs running on this machine, with their state and frontends.")
 def ls_command(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON, for scripts")] = False,
 ) -> None:
-    from dynamo_graph.graph.supervise.listing import ls
+    from dynamo_graph.graph.targets.local.listing import ls
 
     raise typer.Exit(ls(Console(soft_wrap=True), as_json))
 
 
 @app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
 def status_command(graph_file: GraphFile) -> None:
-    from dynamo_graph.graph.slurm import commands as slurm
-    from dynamo_graph.graph.supervise import commands
+    from dynamo_graph.graph.targets.dispatch import target_of
 
-    state, out = _state_of(graph_file), Console(soft_wrap=True)
-    raise typer.Exit((slurm.status if slurm.is_slurm_graph(state) else commands.status)(state, out))
+    raise _target_exit(lambda: target_of(graph_file).status(graph_file, Console(soft_wrap=True)))
 
 
 @app.command("logs", help="Print a graph's process logs, prefixed and interleaved by time; -f follows.")
@@ -239,18 +224,17 @@ def logs_command(
     follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
     lines: Annotated[int, typer.Option("--lines", "-n", help="lines of each log to show first")] = 100,
 ) -> None:
-    from dynamo_graph.graph.supervise import commands
+    from dynamo_graph.graph.targets.dispatch import target_of
 
-    raise typer.Exit(commands.logs(_state_of(graph_file), Console(soft_wrap=True), process, follow, lines))
+    out = Console(soft_wrap=True)
+    raise _target_exit(lambda: target_of(graph_file).logs(graph_file, out, process, follow, lines))
 
 
 @app.command("down", help="Stop a graph: SIGTERM, grace period, SIGKILL; checks nothing is left.")
 def down_command(graph_file: GraphFile) -> None:
-    from dynamo_graph.graph.slurm import commands as slurm
-    from dynamo_graph.graph.supervise import commands
+    from dynamo_graph.graph.targets.dispatch import target_of
 
-    state, out = _state_of(graph_file), Console(soft_wrap=True)
-    raise typer.Exit((slurm.down if slurm.is_slurm_graph(state) else commands.down)(state, out))
+    raise _target_exit(lambda: target_of(graph_file).down(graph_file, Console(soft_wrap=True)))
 
 
 @app.command("test", help="Smoke-test graphs: bring each up isolated, run its `tests`, tear it down.")

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
-from dynamo_graph.graph.supervise.preflight import preflight
+from dynamo_graph.graph.targets.local.preflight import preflight
 from dynamo_graph.graph.validate import check_test_faults, locate
 from dynamo_graph.smoke.isolate import isolated
 from dynamo_graph.smoke.report import print_summary, write_junit

@@ -25,13 +25,13 @@ from rich.markup import escape
 
 from dynamo_graph.graph.build import Built
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.supervise.daemon import supervise
-from dynamo_graph.graph.supervise.local import pid_alive
-from dynamo_graph.graph.supervise.logs import tail_lines
-from dynamo_graph.graph.supervise.ports import listening, plan_ports
-from dynamo_graph.graph.supervise.state import StateDir
-from dynamo_graph.graph.supervise.supervisor import Supervisor
-from dynamo_graph.graph.supervise.ui import frontend_url
+from dynamo_graph.graph.targets.local.daemon import supervise
+from dynamo_graph.graph.targets.local.logs import tail_lines
+from dynamo_graph.graph.targets.local.ports import listening, plan_ports
+from dynamo_graph.graph.targets.local.process import pid_alive
+from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.local.supervisor import Supervisor
+from dynamo_graph.graph.targets.local.ui import frontend_url
 from dynamo_graph.smoke.defaults import default_checks, served_models
 from dynamo_graph.smoke.results import CheckResult, GraphResult
 from dynamo_graph.smoke.steps import Address, Target, listed_models, run_check

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_graph.graph.supervise import agent
+from dynamo_graph.graph.targets.local.remote import agent
 
 
 def _probe(ask: dict, env: dict[str, str] | None = None) -> dict:

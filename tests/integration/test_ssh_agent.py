@@ -1,4 +1,4 @@
-"""The remote agent (graph/supervise/agent.py, agent_run.py) run here as ssh would run it: a
+"""The remote agent (graph/targets/local/remote/agent.py, agent_run.py) run here as ssh would run it: a
 real subprocess fed on stdin. It must stop its process when told, when its stdin closes (the
 supervisor or the connection is gone) and nobody re-attaches in time, and when it is itself
 killed; keep env values off command lines; and hand its process to `attach` over a new channel."""
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dynamo_graph
-from dynamo_graph.graph.supervise import agent, agent_run
+from dynamo_graph.graph.targets.local.remote import agent, agent_run
 from tests.support.processes import pid_alive
 from tests.support.waiting import wait_for
 

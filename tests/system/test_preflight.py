@@ -238,7 +238,7 @@ def test_local_processes_run_with_the_graph_s_interpreter(tmp_path: Path, tiny_m
         done, _ = _up(file, "-d")
         assert done.returncode == 0, done.stdout + done.stderr
         lines = calls.read_text().splitlines()
-        assert lines[0] == "-m dynamo_graph.graph.supervise.agent probe"
+        assert lines[0] == "-m dynamo_graph.graph.targets.local.remote.agent probe"
         runs = sorted(line.split()[3] for line in lines[1:])
         assert runs == ["in=dyn://pre.backend.generate", "in=http"], lines
     finally:

@@ -25,10 +25,10 @@ from openai import OpenAI
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.plan import Probe, ProcessSpec, RemoteHost, RestartPolicy
-from dynamo_graph.graph.supervise.agent import REATTACH_S
-from dynamo_graph.graph.supervise.ports import fill_plan
-from dynamo_graph.graph.supervise.ssh import RemoteProcess
-from dynamo_graph.graph.supervise.ssh import SshHosts as SshHosts_
+from dynamo_graph.graph.targets.local.ports import fill_plan
+from dynamo_graph.graph.targets.local.remote.agent import REATTACH_S
+from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
+from dynamo_graph.graph.targets.local.remote.ssh import SshHosts as SshHosts_
 from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses, run_cli
 from tests.support.routing import opening_messages, served_by
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements

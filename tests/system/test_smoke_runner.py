@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_graph.graph.supervise.local import pid_alive
-from dynamo_graph.graph.supervise.ports import listening, plan_ports
-from dynamo_graph.graph.supervise.state import StateDir
+from dynamo_graph.graph.targets.local.ports import listening, plan_ports
+from dynamo_graph.graph.targets.local.process import pid_alive
+from dynamo_graph.graph.targets.local.state import StateDir
 from tests.support.processes import DYNGRAPH, run_cli
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,10 +13,16 @@ import pytest
 import yaml
 
 from dynamo_graph.graph.build import build
-from dynamo_graph.graph.dgd_import import DgdError, command_line, import_dgd, import_dgd_file, parse_flags
-from dynamo_graph.graph.dynamo_k8s import build_dgd, render_dynamo_k8s
 from dynamo_graph.graph.errors import GraphError
-from dynamo_graph.graph.render import render
+from dynamo_graph.graph.targets.dispatch import render
+from dynamo_graph.graph.targets.k8s.dgd_import import (
+    DgdError,
+    command_line,
+    import_dgd,
+    import_dgd_file,
+    parse_flags,
+)
+from dynamo_graph.graph.targets.k8s.dynamo_k8s import build_dgd, render_dynamo_k8s
 from tests.support.kube_schemas import dgd_errors
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_graph.graph.build import build
-from dynamo_graph.graph.render import ENGINES_OF_FORMAT, FORMATS, render
+from dynamo_graph.graph.targets.dispatch import ENGINES_OF_FORMAT, FORMATS, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(

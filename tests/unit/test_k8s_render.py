@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dynamo_graph.graph.build import build
-from dynamo_graph.graph.render import render
+from dynamo_graph.graph.targets.dispatch import render
 from tests.support.kube_schemas import k8s_errors
 
 ROOT = Path(__file__).resolve().parents[2]

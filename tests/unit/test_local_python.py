@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_graph.graph.build import build
-from dynamo_graph.graph.render import render
+from dynamo_graph.graph.targets.dispatch import render
 
 GRAPH = """\
 name: lp

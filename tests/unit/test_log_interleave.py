@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from dynamo_graph.graph.supervise.logs import interleaved, line_time
+from dynamo_graph.graph.targets.local.logs import interleaved, line_time
 from dynamo_graph.log import _JsonFormatter, _TextFormatter
 
 T0 = calendar.timegm((2026, 11, 24, 14, 50, 0, 0, 0, 0))

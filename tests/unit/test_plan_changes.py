@@ -1,13 +1,13 @@
-"""What `up` changes in a running plan (supervise/changes.py), which the supervisor does and
+"""What `up` changes in a running plan (graph/targets/local/changes.py), which the supervisor does and
 `dyngraph diff` prints: restarts follow `depends_on`, engine-args files count by content."""
 
 from __future__ import annotations
 
 import msgspec
 
-from dynamo_graph.graph.diff import field_changes
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy
-from dynamo_graph.graph.supervise.changes import moved_hosts, plan_changes
+from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes
+from dynamo_graph.graph.targets.local.diff import field_changes
 
 
 def _spec(

@@ -11,8 +11,8 @@ import pytest
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.plan import RemoteHost
-from dynamo_graph.graph.render import render
-from dynamo_graph.graph.supervise.ports import fill_plan
+from dynamo_graph.graph.targets.dispatch import render
+from dynamo_graph.graph.targets.local.ports import fill_plan
 
 GRAPH = """
 name: remote
@@ -223,10 +223,11 @@ def test_shell_render_shows_the_ssh_commands_of_up(tmp_path: Path) -> None:
     prefill1 = next(line for line in text.splitlines() if "prefill-1" in line and "ssh" in line)
     assert prefill1.endswith(
         "| ssh -p 2200 -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/keys/known_hosts "
-        "10.0.0.3 'python3 -m dynamo_graph.graph.supervise.agent run' &"
+        "10.0.0.3 'python3 -m dynamo_graph.graph.targets.local.remote.agent run' &"
     )
     assert "echo '10.0.0.2 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey' > \"$KNOWN_HOSTS_GPU1\"" in text
-    assert "ubuntu@10.0.0.2 '/opt/dg/.venv/bin/python -m dynamo_graph.graph.supervise.agent run' &" in text
+    agent = "python -m dynamo_graph.graph.targets.local.remote.agent run"
+    assert f"ubuntu@10.0.0.2 '/opt/dg/.venv/bin/{agent}' &" in text
     assert "hush" not in text and '"HF_TOKEN": "***"' in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
@@ -237,6 +238,6 @@ def test_shell_render_asks_a_remote_host_for_its_auto_ports(tmp_path: Path) -> N
     assert (
         "PORT_EDGE_0_HTTP=$(ssh -p 2200 -o BatchMode=yes -o StrictHostKeyChecking=yes -o "
         "UserKnownHostsFile=/keys/known_hosts 10.0.0.3 "
-        "'python3 -m dynamo_graph.graph.supervise.agent ports 1' | tr -d '[]')" in lines
+        "'python3 -m dynamo_graph.graph.targets.local.remote.agent ports 1' | tr -d '[]')" in lines
     )
     assert "PORT_NATS_CLIENT=$(free_port)" in lines

@@ -17,10 +17,10 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
-from dynamo_graph.graph.render import render
-from dynamo_graph.graph.slurm.job import SlurmState, records
-from dynamo_graph.graph.slurm.script import fill_plan, secret_env, slurm_plan
-from dynamo_graph.graph.supervise.state import StateDir
+from dynamo_graph.graph.targets.dispatch import render
+from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.slurm.job import SlurmState, records
+from dynamo_graph.graph.targets.slurm.script import fill_plan, secret_env, slurm_plan
 from tests.support.processes import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,13 +34,13 @@ from dynamo_graph import __version__
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
-from dynamo_graph.graph.supervise import agent
-from dynamo_graph.graph.supervise.hub_probe import HF_ENV
+from dynamo_graph.graph.targets.local.remote import agent
+from dynamo_graph.graph.targets.local.remote.hub_probe import HF_ENV
 from dynamo_graph.graph.validate import SourceLocator, fixed_ports, locate
 from dynamo_graph.llm.model_source import hub_repo_id
 
 if TYPE_CHECKING:  # ssh.py (and asyncssh) load only for a plan with remote hosts
-    from dynamo_graph.graph.supervise.ssh import SshError, SshHosts
+    from dynamo_graph.graph.targets.local.remote.ssh import SshError, SshHosts
 
 MIN_PYTHON = (3, 11)
 ANY_ADDRESS = "0.0.0.0"  # a port held on any interface cannot be bound here
@@ -133,7 +133,7 @@ def _python_key(graph: Graph, host: str) -> str:
 
 def _ssh_key(graph: Graph, host: str, error: SshError) -> str:
     """The graph key to change for a failed ssh connection."""
-    from dynamo_graph.graph.supervise.ssh import AuthRefused, HostKeyRefused
+    from dynamo_graph.graph.targets.local.remote.ssh import AuthRefused, HostKeyRefused
 
     ssh = graph.host(host).ssh
     assert ssh is not None
@@ -217,7 +217,7 @@ def _agent_failed(python: str, exit_status: int | None, stderr: str) -> str | No
 
 
 async def _check_remote(graph: Graph, pool: SshHosts, host: str, need: _HostNeeds) -> list[Problem]:
-    from dynamo_graph.graph.supervise.ssh import SshError, describe, last_line
+    from dynamo_graph.graph.targets.local.remote.ssh import SshError, describe, last_line
 
     remote = pool.hosts[host]
     try:
@@ -260,7 +260,7 @@ async def _check_all(graph: Graph, plan: Plan, check_ports: bool) -> list[Proble
     local = [asyncio.to_thread(_check_local, graph, plan, needs[LOCAL])] if LOCAL in needs else []
     if not plan.hosts:
         return [p for found in await asyncio.gather(*local) for p in found]
-    from dynamo_graph.graph.supervise.ssh import SshHosts
+    from dynamo_graph.graph.targets.local.remote.ssh import SshHosts
 
     pool = SshHosts(dict(plan.hosts), tries=1)  # preflight reports an unreachable host at once
     try:

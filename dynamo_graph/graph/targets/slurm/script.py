@@ -52,7 +52,7 @@ run_step() {
     run=$((run + 1))
     echo "--- dyngraph: started $name (run $run) at $(date) ---" >> "$log"
     echo "start $(date +%s) $run" >> "$events"
-    "$PY" -m dynamo_graph.graph.slurm.probe "$events" "$log" "$kind" "$target" "$timeout" &
+    "$PY" -m dynamo_graph.graph.targets.slurm.probe "$events" "$log" "$kind" "$target" "$timeout" &
     srun --nodes=1 --ntasks=1 --exact --job-name="$name" --output="$log" --open-mode=append "$@"
     rc=$?
     echo "exit $rc $(date +%s)" >> "$events"
@@ -191,7 +191,7 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
         names = [n for n in auto if owner[n] == host]
         if not names:
             continue
-        ask = f'"$PY_{i}" -m dynamo_graph.graph.supervise.agent ports {len(names)}'
+        ask = f'"$PY_{i}" -m dynamo_graph.graph.targets.local.remote.agent ports {len(names)}'
         if i > 0:  # a port is free where it listens: ask that node
             on_node = f'--nodelist="$NODE_{i}" --job-name=dyngraph-ports'
             ask = f"srun --overlap --nodes=1 --ntasks=1 {on_node} {ask}"

@@ -1,4 +1,4 @@
-"""`python -m dynamo_graph.graph.slurm.probe EVENTS LOG KIND TARGET TIMEOUT_S`: the readiness
+"""`python -m dynamo_graph.graph.targets.slurm.probe EVENTS LOG KIND TARGET TIMEOUT_S`: the readiness
 check of one run of a Slurm step, started by the job script beside the step (script.py).
 
 It appends `ready TS` to the step's events file once the process's probe passes (the same
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from dynamo_graph.graph.plan import Probe
-from dynamo_graph.graph.supervise import probes
-from dynamo_graph.graph.supervise.local import START_MARKER
+from dynamo_graph.graph.targets.local import probes
+from dynamo_graph.graph.targets.local.process import START_MARKER
 
 POLL_S = 0.1
 

@@ -27,8 +27,9 @@ from typing import Literal
 
 import msgspec
 
+from dynamo_graph.graph.paths import state_dir
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.supervise.local import pid_alive, pid_start_ticks
+from dynamo_graph.graph.targets.local.process import pid_alive, pid_start_ticks
 
 # reconnecting: on a remote host whose connection was lost; still running there, being re-attached.
 ProcState = Literal["starting", "ready", "reconnecting", "restarting", "exited", "failed", "stopped"]
@@ -92,6 +93,11 @@ class StateDir:
         self.supervisor_log = self.root / "supervisor.log"
         self.processes_file = self.root / "processes.json"
         self.lock_file = self.root / "up.lock"
+
+    @classmethod
+    def of(cls, graph_file: str | Path) -> StateDir:
+        """A graph file's state dir; `status`, `logs` and `down` need no valid graph, only its path."""
+        return cls(state_dir(graph_file))
 
     @property
     def control_socket(self) -> Path:

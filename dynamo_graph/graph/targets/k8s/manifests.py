@@ -11,7 +11,7 @@ Objects per graph: a Deployment per worker component (replicas, `nvidia.com/gpu`
 `gpus.per_replica`), a Deployment and a Service per frontend, a StatefulSet and Service per
 in-cluster etcd/nats, one ConfigMap with the engine-args and engine files, and the models'
 claim unless the graph names one. Secret values never appear: secret-looking variables and API
-key variables are `secretKeyRef`s into the graph's Secret (kube.env_vars).
+key variables are `secretKeyRef`s into the graph's Secret (common.env_vars).
 
 File discovery (the one-machine default) cannot span pods, so such a graph gets an in-cluster
 etcd; the header comment says so, and lists what else was changed or left out.
@@ -25,7 +25,9 @@ from typing import Any
 
 from dynamo_graph.graph.compile import compile_graph, local_path
 from dynamo_graph.graph.errors import GraphError, Problem
-from dynamo_graph.graph.kube import (
+from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.schema import Frontend, Graph, Worker
+from dynamo_graph.graph.targets.k8s.common import (
     COMPONENT,
     PART_OF,
     component_names,
@@ -42,8 +44,6 @@ from dynamo_graph.graph.kube import (
     secret_name,
     uses_models_volume,
 )
-from dynamo_graph.graph.plan import Plan, ProcessSpec
-from dynamo_graph.graph.schema import Frontend, Graph, Worker
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 NATS_IMAGE = "nats:2.10-alpine"

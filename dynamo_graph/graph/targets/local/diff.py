@@ -2,7 +2,7 @@
 process `+` (start), `~` (restart) or `-` (stop) with the fields that changed (secrets masked),
 and each component's replicas. Exit code 0 when nothing would change, 1 when something would.
 
-It is the supervisor's own comparison (supervise/changes.py) between the plan the running
+It is the supervisor's own comparison (changes.py) between the plan the running
 supervisor wrote, ports filled, and the new plan filled with the same ports, so what it tells
 is what `up` does. A graph that is not running would have every process started.
 """
@@ -12,17 +12,20 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.text import Text
 
-from dynamo_graph.graph.build import Built
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.render import redact_argv, redact_env
-from dynamo_graph.graph.supervise.changes import PlanChanges, moved_hosts, plan_changes
-from dynamo_graph.graph.supervise.ports import fill_plan
-from dynamo_graph.graph.supervise.state import StateDir
+from dynamo_graph.graph.targets.local.changes import PlanChanges, moved_hosts, plan_changes
+from dynamo_graph.graph.targets.local.ports import fill_plan
+from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.redact import REDACTED
+
+if TYPE_CHECKING:  # the graph loader (Hydra): `status` and `down` load this module without it
+    from dynamo_graph.graph.build import Built
 
 _STYLE = {"+": "green", "~": "yellow", "-": "red"}
 

@@ -24,7 +24,9 @@ from typing import Any
 
 from dynamo_graph.graph.compile import local_path
 from dynamo_graph.graph.errors import GraphError, Problem
-from dynamo_graph.graph.kube import (
+from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.schema import Frontend, Graph, Limits, Router, Worker
+from dynamo_graph.graph.targets.k8s.common import (
     dgd_service_names,
     dump_documents,
     env_vars,
@@ -37,8 +39,6 @@ from dynamo_graph.graph.kube import (
     pod_defaults,
     uses_models_volume,
 )
-from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.schema import Frontend, Graph, Limits, Router, Worker
 from dynamo_graph.options import format_value, options
 from dynamo_graph.router.config import RouterConfig
 

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.supervise import control, probes, registry
-from dynamo_graph.graph.supervise.daemon import supervise
-from dynamo_graph.graph.supervise.local import START_MARKER, kill_verified, pid_alive
-from dynamo_graph.graph.supervise.logs import LogFollower, interleaved, tail_lines
-from dynamo_graph.graph.supervise.ports import listening, plan_ports
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, record_alive
-from dynamo_graph.graph.supervise.supervisor import Supervisor
-from dynamo_graph.graph.supervise.ui import Prefixer, frontend_url, status_table
+from dynamo_graph.graph.targets.local import control, probes, registry
+from dynamo_graph.graph.targets.local.daemon import supervise
+from dynamo_graph.graph.targets.local.logs import LogFollower, interleaved, tail_lines
+from dynamo_graph.graph.targets.local.ports import listening, plan_ports
+from dynamo_graph.graph.targets.local.process import START_MARKER, kill_verified, pid_alive
+from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir, record_alive
+from dynamo_graph.graph.targets.local.supervisor import Supervisor
+from dynamo_graph.graph.targets.local.ui import Prefixer, frontend_url, status_table
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built  # the graph loader: imported by the CLI when needed
@@ -123,7 +123,7 @@ class DetachedUp:
             return self
         with self.state.supervisor_log.open("ab") as log:
             self.daemon = subprocess.Popen(
-                [sys.executable, "-m", "dynamo_graph.graph.supervise.daemon", str(self.state.root)],
+                [sys.executable, "-m", "dynamo_graph.graph.targets.local.daemon", str(self.state.root)],
                 cwd=self.state.root,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -188,7 +188,7 @@ class DetachedUp:
 
 def preflight(built: Built, *, check_ports: bool) -> None:
     """Raises GraphError (exit 2 in the CLI) with every problem of the graph's hosts."""
-    from dynamo_graph.graph.supervise.preflight import preflight as check
+    from dynamo_graph.graph.targets.local.preflight import preflight as check
 
     loaded = built.loaded
     check(built.graph, built.plan, loaded.source, str(loaded.file), check_ports=check_ports)
@@ -438,6 +438,6 @@ def _stop_remote(state: StateDir, plan: Plan | None, grace: float) -> tuple[list
     not stop and the hosts not reached."""
     if plan is None or not plan.hosts:
         return [], []
-    from dynamo_graph.graph.supervise.ssh import sweep_hosts
+    from dynamo_graph.graph.targets.local.remote.ssh import sweep_hosts
 
     return asyncio.run(sweep_hosts(plan.hosts, state.root, grace))

@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
-from dynamo_graph.graph.supervise import probes
-from dynamo_graph.graph.supervise.changes import moved_hosts, plan_changes
-from dynamo_graph.graph.supervise.local import LocalProcess
-from dynamo_graph.graph.supervise.logs import tail_lines
-from dynamo_graph.graph.supervise.ports import fill_plan
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_write
+from dynamo_graph.graph.targets.local import probes
+from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes
+from dynamo_graph.graph.targets.local.logs import tail_lines
+from dynamo_graph.graph.targets.local.ports import fill_plan
+from dynamo_graph.graph.targets.local.process import LocalProcess
+from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir, atomic_write
 
 if TYPE_CHECKING:
-    from dynamo_graph.graph.supervise.ssh import RemoteProcess, SshHosts
+    from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess, SshHosts
 
 STABLE_AFTER_S = 10.0
 CRASH_LOG_LINES = 20
@@ -208,8 +208,8 @@ class Supervisor:
         log = self.state.log_file(spec.name)
         if spec.host == LOCAL:
             return LocalProcess(spec, log, self.plan.local_python if self.plan else None)
-        from dynamo_graph.graph.supervise.agent import graph_tag
-        from dynamo_graph.graph.supervise.ssh import RemoteProcess
+        from dynamo_graph.graph.targets.local.remote.agent import graph_tag
+        from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
 
         assert self.ssh is not None, "apply() opens the ssh hosts of a plan with remote processes"
         return RemoteProcess(spec, log, self.ssh, graph_tag(self.state.root))
@@ -222,7 +222,7 @@ class Supervisor:
         Starting and stopping go on in the background; what waits here is asking remote hosts
         for their `auto` ports (raises SshError when one cannot be asked)."""
         if raw.hosts:
-            from dynamo_graph.graph.supervise.ssh import SshHosts
+            from dynamo_graph.graph.targets.local.remote.ssh import SshHosts
 
             if self.ssh is None:
                 self.ssh = SshHosts({})

@@ -17,13 +17,13 @@ from rich.console import Console
 
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import LOCAL, Plan
-from dynamo_graph.graph.slurm import job
-from dynamo_graph.graph.slurm.job import JobRecord, SlurmError, SlurmState
-from dynamo_graph.graph.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
-from dynamo_graph.graph.supervise.commands import wait_deadline
-from dynamo_graph.graph.supervise.logs import tail_lines
-from dynamo_graph.graph.supervise.state import StateDir
-from dynamo_graph.graph.supervise.ui import frontend_url, status_table
+from dynamo_graph.graph.targets.local.commands import wait_deadline
+from dynamo_graph.graph.targets.local.logs import tail_lines
+from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
+from dynamo_graph.graph.targets.slurm import job
+from dynamo_graph.graph.targets.slurm.job import JobRecord, SlurmError, SlurmState
+from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
 from dynamo_graph.graph.validate import locate
 
 if TYPE_CHECKING:
@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 POLL_S = 0.2
 FAILURE_LOG_LINES = 20
 CANCEL_TIMEOUT_S = 120.0  # scancel: SIGTERM, then Slurm's KillWait (30 s by default), then SIGKILL
-
-
-def is_slurm_graph(state: StateDir) -> bool:
-    """Whether the graph's last `up` was `--target slurm` (so status / down ask Slurm)."""
-    return SlurmState(state).job() is not None
 
 
 def before_local_up(built: Built) -> None:
@@ -167,7 +162,7 @@ def status(state: StateDir, console: Console) -> int:
     slurm_state = SlurmState(state)
     record = slurm_state.job()
     plan = state.read_plan()
-    assert record is not None, "is_slurm_graph() said so"
+    assert record is not None, "SlurmTarget.has_record() said so"
     if plan is None:
         console.print(f"graph in {state.root} has never run")
         return 0
@@ -196,7 +191,7 @@ def status(state: StateDir, console: Console) -> int:
 def down(state: StateDir, console: Console) -> int:
     slurm_state = SlurmState(state)
     record = slurm_state.job()
-    assert record is not None, "is_slurm_graph() said so"
+    assert record is not None, "SlurmTarget.has_record() said so"
     with state.lock():
         try:
             job_state, _ = job.job_state(record.job_id)

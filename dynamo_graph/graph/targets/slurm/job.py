@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.slurm.script import JOB_DIR
-from dynamo_graph.graph.supervise.state import ProcessRecord, StateDir, atomic_write
+from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir, atomic_write
+from dynamo_graph.graph.targets.slurm.script import JOB_DIR
 
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"})
 COMMAND_TIMEOUT_S = 30.0

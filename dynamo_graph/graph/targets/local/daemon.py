@@ -1,6 +1,6 @@
 """A supervisor's whole life, in the foreground (`dyngraph up`) or detached (`up -d`):
 
-    python -m dynamo_graph.graph.supervise.daemon STATE_DIR
+    python -m dynamo_graph.graph.targets.local.daemon STATE_DIR
 
 The detached one starts with an empty plan; `up -d` then sends it the plan over the control
 socket, exactly as a later `up` sends a changed one. Both kinds write `supervisor.pid`, listen
@@ -20,9 +20,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
-from dynamo_graph.graph.supervise import control, registry
-from dynamo_graph.graph.supervise.state import StateDir
-from dynamo_graph.graph.supervise.supervisor import Report, Supervisor
+from dynamo_graph.graph.targets.local import control, registry
+from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.local.supervisor import Report, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
 # a fresh supervisor starts from empty so no dead instance of last time is routed to.

@@ -1,5 +1,5 @@
 """The remote end of the ssh launcher: a small program the supervisor runs on a remote host over
-ssh, with the host's own python (`python -m dynamo_graph.graph.supervise.agent COMMAND`).
+ssh, with the host's own python (`python -m dynamo_graph.graph.targets.local.remote.agent COMMAND`).
 
     run     start one process of the plan and watch over it (see below)
     attach  hand this ssh channel to the `run` agent of a process whose channel was lost
@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import dynamo_graph
-from dynamo_graph.graph.supervise.agent_run import TAG_ENV, attach, clear_sockets, run
+from dynamo_graph.graph.targets.local.remote.agent_run import TAG_ENV, attach, clear_sockets, run
 
 HEARTBEAT_S = 2.0  # how often the supervisor pings an agent; 3 missed and the agent stops its process
 REATTACH_S = 10.0  # how long a process outlives its lost channel, waiting for its supervisor to re-attach
-MODULE = "dynamo_graph.graph.supervise.agent"
+MODULE = "dynamo_graph.graph.targets.local.remote.agent"
 
 
-# ---- the supervisor's side of the protocol (ssh.py, and render.py's shell script) --------------
+# ---- the supervisor's side of the protocol (ssh.py, and the shell script of ../shell.py) --------
 
 
 def graph_tag(state_root: Path | str) -> str:
@@ -196,7 +196,7 @@ def answer(ask: dict[str, Any]) -> dict[str, Any]:
     models = {p: why for p, config, gguf in ask.get("models", []) if (why := model_problem(p, config, gguf))}
     hubs = {}
     if ask.get("hubs"):
-        from dynamo_graph.graph.supervise.hub_probe import hub_problem
+        from dynamo_graph.graph.targets.local.remote.hub_probe import hub_problem
 
         hubs = {repo: why for repo, env in ask["hubs"] if (why := hub_problem(repo, env))}
     return {

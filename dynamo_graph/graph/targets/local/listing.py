@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dynamo_graph.graph.supervise import registry
-from dynamo_graph.graph.supervise.state import StateDir, record_alive
-from dynamo_graph.graph.supervise.ui import frontend_url
+from dynamo_graph.graph.targets.local import registry
+from dynamo_graph.graph.targets.local.state import StateDir, record_alive
+from dynamo_graph.graph.targets.local.ui import frontend_url
 
 _STYLE = {"running": "green", "starting": "yellow", "degraded": "bold red", "supervisor gone": "bold red"}
 

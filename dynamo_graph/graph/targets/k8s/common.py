@@ -1,7 +1,7 @@
 """What the two Kubernetes renderers share: object names, secret-safe environment, where models
 live in the cluster, and the deterministic multi-document YAML they print.
 
-`k8s.py` (plain manifests running `dyngraph run`) and `dynamo_k8s.py` (a DynamoGraphDeployment
+`manifests.py` (plain manifests running `dyngraph run`) and `dynamo_k8s.py` (a DynamoGraphDeployment
 running Dynamo's own processes) dress the same graph for a cluster; keeping these rules in one
 place makes a model, a secret or a name come out the same in both.
 """

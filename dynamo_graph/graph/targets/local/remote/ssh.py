@@ -1,4 +1,4 @@
-"""Run processes of the plan on remote hosts over ssh, behind the same interface as local.py.
+"""Run processes of the plan on remote hosts over ssh, behind the same interface as process.py.
 
 The client is asyncssh rather than the system `ssh` with ControlMaster: the supervisor is an
 asyncio program, and asyncssh gives it, in-process, one connection per host carrying one
@@ -42,8 +42,8 @@ from pathlib import Path
 import asyncssh
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec, RemoteHost
-from dynamo_graph.graph.supervise import agent
-from dynamo_graph.graph.supervise.local import mark_start
+from dynamo_graph.graph.targets.local.process import mark_start
+from dynamo_graph.graph.targets.local.remote import agent
 
 CONNECT_TIMEOUT_S = 10.0
 RECONNECT_TRIES = 5  # the runner's restart policy retries on a longer scale

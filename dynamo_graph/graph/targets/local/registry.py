@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from dynamo_graph.graph.supervise.state import atomic_write
+from dynamo_graph.graph.targets.local.state import atomic_write
 
 REGISTRY_ENV = "DYNGRAPH_REGISTRY"
 

@@ -1,4 +1,4 @@
-"""What the supervise commands print: the status table, frontend URLs, prefixed log lines."""
+"""What the local target's commands print: the status table, frontend URLs, prefixed log lines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
-from dynamo_graph.graph.supervise.state import ProcessRecord
+from dynamo_graph.graph.targets.local.state import ProcessRecord
 
 _STATE_STYLE = {
     "ready": "green",

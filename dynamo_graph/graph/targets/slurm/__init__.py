@@ -1,0 +1,8 @@
+"""The Slurm target: a graph's launch plan as one Slurm job, each process an `srun` step.
+
+script.py    the sbatch script and the plan it runs (`render -f slurm`)
+job.py       Slurm's command line, and the job's records in the state dir
+probe.py     the readiness check beside each step, run on the node
+commands.py  `up --target slurm`, `status`, `down` of a graph that runs as a job
+target.py    the target
+"""
