@@ -482,6 +482,6 @@ def compile_graph(
     graph: Graph, *, graph_file: Path, state_dir: Path, nodes: Mapping[str, str] | None = None
 ) -> Plan:
     """The launch plan of a validated graph (deterministic). `nodes` (host key -> address) is for
-    a scheduler that places hosts on nodes sharing this filesystem (graph/slurm/): addresses come
+    a scheduler that places hosts on nodes sharing this filesystem (graph/targets/slurm/): addresses come
     from it, workdirs are as on the local host, and no host is reached over ssh."""
     return _Compiler(graph, graph_file, state_dir, nodes).plan()
