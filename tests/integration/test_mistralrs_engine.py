@@ -34,7 +34,7 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("mistralrs")
 
-from dynamo_graph.engines.mistralrs import (
+from dynamo_graph.engines.mistralrs.engine import (
     MistralrsArgs,
     MistralrsEngine,
     MistralrsError,
@@ -315,7 +315,7 @@ async def test_non_canonical_prompt_is_served_with_a_warning(
 def test_missing_package_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from dynamo_graph.engines.mistralrs import import_mistralrs
+    from dynamo_graph.engines.mistralrs.engine import import_mistralrs
 
     monkeypatch.setitem(sys.modules, "mistralrs", None)
     with pytest.raises(MistralrsError, match=r"pip install 'dyngraph\[mistralrs\]'"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynamo_graph.engines.llamacpp_state import gguf_fingerprint, state_format
+from dynamo_graph.engines.llamacpp.state import gguf_fingerprint, state_format
 
 
 def _write(path: Path, size: int, patches: dict[int, bytes]) -> Path:

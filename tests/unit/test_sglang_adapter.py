@@ -32,7 +32,7 @@ from dynamo_graph.backend.protocol import (
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
-from dynamo_graph.engines.sglang import (
+from dynamo_graph.engines.sglang.engine import (
     DEFAULT_PAGE_SIZE,
     SglangEngine,
     SglangError,
@@ -259,7 +259,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
 
 
 def test_registered_engine() -> None:
-    assert get_engine_spec("sglang").target == "dynamo_graph.engines.sglang:SglangEngine"
+    assert get_engine_spec("sglang").target == "dynamo_graph.engines.sglang.engine:SglangEngine"
     assert "sglang" not in PLANNED_ENGINES and "trtllm" not in PLANNED_ENGINES
 
 
@@ -540,7 +540,7 @@ async def test_prefill_and_decode_pair_by_bootstrap_room() -> None:
 
 
 def test_kv_bridge_converts_sglang_batches() -> None:
-    from dynamo_graph.engines.sglang import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from dynamo_graph.engines.sglang.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
     sink = RecordingSink()
     bridge = SglangKvEventBridge(sink, block_size=4)

@@ -34,7 +34,7 @@ from dynamo_graph.backend.protocol import (
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.trtllm import (
+from dynamo_graph.engines.trtllm.engine import (
     DEFAULT_EVENT_BUFFER,
     TrtllmEngine,
     TrtllmError,
@@ -313,7 +313,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     assert isinstance(engine, TrtllmEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[trtllm\]"):
         asyncio.run(engine.start())
-    assert get_engine_spec("trtllm").target == "dynamo_graph.engines.trtllm:TrtllmEngine"
+    assert get_engine_spec("trtllm").target == "dynamo_graph.engines.trtllm.engine:TrtllmEngine"
 
 
 def test_sampling_mapping() -> None:

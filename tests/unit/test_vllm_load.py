@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamo_graph.engines import vllm_load
-from dynamo_graph.engines.vllm_load import LoadReporter, stat_logger
+from dynamo_graph.engines.vllm import load as vllm_load
+from dynamo_graph.engines.vllm.load import LoadReporter, stat_logger
 from dynamo_graph.router.kv.protocols import LoadMetrics
 
 

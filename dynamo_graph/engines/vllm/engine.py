@@ -36,7 +36,7 @@ Flags -> `AsyncEngineArgs` fields:
 | --context-length | max_model_len | |
 | --kv-cache-block-size | block_size | vLLM's default when unset (CPU: 128; CPU needs a multiple of 32) |
 | --extra-engine-args | any AsyncEngineArgs field | a JSON object; see below |
-| --disaggregation-mode | kv_transfer_config.kv_role | prefill/decode need a KV connector (vllm_disagg.py) |
+| --disaggregation-mode | kv_transfer_config.kv_role | prefill/decode need a KV connector (disagg.py) |
 
 Priority: `scheduling_policy` defaults to "priority" here (vLLM's own default is "fcfs"), and each
 request goes in with `priority=-p`, p being its priority from the routing hints
@@ -62,14 +62,14 @@ that contradicts a flag given on the command line is an error naming both; `kv_e
 `kv_transfer_config` may be JSON objects (built into a `KVEventsConfig` / `KVTransferConfig`).
 
 Load metrics: when the serving process sets `kv_event_sink`, vLLM runs with a stat logger of ours
-(vllm_load.py) that publishes each DP rank's `LoadMetrics` after its engine steps (KV blocks in use,
+(load.py) that publishes each DP rank's `LoadMetrics` after its engine steps (KV blocks in use,
 waiting and running requests from vLLM's scheduler stats; queued prefill tokens from our own
 count), so routers see load that other frontends put on this worker. That turns vLLM's stats on
 (as in vLLM's own server) without its periodic log lines.
 
 Disaggregated prefill/decode (`prefill`, `generate_from_kv`; kv_transfer only with a KV connector
 configured): vLLM's connector moves the KV, our handoff carries its `kv_transfer_params`; see
-vllm_disagg.py for the mapping and which connectors ran on CPU.
+disagg.py for the mapping and which connectors ran on CPU.
 
 Sampling (SamplingOptions / StopConditions -> `SamplingParams`): what the request leaves unset
 follows vLLM's defaults for the model, as vLLM's own OpenAI server does: the model's
@@ -165,8 +165,8 @@ from dynamo_graph.engines.kv_handoff import (
     prompt_request,
     without_known,
 )
-from dynamo_graph.engines.vllm_disagg import connector_name, kv_transfer_config
-from dynamo_graph.engines.vllm_load import LoadReporter, stat_logger
+from dynamo_graph.engines.vllm.disagg import connector_name, kv_transfer_config
+from dynamo_graph.engines.vllm.load import LoadReporter, stat_logger
 from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -534,7 +534,7 @@ class VllmEngine(LLMEngine):
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
             loggers = None
-            if self.kv_event_sink is not None:  # the worker's load on the event plane (vllm_load.py)
+            if self.kv_event_sink is not None:  # the worker's load on the event plane (load.py)
                 self._load = LoadReporter(self.kv_event_sink, worker_id)
                 loggers = [stat_logger(self._load, self._vllm["StatLoggerBase"])]
             self._llm = await asyncio.to_thread(
@@ -695,7 +695,7 @@ class VllmEngine(LLMEngine):
     ) -> AsyncIterator[LLMEngineOutput]:
         return self._stream(request, context)
 
-    # ---- disaggregated prefill/decode (vllm_disagg.py) ---------------------------------------
+    # ---- disaggregated prefill/decode (disagg.py) ---------------------------------------
 
     @property
     def kv_format(self) -> str:

@@ -11,7 +11,7 @@ the most one request (prompt and output) may hold.
 
 Concurrency, as llama.cpp's own server does it: the model is loaded once, into ONE llama.cpp
 context of `n_parallel` sequences (default 1); each running request is one sequence, and one
-thread (llamacpp_batch.py) decodes all of them together: each step is one `llama_decode` of a
+thread (batch.py) decodes all of them together: each step is one `llama_decode` of a
 batch holding the next token of every generating sequence and prompt chunks of those still
 prefilling (`n_batch` tokens at most), then each sequence samples from its own row of logits with
 its own sampler chain. Requests beyond `n_parallel` wait for a free sequence, the most urgent
@@ -60,7 +60,7 @@ the `seed` option; 4294967295, the default, is a random seed). repetition_penalt
 presence_penalty and frequency_penalty are llama.cpp's penalties over the last
 `last_n_tokens_size` (64) generated tokens; logit_bias is applied first. guided_json (so
 response_format), guided_choice and guided_grammar become a GBNF grammar in the chain, and
-log-probabilities are reported when asked (llamacpp_guided.py). The engine stops by itself at
+log-probabilities are reported when asked (guided.py). The engine stops by itself at
 max_tokens, at a stop token id, and at an eos id unless ignore_eos; until min_tokens are generated
 those ids are banned from sampling (as vLLM does). The stop token is the last id of the final
 chunk (the postprocessor hides it) and counts as generated.
@@ -71,7 +71,7 @@ rejects a max_tokens that does not fit, so this only guards direct callers).
 
 Disaggregated prefill/decode (`kv_transfer`): as a prefill worker, `prefill` evaluates the prompt
 and samples its first token exactly as `generate` would; unless the request ends there, it exports
-the prompt's KV (the first token is not evaluated) as a `KvHandoff` (llamacpp_state.py: llama.cpp's
+the prompt's KV (the first token is not evaluated) as a `KvHandoff` (state.py: llama.cpp's
 sequence state plus the prompt's ids, in a format naming the GGUF and llama-cpp-python's version).
 As a decode worker, `generate_from_kv` loads that state into a free sequence in place of the
 prompt's evaluation (the sequence's cached tokens become the prompt's, for prefix reuse later),
@@ -88,14 +88,14 @@ prompt tokens came from the cache or a handoff and how many were evaluated.
 LoRA adapters (backend/lora.py): `load_lora` loads a GGUF LoRA (`llama_adapter_lora_init`; a
 .gguf file, or a folder holding one: dyngraph.dev.tiny_lora writes both a PEFT folder and its
 GGUF); a request whose `model` is the adapter's name decodes with it. Sequences of different
-adapters take turns in the one context (llamacpp_batch.py).
+adapters take turns in the one context (batch.py).
 
 Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each step, so
 before each token and between prefill chunks; the stream then ends with finish_reason
 "cancelled". Every final chunk carries `completion_usage` (prompt, completion and cached
 tokens); the first chunk with tokens carries `cached_tokens`.
 
-Options (`--extra-engine-args` JSON, checked in llamacpp_args.py; an unknown key is an error
+Options (`--extra-engine-args` JSON, checked in args.py; an unknown key is an error
 listing the known ones):
 n_parallel, n_ctx (same as --context-length), n_threads, n_threads_batch, n_batch, n_ubatch,
 n_gpu_layers, main_gpu, seed, use_mmap, use_mlock, flash_attn, offload_kqv, last_n_tokens_size,
@@ -114,7 +114,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, request_priority
-from dynamo_graph.engines.llamacpp_args import (
+from dynamo_graph.engines.llamacpp.args import (
     LlamaCppArgs,
     LlamaCppError,
     args_from_settings,
@@ -123,15 +123,15 @@ from dynamo_graph.engines.llamacpp_args import (
     import_llama_cpp,
     model_params,
 )
-from dynamo_graph.engines.llamacpp_batch import BatchLoop, Job
-from dynamo_graph.engines.llamacpp_guided import (
+from dynamo_graph.engines.llamacpp.batch import BatchLoop, Job
+from dynamo_graph.engines.llamacpp.guided import (
     CAPABILITIES,
     add_grammar,
     check_grammar,
     eog_ids,
     request_grammar,
 )
-from dynamo_graph.engines.llamacpp_state import check_handoff, state_format
+from dynamo_graph.engines.llamacpp.state import check_handoff, state_format
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -165,7 +165,7 @@ class LlamaCppEngine(LLMEngine):
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.n_ctx = self.args.n_ctx or default_n_ctx or 0  # per sequence; 0: the model's
         self.n_vocab = 0
-        self.kv_format = ""  # set by start(): what this engine's KV handoffs are (llamacpp_state)
+        self.kv_format = ""  # set by start(): what this engine's KV handoffs are (state.py)
         self._llama_cpp: Any = None
         self._model: Any = None  # llama-cpp-python's LlamaModel / LlamaContext wrappers
         self._context: Any = None
