@@ -32,15 +32,15 @@ from dynamo_graph.backend.protocol import (
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
-from dynamo_graph.engines.sglang.engine import (
+from dynamo_graph.engines.sglang.args import (
     DEFAULT_PAGE_SIZE,
-    SglangEngine,
     SglangError,
-    SglangKvEventBridge,
     import_sglang,
     sampling_params,
     server_args_from_settings,
 )
+from dynamo_graph.engines.sglang.engine import SglangEngine
+from dynamo_graph.engines.sglang.kv_events import SglangKvEventBridge
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -540,7 +540,12 @@ async def test_prefill_and_decode_pair_by_bootstrap_room() -> None:
 
 
 def test_kv_bridge_converts_sglang_batches() -> None:
-    from dynamo_graph.engines.sglang.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from dynamo_graph.engines.sglang.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
 
     sink = RecordingSink()
     bridge = SglangKvEventBridge(sink, block_size=4)

@@ -27,7 +27,7 @@ from dynamo_graph.backend.embedding import (
 )
 from dynamo_graph.backend.engine import EngineConfig
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
-from dynamo_graph.engines.vllm.engine import (
+from dynamo_graph.engines.vllm.args import (
     VllmError,
     check_engine_args,
     engine_args_from_settings,
