@@ -38,15 +38,18 @@ def context_room(request: PreprocessedRequest, context_length: int | None) -> in
     return max(context_length - len(request.token_ids), 1)
 
 
-def max_new_tokens(
-    request: PreprocessedRequest, context_length: int | None, *, capped: bool = False
-) -> int | None:
-    """The request's max_tokens, else the context left after the prompt (None: neither is known).
-    `capped`: never more than that room either (engines that enforce the context themselves)."""
-    asked, room = request.stop_conditions.max_tokens, context_room(request, context_length)
-    if asked is None:
-        return room
-    return min(asked, room) if capped and room is not None else asked
+def max_new_tokens(request: PreprocessedRequest, context_length: int | None) -> int | None:
+    """The request's max_tokens, else the context left after the prompt (None: neither is known)."""
+    asked = request.stop_conditions.max_tokens
+    return context_room(request, context_length) if asked is None else asked
+
+
+def capped_max_tokens(request: PreprocessedRequest, context_length: int) -> int:
+    """For engines that enforce the context themselves: the request's max_tokens, never more than
+    the context left after the prompt, and that room when max_tokens is unset."""
+    room = max(context_length - len(request.token_ids), 1)
+    asked = request.stop_conditions.max_tokens
+    return room if asked is None else min(asked, room)
 
 
 def stop_token_ids(request: PreprocessedRequest, *, with_eos: bool = True) -> set[int]:

@@ -62,7 +62,8 @@ def _llamacpp(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
 
 
 def _mistralrs(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
-    from dynamo_graph.engines.mistralrs.engine import MistralrsArgs, MistralrsEngine
+    from dynamo_graph.engines.mistralrs.args import MistralrsArgs
+    from dynamo_graph.engines.mistralrs.engine import MistralrsEngine
 
     return lambda: MistralrsEngine(model, MistralrsArgs(max_seqs=4))
 

@@ -132,6 +132,7 @@ from dynamo_graph.engines.llamacpp.guided import (
     request_grammar,
 )
 from dynamo_graph.engines.llamacpp.state import check_handoff, state_format
+from dynamo_graph.engines.sampling import capped_max_tokens, refuse_several_choices, stop_token_ids
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -440,25 +441,19 @@ class LlamaCppEngine(LLMEngine):
         if grammar is not None:
             check_grammar(self._llama_cpp, self._model, grammar)
             end_ids = eog_ids(self._llama_cpp, self._model)
-        if (so.n or 1) > 1 or (so.best_of or 1) > 1:
-            raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=llamacpp", param="n")
+        refuse_several_choices(request, "llamacpp")
         for key in so.logit_bias or {}:
             if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab):
                 raise InvalidArgument(
                     f"logit_bias key {key!r} is not a token id in this model's vocabulary [0, {vocab})",
                     param="logit_bias",
                 )
-        room = self.n_ctx - n
-        stop_ids = set(sc.stop_token_ids or ())
-        if not sc.ignore_eos:
-            stop_ids.update(request.eos_token_ids)
-            stop_ids.update(sc.stop_token_ids_hidden or ())
         return Job(
             context,
             prompt,
-            max_tokens=room if sc.max_tokens is None else min(sc.max_tokens, room),
+            max_tokens=capped_max_tokens(request, self.n_ctx),
             min_tokens=sc.min_tokens or 0,
-            stop_ids=frozenset(stop_ids),
+            stop_ids=frozenset(stop_token_ids(request)),
             sampling=so,
             loop=asyncio.get_running_loop(),
             handoff=handoff,
