@@ -31,7 +31,7 @@ from dynamo_graph.backend.protocol import (
     StopConditions,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
-from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
+from dynamo_graph.engines import create_engine
 from dynamo_graph.engines.sglang.args import (
     DEFAULT_PAGE_SIZE,
     SglangError,
@@ -256,11 +256,6 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     assert isinstance(engine, SglangEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[sglang\]"):
         asyncio.run(engine.start())
-
-
-def test_registered_engine() -> None:
-    assert get_engine_spec("sglang").target == "dynamo_graph.engines.sglang.engine:SglangEngine"
-    assert "sglang" not in PLANNED_ENGINES and "trtllm" not in PLANNED_ENGINES
 
 
 def test_sampling_mapping() -> None:

@@ -33,7 +33,7 @@ from dynamo_graph.backend.protocol import (
     StopConditions,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
-from dynamo_graph.engines import create_engine, get_engine_spec
+from dynamo_graph.engines import create_engine
 from dynamo_graph.engines.trtllm.args import (
     TrtllmError,
     import_tensorrt_llm,
@@ -312,7 +312,6 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     assert isinstance(engine, TrtllmEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[trtllm\]"):
         asyncio.run(engine.start())
-    assert get_engine_spec("trtllm").target == "dynamo_graph.engines.trtllm.engine:TrtllmEngine"
 
 
 def test_sampling_mapping() -> None:
