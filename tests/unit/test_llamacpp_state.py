@@ -1,4 +1,4 @@
-"""The GGUF fingerprint that names a llama.cpp KV handoff's model (engines/llamacpp_state.py)."""
+"""The GGUF fingerprint that names a llama.cpp KV handoff's model (engines/llamacpp/state.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Native KV connectors behind the KV transfer contract, without the engines' packages: the handoff of
 a connector's transfer parameters (engines/kv_handoff.py) and how vLLM's `kv_transfer_config` follows
-`--disaggregation-mode` (engines/vllm_disagg.py). vLLM for real: tests/integration/test_vllm_engine.py."""
+`--disaggregation-mode` (engines/vllm/disagg.py). vLLM for real: tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm_load.py), without vLLM: the stats are
+"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm/load.py), without vLLM: the stats are
 vLLM's `SchedulerStats` fields as plain attributes (the real thing runs in test_vllm_engine.py)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The decoding loop of `out=llamacpp`: one thread drives one llama.cpp context whose sequences
-are the engine's concurrent requests (engine.py's docstring says what a user sees).
+are the engine's concurrent requests (docs/engines/llamacpp.md says what a user sees).
 
 Why one thread and one context: llama.cpp computes a batch holding tokens of several sequences
 in one graph, so eight requests decoding together cost one pass over the weights per step instead
