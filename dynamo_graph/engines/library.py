@@ -63,6 +63,20 @@ class Parsed:
     handoff: Any = None
 
 
+@dataclass(slots=True)
+class Submission:
+    """A request on its way to the library: its entry in `InFlight` (`active.rid` its id there),
+    the prompt, the library's parameters (`_params`), its disaggregation parameters, and whether
+    one final output will do (`gather`: a prefill that only wants the handoff)."""
+
+    active: ActiveRequest
+    request: PreprocessedRequest
+    prompt: list[int]
+    params: Any
+    transfer: Any
+    gather: bool
+
+
 class LibraryEngine(LLMEngine):
     """See the module docstring. Subclasses set `engine_name` and implement the hooks below."""
 
@@ -91,16 +105,8 @@ class LibraryEngine(LLMEngine):
         """The library's parameters for the request (its checks raise `client_errors`)."""
         raise NotImplementedError
 
-    async def _submit(
-        self,
-        active: ActiveRequest,
-        request: PreprocessedRequest,
-        prompt: list[int],
-        params: Any,
-        transfer: Any,
-        gather: bool,
-    ) -> AsyncIterator[Any]:
-        """Hand the request to the library; its stream of outputs (`gather`: one final output will do)."""
+    async def _submit(self, job: Submission) -> AsyncIterator[Any]:
+        """Hand the request to the library; its stream of outputs."""
         raise NotImplementedError
 
     def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:
@@ -228,7 +234,9 @@ class LibraryEngine(LLMEngine):
 
         try:
             try:
-                stream = await self._submit(active, request, prompt, params, transfer, received is not None)
+                stream = await self._submit(
+                    Submission(active, request, prompt, params, transfer, received is not None)
+                )
                 watcher = self._active.watch(active, self._abort)
                 async for output in stream:
                     parsed = self._parse(output, sent, request)

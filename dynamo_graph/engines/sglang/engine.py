@@ -32,7 +32,7 @@ from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.inflight import ActiveRequest, checked_prompt
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
 from dynamo_graph.engines.kv_handoff import connector_format, connector_handoff, connector_params
-from dynamo_graph.engines.library import LibraryEngine, Parsed
+from dynamo_graph.engines.library import LibraryEngine, Parsed, Submission
 from dynamo_graph.engines.sglang.args import (
     INSTALL_HINT,
     SglangError,
@@ -248,25 +248,17 @@ class SglangEngine(LibraryEngine):
     def _params(self, request: PreprocessedRequest, transfer: Any) -> dict[str, Any]:
         return sampling_params(request, context_length=self.context_length)
 
-    async def _submit(
-        self,
-        active: ActiveRequest,
-        request: PreprocessedRequest,
-        prompt: list[int],
-        params: Any,
-        transfer: Any,
-        gather: bool,
-    ) -> Any:
+    async def _submit(self, job: Submission) -> Any:
         """`transfer`: the bootstrap triple that pairs the request with its other half (PD mode)."""
         kwargs: dict[str, Any] = {
-            "input_ids": prompt,
-            "sampling_params": params,
+            "input_ids": job.prompt,
+            "sampling_params": job.params,
             "stream": True,
-            "rid": active.rid,
+            "rid": job.active.rid,
         }
-        kwargs.update(transfer or {})
-        if request.dp_rank is not None:
-            kwargs["data_parallel_rank"] = request.dp_rank
+        kwargs.update(job.transfer or {})
+        if job.request.dp_rank is not None:
+            kwargs["data_parallel_rank"] = job.request.dp_rank
         return await self._backend.async_generate(**kwargs)
 
     def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:

@@ -36,7 +36,7 @@ from dynamo_graph.engines.kv_handoff import (
     prompt_request,
     without_known,
 )
-from dynamo_graph.engines.library import LibraryEngine, Parsed
+from dynamo_graph.engines.library import LibraryEngine, Parsed, Submission
 from dynamo_graph.engines.trtllm.args import (
     DEFAULT_TOKENS_PER_BLOCK,
     TrtllmError,
@@ -239,22 +239,14 @@ class TrtllmEngine(LibraryEngine):
     def _params(self, request: PreprocessedRequest, transfer: Any) -> Any:
         return self._make_sampling_params(sampling_kwargs(request, context_length=self.context_length))
 
-    async def _submit(
-        self,
-        active: ActiveRequest,
-        request: PreprocessedRequest,
-        prompt: list[int],
-        params: Any,
-        transfer: Any,
-        gather: bool,
-    ) -> Any:
+    async def _submit(self, job: Submission) -> Any:
         """`transfer`: DisaggregatedParams making it a context-only request (gathered, not
         streamed, as Dynamo's worker sends it) or a generation-only one."""
-        extra: dict[str, Any] = {} if transfer is None else {"disaggregated_params": transfer}
-        active.result = self._backend.generate_async(
-            inputs=prompt, sampling_params=params, streaming=not gather, **extra
+        extra: dict[str, Any] = {} if job.transfer is None else {"disaggregated_params": job.transfer}
+        job.active.result = self._backend.generate_async(
+            inputs=job.prompt, sampling_params=job.params, streaming=not job.gather, **extra
         )
-        return active.result
+        return job.active.result
 
     def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:
         """The same `RequestOutput` again and again: `outputs[0].token_ids` is cumulative, sliced

@@ -40,7 +40,7 @@ from dynamo_graph.engines.kv_handoff import (
     prompt_request,
     without_known,
 )
-from dynamo_graph.engines.library import LibraryEngine, Parsed
+from dynamo_graph.engines.library import LibraryEngine, Parsed, Submission
 from dynamo_graph.engines.vllm.args import (
     INSTALL_HINT,
     SOURCE,
@@ -323,30 +323,22 @@ class VllmEngine(LibraryEngine):
             kwargs["structured_outputs"] = self._vllm["StructuredOutputsParams"](**guided)
         return self._vllm["SamplingParams"](output_kind=self._vllm["DELTA"], detokenize=False, **kwargs)
 
-    async def _submit(
-        self,
-        active: ActiveRequest,
-        request: PreprocessedRequest,
-        prompt: list[int],
-        params: Any,
-        transfer: Any,
-        gather: bool,
-    ) -> AsyncIterator[Any]:
+    async def _submit(self, job: Submission) -> AsyncIterator[Any]:
         kw: dict[str, Any] = {}
-        if request.dp_rank is not None:
-            kw["data_parallel_rank"] = request.dp_rank
-        lora = self._loras.get(request.model)
+        if job.request.dp_rank is not None:
+            kw["data_parallel_rank"] = job.request.dp_rank
+        lora = self._loras.get(job.request.model)
         if lora is not None:
             kw["lora_request"] = lora
         if self.by_priority:
-            kw["priority"] = -request_priority(request)  # vLLM: lower runs first
+            kw["priority"] = -request_priority(job.request)  # vLLM: lower runs first
         # Closing vLLM's stream of an unfinished request aborts it inside vLLM.
         stream = self._llm.generate(
-            self._vllm["TokensPrompt"](prompt_token_ids=prompt), params, active.rid, **kw
+            self._vllm["TokensPrompt"](prompt_token_ids=job.prompt), job.params, job.active.rid, **kw
         )
         if self._load is None:
             return stream
-        return self._counted(stream, request.dp_rank or 0, len(prompt))
+        return self._counted(stream, job.request.dp_rank or 0, len(job.prompt))
 
     async def _counted(self, stream: AsyncIterator[Any], rank: int, prompt_len: int) -> AsyncIterator[Any]:
         """vLLM's stream, with the prompt counted in the rank's queued prefill (load.py) until
