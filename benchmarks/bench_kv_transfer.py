@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from dynamo_graph.backend.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 from dynamo_graph.dev.tiny_model import GGUF_NAME, ensure_tiny_model  # noqa: E402
-from dynamo_graph.engines.llamacpp import LlamaCppEngine  # noqa: E402
-from dynamo_graph.engines.llamacpp_args import LlamaCppArgs  # noqa: E402
-from dynamo_graph.engines.llamacpp_state import (  # noqa: E402
+from dynamo_graph.engines.llamacpp.args import LlamaCppArgs  # noqa: E402
+from dynamo_graph.engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
+from dynamo_graph.engines.llamacpp.state import (  # noqa: E402
     check_handoff,
     export_sequence,
     import_sequence,

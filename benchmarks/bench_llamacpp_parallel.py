@@ -70,8 +70,8 @@ async def worker(
     """One run, in this process, with whichever `dynamo_graph` is first on sys.path."""
     from dynamo_graph.backend.protocol import PreprocessedRequest, SamplingOptions, StopConditions
     from dynamo_graph.dev.tiny_model import GGUF_NAME
-    from dynamo_graph.engines.llamacpp import LlamaCppEngine
-    from dynamo_graph.engines.llamacpp_args import LlamaCppArgs
+    from dynamo_graph.engines.llamacpp.args import LlamaCppArgs
+    from dynamo_graph.engines.llamacpp.engine import LlamaCppEngine
     from dynamo_graph.llm.model_source import resolve_model
     from dynamo_graph.runtime.context import Context
 

@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dynamo_graph.engines import registry
 from dynamo_graph.frontend.settings import HttpSettings, LimitSettings
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
@@ -37,32 +38,7 @@ from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
 
-KV_EVENT_ENGINES = frozenset({"mocker", "vllm", "sglang", "trtllm"})
-"""Engines that publish KV cache events, which the kv router needs unless `use_kv_events: false`."""
-
-KV_TRANSFER_ENGINES = frozenset({"mocker", "llamacpp"})
-"""Engines that hand a prompt's KV cache from a prefill worker to a decode worker (role prefill/decode)."""
-
-KV_CONNECTOR_ENGINES: dict[str, tuple[str, str]] = {
-    "vllm": ("kv_transfer_config", '{"kv_connector": "NixlConnector"}'),
-    "sglang": ("disaggregation_transfer_backend", "nixl (or mooncake)"),
-    "trtllm": ("cache_transceiver_config", '{"backend": "DEFAULT"}'),
-}
-"""Engines whose KV cache moves by their own connector: they can be prefill/decode workers when their
-engine args configure it. Engine -> (the engine argument that does, an example value)."""
-
-KV_CONNECTOR_UNSERVED: dict[str, str] = {
-    "sglang": (
-        "SGLang's prefill sends its first token with the KV to the decode engine, while dyngraph's "
-        "frontend waits for the prefill worker's first token before it picks a decode worker "
-        "(engines/sglang.py); SGLang cannot serve disaggregated here yet: use role agg"
-    ),
-}
-"""Engines whose connector is mapped but does not fit the frontend's prefill -> decode flow yet, and why."""
-
-ENGINES = ("echo_core", "echo_full", "mocker", "vllm", "llamacpp", "mistralrs", "sglang", "trtllm")
-# Engines with an embedding mode (`embedding: true`; engines/__init__.py EngineSpec.embedding_target).
-EMBEDDING_ENGINES = ("mocker", "llamacpp", "vllm")
+ENGINES = tuple(registry.ENGINES)
 
 # Names become parts of `dyn://namespace.component.endpoint` and of state paths, so they follow
 # runtime/names.py: letters, digits, '_' and '-', no dots.
@@ -488,10 +464,10 @@ class Worker(_Component):
     def _embedding_worker(self) -> Worker:
         if not self.embedding:
             return self
-        if self.engine not in EMBEDDING_ENGINES:
+        if self.engine not in registry.EMBEDDING_ENGINES:
             raise field_error(
                 "embedding",
-                f"engine {self.engine} has no embedding mode ({', '.join(EMBEDDING_ENGINES)} have)",
+                f"engine {self.engine} has no embedding mode ({', '.join(registry.EMBEDDING_ENGINES)} have)",
             )
         if self.role != "agg":
             raise field_error(

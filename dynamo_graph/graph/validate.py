@@ -21,12 +21,14 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from dynamo_graph.graph.errors import GraphError, Location, Problem
-from dynamo_graph.graph.schema import (
+from dynamo_graph.engines.registry import (
     KV_CONNECTOR_ENGINES,
     KV_CONNECTOR_UNSERVED,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
+)
+from dynamo_graph.graph.errors import GraphError, Location, Problem
+from dynamo_graph.graph.schema import (
     LOCAL,
     Frontend,
     Graph,

@@ -49,8 +49,8 @@ def make_request(model: LocalModel) -> Callable[[int], PreprocessedRequest]:
 
 
 def _llamacpp(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
-    from dynamo_graph.engines.llamacpp import LlamaCppEngine
-    from dynamo_graph.engines.llamacpp_args import LlamaCppArgs
+    from dynamo_graph.engines.llamacpp.args import LlamaCppArgs
+    from dynamo_graph.engines.llamacpp.engine import LlamaCppEngine
 
     vocab = model.load_tokenizer().get_vocab_size(with_added_tokens=True)
     return lambda: LlamaCppEngine(
@@ -62,7 +62,8 @@ def _llamacpp(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
 
 
 def _mistralrs(tiny_model: Path, model: LocalModel) -> Callable[[], LLMEngine]:
-    from dynamo_graph.engines.mistralrs import MistralrsArgs, MistralrsEngine
+    from dynamo_graph.engines.mistralrs.args import MistralrsArgs
+    from dynamo_graph.engines.mistralrs.engine import MistralrsEngine
 
     return lambda: MistralrsEngine(model, MistralrsArgs(max_seqs=4))
 

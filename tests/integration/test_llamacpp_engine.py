@@ -24,8 +24,8 @@ from dynamo_graph.backend.protocol import CompletionUsage, LLMEngineOutput, Samp
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.llamacpp import LlamaCppEngine
-from dynamo_graph.engines.llamacpp_args import INSTALL_HINT, LlamaCppArgs, LlamaCppError
+from dynamo_graph.engines.llamacpp.args import INSTALL_HINT, LlamaCppArgs, LlamaCppError
+from dynamo_graph.engines.llamacpp.engine import LlamaCppEngine
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.migration import continuation

@@ -17,8 +17,8 @@ from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.lora import LoraAdapter, lora_id
 from dynamo_graph.dev.tiny_lora import GGUF_LORA_NAME, build_tiny_lora
 from dynamo_graph.dev.tiny_model import GGUF_NAME
-from dynamo_graph.engines.llamacpp import LlamaCppEngine
-from dynamo_graph.engines.llamacpp_args import LlamaCppArgs
+from dynamo_graph.engines.llamacpp.args import LlamaCppArgs
+from dynamo_graph.engines.llamacpp.engine import LlamaCppEngine
 from dynamo_graph.llm.model_source import resolve_model
 from tests.support.engine_requests import collect, greedy_request, ids
 from tests.support.processes import running_server

@@ -18,7 +18,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import OutputOptions, SamplingOptions
 from dynamo_graph.dev.tiny_model import GGUF_NAME
-from dynamo_graph.engines.llamacpp import LlamaCppArgs, LlamaCppEngine
+from dynamo_graph.engines.llamacpp.engine import LlamaCppArgs, LlamaCppEngine
 from dynamo_graph.llm.model_source import resolve_model
 from tests.support.engine_requests import collect, greedy_request, ids
 from tests.support.processes import ServerProcess, running_server

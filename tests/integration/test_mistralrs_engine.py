@@ -34,12 +34,9 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("mistralrs")
 
-from dynamo_graph.engines.mistralrs import (
-    MistralrsArgs,
-    MistralrsEngine,
-    MistralrsError,
-    TokenBytes,
-)
+from dynamo_graph.engines.mistralrs.args import MistralrsArgs, MistralrsError
+from dynamo_graph.engines.mistralrs.engine import MistralrsEngine
+from dynamo_graph.engines.mistralrs.vocab import TokenBytes
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -315,7 +312,7 @@ async def test_non_canonical_prompt_is_served_with_a_warning(
 def test_missing_package_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from dynamo_graph.engines.mistralrs import import_mistralrs
+    from dynamo_graph.engines.mistralrs.args import import_mistralrs
 
     monkeypatch.setitem(sys.modules, "mistralrs", None)
     with pytest.raises(MistralrsError, match=r"pip install 'dyngraph\[mistralrs\]'"):

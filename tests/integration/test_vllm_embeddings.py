@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from dynamo_graph.backend.errors import InvalidArgument
-from dynamo_graph.engines.vllm_embed import VllmEmbeddingEngine
+from dynamo_graph.engines.vllm.embed import VllmEmbeddingEngine
 from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest
 from dynamo_graph.runtime.context import Context
 

@@ -35,7 +35,9 @@ from dynamo_graph.backend.protocol import (
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.vllm import VllmEngine, VllmError, block_hash_u64, engine_args_from_settings
+from dynamo_graph.engines.vllm.args import VllmError, engine_args_from_settings
+from dynamo_graph.engines.vllm.engine import VllmEngine
+from dynamo_graph.engines.vllm.kv_events import block_hash_u64
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.hashing import local_block_hashes

@@ -28,7 +28,7 @@ from dynamo_graph.backend.lora import LoraAdapter, lora_id
 from dynamo_graph.backend.protocol import OutputOptions, PreprocessedRequest
 from dynamo_graph.dev.tiny_lora import GGUF_LORA_NAME, build_tiny_lora
 from dynamo_graph.dev.tiny_model import GGUF_NAME
-from dynamo_graph.engines.vllm import VllmEngine
+from dynamo_graph.engines.vllm.engine import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed
 from tests.integration.test_vllm_engine import LONG, Sink

@@ -1,10 +1,10 @@
-"""The GGUF fingerprint that names a llama.cpp KV handoff's model (engines/llamacpp_state.py)."""
+"""The GGUF fingerprint that names a llama.cpp KV handoff's model (engines/llamacpp/state.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dynamo_graph.engines.llamacpp_state import gguf_fingerprint, state_format
+from dynamo_graph.engines.llamacpp.state import gguf_fingerprint, state_format
 
 
 def _write(path: Path, size: int, patches: dict[int, bytes]) -> Path:

@@ -1,6 +1,6 @@
 """Native KV connectors behind the KV transfer contract, without the engines' packages: the handoff of
 a connector's transfer parameters (engines/kv_handoff.py) and how vLLM's `kv_transfer_config` follows
-`--disaggregation-mode` (engines/vllm_disagg.py). vLLM for real: tests/integration/test_vllm_engine.py."""
+`--disaggregation-mode` (engines/vllm/disagg.py). vLLM for real: tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from dynamo_graph.engines.kv_handoff import (
     prompt_request,
     without_known,
 )
-from dynamo_graph.engines.vllm import VllmEngine, VllmError, engine_args_from_settings
-from dynamo_graph.engines.vllm_disagg import connector_name
+from dynamo_graph.engines.vllm.args import VllmError, engine_args_from_settings
+from dynamo_graph.engines.vllm.disagg import connector_name
+from dynamo_graph.engines.vllm.engine import VllmEngine
 from tests.unit.engine_adapter_helpers import request, tiny_local_model
 
 NIXL = connector_format("vllm", "NixlConnector")

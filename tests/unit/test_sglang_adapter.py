@@ -5,7 +5,7 @@ The fake implements what the adapter uses of the real Engine, in the shapes SGLa
 of `{"output_ids", "meta_info"}` dicts (cumulative ids sharing one growing list, or incremental
 ids, as SGLang's `incremental_streaming_output` / `stream_output` setting decides),
 `tokenizer_manager.abort_request(rid=..., abort_all=False)`, `get_server_info()` and `shutdown()`;
-its KV events travel over a real ZMQ PUB socket as msgpack arrays in SGLang's wire layout. In PD mode
+its KV events over a real ZMQ socket: tests/integration/test_sglang_kv_events.py. In PD mode
 (`disaggregation_mode`), a prefill request waits for a decode request to join its `bootstrap_room`
 before it computes its one token, as SGLang's prefill waits for the decode engine's allocation.
 """
@@ -31,16 +31,16 @@ from dynamo_graph.backend.protocol import (
     StopConditions,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
-from dynamo_graph.engines import PLANNED_ENGINES, create_engine, get_engine_spec
-from dynamo_graph.engines.sglang import (
+from dynamo_graph.engines import create_engine
+from dynamo_graph.engines.sglang.args import (
     DEFAULT_PAGE_SIZE,
-    SglangEngine,
     SglangError,
-    SglangKvEventBridge,
     import_sglang,
     sampling_params,
     server_args_from_settings,
 )
+from dynamo_graph.engines.sglang.engine import SglangEngine
+from dynamo_graph.engines.sglang.kv_events import SglangKvEventBridge
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -256,11 +256,6 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     assert isinstance(engine, SglangEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[sglang\]"):
         asyncio.run(engine.start())
-
-
-def test_registered_engine() -> None:
-    assert get_engine_spec("sglang").target == "dynamo_graph.engines.sglang:SglangEngine"
-    assert "sglang" not in PLANNED_ENGINES and "trtllm" not in PLANNED_ENGINES
 
 
 def test_sampling_mapping() -> None:
@@ -540,7 +535,12 @@ async def test_prefill_and_decode_pair_by_bootstrap_room() -> None:
 
 
 def test_kv_bridge_converts_sglang_batches() -> None:
-    from dynamo_graph.engines.sglang import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from dynamo_graph.engines.sglang.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
 
     sink = RecordingSink()
     bridge = SglangKvEventBridge(sink, block_size=4)
@@ -562,83 +562,6 @@ def test_kv_bridge_converts_sglang_batches() -> None:
         ("removed", [12], 1),  # 13 was a partial block the router never saw
         ("cleared", 1),
     ]
-
-
-def _wire_batch(events: list[list[Any]]) -> bytes:
-    """A KVEventBatch as SGLang's publisher encodes it: msgpack arrays, tagged by class name."""
-    return msgspec.msgpack.encode([time.time(), events])
-
-
-async def test_kv_events_flow_from_sglangs_zmq_publisher() -> None:
-    import zmq
-    import zmq.asyncio
-
-    sink = RecordingSink()
-    engine = make_engine()
-    engine.kv_event_sink = sink
-    await engine.start()
-    config = json.loads(engine.launched_args["kv_events_config"])
-    assert config["publisher"] == "zmq" and config["endpoint"].startswith("tcp://127.0.0.1:")
-    # SGLang's publisher connects to a concrete tcp address (kv_events.py) and sends [topic, seq, payload].
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.connect(config["endpoint"])
-    topic = config["topic"].encode()
-    try:
-        deadline = time.monotonic() + 5
-        while not sink.events and time.monotonic() < deadline:  # the ZMQ handshake takes a moment
-            await pub.send_multipart([topic, (0).to_bytes(8, "big"), _wire_batch([["AllBlocksCleared"]])])
-            await asyncio.sleep(0.02)
-        assert sink.events and sink.events[0] == ("cleared", 0)
-        toks = list(range(8))
-        stored = ["BlockStored", [7, 8], None, toks, 4, None, "GPU"]  # a newer trailing field is ignored
-        await pub.send_multipart(
-            [topic, (1).to_bytes(8, "big"), _wire_batch([stored, ["BlockRemoved", [7]]])]
-        )
-        for _ in range(500):
-            if len([e for e in sink.events if e[0] != "cleared"]) >= 2:
-                break
-            await asyncio.sleep(0.01)
-        local = local_block_hashes(toks, 4)
-        others = [e for e in sink.events if e[0] != "cleared"]
-        assert others == [
-            ("stored", None, [StoredBlock(7, local[0]), StoredBlock(8, local[1])], 0),
-            ("removed", [7], 0),
-        ]
-    finally:
-        pub.close(linger=0)
-        ctx.term()
-    sink.events.clear()
-    await engine.cleanup()
-    assert sink.events == [("cleared", 0)]
-
-
-async def test_kv_events_from_a_user_configured_binding_publisher(tmp_path: Path) -> None:
-    import zmq
-    import zmq.asyncio
-
-    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)  # SGLang binds ipc:// endpoints; we connect
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(endpoint)
-    sink = RecordingSink()
-    engine = make_engine(
-        kv_events_config=json.dumps({"publisher": "zmq", "endpoint": endpoint, "topic": "t"})
-    )
-    engine.kv_event_sink = sink
-    try:
-        await engine.start()
-        deadline = time.monotonic() + 5
-        while not sink.events and time.monotonic() < deadline:
-            await pub.send_multipart([b"t", (0).to_bytes(8, "big"), _wire_batch([["AllBlocksCleared"]])])
-            await asyncio.sleep(0.02)
-        assert sink.events[0] == ("cleared", 0)
-    finally:
-        await engine.cleanup()
-        pub.close(linger=0)
-        ctx.term()
 
 
 # ---- the engine conformance kit -----------------------------------------------------------------

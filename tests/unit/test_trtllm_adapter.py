@@ -33,17 +33,16 @@ from dynamo_graph.backend.protocol import (
     StopConditions,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
-from dynamo_graph.engines import create_engine, get_engine_spec
-from dynamo_graph.engines.trtllm import (
-    DEFAULT_EVENT_BUFFER,
-    TrtllmEngine,
+from dynamo_graph.engines import create_engine
+from dynamo_graph.engines.trtllm.args import (
     TrtllmError,
-    TrtllmKvEventBridge,
     import_tensorrt_llm,
     llm_args_from_settings,
     sampling_kwargs,
     visible_devices,
 )
+from dynamo_graph.engines.trtllm.engine import DEFAULT_EVENT_BUFFER, TrtllmEngine
+from dynamo_graph.engines.trtllm.kv_events import TrtllmKvEventBridge
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
@@ -313,7 +312,6 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, mo
     assert isinstance(engine, TrtllmEngine)
     with pytest.raises(RunConfigError, match=r"dyngraph\[trtllm\]"):
         asyncio.run(engine.start())
-    assert get_engine_spec("trtllm").target == "dynamo_graph.engines.trtllm:TrtllmEngine"
 
 
 def test_sampling_mapping() -> None:

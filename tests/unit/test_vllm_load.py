@@ -1,4 +1,4 @@
-"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm_load.py), without vLLM: the stats are
+"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm/load.py), without vLLM: the stats are
 vLLM's `SchedulerStats` fields as plain attributes (the real thing runs in test_vllm_engine.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamo_graph.engines import vllm_load
-from dynamo_graph.engines.vllm_load import LoadReporter, stat_logger
+from dynamo_graph.engines.vllm import load as vllm_load
+from dynamo_graph.engines.vllm.load import LoadReporter, stat_logger
 from dynamo_graph.router.kv.protocols import LoadMetrics
 
 

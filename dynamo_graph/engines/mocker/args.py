@@ -23,7 +23,7 @@ its key. The errors are `RunConfigError`s, so `dyngraph run` reports them like a
 | scheduling_policy | "priority" | "fcfs" or "priority": waiting order and preemption victim |
 
 `scheduling_policy` is vLLM's engine argument of that name, and its default is our vLLM worker's
-(engines/vllm.py): "priority", so requests marked urgent (`x-dynamo-request-priority`) are admitted
+(engines/vllm/engine.py): "priority", so requests marked urgent (`x-dynamo-request-priority`) are admitted
 first without any setting; with every priority equal it behaves exactly as "fcfs" (queues.py).
 """
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
+from dynamo_graph.engines.registry import KV_TRANSFER_ENGINES
 from dynamo_graph.graph.build import build
-from dynamo_graph.graph.schema import KV_TRANSFER_ENGINES
 from dynamo_graph.graph.targets.k8s.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAGS, Backend
 from dynamo_graph.options import options
 from dynamo_graph.router.config import RouterConfig

@@ -1,5 +1,5 @@
 """The decoding loop of `out=llamacpp`: one thread drives one llama.cpp context whose sequences
-are the engine's concurrent requests (llamacpp.py's docstring says what a user sees).
+are the engine's concurrent requests (docs/engines/llamacpp.md says what a user sees).
 
 Why one thread and one context: llama.cpp computes a batch holding tokens of several sequences
 in one graph, so eight requests decoding together cost one pass over the weights per step instead
@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineError, EngineShutdown
 from dynamo_graph.backend.protocol import CompletionUsage, FinishReason, SamplingOptions, TopLogprob
-from dynamo_graph.engines.llamacpp_guided import token_logprobs
-from dynamo_graph.engines.llamacpp_state import export_sequence, import_sequence
+from dynamo_graph.engines.llamacpp.guided import token_logprobs
+from dynamo_graph.engines.llamacpp.state import export_sequence, import_sequence
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:

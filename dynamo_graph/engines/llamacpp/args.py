@@ -1,6 +1,6 @@
 """`out=llamacpp`'s settings: its `--extra-engine-args` options, checked before anything loads,
 what they become in llama.cpp's model and context parameters, and the GGUF file of the model
-(the engine itself is in llamacpp.py; its docstring lists the options). llama-cpp-python is
+(the engine is engine.py; docs/engines/llamacpp.md lists the options). llama-cpp-python is
 imported only when an engine is built, so that `dyngraph` runs without it and says how to
 install it when it is needed."""
 
@@ -151,7 +151,7 @@ def model_params(lc: Any, args: LlamaCppArgs) -> Any:
 
 def context_params(lc: Any, args: LlamaCppArgs, n_ctx_seq: int) -> Any:
     """llama.cpp's context parameters: one context of `n_parallel` sequences sharing a unified KV
-    cache of `n_parallel * n_ctx_seq` cells (llamacpp.py says why unified). Threads: the options',
+    cache of `n_parallel * n_ctx_seq` cells (docs/engines/llamacpp.md: why unified). Threads: the options',
     else half the CPUs."""
     kw = args.llama_kwargs
     params = lc.llama_context_default_params()

@@ -1,6 +1,6 @@
 """`out=vllm --embedding`: vLLM's pooling runner behind the embedding engine contract.
 
-The same `AsyncLLM` as `out=vllm` (vllm.py: install, flags, `--extra-engine-args`, environment),
+The same `AsyncLLM` as `out=vllm` (engine.py: install, flags, `--extra-engine-args`, environment),
 started with `runner="pooling"` and, for a model that is not an embedding model by architecture,
 `convert="embed"` (both may be given in `--extra-engine-args` instead). Each input is one
 `AsyncLLM.encode(TokensPrompt(prompt_token_ids=...), PoolingParams(task="embed"))` request, all of
@@ -27,7 +27,12 @@ from dynamo_graph.backend.embedding import (
 )
 from dynamo_graph.backend.engine import EngineConfig
 from dynamo_graph.backend.errors import EngineShutdown, InvalidArgument
-from dynamo_graph.engines.vllm import VllmError, check_engine_args, engine_args_from_settings, import_vllm
+from dynamo_graph.engines.vllm.args import (
+    VllmError,
+    check_engine_args,
+    engine_args_from_settings,
+    import_vllm,
+)
 from dynamo_graph.llm.protocol import EmbeddingOutput, PreprocessedEmbeddingRequest
 from dynamo_graph.runtime.context import Context
 

@@ -1,106 +1,13 @@
-"""`out=llamacpp`: a GGUF model run in-process by llama.cpp (llama-cpp-python), tokens in/out.
+"""`out=llamacpp`: a GGUF model run in-process by llama.cpp (llama-cpp-python), token ids in and
+out. The user's manual (model, concurrency, the unified KV cache, prefix reuse, determinism,
+sampling, the context limit, prefill/decode, LoRA, options) is docs/engines/llamacpp.md.
 
-The frontend tokenizes and templates (the model card's tokenizer: tokenizer.json, or the one built
-from the GGUF); this engine takes token ids and streams token ids back. llama-cpp-python is
-imported only when this engine is built; without it the error says how to install it.
-
-Model: `--model-path` is a .gguf file, or a folder holding one (an HF folder whose weights are only
-safetensors is refused: convert it with llama.cpp's convert_hf_to_gguf.py). The GGUF's vocabulary
-must cover the tokenizer's ids. `n_ctx` is `--context-length`, else the model's context length:
-the most one request (prompt and output) may hold.
-
-Concurrency, as llama.cpp's own server does it: the model is loaded once, into ONE llama.cpp
-context of `n_parallel` sequences (default 1); each running request is one sequence, and one
-thread (llamacpp_batch.py) decodes all of them together: each step is one `llama_decode` of a
-batch holding the next token of every generating sequence and prompt chunks of those still
-prefilling (`n_batch` tokens at most), then each sequence samples from its own row of logits with
-its own sampler chain. Requests beyond `n_parallel` wait for a free sequence, the most urgent
-first (the request's priority: `x-dynamo-request-priority` / nvext priority, higher first; arrival
-order among equals), and prompt chunks share a step's `n_batch` most urgent first too. Memory
-is one copy of the weights plus the KV cache of `n_parallel * n_ctx` tokens. (Until this design,
-`n_parallel: N` built N separate contexts: N KV caches, N threads each decoding one sequence, and
-on a GPU N copies of the weights.) The thread hands tokens to the request's async generator
-through a lock-protected list, and wakes the generators that have new tokens with one
-`loop.call_soon_threadsafe` per step (tokens produced while a consumer is busy travel in one
-chunk), so the event loop never blocks on llama.cpp.
-
-The KV cache is unified (`kv_unified`): one buffer of `n_parallel * n_ctx` cells that all
-sequences draw from, not `n_parallel` streams of `n_ctx`. With separate streams llama.cpp splits
-a batch (`split_equal`) into micro-batches of consecutive sequence ids with equal token counts,
-so a prompt chunk beside decode tokens, or a gap in the busy ids, costs extra passes over the
-weights; unified, a step is one pass whatever the mix. It also lets sequences share cells
-(below). Room is still certain: every sequence holds at most `n_ctx` positions and there are
-`n_parallel` of them. The price: each token's attention spans the cells in use by all sequences
-(masked to its own), which grows with many long sequences. Threads: `n_threads` (default: half
-the CPUs) for the one context.
-
-Prefix reuse: a sequence keeps its KV cells after its request ends. A new prompt goes to the free
-sequence holding the longest common prefix with it; if another sequence (busy or not) holds a
-longer one, that prefix is shared into the free sequence with `llama_memory_seq_cp` (in a
-unified cache that marks the cells as the other sequence's too; nothing is copied). At least one
-prompt token is always evaluated again, for fresh logits; the reused length is reported as
-`cached_tokens`, as llama.cpp's server does, so a follow-up turn of a conversation only evaluates
-the new turn, and requests sharing a system prompt evaluate it once. Outputs are the same with or
-without reuse (only rounding of the attention over the cached part could differ, as with any
-prefix cache). `prefix_reuse: false` starts every request from an empty sequence instead.
-
-Determinism: with one sequence (`n_parallel: 1`) a request is computed as llama.cpp's own
-`Llama.generate` computes it (the same batches; the same greedy ids). With more, a request's rows
-may be computed in bigger matrix products beside other sequences' tokens, and its attention spans
-every cell in use in the unified cache (masked to its own); llama.cpp does not promise the same
-rounding across these. Observed on the tiny test model: the greedy ids of 20 prompts of 1 to 420
-tokens decoded together on 8 sequences equal their ids one at a time, which equal
-`Llama.generate`'s (tests/integration/test_llamacpp_engine.py); on a real model a near-tie
-between two tokens can flip, as in any batching server.
-
-Sampling (SamplingOptions -> llama.cpp's sampler chain): temperature 0 or unset is greedy (the
-chain is the penalties and `greedy`, exactly what `Llama.generate(temp=0)` builds); otherwise
-top_k (unset/<=0: off), top_p, min_p, temperature, then a seeded `dist` (the request's seed, else
-the `seed` option; 4294967295, the default, is a random seed). repetition_penalty,
-presence_penalty and frequency_penalty are llama.cpp's penalties over the last
-`last_n_tokens_size` (64) generated tokens; logit_bias is applied first. guided_json (so
-response_format), guided_choice and guided_grammar become a GBNF grammar in the chain, and
-log-probabilities are reported when asked (llamacpp_guided.py). The engine stops by itself at
-max_tokens, at a stop token id, and at an eos id unless ignore_eos; until min_tokens are generated
-those ids are banned from sampling (as vLLM does). The stop token is the last id of the final
-chunk (the postprocessor hides it) and counts as generated.
-
-Context limit: a prompt of n_ctx tokens or more is an InvalidArgument (HTTP 400, as vLLM does);
-otherwise generation ends with "length" when prompt + output reaches n_ctx (the frontend already
-rejects a max_tokens that does not fit, so this only guards direct callers).
-
-Disaggregated prefill/decode (`kv_transfer`): as a prefill worker, `prefill` evaluates the prompt
-and samples its first token exactly as `generate` would; unless the request ends there, it exports
-the prompt's KV (the first token is not evaluated) as a `KvHandoff` (llamacpp_state.py: llama.cpp's
-sequence state plus the prompt's ids, in a format naming the GGUF and llama-cpp-python's version).
-As a decode worker, `generate_from_kv` loads that state into a free sequence in place of the
-prompt's evaluation (the sequence's cached tokens become the prompt's, for prefix reuse later),
-evaluates only what follows (the first token), and streams the rest as `generate` does;
-`cached_tokens` is the handoff's size. A handoff for another model or prompt, or one llama.cpp
-will not load (truncated, another KV layout, no room in the context) is a `KvImportError` before
-any output, and the worker prefills locally. Greedy outputs equal the aggregated run's token for
-token; penalties see the first token as generated, as they did on the prefill worker; a seeded
-sampler starts afresh on the decode worker (as after migration), so sampled outputs differ from
-an aggregated run's. `prompt_tokens_evaluated` counts the prompt tokens the context evaluated;
-at debug level (DYN_LOG=info,dynamo_graph.engines.llamacpp=debug) each request logs how many
-prompt tokens came from the cache or a handoff and how many were evaluated.
-
-LoRA adapters (backend/lora.py): `load_lora` loads a GGUF LoRA (`llama_adapter_lora_init`; a
-.gguf file, or a folder holding one: dyngraph.dev.tiny_lora writes both a PEFT folder and its
-GGUF); a request whose `model` is the adapter's name decodes with it. Sequences of different
-adapters take turns in the one context (llamacpp_batch.py).
-
-Cancellation: the thread checks `context.is_stopped()` (and `abort()`) before each step, so
-before each token and between prefill chunks; the stream then ends with finish_reason
-"cancelled". Every final chunk carries `completion_usage` (prompt, completion and cached
-tokens); the first chunk with tokens carries `cached_tokens`.
-
-Options (`--extra-engine-args` JSON, checked in llamacpp_args.py; an unknown key is an error
-listing the known ones):
-n_parallel, n_ctx (same as --context-length), n_threads, n_threads_batch, n_batch, n_ubatch,
-n_gpu_layers, main_gpu, seed, use_mmap, use_mlock, flash_attn, offload_kqv, last_n_tokens_size,
-rope_freq_base, rope_freq_scale, verbose, prefix_reuse. Errors in settings or the model are
-`RunConfigError`s, so `dyngraph run` prints them like a bad flag.
+Contract: one llama.cpp context of `n_parallel` sequences decoded together by one thread
+(batch.py), which hands tokens to each request's generator without blocking the event loop; a
+sequence keeps its KV cells after its request, for prefix reuse (reported as `cached_tokens`).
+Stop and eos ids end a sequence here (banned until min_tokens); the prompt must leave room in
+`n_ctx` (else `InvalidArgument`). Cancellation is checked before each step. Settings and model
+errors are `RunConfigError`s (args.py); llama-cpp-python is imported when an engine is built.
 """
 
 from __future__ import annotations
@@ -114,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, request_priority
-from dynamo_graph.engines.llamacpp_args import (
+from dynamo_graph.engines.llamacpp.args import (
     LlamaCppArgs,
     LlamaCppError,
     args_from_settings,
@@ -123,15 +30,16 @@ from dynamo_graph.engines.llamacpp_args import (
     import_llama_cpp,
     model_params,
 )
-from dynamo_graph.engines.llamacpp_batch import BatchLoop, Job
-from dynamo_graph.engines.llamacpp_guided import (
+from dynamo_graph.engines.llamacpp.batch import BatchLoop, Job
+from dynamo_graph.engines.llamacpp.guided import (
     CAPABILITIES,
     add_grammar,
     check_grammar,
     eog_ids,
     request_grammar,
 )
-from dynamo_graph.engines.llamacpp_state import check_handoff, state_format
+from dynamo_graph.engines.llamacpp.state import check_handoff, state_format
+from dynamo_graph.engines.sampling import capped_max_tokens, refuse_several_choices, stop_token_ids
 from dynamo_graph.llm.openai import AnyRequest
 from dynamo_graph.runtime.context import Context
 
@@ -148,7 +56,7 @@ CLEANUP_WAIT_S = 30.0
 
 
 class LlamaCppEngine(LLMEngine):
-    """One llama.cpp context serving requests as its sequences; see the module docstring."""
+    """One llama.cpp context serving requests as its sequences; see docs/engines/llamacpp.md."""
 
     kv_transfer = True
 
@@ -165,7 +73,7 @@ class LlamaCppEngine(LLMEngine):
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.n_ctx = self.args.n_ctx or default_n_ctx or 0  # per sequence; 0: the model's
         self.n_vocab = 0
-        self.kv_format = ""  # set by start(): what this engine's KV handoffs are (llamacpp_state)
+        self.kv_format = ""  # set by start(): what this engine's KV handoffs are (state.py)
         self._llama_cpp: Any = None
         self._model: Any = None  # llama-cpp-python's LlamaModel / LlamaContext wrappers
         self._context: Any = None
@@ -440,25 +348,19 @@ class LlamaCppEngine(LLMEngine):
         if grammar is not None:
             check_grammar(self._llama_cpp, self._model, grammar)
             end_ids = eog_ids(self._llama_cpp, self._model)
-        if (so.n or 1) > 1 or (so.best_of or 1) > 1:
-            raise InvalidArgument("n > 1 / best_of > 1 is not supported by out=llamacpp", param="n")
+        refuse_several_choices(request, "llamacpp")
         for key in so.logit_bias or {}:
             if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab):
                 raise InvalidArgument(
                     f"logit_bias key {key!r} is not a token id in this model's vocabulary [0, {vocab})",
                     param="logit_bias",
                 )
-        room = self.n_ctx - n
-        stop_ids = set(sc.stop_token_ids or ())
-        if not sc.ignore_eos:
-            stop_ids.update(request.eos_token_ids)
-            stop_ids.update(sc.stop_token_ids_hidden or ())
         return Job(
             context,
             prompt,
-            max_tokens=room if sc.max_tokens is None else min(sc.max_tokens, room),
+            max_tokens=capped_max_tokens(request, self.n_ctx),
             min_tokens=sc.min_tokens or 0,
-            stop_ids=frozenset(stop_ids),
+            stop_ids=frozenset(stop_token_ids(request)),
             sampling=so,
             loop=asyncio.get_running_loop(),
             handoff=handoff,

@@ -9,7 +9,7 @@ GGUF's `pooling_type`); a model that names none (a plain decoder LLM) needs `poo
 Vectors come back unit-length, as OpenAI's do; `dimensions` is refused (a GGUF does not say its
 vectors may be shortened).
 
-Options: `pooling` plus llamacpp's own (llamacpp_args.py) that apply to one context: n_ctx (or
+Options: `pooling` plus llamacpp's own (args.py) that apply to one context: n_ctx (or
 --context-length), n_threads, n_threads_batch, n_gpu_layers, main_gpu, use_mmap, use_mlock,
 flash_attn, offload_kqv, rope_freq_base, rope_freq_scale, verbose. `n_batch`/`n_ubatch` default
 to n_ctx, so an input as long as the context is embedded in one pass (pooling needs the whole
@@ -30,7 +30,7 @@ from dynamo_graph.backend.embedding import (
 )
 from dynamo_graph.backend.engine import EngineConfig
 from dynamo_graph.backend.errors import EngineShutdown
-from dynamo_graph.engines.llamacpp_args import (
+from dynamo_graph.engines.llamacpp.args import (
     SOURCE,
     LlamaCppArgs,
     LlamaCppError,

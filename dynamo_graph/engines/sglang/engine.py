@@ -1,0 +1,333 @@
+"""`out=sglang`: SGLang's offline engine (`sglang.Engine`) behind the `LLMEngine` contract, token ids
+in and out. The user's manual (flags, sampling, streaming modes, prefill/decode, KV events) is
+docs/engines/sglang.md.
+
+Contract: written against SGLang's documented Python API (`Engine(**ServerArgs)`,
+`async_generate(input_ids=..., stream=True, rid=...)`, `tokenizer_manager.abort_request`,
+`shutdown()`, its ZMQ KV event publisher) and checked as Dynamo's SGLang worker uses it, but never
+run against the real package: it does not install on the CPU-only machines this project is built
+on. tests/unit/test_sglang_adapter.py replaces the engine at that boundary (`_create_backend`,
+`_server_args_fields`). Lifecycle and the request stream are engines/library.py's; this module
+says how SGLang takes a request, what its outputs mean, and how it aborts and shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dynamo_graph.backend.engine import EngineConfig, KvImportError
+from dynamo_graph.backend.errors import EngineError, InvalidArgument
+from dynamo_graph.backend.kv_transfer import KvHandoff
+from dynamo_graph.backend.protocol import FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.backend.settings import EngineSettings, RunConfigError
+from dynamo_graph.engines.inflight import ActiveRequest, checked_prompt
+from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
+from dynamo_graph.engines.kv_handoff import connector_format, connector_handoff, connector_params
+from dynamo_graph.engines.library import LibraryEngine, Parsed, Submission
+from dynamo_graph.engines.sglang.args import (
+    INSTALL_HINT,
+    SglangError,
+    check_server_args,
+    enable_incremental_output,
+    import_sglang,
+    sampling_params,
+    server_args_from_settings,
+)
+from dynamo_graph.engines.sglang.kv_events import SglangKvEventBridge
+from dynamo_graph.llm.openai import GUIDED_DECODING, AnyRequest
+from dynamo_graph.runtime.context import Context
+
+if TYPE_CHECKING:
+    from dynamo_graph.llm.model_source import LocalModel
+    from dynamo_graph.router.kv.publisher import KvEventSink
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # ServerArgs.disaggregation_bootstrap_port's default
+DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
+BOOTSTRAP_KEYS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room"})
+KV_TOPIC = "kv-events"
+
+
+class SglangEngine(LibraryEngine):
+    """SGLang behind the engine contract; see docs/engines/sglang.md."""
+
+    engine_name = "sglang"
+    publishes_kv_events = True
+
+    def __init__(self, server_args: Mapping[str, Any], *, default_context_length: int | None = None) -> None:
+        super().__init__()
+        self.server_args = dict(server_args)
+        self.default_context_length = default_context_length
+        # SGLang's PD mode: a prefill or decode engine serves only requests paired by a bootstrap.
+        self.pd_mode = self.server_args.get("disaggregation_mode")
+        self.kv_transfer = self.pd_mode in ("prefill", "decode")
+        self._prefills: set[asyncio.Task[None]] = set()
+        # What the engine was started with (after our additions), for logs and tests.
+        self.launched_args: dict[str, Any] | None = None
+        self.incremental = False
+        self._backend: Any = None
+        self._kv: ZmqKvSubscriber | None = None
+
+    @classmethod
+    def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> SglangEngine:
+        return cls(
+            server_args_from_settings(cfg, model),
+            default_context_length=model.context_length if model is not None else None,
+        )
+
+    # ---- the API boundary (tests replace these) ----------------------------------------------
+
+    def _server_args_fields(self) -> set[str]:
+        """The installed SGLang's ServerArgs field names (imports sglang)."""
+        import_sglang()
+        try:
+            from sglang.srt.server_args import ServerArgs
+        except Exception as err:
+            raise SglangError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
+        return {f.name for f in dataclasses.fields(ServerArgs)}
+
+    def _create_backend(self, server_args: dict[str, Any]) -> Any:
+        """`sglang.Engine(**server_args)`: launches the scheduler and detokenizer processes."""
+        return import_sglang().Engine(**server_args)
+
+    def _bootstrap_address(self) -> tuple[str, int]:
+        """Where decode engines reach this prefill engine's bootstrap server: the host of
+        dist_init_addr, else SGLANG_HOST_IP, else this host's address (as SGLang's get_ip)."""
+        args = self.launched_args or self.server_args
+        port = int(args.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
+        addr = args.get("dist_init_addr")
+        if addr:
+            return str(addr).rsplit(":", 1)[0].strip("[]"), port
+        return os.environ.get("SGLANG_HOST_IP") or socket.gethostbyname(socket.gethostname()), port
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def _started(self) -> bool:
+        return self._backend is not None
+
+    async def _start(self, worker_id: int) -> EngineConfig:
+        kwargs = dict(self.server_args)
+        fields = self._server_args_fields()
+        check_server_args(kwargs, fields)
+        self.incremental = enable_incremental_output(kwargs, fields)
+        if self.kv_event_sink is not None:
+            try:
+                self._kv = self._open_kv_events(kwargs, self.kv_event_sink)
+            except RunConfigError:
+                raise
+            except Exception as err:  # a bad endpoint in kv_events_config, a port we cannot bind
+                raise SglangError(f"sglang: cannot subscribe to KV events: {err}") from err
+        try:
+            # Blocks while SGLang loads, as in Dynamo's worker (its Engine binds the running loop).
+            self._backend = self._create_backend(kwargs)
+        except Exception as err:
+            await self._close_kv()
+            if isinstance(err, RunConfigError):
+                raise
+            raise SglangError(f"SGLang failed to start: {type(err).__name__}: {err}") from err
+        self.launched_args = kwargs
+        if self._kv is not None:
+            self._kv.start()
+        config = self._engine_config(kwargs)
+        self.context_length = config.context_length
+        return config
+
+    def _engine_config(self, kwargs: Mapping[str, Any]) -> EngineConfig:
+        info: dict[str, Any] = {}
+        get_info = getattr(self._backend, "get_server_info", None)
+        if callable(get_info):
+            try:
+                info = dict(get_info() or {})
+            except Exception as err:  # informational only
+                log.debug("sglang: get_server_info failed: %s", err)
+        page = int(kwargs.get("page_size") or 1)
+        context = getattr(getattr(self._backend, "tokenizer_manager", None), "context_len", None)
+        context = context or kwargs.get("context_length") or self.default_context_length
+        total_tokens = info.get("max_total_num_tokens")
+        dp = int(kwargs.get("dp_size") or 1) if kwargs.get("enable_dp_attention") else 1
+        return EngineConfig(
+            model_input="tokens",
+            context_length=int(context) if context else None,
+            kv_cache_block_size=page,
+            total_kv_blocks=int(total_tokens) // page if total_tokens else None,
+            max_num_seqs=info.get("max_running_requests") or kwargs.get("max_running_requests"),
+            data_parallel_size=dp,
+            capabilities=list(GUIDED_DECODING),  # json_schema / regex / ebnf (above)
+        )
+
+    def _local_ranks(self, kwargs: Mapping[str, Any]) -> list[int]:
+        """DP ranks whose schedulers publish on this node (each its own KV cache under DP attention)."""
+        if not kwargs.get("enable_dp_attention"):
+            return [0]
+        dp, nodes = int(kwargs.get("dp_size") or 1), int(kwargs.get("nnodes") or 1)
+        local = max(dp // nodes, 1)
+        first = int(kwargs.get("node_rank") or 0) * local
+        return list(range(first, first + local))
+
+    def _open_kv_events(self, kwargs: dict[str, Any], sink: KvEventSink) -> ZmqKvSubscriber | None:
+        if kwargs.get("disable_radix_cache"):
+            log.warning("sglang: disable_radix_cache is set, so SGLang reports no KV events")
+            return None
+        bridge = SglangKvEventBridge(sink, int(kwargs.get("page_size") or 1))
+        subscriber = ZmqKvSubscriber(bridge.handle_payload, engine="sglang", error=SglangError)
+        ranks = self._local_ranks(kwargs)
+        try:
+            given = kwargs.get("kv_events_config")
+            if given:
+                config = json.loads(given)
+                if config.get("publisher", "null") != "zmq":
+                    log.warning("sglang: kv_events_config publisher is not zmq; KV events are not bridged")
+                    subscriber.discard()
+                    return None
+                endpoint = config.get("endpoint", "tcp://*:5557")
+                if endpoint.startswith("inproc://"):
+                    log.warning("sglang: an inproc:// KV event endpoint cannot be read from this process")
+                    subscriber.discard()
+                    return None
+                subscriber.attach(endpoint, ranks, config.get("topic", ""))
+            else:
+                endpoint = subscriber.bind_loopback(ranks, KV_TOPIC)
+                kwargs["kv_events_config"] = json.dumps(
+                    {"publisher": "zmq", "endpoint": endpoint, "topic": KV_TOPIC}
+                )
+        except Exception:
+            subscriber.discard()
+            raise
+        return subscriber
+
+    async def _close_kv(self) -> None:
+        if self._kv is not None:
+            kv, self._kv = self._kv, None
+            await kv.close()
+
+    async def _shutdown(self) -> None:
+        for task in list(self._prefills):
+            task.cancel()
+        await asyncio.gather(*self._prefills, return_exceptions=True)
+        await self._close_kv()
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            self._emit_cleared(self._local_ranks(self.launched_args or {}))
+            try:
+                backend.shutdown()
+            except Exception as err:
+                log.warning("sglang: shutdown failed: %s", err)
+
+    async def _abort_request(self, active: ActiveRequest) -> None:
+        manager = getattr(self._backend, "tokenizer_manager", None)
+        if manager is not None and hasattr(manager, "abort_request"):
+            manager.abort_request(rid=active.rid, abort_all=False)
+            return
+        result = self._backend.abort_request(rid=active.rid, abort_all=False)
+        if inspect.isawaitable(result):
+            await result
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def generate(
+        self, request: PreprocessedRequest | AnyRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        if self.kv_transfer:
+            raise EngineError(
+                f"sglang: an engine in disaggregation_mode {self.pd_mode} only serves requests paired by a "
+                "bootstrap room (a decode engine cannot prefill locally)"
+            )
+        return self._stream(request, context)
+
+    def _params(self, request: PreprocessedRequest, transfer: Any) -> dict[str, Any]:
+        return sampling_params(request, context_length=self.context_length)
+
+    async def _submit(self, job: Submission) -> Any:
+        """`transfer`: the bootstrap triple that pairs the request with its other half (PD mode)."""
+        kwargs: dict[str, Any] = {
+            "input_ids": job.prompt,
+            "sampling_params": job.params,
+            "stream": True,
+            "rid": job.active.rid,
+        }
+        kwargs.update(job.transfer or {})
+        if job.request.dp_rank is not None:
+            kwargs["data_parallel_rank"] = job.request.dp_rank
+        return await self._backend.async_generate(**kwargs)
+
+    def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:
+        """`{"output_ids", "meta_info"}`: incremental ids as they come, cumulative ones sliced past
+        what was sent, at once (SGLang may keep appending to the list it handed us)."""
+        meta = output.get("meta_info") or {}
+        ids = output.get("output_ids") or []
+        finish = meta.get("finish_reason")
+        return Parsed(
+            token_ids=list(ids) if self.incremental else list(ids[sent:]),
+            finished=bool(finish),
+            reason=finish,
+            cached_tokens=meta.get("cached_tokens"),
+        )
+
+    def _finish_reason(self, reason: Any) -> tuple[FinishReason, str | None]:
+        """`{"type": ...}`; an abort we did not ask for is SGLang refusing the request."""
+        kind = reason.get("type") if isinstance(reason, Mapping) else reason
+        if kind == "abort":
+            message = reason.get("message") if isinstance(reason, Mapping) else None
+            status = reason.get("status_code") if isinstance(reason, Mapping) else None
+            text = f"sglang aborted the request: {message or 'no reason given'}"
+            if status is not None and 400 <= int(status) < 500:
+                raise InvalidArgument(text)
+            raise EngineError(text)
+        return super()._finish_reason(kind)
+
+    # ---- disaggregated prefill/decode (docs/engines/sglang.md) ------------------------------
+
+    @property
+    def kv_format(self) -> str:
+        backend = self.server_args.get("disaggregation_transfer_backend") or DEFAULT_TRANSFER_BACKEND
+        return connector_format("sglang", str(backend))
+
+    async def prefill(
+        self, request: PreprocessedRequest, context: Context
+    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
+        """SGLang's prefill of the prompt started under a fresh bootstrap room; the answer has no
+        token (SGLang sends the first token with the KV to the decode engine)."""
+        if self.pd_mode != "prefill":
+            raise EngineError("sglang: prefill needs an engine started with disaggregation_mode prefill")
+        checked_prompt(request, "sglang", closed=self._closed, started=self._backend is not None)
+        sampling_params(request, context_length=self.context_length)  # refuse a bad request here, not later
+        host, port = self._bootstrap_address()
+        bootstrap = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": secrets.randbits(63)}
+        task = asyncio.create_task(self._run_prefill(self._stream(request, context, bootstrap), context))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        return LLMEngineOutput(), connector_handoff(self.kv_format, request.token_ids, bootstrap)
+
+    async def _run_prefill(self, stream: AsyncIterator[LLMEngineOutput], context: Context) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as err:  # the decode engine's own request fails with SGLang's error
+            log.warning("sglang: prefill of request %s failed: %s", context.id, err)
+
+    async def generate_from_kv(  # type: ignore[override]
+        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The prompt under the prefill's bootstrap room: SGLang pulls its KV and first token."""
+        if self.pd_mode != "decode":
+            raise KvImportError("sglang: this engine was not started with disaggregation_mode decode")
+        bootstrap = connector_params(handoff, self.kv_format, request.token_ids)
+        if not bootstrap or set(bootstrap) != BOOTSTRAP_KEYS:
+            raise KvImportError(f"sglang: the handoff holds no bootstrap address and room: {bootstrap!r}")
+        if len(request.token_ids) != handoff.num_tokens:
+            raise KvImportError(
+                "sglang: the decode engine takes the prefill's prompt alone, not a continuation"
+            )
+        async for out in self._stream(request, context, bootstrap):
+            yield out
