@@ -17,7 +17,7 @@ import msgspec
 from dynamo_graph.engines.sglang.engine import SglangEngine
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
-from tests.unit.engine_adapter_helpers import RecordingSink
+from tests.support.engine_adapters import RecordingSink
 
 FIELDS = {"model_path", "skip_tokenizer_init", "page_size", "kv_events_config"}
 

@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,10 @@ from dynamo_graph.engines.vllm.kv_events import block_hash_u64
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.llm.protocol import RoutingHints
 from dynamo_graph.router.kv.hashing import local_block_hashes
-from dynamo_graph.router.kv.protocols import LoadMetrics, StoredBlock
 from dynamo_graph.runtime.context import Context
 from tests.support.engine_requests import collect, greedy_request, ids, llama_greedy_reference, stream_chat
 from tests.support.processes import ServerProcess, free_port
+from tests.support.vllm import LONG, Sink
 
 pytestmark = pytest.mark.vllm
 # The async tests share the module's event loop, where the module's engine lives.
@@ -65,10 +65,6 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
 ]
 N = 24
-LONG = (
-    "You are a careful assistant for a shipping company. Answer in short sentences, quote the relevant "
-    "policy section, and never promise delivery dates that the tracking system has not confirmed."
-)
 
 
 def engine_kwargs(tiny_model: Path, **extra: Any) -> dict[str, Any]:
@@ -112,39 +108,6 @@ def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]
         return out[0, len(prompt) :].tolist()
 
     yield hf_generate
-
-
-class Sink:
-    """A KvEventSink recording into plain lists (method names are the protocol's)."""
-
-    def __init__(self) -> None:
-        self.stored_events: list[tuple[int | None, list[StoredBlock], int]] = []
-        self.lora_names: dict[int, str | None] = {}  # tokens hash -> the adapter of its stored event
-        self.removed_events: list[list[int]] = []
-        self.cleared_ranks: list[int] = []
-        self.loads: list[LoadMetrics] = []
-
-    def stored(
-        self,
-        parent_hash: int | None,
-        blocks: Sequence[StoredBlock],
-        dp_rank: int = 0,
-        lora_name: str | None = None,
-    ) -> None:
-        self.stored_events.append((parent_hash, list(blocks), dp_rank))
-        self.lora_names.update((b.tokens_hash, lora_name) for b in blocks)
-
-    def removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
-        self.removed_events.append(list(block_hashes))
-
-    def cleared(self, dp_rank: int = 0) -> None:
-        self.cleared_ranks.append(dp_rank)
-
-    def load(self, metrics: LoadMetrics) -> None:
-        self.loads.append(metrics)
-
-    def blocks(self) -> list[StoredBlock]:
-        return [b for _, blocks, _ in self.stored_events for b in blocks]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -31,9 +31,9 @@ from dynamo_graph.dev.tiny_model import GGUF_NAME
 from dynamo_graph.engines.vllm.engine import VllmEngine
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.router.kv.hashing import local_block_hashes, lora_hash_seed
-from tests.integration.test_vllm_engine import LONG, Sink
 from tests.support.engine_requests import collect, greedy_request, ids
 from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
+from tests.support.vllm import LONG, Sink
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm

@@ -24,9 +24,9 @@ from dynamo_graph.engines.sglang.engine import SglangEngine
 from dynamo_graph.engines.trtllm.engine import TrtllmEngine
 from dynamo_graph.engines.vllm.engine import VllmEngine
 from dynamo_graph.runtime.context import Context
-from tests.unit.engine_adapter_helpers import collect, request, tokens
+from tests.support.engine_adapters import collect, request, tokens
 
-PROMPT_LEN = 4  # engine_adapter_helpers.request's prompt
+PROMPT_LEN = 4  # engine_adapters.request's prompt
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 from dynamo_graph.backend.engine import LLMEngine
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines import create_engine, registry
-from tests.unit.engine_adapter_helpers import tiny_local_model
+from tests.support.engine_adapters import tiny_local_model
 
 # A real value for each record's connector argument (the record's example is prose for people).
 CONNECTOR_VALUES: dict[str, Any] = {

@@ -28,7 +28,7 @@ from dynamo_graph.engines.kv_handoff import (
 from dynamo_graph.engines.vllm.args import VllmError, engine_args_from_settings
 from dynamo_graph.engines.vllm.disagg import connector_name
 from dynamo_graph.engines.vllm.engine import VllmEngine
-from tests.unit.engine_adapter_helpers import request, tiny_local_model
+from tests.support.engine_adapters import request, tiny_local_model
 
 NIXL = connector_format("vllm", "NixlConnector")
 

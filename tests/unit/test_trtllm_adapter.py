@@ -47,7 +47,7 @@ from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
-from tests.unit.engine_adapter_helpers import EOS, RecordingSink, collect, request, tiny_local_model, tokens
+from tests.support.engine_adapters import EOS, RecordingSink, collect, request, tiny_local_model, tokens
 
 NAMES = {
     "model",
