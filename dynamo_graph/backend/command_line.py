@@ -57,11 +57,13 @@ def worker_settings(
     """The worker's three settings from a parsed command line, checked (deprecated spellings
     resolved)."""
     try:
+        # A python engine file is handed the frontend's --http-port, where the command line has one.
+        port = {"http_port": params["http_port"]} if "http_port" in params else {}
         engine = from_params(
             EngineSettings,
             params,
+            **port,
             engine=output,
-            http_port=params.get("http_port", 8080),
             engine_argv=list(engine_argv),
             explicit=set(explicit),
         )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -94,32 +95,33 @@ class LibraryEngine(LLMEngine):
     # ---- what each engine supplies -------------------------------------------------------------
 
     @property
+    @abstractmethod
     def _started(self) -> bool:
-        raise NotImplementedError
+        """Whether the library is up."""
 
+    @abstractmethod
     async def _start(self, worker_id: int) -> EngineConfig:
         """Start the library; the config is kept, so this runs once."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _params(self, request: PreprocessedRequest, transfer: Any) -> Any:
         """The library's parameters for the request (its checks raise `client_errors`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _submit(self, job: Submission) -> AsyncIterator[Any]:
         """Hand the request to the library; its stream of outputs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:
         """One library output; `sent`: the tokens of this request already passed on."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _abort_request(self, active: ActiveRequest) -> None:
         """Abort one request inside the library."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _shutdown(self) -> None:
         """Stop the library (requests are aborted already); called once, by cleanup()."""
-        raise NotImplementedError
 
     def _finish_reason(self, reason: Any) -> tuple[FinishReason, str | None]:
         """A library finish reason as ours, with an error text for "error". Engines override it

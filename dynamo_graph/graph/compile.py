@@ -396,12 +396,12 @@ class _Compiler:
             lora_modules=",".join(adapters) or None,
             embedding=worker.embedding,
         )
+        given = {"migration_limit": worker.migration_limit, "max_inflight": worker.max_inflight}
         worker_settings = WorkerSettings(
-            migration_limit=worker.migration_limit or 0,
             static_worker=worker.static,
-            max_inflight=worker.max_inflight if worker.max_inflight is not None else 1024,
             dyn_tool_call_parser=model.tool_call_parser,
             dyn_reasoning_parser=model.reasoning_parser,
+            **{key: value for key, value in given.items() if value is not None},  # None: the default
         )
         argv = [
             "dyngraph",

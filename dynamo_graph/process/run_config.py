@@ -41,11 +41,6 @@ RUN_SETTINGS = (
 RUN_OPTIONS = flagged(*RUN_SETTINGS)
 assert len({opt.param for opt in RUN_OPTIONS}) == len(RUN_OPTIONS), "two settings share a flag"
 
-_HEALTH_ENV = {
-    "health_check_interval_s": "DYN_HEALTH_CHECK_INTERVAL_S",
-    "health_check_timeout_s": "DYN_HEALTH_CHECK_TIMEOUT_S",
-}
-
 
 @dataclass
 class RunConfig:
@@ -174,8 +169,12 @@ def _check_parts(cfg: RunConfig) -> None:
 def apply_runtime_settings(cfg: RunConfig) -> None:
     """Put the plane and health-check flags into the environment (so every part of the runtime,
     and any child process, sees one configuration), then check them before connecting."""
-    for name, env in _HEALTH_ENV.items():
-        value = getattr(cfg.limits, name)
+    from dynamo_graph.runtime.health import INTERVAL_ENV, TIMEOUT_ENV
+
+    for env, value in (
+        (INTERVAL_ENV, cfg.limits.health_check_interval_s),
+        (TIMEOUT_ENV, cfg.limits.health_check_timeout_s),
+    ):
         if value is not None:
             os.environ[env] = f"{value:g}"
     apply_planes(cfg.planes)
