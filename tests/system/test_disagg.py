@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.disagg_cluster import LONG, DisaggCluster, start_disagg
-from tests.support.processes import ServerProcess
+from tests.support.processes import ServerProcess, WorkerProcess
 from tests.support.streaming import StreamResult, completion_body, run_one, stream_completion
 from tests.support.waiting import wait_for, wait_for_async
 
@@ -113,15 +113,18 @@ def test_kill9_of_a_prefill_worker_under_load_loses_no_request(clusters) -> None
     # Slow mockers (~0.5 s a request, ~2.5 s for all): the kill lands mid-load.
     cluster = clusters(prefill=2, decode=2, speedup=0.5)
     bodies = [completion_body(cluster.model, LONG + f"Ticket {i}.", 24) for i in range(40)]
-    victim = cluster.prefill[0]
     killed_at: list[float] = []
 
+    def busiest() -> WorkerProcess | None:
+        """The prefill worker the router has sent the most requests (the router may favour one)."""
+        sent = cluster.sent("prefill_instances")
+        loaded = [w for w in cluster.prefill if sent.get(w.instance() or "", 0) > 0]
+        return max(loaded, key=lambda w: sent[w.instance() or ""], default=None)
+
     async def kill_soon() -> None:
-        await wait_for_async(
-            lambda: cluster.sent("prefill_instances").get(victim.instance() or "", 0) > 0,
-            20,
-            "requests on the prefill worker to kill",
-        )
+        await wait_for_async(lambda: busiest() is not None, 20, "requests on a prefill worker to kill")
+        victim = busiest()
+        assert victim is not None
         victim.kill9()
         killed_at.append(time.perf_counter())
 
