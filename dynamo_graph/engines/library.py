@@ -261,6 +261,10 @@ class LibraryEngine(LLMEngine):
                         out.finish_reason, out.error = self._finish(active, parsed)
                         active.finished = True
                         out.completion_usage = usage()
+                        # Close the library's stream before the last yield: a consumer may never
+                        # resume this generator after its final output, and the stream's own
+                        # bookkeeping (vLLM's queued-prefill count) must not wait for the GC.
+                        await _close(stream)
                         yield out
                         return
                     if parsed.token_ids:
@@ -286,9 +290,7 @@ class LibraryEngine(LLMEngine):
                 watcher.cancel()
             if not active.finished:  # our consumer went away: free the library's slot
                 await self._abort(active)
-            if stream is not None and hasattr(stream, "aclose"):
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
+            await _close(stream)
             self._rids.discard(active.rid)
             self._active.remove(active)
 
@@ -297,3 +299,10 @@ class LibraryEngine(LLMEngine):
         if active.aborted or active.context.is_stopped() or not parsed.finished:
             return "cancelled", None
         return self._finish_reason(parsed.reason)
+
+
+async def _close(stream: Any) -> None:
+    """End a library stream (an async generator: its `finally` runs now); twice is harmless."""
+    if stream is not None and hasattr(stream, "aclose"):
+        with contextlib.suppress(Exception):
+            await stream.aclose()
