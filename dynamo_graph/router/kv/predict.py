@@ -18,7 +18,11 @@ each observation being (backlog + new tokens at routing time, decode blocks at r
 observed seconds). A slower worker, or one that shares its accelerator with someone else, gets a
 larger b and is predicted as such. A rank with few observations leans on the pooled fit of all
 ranks (its ridge prior), and the pool on a conservative default, so the first requests of a
-fresh frontend already rank workers by tokens to compute.
+fresh frontend already rank workers by tokens to compute. A rank not observed yet is predicted as
+fast as the fastest fit (the least of each coefficient): the pool, shrunk towards the default,
+is slower than a worker that has been answering quickly, and a fresh worker predicted slower
+would never be tried, so an idle deployment would pile every new prefix onto the worker that
+answered first. Optimism costs at most one request's worth of misjudgement per new worker.
 
 Selection: the lowest predicted TTFT, except that predictions within `TIE_TOLERANCE` of the
 best count as tied (two fits never agree exactly), and a tie goes to the rank holding the
@@ -162,8 +166,15 @@ class TtftModel:
         fit = self.fits.get(key)
         if fit is None:
             fit = self.fits[key] = TtftFit()
-            fit.coeffs = self.pooled.coeffs
+            fit.coeffs = self._untried_coeffs()
         return fit
+
+    def _untried_coeffs(self) -> tuple[float, float, float]:
+        """What a rank predicts before its first observation: the least of each coefficient
+        over the pool and the observed ranks (see the module docstring)."""
+        observed = [fit.coeffs for fit in self.fits.values() if fit.observations]
+        a, b, c = zip(self.pooled.coeffs, *observed, strict=True)
+        return min(a), min(b), min(c)
 
     def decode_blocks(self, key: WorkerKey, booked: int) -> int:
         """KV blocks `key` holds: the router's `booked` or the rank's report, the larger."""
@@ -196,11 +207,18 @@ class TtftModel:
             pooled.refit(DEFAULT_COEFFS)
         observed = self.fit(key)
         observed.observe(tokens, blocks, seconds)
+        untried = []
         for fit in self.fits.values():
             # Ranks that have seen little lean on the pool and follow it at once; the rest
             # (whose own data outweighs the prior) on their own observations and now and then.
-            if everyone or fit is observed or fit.observations < PRIOR_REFRESH:
+            if not fit.observations:
+                untried.append(fit)
+            elif everyone or fit is observed or fit.observations < PRIOR_REFRESH:
                 fit.refit(pooled.coeffs)
+        if untried:
+            coeffs = self._untried_coeffs()
+            for fit in untried:
+                fit.coeffs = coeffs
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
