@@ -210,11 +210,34 @@ def ls_command(
     raise typer.Exit(ls(Console(soft_wrap=True), as_json))
 
 
-@app.command("status", help="Show a graph's processes: state, pid, restarts, uptime, health.")
-def status_command(graph_file: GraphFile) -> None:
+@app.command("status", help="Show a graph's processes (state, pid, restarts, uptime, revision, health).")
+def status_command(
+    graph_file: GraphFile,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON, for scripts and CI")] = False,
+) -> None:
     from dynamo_graph.graph.targets.dispatch import target_of
 
-    raise _target_exit(lambda: target_of(graph_file).status(graph_file, Console(soft_wrap=True)))
+    out = Console(soft_wrap=True)
+    raise _target_exit(lambda: target_of(graph_file).status(graph_file, out, as_json=as_json))
+
+
+@app.command("history", help="List the revisions `up` and `rollback` applied, with their git commits.")
+def history_command(graph_file: GraphFile) -> None:
+    from dynamo_graph.graph.targets.local.history import history
+    from dynamo_graph.graph.targets.local.state import StateDir
+
+    raise typer.Exit(history(StateDir.of(graph_file), Console(soft_wrap=True)))
+
+
+@app.command("rollback", help="Apply a recorded revision again (default: the one before), rolling.")
+def rollback_command(
+    graph_file: GraphFile,
+    revision: Annotated[int | None, typer.Argument(help="revision number (`dyngraph history`)")] = None,
+) -> None:
+    from dynamo_graph.graph.targets.local.commands import rollback
+    from dynamo_graph.graph.targets.local.state import StateDir
+
+    raise typer.Exit(rollback(StateDir.of(graph_file), Console(soft_wrap=True), revision))
 
 
 @app.command("logs", help="Print a graph's process logs, prefixed and interleaved by time; -f follows.")

@@ -25,7 +25,15 @@ from pathlib import Path
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
 from dynamo_graph.frontend.settings import LimitSettings
-from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy, port_placeholder
+from dynamo_graph.graph.plan import (
+    Plan,
+    Probe,
+    ProcessSpec,
+    RemoteHost,
+    RestartPolicy,
+    RolloutPolicy,
+    port_placeholder,
+)
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 from dynamo_graph.options import to_argv
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
@@ -232,6 +240,10 @@ class _Compiler:
             r.policy, r.max_restarts, r.backoff_s, r.backoff_max_s
         )
 
+    def _rollout(self, name: str) -> RolloutPolicy:
+        rollout = self.graph.components[name].rollout or self.graph.rollout
+        return RolloutPolicy(rollout.max_surge, rollout.max_unavailable)
+
     def _process_names(self, component: str) -> list[str]:
         comp = self.graph.components[component]
         replicas = comp.replicas if isinstance(comp, Worker) else 1
@@ -330,6 +342,9 @@ class _Compiler:
             readiness=Probe("http", probe_url, comp.readiness.timeout_s),
             restart=restart,
             shutdown_grace_s=comp.shutdown_grace_s,
+            rollout=self._rollout(name),
+            rolls=True,  # the new frontend binds the same port (SO_REUSEPORT) before the old stops
+            shares_ports=True,
         )
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
@@ -448,6 +463,8 @@ class _Compiler:
                     restart=restart,
                     shutdown_grace_s=worker.shutdown_grace_s,
                     role=worker.role,
+                    rollout=self._rollout(name),
+                    rolls=not worker.static,  # a static worker's fixed address is taken until it stops
                 )
             )
         return procs

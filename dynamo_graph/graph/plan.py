@@ -30,6 +30,15 @@ class RestartPolicy(msgspec.Struct, frozen=True):
     backoff_max_s: float
 
 
+class RolloutPolicy(msgspec.Struct, frozen=True):
+    """How a changed component's replicas are replaced (see targets/local/rollout.py): up to
+    `max_surge` new replicas start beside the old ones, and up to `max_unavailable` old ones stop
+    before their replacements are ready."""
+
+    max_surge: int = 1
+    max_unavailable: int = 0
+
+
 class ProcessSpec(msgspec.Struct, frozen=True):
     name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
     component: str
@@ -44,6 +53,13 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     restart: RestartPolicy
     shutdown_grace_s: float
     role: str = "agg"
+    rollout: RolloutPolicy = RolloutPolicy()
+    # Whether a new run may start beside the old one (a frontend shares its port, a dynamic
+    # worker registers beside it); False: the old run stops first (etcd, nats, a static worker).
+    rolls: bool = False
+    # Whether the new run binds the old one's ports too (SO_REUSEPORT: a frontend); False: a
+    # rolling process's `auto` ports are fresh for the new run.
+    shares_ports: bool = False
 
 
 class RemoteHost(msgspec.Struct, frozen=True):

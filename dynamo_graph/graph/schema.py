@@ -321,6 +321,25 @@ class Readiness(_Model):
     """Give up (and apply the restart policy) if not ready within this many seconds."""
 
 
+class Rollout(_Model):
+    """How `up` replaces a changed component while it serves: new replicas start beside the old
+    ones, and an old one stops (out of routing first, its streams finishing within
+    `shutdown_grace_s`) only once its replacement is ready and routable. A replacement that fails
+    rolls the whole change back; the previous revision keeps serving."""
+
+    max_surge: int = Field(1, ge=0)
+    """New replicas started beside the old ones at a time."""
+    max_unavailable: int = Field(0, ge=0)
+    """Old replicas stopped before their replacements are ready (capacity given up to roll
+    faster, or where a replica's fixed port cannot be shared)."""
+
+    @model_validator(mode="after")
+    def _progresses(self) -> Rollout:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise field_error("max_surge", "cannot be 0 with `max_unavailable` 0: nothing could roll")
+        return self
+
+
 class _Component(_Model):
     env: Env = {}
     """Environment variables of the component's processes."""
@@ -332,6 +351,8 @@ class _Component(_Model):
     """Readiness probe."""
     shutdown_grace_s: float = Field(10.0, ge=0)
     """Seconds between SIGTERM and SIGKILL on shutdown."""
+    rollout: Rollout | None = None
+    """How a change replaces the component's replicas; default: the graph's `rollout`."""
 
 
 _AUTO_PORT = (
@@ -823,6 +844,8 @@ class Graph(_Model):
     """Images, namespace, secrets and model storage for the Kubernetes renderers."""
     slurm: Slurm | None = None
     """The Slurm job of `up --target slurm`; with it, hosts are nodes of the allocation."""
+    rollout: Rollout = Rollout()
+    """How a change replaces a component's replicas, for components without their own `rollout`."""
     tests: list[SmokeCheck] | None = None
     """Smoke checks `dyngraph test` runs once the graph is up, in order; default: the models are
     listed, and one chat, one streamed chat and one completion request succeed."""

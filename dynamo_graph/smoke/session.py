@@ -64,7 +64,7 @@ class Session:
             self.console.print(f"  [dim]{escape(process)}: {escape(message)}[/]", highlight=False)
 
     def run(self) -> None:
-        asyncio.run(supervise(self.state, self.report, self.plan, alongside=self._alongside))
+        asyncio.run(supervise(self.state, self.report, self.plan, alongside=self._alongside, command="test"))
         self._check_teardown()
 
     async def _alongside(self, sup: Supervisor) -> None:

@@ -13,7 +13,8 @@ import httpx
 
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.schema import Expect, Graph, SmokeCheck, SmokeFault
-from dynamo_graph.graph.targets.local.supervisor import Runner, Supervisor
+from dynamo_graph.graph.targets.local.runner import Runner
+from dynamo_graph.graph.targets.local.supervisor import Supervisor
 from dynamo_graph.smoke.client import Answer, send
 from dynamo_graph.smoke.defaults import served_models
 from dynamo_graph.smoke.expect import unmet

@@ -205,14 +205,16 @@ def test_changed_spec_restarts_and_dead_supervisor_is_cleaned_up(make_graph: Cal
     changed = graph.up("components.backend.replicas=1", "+components.backend.env.DYN_EXAMPLE=1")
     assert changed.returncode == 0, changed.stdout + changed.stderr
     changes = [line for line in changed.stdout.splitlines() if line[:2] in ("+ ", "~ ", "- ")]
-    # the frontend depends on the backend (depends_on): it restarts with the changed backend-0
-    assert changes == ["~ backend-0", "~ frontend-0 (restarts with backend-0)", "- backend-1"], changed.stdout
+    # backend-0 rolls: its new run starts beside the old one, so the frontend (which depends on
+    # it) keeps running and lists the new run before the old one stops
+    assert changes == ["~ backend-0", "- backend-1"], changed.stdout
     after = graph.processes()
     assert after["backend-0"]["pid"] != before["backend-0"]["pid"]
-    assert after["frontend-0"]["pid"] != before["frontend-0"]["pid"]
+    assert after["frontend-0"]["pid"] == before["frontend-0"]["pid"]
+    assert after["backend-0"]["revision"] == 2 and after["frontend-0"]["revision"] == 1
     assert "backend-1" not in after and not pid_alive(before["backend-1"]["pid"])
-    # the only replica was replaced: the frontend sees the new instance a moment later
-    wait_for(lambda: _answers(graph), 15, "the model to answer from the new backend-0")
+    assert not pid_alive(before["backend-0"]["pid"])
+    assert _answers(graph)
 
     logs = graph.cli("logs", "backend", "-n", "5")
     assert logs.returncode == 0 and "backend-0 | " in logs.stdout and "serving model" in logs.stdout

@@ -44,11 +44,28 @@ def test_restarts_follow_dependencies_transitively() -> None:
     assert changes.removed == ["x-0"]
     assert changes.lines() == [
         "+ y-0",
-        "~ etcd-0",
+        "~ etcd-0 (stops first)",
         "~ w-0 (restarts with etcd-0)",
         "~ f-0 (restarts with w-0)",
         "- x-0",
     ]
+
+
+def test_a_process_that_rolls_leaves_its_dependents_alone() -> None:
+    """A worker's new run starts beside the old one: the frontend depending on it finds it in
+    discovery and keeps running; a changed process depending on one that stops first restarts."""
+    etcd = _spec("etcd-0")
+    w = msgspec.structs.replace(_spec("w-0", deps=("etcd-0",)), rolls=True)
+    f = msgspec.structs.replace(_spec("f-0", deps=("w-0",)), rolls=True)
+    old = _plan(etcd, w, f)
+    new = _plan(etcd, msgspec.structs.replace(w, env={"A": "2"}), f)
+    changes = plan_changes({p.name: p for p in old.processes}, {}, new, set())
+    assert changes.rolled == ["w-0"]
+    assert changes.lines() == ["~ w-0"]
+    both = _plan(msgspec.structs.replace(etcd, env={"A": "2"}), new.processes[1], f)
+    changes = plan_changes({p.name: p for p in old.processes}, {}, both, set())
+    assert changes.rolled == []
+    assert changes.lines() == ["~ etcd-0 (stops first)", "~ w-0 (stops first)", "~ f-0 (restarts with w-0)"]
 
 
 def test_a_new_dependency_restarts_nothing() -> None:

@@ -48,8 +48,8 @@ class Target(ABC):
         """Start the graph (or apply its changes to the running one)."""
 
     @abstractmethod
-    def status(self, graph_file: Path, console: Console) -> int:
-        """Print the graph's processes: state, where they run, health."""
+    def status(self, graph_file: Path, console: Console, *, as_json: bool = False) -> int:
+        """Print the graph's processes: state, where they run, health (JSON for scripts)."""
 
     @abstractmethod
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:

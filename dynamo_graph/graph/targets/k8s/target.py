@@ -35,7 +35,7 @@ class KubernetesTarget(Target):
     ) -> int:
         self._renders_only(graph_file)
 
-    def status(self, graph_file: Path, console: Console) -> int:
+    def status(self, graph_file: Path, console: Console, *, as_json: bool = False) -> int:
         self._renders_only(graph_file)
 
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:

@@ -29,20 +29,23 @@ class PlanChanges:
     changed: list[str]  # their own launch identity differs, or their host's connection does
     dependents: dict[str, list[str]]  # unchanged, restarted since these dependencies restart
     removed: list[str]
+    in_place: frozenset[str] = frozenset()  # changed ones whose old run stops before the new starts
 
     @property
     def restarted(self) -> list[str]:
         return [*self.changed, *self.dependents]
 
+    @property
+    def rolled(self) -> list[str]:
+        """Changed processes replaced by a new run started beside the old one (rollout.py)."""
+        return [n for n in self.changed if n not in self.in_place]
+
     def lines(self) -> list[str]:
-        """`+ name`, `~ name`, `- name`: what the supervisor reports and `up` prints."""
+        """`+ name`, `~ name`, `- name`: what the supervisor reports and `up` prints; a process
+        whose old run must stop before its new one starts says so (a gap in its service)."""
         dependents = [f"~ {n} (restarts with {', '.join(deps)})" for n, deps in self.dependents.items()]
-        return (
-            [f"+ {n}" for n in self.added]
-            + [f"~ {n}" for n in self.changed]
-            + dependents
-            + [f"- {n}" for n in self.removed]
-        )
+        changed = [f"~ {n}" + (" (stops first)" if n in self.in_place else "") for n in self.changed]
+        return [f"+ {n}" for n in self.added] + changed + dependents + [f"- {n}" for n in self.removed]
 
 
 def moved_hosts(old: Plan | None, new: Plan) -> set[str]:
@@ -54,8 +57,10 @@ def plan_changes(
     old: Mapping[str, ProcessSpec], old_files: Mapping[str, str], new: Plan, moved: set[str]
 ) -> PlanChanges:
     """Compare the running processes `old` (by name; `old_files` as the running plan wrote them)
-    with the filled plan `new`. A process restarts when it changed, and so does every process
-    that depends on one that restarts: it connected to the old one (etcd, a static worker)."""
+    with the filled plan `new`. A changed process that `rolls` gets its new run beside the old
+    one, which leaves the processes depending on it alone (they find the new run in discovery);
+    one that cannot (etcd, nats, a static worker, or on a moved host) stops first, and every
+    process that depends on it restarts too: it connected to the old one."""
     specs = {p.name: p for p in new.processes}
     added = [n for n in specs if n not in old]
     changed = [
@@ -64,7 +69,8 @@ def plan_changes(
         if n in old
         and (launch_identity(old[n], old_files) != launch_identity(spec, new.files) or spec.host in moved)
     ]
-    restarting = set(changed)
+    in_place = {n for n in changed if not (specs[n].rolls and old[n].rolls) or specs[n].host in moved}
+    restarting = set(in_place)
     dependents: dict[str, list[str]] = {}
     grew = True
     while grew:  # a dependent's dependents restart too
@@ -72,9 +78,12 @@ def plan_changes(
         for name, spec in specs.items():
             deps = [d for d in spec.depends_on if d in restarting]
             if deps and name in old and name not in restarting:
-                dependents[name] = deps
                 restarting.add(name)
                 grew = True
+                if name in changed:
+                    in_place.add(name)  # changed too, but what it depends on goes away
+                else:
+                    dependents[name] = deps
     ordered = {n: dependents[n] for n in specs if n in dependents}
     removed = [n for n in old if n not in specs]
-    return PlanChanges(added, changed, ordered, removed)
+    return PlanChanges(added, changed, ordered, removed, frozenset(in_place))

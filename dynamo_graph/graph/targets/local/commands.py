@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import os
 import signal
 import subprocess
@@ -26,9 +27,17 @@ from rich.console import Console
 from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local import control, probes, registry
 from dynamo_graph.graph.targets.local.daemon import supervise
+from dynamo_graph.graph.targets.local.history import revision_lines, status_document, when
 from dynamo_graph.graph.targets.local.logs import LogFollower, interleaved, tail_lines
 from dynamo_graph.graph.targets.local.ports import listening, plan_ports
 from dynamo_graph.graph.targets.local.process import START_MARKER, kill_verified, pid_alive
+from dynamo_graph.graph.targets.local.revisions import (
+    Origin,
+    Revision,
+    RevisionStore,
+    origin_of,
+    rollback_target,
+)
 from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir, record_alive
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
 from dynamo_graph.graph.targets.local.ui import Prefixer, frontend_url, status_table
@@ -72,30 +81,51 @@ def wait_deadline(plan: Plan) -> float:
     return time.monotonic() + longest * _levels(plan) + 10.0
 
 
-def _wait_ready(state: StateDir, plan: Plan) -> list[ProcessRecord]:
-    """Poll processes.json until every process is ready; returns the ones that failed or exited
-    (empty when all are ready). Raises TimeoutError, or ControlError if the supervisor died."""
-    names = [p.name for p in plan.processes]
-    deadline = wait_deadline(plan)
-    while time.monotonic() < deadline:
-        records = {r.name: r for r in state.read_processes()}
-        bad = [records[n] for n in names if n in records and records[n].state in ("failed", "exited")]
-        if bad:
-            return bad
-        if all(n in records and records[n].state == "ready" for n in names):
-            return []
+def _wait_revision(state: StateDir, number: int) -> Revision:
+    """Poll the revision's file until its rollout ended (every step of it is bounded by the
+    processes' readiness timeouts). Raises ControlError if the supervisor died meanwhile."""
+    store = RevisionStore(state.revisions)
+    while True:
+        revision = store.read(number)
+        if revision is not None and revision.outcome != "rolling":
+            return revision
         if state.supervisor() is None:
             raise control.ControlError("the supervisor exited; see " + str(state.supervisor_log))
         time.sleep(POLL_S)
-    raise TimeoutError("processes not ready in time")
 
 
-def _print_failures(console: Console, state: StateDir, failed: list[ProcessRecord]) -> None:
-    for record in failed:
-        why = record.message or f"exit {record.last_exit}"
-        console.print(f"[bold red]{record.name} {record.state}[/] ({why}); last log lines:", highlight=False)
-        for line in tail_lines(state.log_file(record.name), FAILURE_LOG_LINES):
-            console.print(f"  {record.name} | {line}", highlight=False, markup=False)
+def apply_and_wait(state: StateDir, plan: Plan, origin: Origin, console: Console, started: float) -> int:
+    """Send `plan` to the running supervisor and follow its rollout: 0 once every process of
+    the revision is ready, 1 when it failed (then rolled back, unless it was the first)."""
+    try:
+        reply = control.request(state.control_socket, control.Apply(plan, origin))
+    except control.ControlError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 1
+    for change in reply.changes:
+        console.print(change, highlight=False)
+    try:
+        revision = _wait_revision(state, reply.revision)
+    except control.ControlError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 1
+    if revision.outcome == "failed":
+        console.print(f"[bold red]revision {revision.number} failed:[/] {revision.message}", highlight=False)
+        serving = state.read_plan()
+        if reply.changes and revision.number > 1:
+            console.print(f"rolled back: the graph serves its previous revision ({plan.graph})")
+        elif serving is not None:
+            console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
+        return 1
+    running = state.read_plan() or plan  # as the supervisor filled its `auto` ports
+    console.print(status_table(running, {r.name: r for r in state.read_processes()}, None))
+    for spec in running.processes:
+        if url := frontend_url(spec):
+            console.print(f"{spec.name}: {url}", highlight=False)
+    elapsed = time.monotonic() - started
+    what = "no changes" if not reply.changes else f"{len(running.processes)} processes ready"
+    console.print(f"graph {plan.graph} revision {revision.number}: {what} in {elapsed:.2f} s")
+    return 0
 
 
 class DetachedUp:
@@ -161,29 +191,10 @@ class DetachedUp:
         try:
             if self.daemon is not None:
                 self._wait_daemon()
-            reply = control.request(state.control_socket, control.Apply(plan))
         except control.ControlError as e:
             console.print(f"[bold red]error:[/] {e}", highlight=False)
             return 1
-        if self.daemon is None:
-            for change in reply.changes or ["no changes"]:
-                console.print(change, highlight=False)
-        try:
-            failed = _wait_ready(state, plan)
-        except (TimeoutError, control.ControlError) as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False)
-            return 1
-        if failed:
-            _print_failures(console, state, failed)
-            console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
-            return 1
-        console.print(status_table(plan, {r.name: r for r in state.read_processes()}, None))
-        for spec in (state.read_plan() or plan).processes:  # as the supervisor filled its `auto` ports
-            if url := frontend_url(spec):
-                console.print(f"{spec.name}: {url}", highlight=False)
-        elapsed = time.monotonic() - self.started
-        console.print(f"graph {plan.graph}: {len(plan.processes)} processes ready in {elapsed:.2f} s")
-        return 0
+        return apply_and_wait(state, plan, origin_of(plan.graph_file, "up"), console, self.started)
 
 
 def preflight(built: Built, *, check_ports: bool) -> None:
@@ -297,18 +308,57 @@ async def _health_now(state: StateDir, plan: Plan, records: dict[str, ProcessRec
     return dict(zip(live, results, strict=False))
 
 
-def status(state: StateDir, console: Console) -> int:
+def status(state: StateDir, console: Console, as_json: bool = False) -> int:
     plan = state.read_plan()
     if plan is None:
-        console.print(f"graph in {state.root} has never run")
+        if as_json:
+            console.print_json(data={"graph": None, "running": False, "state_dir": str(state.root)})
+        else:
+            console.print(f"graph in {state.root} has never run")
         return 0
-    records = {r.name: r for r in state.read_processes()}
+    all_records = state.read_processes()
+    records = {r.name: r for r in all_records if not r.retiring}
+    retiring = [r for r in all_records if r.retiring]
     running = state.supervisor() is not None
+    revisions = RevisionStore(state.revisions).all()
+    if as_json:
+        console.print_json(data=status_document(plan, all_records, revisions, running))
+        return 0
     health = asyncio.run(_health_now(state, plan, records)) if running else {}
-    console.print(status_table(plan, records, health))
+    console.print(status_table(plan, records, health, retiring))
+    for line in revision_lines(revisions):
+        console.print(line, highlight=False)
     if not running:
         console.print(f"graph {plan.graph} is not running (last known states shown)")
     return 0
+
+
+def rollback(state: StateDir, console: Console, number: int | None) -> int:
+    """Apply a recorded revision's plan (default: the last ready one before the serving one)
+    with the same rolling machinery as `up`; 2 when there is nothing to roll back to."""
+    started = time.monotonic()
+    with state.lock():
+        if state.supervisor() is None:
+            console.print(f"[bold red]error:[/] graph in {state.root} is not running; `dyngraph up` it first")
+            return 2
+        try:
+            target = rollback_target(RevisionStore(state.revisions).all(), number)
+        except LookupError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 2
+        applied = when(target.started_at)
+        console.print(
+            f"rolling back to revision {target.number} (git {target.git_short}, applied {applied})",
+            highlight=False,
+        )
+        origin = Origin(
+            f"rollback {target.number}",
+            getpass.getuser(),
+            target.origin.git_commit,
+            target.origin.git_dirty,
+            target.origin.git_repo,
+        )
+        return apply_and_wait(state, target.plan, origin, console, started)
 
 
 # ---- logs -------------------------------------------------------------------------------------

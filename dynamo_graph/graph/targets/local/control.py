@@ -2,7 +2,8 @@
 
 One request per connection, one JSON line each way (msgspec):
 
-    {"op": "apply", "plan": <Plan>}  -> {"ok": true, "changes": ["+ backend-2", ...]}
+    {"op": "apply", "plan": <Plan>, "origin": <Origin>}
+                                      -> {"ok": true, "changes": ["+ backend-2", ...], "revision": 4}
     {"op": "stop"}                    -> {"ok": true}   (stopping continues; the supervisor exits)
 
 `status` needs no request: the supervisor rewrites processes.json on every change. The socket
@@ -21,12 +22,14 @@ from pathlib import Path
 import msgspec
 
 from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.targets.local.revisions import Origin
 
 REQUEST_TIMEOUT_S = 30.0
 
 
 class Apply(msgspec.Struct, tag="apply", tag_field="op"):
     plan: Plan
+    origin: Origin  # recorded with the revision (revisions.py)
 
 
 class Stop(msgspec.Struct, tag="stop", tag_field="op"):
@@ -39,6 +42,7 @@ Request = Apply | Stop
 class Reply(msgspec.Struct):
     ok: bool
     changes: list[str] = []
+    revision: int = 0  # the revision applying the changes (the serving one when none)
     error: str = ""
 
 

@@ -21,8 +21,9 @@ from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import control, registry
+from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
-from dynamo_graph.graph.targets.local.supervisor import Report, Supervisor
+from dynamo_graph.graph.targets.local.supervisor import Report, RolloutBusy, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
 # a fresh supervisor starts from empty so no dead instance of last time is routed to.
@@ -34,6 +35,7 @@ async def supervise(
     report: Report,
     plan: Plan | None = None,
     alongside: Callable[[Supervisor], Awaitable[None]] | None = None,
+    command: str = "up",
 ) -> None:
     """Run until a `stop` request, SIGINT or SIGTERM, then stop everything. `alongside` (the
     foreground's log streaming, `dyngraph test`'s checks) runs meanwhile: when it returns, the
@@ -50,9 +52,12 @@ async def supervise(
         if isinstance(req, control.Stop):
             shutdown.set()
             return control.Reply(ok=True)
-        changes = await sup.apply(req.plan)
-        report("dyngraph", "applied: " + (", ".join(changes) or "no changes"))
-        return control.Reply(ok=True, changes=changes)
+        try:
+            changes, revision = await sup.apply(req.plan, req.origin)
+        except RolloutBusy as busy:
+            return control.Reply(ok=False, error=str(busy))
+        report("dyngraph", f"revision {revision}: " + (", ".join(changes) or "no changes"))
+        return control.Reply(ok=True, changes=changes, revision=revision)
 
     server = await control.serve(state.control_socket, handle)
     loop = asyncio.get_running_loop()
@@ -61,7 +66,7 @@ async def supervise(
     extra: asyncio.Task[None] | None = None
     try:
         if plan is not None:
-            await sup.apply(plan)
+            await sup.apply(plan, origin_of(plan.graph_file, command))
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
             extra.add_done_callback(lambda _: shutdown.set())

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from dynamo_graph.graph.plan import Probe
 
 ATTEMPT_TIMEOUT_S = 1.0
+PID_HEADER = "x-dyngraph-pid"  # the frontend's answers to /health and /live name their process
 
 Connect = Callable[[str, int], Awaitable[tuple[Any, Any]]]  # (host, port) -> (reader, writer), or OSError
 
@@ -45,7 +46,8 @@ class LogWatch:
         return False
 
 
-async def _http_ok(url: str, connect: Connect) -> bool:
+async def http_get(url: str, connect: Connect) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body) of a GET; raises OSError, ValueError."""
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -54,12 +56,24 @@ async def _http_ok(url: str, connect: Connect) -> bool:
         path = parts.path or "/"
         writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n\r\n".encode())
         await writer.drain()
-        status = await reader.readline()
-        return status.split()[1:2] == [b"200"]
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers, await reader.read()
     finally:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def _http_ok(url: str, connect: Connect, pid: int | None) -> bool:
+    """A 200, from the process itself: a frontend names its pid (`x-dyngraph-pid`), since a
+    rollout's new frontend shares its port with the old one, which may answer instead."""
+    status, headers, _ = await http_get(url, connect)
+    answered = headers.get(PID_HEADER)
+    return status == 200 and (pid is None or answered is None or answered == str(pid))
 
 
 async def _tcp_ok(target: str, connect: Connect) -> bool:
@@ -71,14 +85,17 @@ async def _tcp_ok(target: str, connect: Connect) -> bool:
     return True
 
 
-async def check(probe: Probe, log: LogWatch, connect: Connect = asyncio.open_connection) -> bool:
-    """One attempt of the probe; False on any connection problem."""
+async def check(
+    probe: Probe, log: LogWatch, connect: Connect = asyncio.open_connection, pid: int | None = None
+) -> bool:
+    """One attempt of the probe (of the process `pid`, where an answer can tell); False on any
+    connection problem."""
     if probe.kind == "log":
         return log.seen(probe.target)
     try:
         async with asyncio.timeout(ATTEMPT_TIMEOUT_S):
             if probe.kind == "http":
-                return await _http_ok(probe.target, connect)
+                return await _http_ok(probe.target, connect, pid)
             return await _tcp_ok(probe.target, connect)
     except (OSError, TimeoutError, ValueError, IndexError):
         return False

@@ -10,6 +10,7 @@
     processes.json     one ProcessRecord per process, rewritten on every state change
     up.lock            flock held by an `up` or `down` while it changes the graph
     logs/<name>.log    each process's stdout + stderr, appended across restarts
+    revisions/         every applied plan and how its rollout ended (revisions.py)
 
 Every file is written atomically (temp file + rename) so a reader never sees half of one.
 """
@@ -50,6 +51,8 @@ class ProcessRecord(msgspec.Struct):
     started_at: float | None = None  # wall clock of the current run's start
     last_exit: int | None = None  # return code; negative: killed by that signal
     message: str = ""
+    revision: int = 0  # the graph revision this run belongs to (revisions.py)
+    retiring: bool = False  # an old run a rollout is replacing: out of routing, finishing its streams
 
 
 def record_alive(record: ProcessRecord) -> bool:
@@ -93,6 +96,7 @@ class StateDir:
         self.supervisor_log = self.root / "supervisor.log"
         self.processes_file = self.root / "processes.json"
         self.lock_file = self.root / "up.lock"
+        self.revisions = self.root / "revisions"
 
     @classmethod
     def of(cls, graph_file: str | Path) -> StateDir:

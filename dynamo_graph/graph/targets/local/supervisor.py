@@ -1,193 +1,35 @@
-"""The supervisor: keeps a plan's processes running, in dependency order, per their restart policy.
-
-One `Runner` task per process: wait until everything in `depends_on` is ready, start, probe
-until ready (or exit, or the probe's timeout), watch, and on exit restart with exponential
-backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a run stayed up
-`STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
-left `failed` and its last log lines are reported.
-
-Processes on remote hosts run through the ssh launcher (ssh.py), which the supervisor loads only
-for a plan that has remote hosts; runners treat its processes exactly as local ones, but for one
-more state: `reconnecting` while the connection to their host is lost and the launcher tries to
-re-attach to the process, which runs on meanwhile. Re-attached, it is the same run (no restart
-counted); if it ended meanwhile or could not be re-attached, that is its exit, as for any other.
+"""The supervisor: keeps a plan's processes running (runner.py) and applies changed plans.
 
 `apply(plan)` is both the first start and every later `up`: it diffs the new plan against the
 running one by each process's launch identity (changes.py: argv, env, workdir, host, the
-engine-args file it is given), restarts what changed and what depends on it, starts what is
-new, stops what is gone, and leaves the rest alone.
-Stopping goes in reverse dependency order: a process stops once everything depending on it has.
+engine-args file it is given), records a revision (revisions.py), and rolls the changes out in
+the background (rollout.py): new and changed processes start beside the old ones and must
+prove themselves before old ones retire, and a failure rolls everything back. Processes that
+did not change are left alone. Stopping goes in reverse dependency order: a process stops once
+everything depending on it has.
+
+Processes on remote hosts run through the ssh launcher (ssh.py), which the supervisor loads only
+for a plan that has remote hosts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
-from dynamo_graph.graph.targets.local import probes
 from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes
-from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.ports import fill_plan
 from dynamo_graph.graph.targets.local.process import LocalProcess
-from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir, atomic_write
+from dynamo_graph.graph.targets.local.revisions import Origin, Revision, RevisionStore, serving
+from dynamo_graph.graph.targets.local.rollout import Rollout
+from dynamo_graph.graph.targets.local.runner import Report, Runner, stop_in_order
+from dynamo_graph.graph.targets.local.state import StateDir, atomic_write
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess, SshHosts
-
-STABLE_AFTER_S = 10.0
-CRASH_LOG_LINES = 20
-PROBE_MAX_INTERVAL_S = 0.05  # probes start at 10 ms and back off to this
-
-Report = Callable[[str, str], None]  # (process name, message)
-
-
-class Runner:
-    """The life of one process of the plan, across its restarts."""
-
-    def __init__(self, sup: Supervisor, spec: ProcessSpec) -> None:
-        self.sup = sup
-        self.spec = spec
-        self.record = ProcessRecord(spec.name, spec.component, spec.replica, spec.host)
-        self.ready = asyncio.Event()
-        self.stopped = asyncio.Event()
-        self.proc: LocalProcess | RemoteProcess | None = None
-        self._start: asyncio.Future[None] | None = None
-        self._task = asyncio.create_task(self._run(), name=f"runner {spec.name}")
-
-    def _set(self, **changes: object) -> None:
-        for key, value in changes.items():
-            setattr(self.record, key, value)
-        self.sup.persist()
-
-    async def _run(self) -> None:
-        streak = 0
-        runs = 0
-        while True:
-            gave_up = await self._wait_dependencies()
-            if gave_up is not None:
-                self._set(state="failed", pid=None, message=f"dependency {gave_up} failed")
-                self.sup.report(self.spec.name, f"not started: its dependency {gave_up} failed")
-                return
-            runs += 1
-            code, failed = await self._one_run(runs)
-            self.ready.clear()
-            assert self.proc is not None
-            if time.time() - self.proc.started_at >= STABLE_AFTER_S:
-                streak = 0
-            policy = self.spec.restart
-            if policy.policy == "never" or (policy.policy == "on-failure" and not failed):
-                self._set(state="failed" if failed else "exited", pid=None)
-                self.sup.report(self.spec.name, f"exited with {code}; restart policy {policy.policy}")
-                return
-            streak += 1
-            if streak > policy.max_restarts:
-                self._set(state="failed", pid=None, message=f"crash loop (last exit {code})")
-                tail = "\n".join(tail_lines(self.sup.state.log_file(self.spec.name), CRASH_LOG_LINES))
-                self.sup.report(
-                    self.spec.name,
-                    f"crash loop: failed {streak} times in a row (last exit {code}), giving up; "
-                    f"last log lines:\n{tail}",
-                )
-                return
-            delay = min(policy.backoff_s * 2 ** (streak - 1), policy.backoff_max_s)
-            self._set(state="restarting", pid=None, restarts=self.record.restarts + 1)
-            self.sup.report(self.spec.name, f"exited with {code}; restarting in {delay:g} s")
-            await asyncio.sleep(delay)
-
-    async def _wait_dependencies(self) -> str | None:
-        """Wait until every dependency is ready; returns the name of one that gave up for good
-        (its runner ended without being ready), since waiting for it would be forever."""
-        while True:
-            deps = [self.sup.runners[d] for d in self.spec.depends_on if d in self.sup.runners]
-            for dep in deps:
-                if dep._task.done() and not dep.ready.is_set():
-                    return dep.spec.name
-            pending = [d for d in deps if not d.ready.is_set()]
-            if not pending:
-                return None
-            ready = asyncio.ensure_future(pending[0].ready.wait())
-            try:
-                await asyncio.wait({ready, pending[0]._task}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-
-    async def _one_run(self, attempt: int) -> tuple[int, bool]:
-        """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
-        self.proc = self.sup.launcher(self.spec)
-        if not isinstance(self.proc, LocalProcess):
-            self.proc.on_link = self._link_changed
-        self._start = asyncio.ensure_future(self.proc.start(attempt))
-        try:
-            await asyncio.shield(self._start)
-        except OSError as e:
-            self._set(message=f"cannot start: {e}")
-            return 127, True
-        proc = self.proc
-        self._set(
-            state="starting",
-            pid=proc.pid,
-            start_ticks=proc.start_ticks,
-            started_at=proc.started_at,
-            message="",
-        )
-        exited = asyncio.ensure_future(proc.wait())
-        if await self._probe_until_ready(proc, exited):
-            self._set(state="ready")
-            self.ready.set()
-            elapsed = time.time() - proc.started_at
-            self.sup.report(self.spec.name, f"ready in {elapsed:.2f} s (pid {proc.pid})")
-        elif not exited.done():
-            timeout = self.spec.readiness.timeout_s
-            self._set(message=f"not ready after {timeout:g} s")
-            self.sup.report(self.spec.name, f"not ready after {timeout:g} s; stopping it")
-            await proc.stop()
-        code = await exited
-        self._set(last_exit=code)
-        return code, code != 0 or not self.ready.is_set()
-
-    def _link_changed(self, attached: bool, why: str) -> None:
-        """A remote process's connection was lost (it runs on, unwatched) or it was re-adopted over
-        a new one: the same run, so no restart is counted."""
-        if attached:
-            self._set(state="ready" if self.ready.is_set() else "starting", message="")
-            pid = self.proc.pid if self.proc else None
-            self.sup.report(self.spec.name, f"re-attached over a new connection (pid {pid}), not restarted")
-        else:
-            self._set(state="reconnecting", message=why)
-            self.sup.report(self.spec.name, why)
-
-    async def _probe_until_ready(
-        self, proc: LocalProcess | RemoteProcess, exited: asyncio.Future[int]
-    ) -> bool:
-        probe = self.spec.readiness
-        watch = probes.LogWatch(proc.log_path, proc.log_offset)
-        deadline = time.monotonic() + probe.timeout_s
-        delay = 0.01
-        while time.monotonic() < deadline and not exited.done():
-            if await probes.check(probe, watch, proc.open_connection):
-                return True
-            await asyncio.wait([exited], timeout=delay)
-            delay = min(delay * 1.5, PROBE_MAX_INTERVAL_S)
-        return False
-
-    async def stop(self) -> None:
-        """Stop for good: cancel the lifecycle, then SIGTERM/SIGKILL the current run."""
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        if self._start is not None:
-            with contextlib.suppress(OSError):
-                await self._start
-        code = await self.proc.stop() if self.proc else None
-        self.ready.clear()
-        if self.record.state not in ("failed", "exited"):
-            self._set(state="stopped", pid=None, last_exit=code)
-        self.stopped.set()
 
 
 class Supervisor:
@@ -202,6 +44,9 @@ class Supervisor:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
         self.ssh: SshHosts | None = None  # connections to the plan's remote hosts, once it has any
+        self.retiring: list[Runner] = []  # old runs a rollout replaces, until they stopped
+        self.revisions = RevisionStore(state.revisions)
+        self.revision: Revision | None = None  # the one rolling out, else the one serving
 
     def launcher(self, spec: ProcessSpec) -> LocalProcess | RemoteProcess:
         """One run of `spec`, on this host or over ssh."""
@@ -215,12 +60,44 @@ class Supervisor:
         return RemoteProcess(spec, log, self.ssh, graph_tag(self.state.root))
 
     def persist(self) -> None:
-        self.state.write_processes([r.record for r in self.runners.values()])
+        records = [r.record for r in self.runners.values()]
+        self.state.write_processes([*records, *(r.record for r in self.retiring)])
 
-    async def apply(self, raw: Plan) -> list[str]:
-        """Make `raw` the running plan; returns the changes as `+ name`, `~ name`, `- name`.
-        Starting and stopping go on in the background; what waits here is asking remote hosts
-        for their `auto` ports (raises SshError when one cannot be asked)."""
+    def retire(self, runner: Runner) -> None:
+        """`runner` (an old run) leaves the plan's runners but is still watched until it stops."""
+        runner.record.retiring = True
+        if runner not in self.retiring:
+            self.retiring.append(runner)
+
+    def unretire(self, runner: Runner) -> Runner:
+        """A rollback keeps an old run that was about to retire."""
+        runner.record.retiring = False
+        if runner in self.retiring:
+            self.retiring.remove(runner)
+        return runner
+
+    def forget_retired(self, runners: Iterable[Runner]) -> None:
+        for runner in runners:
+            if runner in self.retiring:
+                self.retiring.remove(runner)
+        self.persist()
+
+    @property
+    def rolling(self) -> Revision | None:
+        """The revision being rolled out, if one is."""
+        return self.revision if self.revision is not None and self.revision.outcome == "rolling" else None
+
+    async def apply(self, raw: Plan, origin: Origin) -> tuple[list[str], int]:
+        """Make `raw` the running plan; returns the changes as `+ name`, `~ name`, `- name`, and
+        the revision that applies them (the current one when nothing changed). The rollout goes
+        on in the background (rollout.py); what waits here is asking remote hosts for their
+        `auto` ports (raises SshError when one cannot be asked). Refused (RolloutBusy) while
+        another revision is still rolling out."""
+        if (rolling := self.rolling) is not None:
+            raise RolloutBusy(
+                f"revision {rolling.number} is still rolling out (`dyngraph status` shows it); "
+                "apply again once it is done"
+            )
         if raw.hosts:
             from dynamo_graph.graph.targets.local.remote.ssh import SshHosts
 
@@ -229,69 +106,85 @@ class Supervisor:
             self.ssh.update(raw.hosts)
             await self.ssh.allocate_ports(raw, self.ports)
         moved = moved_hosts(self.plan, raw)
+        ports_before = dict(self.ports)
         plan = fill_plan(raw, self.ports)
+        old = dict(self.runners)
+        old_specs = {n: r.spec for n, r in old.items()}
+        old_files = self.plan.files if self.plan else {}
+        changes = plan_changes(old_specs, old_files, plan, moved)
+        if not changes.lines() and self.revision is not None:
+            return [], self.revision.number
+        rollout = Rollout(self, changes, old, self.plan, ports_before)
+        if changes.rolled:
+            plan = fill_plan(raw, self._fresh_ports(raw, changes.rolled))
         for path, text in plan.files.items():
             atomic_write(Path(path), text)
-        new = {p.name: p for p in plan.processes}
-        old = self.runners
-        changes = plan_changes(
-            {n: r.spec for n, r in old.items()}, self.plan.files if self.plan else {}, plan, moved
-        )
-        restart = changes.restarted
-        kept = {n: old[n] for n in new if n in old and n not in restart}
-        for name, runner in kept.items():
-            runner.spec = new[name]  # the same process; its dependencies or policy may differ
-        self.runners = kept
-        for name in changes.added:
-            self.runners[name] = Runner(self, new[name])
+        revision = self.revisions.begin(origin, raw, changes.lines())
+        self.revision = revision
+        old_plan = self.plan
         self.plan = plan
-        self._order()
-        going = [old[n] for n in [*restart, *changes.removed]]
-        if going:
-            task = asyncio.create_task(self._replace(going, [new[n] for n in restart]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        new = {p.name: p for p in plan.processes}
+        for name, runner in old.items():
+            if name in new and name not in changes.restarted:
+                runner.spec = new[name]  # the same process; its dependencies or policy may differ
+        for name in changes.added:
+            # The first revision's processes restart as their policy says; later ones prove themselves.
+            self.runners[name] = Runner(self, new[name], revision.number, proving=old_plan is not None)
+        for name in changes.removed:
+            self.retire(self.runners.pop(name))
+        self.order()
         self.state.write_plan(plan)
         self.state.write_ports(self.ports)
         self.persist()
-        return changes.lines()
+        task = asyncio.create_task(self._roll(rollout, revision), name=f"rollout {revision.number}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return changes.lines(), revision.number
 
-    def _order(self) -> None:
+    def _fresh_ports(self, raw: Plan, rolled: list[str]) -> dict[str, int]:
+        """The ports with the `auto` ones of rolled processes forgotten, so their new runs get
+        free ones beside the old runs (unless they share theirs: a frontend's)."""
+        for spec in raw.processes:
+            if spec.name in rolled and not spec.shares_ports:
+                for name, port in spec.ports.items():
+                    if port == "auto":
+                        self.ports.pop(name, None)
+        return self.ports
+
+    async def _roll(self, rollout: Rollout, revision: Revision) -> None:
+        """Run the rollout, then record how it ended (the revision file `up` waits on)."""
+        ok, why = await rollout.run(revision.number)
+        if self.stopping:
+            return
+        if ok:
+            self.revisions.finish(revision, "ready")
+            self.report("dyngraph", f"revision {revision.number} is ready")
+            return
+        self.revisions.finish(revision, "failed", why)
+        if rollout.old_plan is None:
+            self.report("dyngraph", f"revision {revision.number} failed: {why}")
+            return
+        self.report("dyngraph", f"revision {revision.number} failed and was rolled back: {why}")
+        self.state.write_plan(rollout.old_plan)
+        self.state.write_ports(self.ports)
+        self.revision = serving(self.revisions.all())
+
+    def order(self) -> None:
         """Keep runners (and so processes.json and `status`) in plan order."""
         order = [p.name for p in self.plan.processes] if self.plan else []
         self.runners = {n: self.runners[n] for n in order if n in self.runners}
 
-    async def _replace(self, going: list[Runner], restart: list[ProcessSpec]) -> None:
-        """Stop the runners that go, then start the changed processes with their new specs."""
-        await stop_in_order(going)
-        if self.stopping:
-            return
-        current = {p.name: p for p in self.plan.processes} if self.plan else {}
-        for spec in restart:
-            if current.get(spec.name) == spec and spec.name not in self.runners:
-                self.runners[spec.name] = Runner(self, spec)
-        self._order()
-        self.persist()
-
     async def stop_all(self) -> None:
-        """Stop everything; a replacement still in progress finishes first and starts nothing."""
+        """Stop everything: a rollout in progress is cancelled, old runs it kept stop too."""
         self.stopping = True
-        await asyncio.gather(*self._tasks)
-        await stop_in_order(list(self.runners.values()))
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_in_order([*self.runners.values(), *self.retiring])
         self.persist()
         if self.ssh is not None:
             await self.ssh.close()
 
 
-async def stop_in_order(runners: Iterable[Runner]) -> None:
-    """Stop runners concurrently, each only after the runners that depend on it have stopped."""
-    runners = list(runners)
-    names = {r.spec.name for r in runners}
-    dependents = {n: [r for r in runners if n in r.spec.depends_on] for n in names}
-
-    async def stop_one(runner: Runner) -> None:
-        for dependent in dependents[runner.spec.name]:
-            await dependent.stopped.wait()
-        await runner.stop()
-
-    await asyncio.gather(*(stop_one(r) for r in runners))
+class RolloutBusy(Exception):
+    """A plan was sent while another revision was still rolling out."""

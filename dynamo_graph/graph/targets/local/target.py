@@ -48,8 +48,8 @@ class LocalTarget(Target):
         for other in self.others:
             other.before_up_elsewhere(built)
 
-    def status(self, graph_file: Path, console: Console) -> int:
-        return commands.status(StateDir.of(graph_file), console)
+    def status(self, graph_file: Path, console: Console, *, as_json: bool = False) -> int:
+        return commands.status(StateDir.of(graph_file), console, as_json)
 
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:
         return commands.logs(StateDir.of(graph_file), console, selector, follow, lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -34,27 +35,41 @@ def _uptime(record: ProcessRecord) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def status_table(plan: Plan, records: dict[str, ProcessRecord], health: dict[str, str] | None) -> Table:
-    """One row per process of the plan; the health column only when probes were run."""
+def status_table(
+    plan: Plan,
+    records: dict[str, ProcessRecord],
+    health: dict[str, str] | None,
+    retiring: Sequence[ProcessRecord] = (),
+) -> Table:
+    """One row per process of the plan, then one per old run a rollout is retiring; the health
+    column only when probes were run."""
     table = Table(title=f"graph {plan.graph} (namespace {plan.namespace})", title_justify="left")
-    columns = ["component", "replica", "host", "pid", "state", "restarts", "uptime"]
+    columns = ["component", "replica", "host", "pid", "state", "restarts", "uptime", "rev"]
     for column in [*columns, "health"] if health is not None else columns:
         table.add_column(column)
-    for spec in plan.processes:
-        record = records.get(spec.name)
+    rows = [(spec.component, spec.replica, spec.host, records.get(spec.name)) for spec in plan.processes]
+    rows += [(r.component, r.replica, r.host, r) for r in retiring]
+    for component, replica, host, record in rows:
         state = record.state if record else "-"
         running = record is not None and record.state in _RUNNING
         lost = record is not None and record.state == "reconnecting"
+        shown = Text(state, style=_STATE_STYLE.get(state, ""))
+        if record is not None and record.retiring:
+            shown = Text(f"{state} (retiring)", style="dim")
         cells: list[str | Text] = [
-            spec.component,
-            str(spec.replica),
-            Text(f"{spec.host} (disconnected)", style="yellow") if lost else spec.host,
+            component,
+            str(replica),
+            Text(f"{host} (disconnected)", style="yellow") if lost else host,
             str(record.pid) if running and record and record.pid else "-",
-            Text(state, style=_STATE_STYLE.get(state, "")),
+            shown,
             str(record.restarts) if record else "-",
             _uptime(record) if record else "-",
+            str(record.revision) if record and record.revision else "-",
         ]
-        table.add_row(*cells, *([health.get(spec.name, "-")] if health is not None else []))
+        if health is not None:
+            checked = record is not None and not record.retiring
+            cells.append(health.get(record.name, "-") if checked and record else "-")
+        table.add_row(*cells)
     return table
 
 

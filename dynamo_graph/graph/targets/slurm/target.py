@@ -33,7 +33,11 @@ class SlurmTarget(Target):
             )
         return commands.up(build(), console)
 
-    def status(self, graph_file: Path, console: Console) -> int:
+    def status(self, graph_file: Path, console: Console, *, as_json: bool = False) -> int:
+        if as_json:
+            raise TargetError(
+                "`status --json` reads the local supervisor's records; a Slurm job has none yet"
+            )
         return commands.status(StateDir.of(graph_file), console)
 
     def logs(self, graph_file: Path, console: Console, selector: str | None, follow: bool, lines: int) -> int:
