@@ -1,0 +1,139 @@
+"""Changes without downtime: a git-versioned graph changed, broken, rolled back and scaled down
+under continuous streamed load (official `openai` clients, keep-alive, no retries), with
+`history` naming the commits. Every request must succeed: 0 failures is the acceptance."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.processes import free_port, run_cli
+from tests.support.rolling_load import StreamingLoad
+
+
+class VersionedGraph:
+    """A mocker graph in its own git repository: each `commit` writes the graph and commits it."""
+
+    def __init__(self, tmp_path: Path, tiny_model: Path) -> None:
+        self.dir = tmp_path / "deploy"
+        self.dir.mkdir()
+        self.file = self.dir / "graph.yaml"
+        self.port = free_port()
+        self.graph = {
+            "name": "rollout",
+            "models": {"tiny-model": {"path": str(tiny_model)}},
+            "components": {
+                "frontend": {"kind": "frontend", "http": {"port": self.port}, "router": {"mode": "round-robin"}},
+                "backend": {
+                    "kind": "worker",
+                    "model": "tiny-model",
+                    "engine": "mocker",
+                    "replicas": 2,
+                    "engine_args": {"num_gpu_blocks": 1024, "speedup_ratio": 20.0},
+                },
+            },
+        }
+        self._git("init", "-q")
+        self._git("config", "user.email", "ci@example.invalid")
+        self._git("config", "user.name", "ci")
+
+    def _git(self, *args: str) -> str:
+        return subprocess.run(["git", *args], cwd=self.dir, check=True, capture_output=True, text=True).stdout
+
+    @property
+    def backend(self) -> dict:
+        return self.graph["components"]["backend"]
+
+    def commit(self, message: str) -> str:
+        self.file.write_text(yaml.safe_dump(self.graph, sort_keys=False))
+        self._git("add", "graph.yaml")
+        self._git("commit", "-q", "-m", message)
+        return self._git("rev-parse", "HEAD").strip()
+
+    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
+
+    def pids(self) -> dict[str, int]:
+        status = json.loads(self.cli("status", "--json").stdout)
+        return {p["name"]: p["pid"] for p in status["processes"] if not p["retiring"]}
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+
+@pytest.fixture
+def versioned(tmp_path: Path, tiny_model: Path) -> Iterator[VersionedGraph]:
+    graph = VersionedGraph(tmp_path, tiny_model)
+    try:
+        yield graph
+    finally:
+        graph.cli("down", timeout=120)
+
+
+def test_change_break_roll_back_and_scale_down_under_load_fail_nothing(versioned: VersionedGraph) -> None:
+    graph = versioned
+    first = graph.commit("two mocker replicas")
+    assert graph.cli("up", "-d").returncode == 0
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as load:
+        load.wait_for_requests(20)
+
+        # (1) an engine-args change rolls both replicas, one at a time, new beside old
+        before = graph.pids()
+        graph.backend["engine_args"]["speedup_ratio"] = 25.0
+        second = graph.commit("faster mocker")
+        up = graph.cli("up", "-d")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "~ backend-0" in up.stdout and "~ backend-1" in up.stdout
+        after = graph.pids()
+        assert after["frontend-0"] == before["frontend-0"]
+        assert after["backend-0"] != before["backend-0"] and after["backend-1"] != before["backend-1"]
+        load.wait_for_requests(20)
+
+        # (2) a revision whose engine cannot load is refused while the previous one serves
+        graph.backend["engine_args"]["speedup_ratio"] = "not a number"
+        graph.commit("broken engine args")
+        broken = graph.cli("up", "-d")
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert "revision 3 failed" in broken.stdout and "backend-0 failed" in broken.stdout
+        assert "speedup_ratio must be a number" in broken.stdout  # the failing process's log lines
+        assert "rolled back" in broken.stdout
+        assert graph.pids() == after
+        status = graph.status()
+        assert status["revision"]["number"] == 2 and status["rolling"] is None
+        assert status["components"]["backend"] == {"desired": 2, "ready": 2, "revisions": [2]}
+        load.wait_for_requests(20)
+
+        # (3) rollback applies the revision before the serving one: the first
+        back = graph.cli("rollback")
+        assert back.returncode == 0, back.stdout + back.stderr
+        assert "rolling back to revision 1" in back.stdout
+        assert graph.status()["revision"]["number"] == 4
+        load.wait_for_requests(20)
+
+        # (4) scale up to 3, then down to 1: the removed replicas retire like replaced ones
+        graph.backend["engine_args"]["speedup_ratio"] = 20.0
+        graph.backend["replicas"] = 3
+        graph.commit("three replicas")
+        assert graph.cli("up", "-d").returncode == 0
+        assert len([n for n in graph.pids() if n.startswith("backend-")]) == 3
+        load.wait_for_requests(20)
+        graph.backend["replicas"] = 1
+        last = graph.commit("one replica")
+        down = graph.cli("up", "-d")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "- backend-1" in down.stdout and "- backend-2" in down.stdout
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+    assert result.ok >= 100
+
+    history = graph.cli("history")
+    assert history.returncode == 0, history.stdout + history.stderr
+    for commit in (first, second, last):
+        assert commit[:10] in history.stdout
+    assert "rollback 1" in history.stdout and "failed" in history.stdout
