@@ -28,7 +28,11 @@ class VersionedGraph:
             "name": "rollout",
             "models": {"tiny-model": {"path": str(tiny_model)}},
             "components": {
-                "frontend": {"kind": "frontend", "http": {"port": self.port}, "router": {"mode": "round-robin"}},
+                "frontend": {
+                    "kind": "frontend",
+                    "http": {"port": self.port},
+                    "router": {"mode": "round-robin"},
+                },
                 "backend": {
                     "kind": "worker",
                     "model": "tiny-model",

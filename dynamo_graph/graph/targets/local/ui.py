@@ -42,23 +42,22 @@ def status_table(
     retiring: Sequence[ProcessRecord] = (),
 ) -> Table:
     """One row per process of the plan, then one per old run a rollout is retiring; the health
-    column only when probes were run."""
+    column only when probes were run. Narrow enough for an 80-column terminal."""
     table = Table(title=f"graph {plan.graph} (namespace {plan.namespace})", title_justify="left")
-    columns = ["component", "replica", "host", "pid", "state", "restarts", "uptime", "rev"]
+    columns = ["process", "host", "pid", "state", "restarts", "uptime", "rev"]
     for column in [*columns, "health"] if health is not None else columns:
         table.add_column(column)
-    rows = [(spec.component, spec.replica, spec.host, records.get(spec.name)) for spec in plan.processes]
-    rows += [(r.component, r.replica, r.host, r) for r in retiring]
-    for component, replica, host, record in rows:
+    rows = [(spec.name, spec.host, records.get(spec.name)) for spec in plan.processes]
+    rows += [(r.name, r.host, r) for r in retiring]
+    for name, host, record in rows:
         state = record.state if record else "-"
         running = record is not None and record.state in _RUNNING
         lost = record is not None and record.state == "reconnecting"
         shown = Text(state, style=_STATE_STYLE.get(state, ""))
-        if record is not None and record.retiring:
-            shown = Text(f"{state} (retiring)", style="dim")
+        if record is not None and record.retiring and running:
+            shown = Text("retiring", style="dim")
         cells: list[str | Text] = [
-            component,
-            str(replica),
+            name,
             Text(f"{host} (disconnected)", style="yellow") if lost else host,
             str(record.pid) if running and record and record.pid else "-",
             shown,
@@ -68,7 +67,7 @@ def status_table(
         ]
         if health is not None:
             checked = record is not None and not record.retiring
-            cells.append(health.get(record.name, "-") if checked and record else "-")
+            cells.append(health.get(name, "-") if checked else "-")
         table.add_row(*cells)
     return table
 
