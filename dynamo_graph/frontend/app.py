@@ -138,7 +138,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (404, "Unknown model"),
         (413, "Request body too large"),
         (415, "Not JSON"),
-        (503, "At the concurrency limit; see Retry-After"),
+        (503, "At the concurrency limit, or the model's workers are all gone for now; see Retry-After"),
         (504, "Past the request time limit"),
     ]
     for (route, error), schema in zip(routes, bodies, strict=True):

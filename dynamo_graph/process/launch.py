@@ -136,6 +136,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         body_limit_mb=cfg.limits.body_limit_mb,
         max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s,
+        model_wait_s=cfg.limits.model_wait_s,
     )
     try:
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))
@@ -300,6 +301,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
         # The frontend's --migration-limit wins when given; else each worker's card says.
         migration_limit=cfg.worker.migration_limit if "migration_limit" in cfg.explicit else None,
         disagg=cfg.disagg,
+        model_wait_s=cfg.limits.model_wait_s,
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     lora = LoraAdmin(watcher)
