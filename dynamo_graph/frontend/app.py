@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.frontend import (
@@ -137,7 +138,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
         (404, "Unknown model"),
         (413, "Request body too large"),
         (415, "Not JSON"),
-        (503, "At the concurrency limit; see Retry-After"),
+        (503, "At the concurrency limit, or the model's workers are all gone for now; see Retry-After"),
         (504, "Past the request time limit"),
     ]
     for (route, error), schema in zip(routes, bodies, strict=True):
@@ -160,11 +161,21 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def pid_header() -> tuple[bytes, bytes]:
+    """`x-dyngraph-pid` on the probes' answers: two frontends of a graph share a port while one
+    replaces the other (server.py), and the supervisor's readiness probe must know which answered."""
+    return (b"x-dyngraph-pid", str(os.getpid()).encode())
+
+
 async def _send_json(send: Send, status: int, content: Any) -> None:
-    """A JSON response exactly as Starlette's JSONResponse renders it."""
+    """A JSON response exactly as Starlette's JSONResponse renders it, with `pid_header`."""
     body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
     data = body.encode("utf-8")
-    headers = [(b"content-length", str(len(data)).encode()), (b"content-type", b"application/json")]
+    headers = [
+        (b"content-length", str(len(data)).encode()),
+        (b"content-type", b"application/json"),
+        pid_header(),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 

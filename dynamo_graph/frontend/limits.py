@@ -6,6 +6,9 @@
 - `request_timeout_s`: wall time of one generation request from its admission; on expiry its
   generation is cancelled and the client gets a 504 (before the first byte) or an error event
   (mid-stream) (--request-timeout-s; None = none).
+- `model_wait_s`: how long a request for a served model with no routable worker waits for one
+  before its 503 with `Retry-After` (--model-wait-s; the model watcher keeps such a model that
+  long too).
 
 Rejections are counted by reason and exported with the frontend's metrics.
 """
@@ -19,8 +22,11 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynamo_graph.frontend.settings import LimitSettings
+
 DEFAULT_BODY_LIMIT = 32 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT = 1024
+DEFAULT_MODEL_WAIT_S = LimitSettings().model_wait_s
 RETRY_AFTER_S = 1
 
 
@@ -42,6 +48,7 @@ class FrontendLimits:
     body_limit: int = DEFAULT_BODY_LIMIT
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # 0: unlimited
     request_timeout_s: float | None = None
+    model_wait_s: float = DEFAULT_MODEL_WAIT_S
 
     @classmethod
     def from_settings(
@@ -50,6 +57,7 @@ class FrontendLimits:
         body_limit_mb: float | None = None,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         request_timeout_s: float | None = None,
+        model_wait_s: float = DEFAULT_MODEL_WAIT_S,
     ) -> FrontendLimits:
         """The flag wins over DYN_HTTP_BODY_LIMIT_MB; a timeout of 0 means none."""
         body_limit = body_limit_from_env() if body_limit_mb is None else mb_to_bytes(body_limit_mb)
@@ -57,6 +65,7 @@ class FrontendLimits:
             body_limit=body_limit,
             max_concurrent=max_concurrent,
             request_timeout_s=request_timeout_s or None,
+            model_wait_s=model_wait_s,
         )
 
 

@@ -184,6 +184,7 @@ class LoraAdmin:
             for instance_id in workers:
                 await self._control(endpoint, instance_id, {"action": "unload", "lora_name": name})
             await self._wait(lambda: self.watcher.serving(name) is None, name)
+            await self.watcher.forget(name)  # gone on purpose: 404 now, not after --model-wait-s
         log.info("LoRA adapter %r unloaded from %d worker(s)", name, len(workers))
         return f"Success: LoRA adapter '{name}' removed successfully."
 

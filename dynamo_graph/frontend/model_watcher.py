@@ -2,9 +2,14 @@
 
 Watches the model deployment cards (`v1/mdc/...`): the first card of a model name builds its
 pipeline and a client for its endpoint; later cards of the same model must carry the same
-checksum, or that worker is refused (loudly) and never routed to; when the last card of a
-model goes, the model leaves /v1/models. With `--router-mode kv`, each tokens-input model gets
-its own KV router, subscribed to its workers' KV events.
+checksum, or that worker is refused (loudly) and never routed to. When the last card of a
+model goes (its replicas replaced one by one can leave none for a moment) the model stays for
+`--model-wait-s`: listed, its requests waiting for a worker (frontend/openai_asgi.py), answered
+503 with Retry-After past the wait; a card that comes back within it serves again (a new card
+with another checksum replaces the model), else the model leaves /v1/models. Workers refused
+for another checksum take over when the model's last accepted card goes (a rolling update that
+changed the card). With `--router-mode kv`, each tokens-input model gets its own KV router,
+subscribed to its workers' KV events.
 
 Tokens-input models get request migration around their router (router/migration.py): the
 frontend's `--migration-limit` when given explicitly, else the limit in the first worker's card.
@@ -33,6 +38,7 @@ passes one. Refused workers are listed in /health as `refused`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from dynamo_graph.frontend.limits import DEFAULT_MODEL_WAIT_S
 from dynamo_graph.frontend.metrics import DISAGG, count_migration
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.remote import (
@@ -83,8 +90,12 @@ class _Model:
     disagg: DisaggRouter | None = None
     routed: RoutedBackend | None = None
     card: ModelDeploymentCard | None = None  # the first accepted card
+    # Its last card went: the task that removes it after --model-wait-s unless one comes back.
+    expiry: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
         if self.checker is not None:
             await self.checker.close()
         await self.client.close()
@@ -160,10 +171,13 @@ class ModelWatcher:
         migration_limit: int | None = None,
         health: HealthSettings | None = None,
         disagg: DisaggConfig | None = None,
+        model_wait_s: float = DEFAULT_MODEL_WAIT_S,
     ) -> None:
         """`health`: the instances' health checks; None: from the environment
-        (DYN_HEALTH_CHECK_INTERVAL_S / DYN_HEALTH_CHECK_TIMEOUT_S, which --health-check-* set)."""
+        (DYN_HEALTH_CHECK_INTERVAL_S / DYN_HEALTH_CHECK_TIMEOUT_S, which --health-check-* set).
+        `model_wait_s`: how long a model whose last card went stays (--model-wait-s)."""
         self.runtime = runtime
+        self.model_wait_s = model_wait_s
         self.health = HealthSettings.from_env() if health is None else health
         self.migration_limit = migration_limit  # None: each model's card says
         self.registry = registry
@@ -174,7 +188,7 @@ class ModelWatcher:
         self.prefix = f"{MDC_ROOT}/{only_endpoint.path}/" if only_endpoint else f"{MDC_ROOT}/"
         self._models: dict[str, _Model] = {}
         self._model_of_key: dict[str, tuple[str, bool]] = {}  # card key -> (model, prefill pool?)
-        self._refused: dict[str, tuple[str, bool]] = {}
+        self._refused: dict[str, tuple[str, bool, bytes]] = {}  # card key -> (model, prefill?, card)
 
     async def run(self) -> None:
         discovery = self.runtime.discovery
@@ -197,11 +211,21 @@ class ModelWatcher:
         prefill = "prefill" in card.model_type
         pools = self._prefill if prefill else self._models
         model = pools.get(name)
+        replaced: _Model | None = None
+        if model is not None and model.expiry is not None and card.mdcsum() != model.checksum:
+            # Its workers are gone and one came with another card: that card's model replaces
+            # it, listed all the while, so its requests wait rather than get 404.
+            replaced, model = pools.pop(name), None
         if model is None:
             if prefill:
                 model = await self._new_prefill_pool(card, endpoint, instance_id)
             else:
                 model = await self._new_model(card, endpoint, instance_id)
+            if replaced is not None:
+                await replaced.close()
+                log.info("model %r: replaced by workers with model card %s", name, card.mdcsum())
+                if model is None:
+                    self.registry.remove(name)
             if model is None:
                 return
             pools[name] = model
@@ -219,8 +243,12 @@ class ModelWatcher:
                 time.time(),
                 f"model card checksum {card.mdcsum()} differs from the model's {model.checksum}",
             )
-            self._refused[key] = (name, prefill)
+            self._refused[key] = (name, prefill, value)
             return
+        if model.expiry is not None:
+            model.expiry.cancel()
+            model.expiry = None
+            log.info("model %r: a worker is back", name)
         model.card_keys.add(key)
         self._model_of_key[key] = (name, prefill)
         if model.router is not None:
@@ -292,7 +320,11 @@ class ModelWatcher:
         prefill = self._prefill.get(name)
         if disagg is not None and prefill is not None:
             disagg.prefill = prefill.routed
-        self.registry.add(pipeline, instances=lambda: self._health_report(name, client))
+        self.registry.add(
+            pipeline,
+            instances=lambda: self._health_report(name, client),
+            routable=lambda: bool(client.instance_ids()),
+        )
         log.info(
             "model %r added (endpoint %s, %s routing, migration limit %s%s)",
             name,
@@ -364,15 +396,42 @@ class ModelWatcher:
         if prefill or model.card_keys:
             # A prefill pool stays when empty: its router then counts the local prefills.
             return
-        del self._models[name]
+        waiting = {k: v for k, (n, p, v) in self._refused.items() if n == name and not p}
+        if self.model_wait_s <= 0 and not waiting:
+            await self._drop(name, "no workers left")
+            return
+        model.expiry = asyncio.create_task(self._expire(name, model), name=f"expire model {name}")
+        log.info("model %r: no workers left; waiting %gs for one", name, self.model_wait_s)
+        # Workers refused for another card (a rolling update that changed it) take over now.
+        for other, value in waiting.items():
+            del self._refused[other]
+            await self._added(other, value)
+
+    async def _expire(self, name: str, model: _Model) -> None:
+        await asyncio.sleep(self.model_wait_s)
+        model.expiry = None  # done: closing the model must not cancel this task
+        if self._models.get(name) is model and not model.card_keys:
+            await self._drop(name, f"no worker came back within {self.model_wait_s:g}s")
+
+    async def _drop(self, name: str, why: str) -> None:
+        """The model leaves /v1/models; its requests are 404 again."""
+        model = self._models.pop(name)
         self.registry.remove(name)
         await model.close()
-        log.info("model %r removed: no workers left", name)
+        log.info("model %r removed: %s", name, why)
+
+    async def forget(self, name: str) -> None:
+        """Drop a model that has no workers now, without waiting for them to come back (an
+        adapter unloaded on purpose, frontend/lora.py)."""
+        model = self._models.get(name)
+        if model is not None and not model.card_keys:
+            await self._drop(name, "unloaded")
 
     def serving(self, name: str) -> tuple[EndpointName, list[int], ModelDeploymentCard] | None:
-        """A served model's endpoint, the instances whose cards were accepted, and its card."""
+        """A served model's endpoint, the instances whose cards were accepted, and its card; None
+        while it waits for its workers to come back."""
         model = self._models.get(name)
-        if model is None or model.card is None:
+        if model is None or model.card is None or not model.card_keys:
             return None
         return model.client.name, sorted(model.client.allowed or ()), model.card
 

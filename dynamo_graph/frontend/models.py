@@ -51,17 +51,35 @@ class ModelRegistry:
         self._models: dict[str, AnyPipeline] = {}
         self._created: dict[str, int] = {}
         self._instances: dict[str, InstancesReport] = {}
+        self._routable: dict[str, Callable[[], bool]] = {}
 
-    def add(self, pipeline: AnyPipeline, instances: InstancesReport | None = None) -> None:
+    def add(
+        self,
+        pipeline: AnyPipeline,
+        instances: InstancesReport | None = None,
+        routable: Callable[[], bool] | None = None,
+    ) -> None:
+        """`routable`: whether a request for the model has a worker to go to now (a remote
+        model's workers may all be gone for a while, frontend/model_watcher.py); None: always."""
         self._models[pipeline.name] = pipeline
         self._created.setdefault(pipeline.name, int(time.time()))
         if instances is not None:
             self._instances[pipeline.name] = instances
+        if routable is not None:
+            self._routable[pipeline.name] = routable
 
     def remove(self, name: str) -> None:
         self._models.pop(name, None)
         self._created.pop(name, None)
         self._instances.pop(name, None)
+        self._routable.pop(name, None)
+
+    def routable(self, name: str) -> bool:
+        """A listed model with a worker to send a request to now (an in-process one always)."""
+        if name not in self._models:
+            return False
+        check = self._routable.get(name)
+        return check is None or check()
 
     def health(self) -> dict[str, dict]:
         """Per model: its status, where it runs and, for remote models, its worker instances."""

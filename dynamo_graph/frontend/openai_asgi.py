@@ -44,10 +44,24 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 MAX_N = 1  # choices per request: the pipelines produce one
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
-OVERLOADED_HEADERS = [*JSON_HEADERS, (b"retry-after", str(RETRY_AFTER_S).encode())]
+_RETRY_AFTER = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+OVERLOADED_HEADERS = [*JSON_HEADERS, *_RETRY_AFTER]
 OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
+WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers looks again
+
+
+def model_unavailable(name: str) -> HTTPError:
+    """A listed model with no worker for now (they are being replaced, or restarting): 503 and
+    Retry-After, which clients retry, where 404 would say the model is gone for good."""
+    return HTTPError(
+        503,
+        f"The model `{name}` has no worker available right now; retry shortly",
+        param="model",
+        code="model_unavailable",
+        headers=_RETRY_AFTER,
+    )
 
 
 async def send_json(
@@ -202,6 +216,7 @@ class OpenAIHandler:
         try:
             body = await self._read(scope, receive, deadline)
             request, original = self.decode(body)
+            await self._await_worker(request.model, receive, deadline)
             pipeline, prepared = self._accept(request, scope)
         except HTTPError as err:
             await self._refuse(send, err)
@@ -209,6 +224,30 @@ class OpenAIHandler:
         except ConnectionResetError:
             return
         await self._serve(pipeline, prepared, original, receive, send, deadline)
+
+    async def _await_worker(self, name: str, receive: Receive, deadline: float | None) -> None:
+        """While a listed model has no worker to route to (every replica being replaced, or
+        restarting), wait for one: up to --model-wait-s, the request's deadline or the client's
+        disconnect; then `model_unavailable`. Before `_accept`, so a model whose workers came
+        back with another card is served by its new pipeline. An unknown model returns at once
+        (`_model` answers 404)."""
+        models = self.models
+        if models.routable(name) or models.get(name) is None:
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.limits.model_wait_s
+        if deadline is not None:
+            until = min(until, deadline)
+        gone = asyncio.ensure_future(receive())  # the body is read: only a disconnect comes
+        try:
+            while not models.routable(name):
+                if gone.done():
+                    raise ConnectionResetError("client disconnected while waiting for a worker")
+                if loop.time() >= until or models.get(name) is None:
+                    raise model_unavailable(name)
+                await asyncio.wait((gone,), timeout=WORKER_POLL_S)
+        finally:
+            gone.cancel()
 
     def _accept(self, request: AnyRequest, scope: Scope) -> tuple[ModelPipeline, Prepared]:
         """The request's model and the request as it prepared it; HTTPError when refused."""

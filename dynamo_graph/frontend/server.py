@@ -1,5 +1,17 @@
 """The uvicorn server the frontend (app.py) runs in: TCP_NODELAY on every connection, a cap on
-a request's head, and a clean exit after a graceful shutdown."""
+a request's head, and a clean exit after a graceful shutdown.
+
+A graph replaces its frontend without failing a request (the supervisor's rolling update): the
+new process binds the same port beside the old one (SO_REUSEPORT: the kernel spreads new
+connections over both), and once it is ready the old one gets SIGTERM and drains. It closes its
+listener first, so new connections go to the new process; serves every request that still
+arrives on a connection it holds, answered `Connection: close` so the client reconnects to the
+new one; leaves idle connections to its keep-alive timeout, as always (closing one early races
+a request the client is sending on it, which a client without retries sees as an error); lets
+in-flight streams finish within the grace; then exits 0. One race remains the kernel's: a
+connection still in the closed listener's accept queue is reset (unless the host sets
+net.ipv4.tcp_migrate_req=1, which hands it to the other listener).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ from dynamo_graph.frontend.errors import error_body
 if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
 
+SHUTDOWN_GRACE_S = 30.0  # in-flight requests' time to finish once SIGTERM came (DYN_SHUTDOWN_GRACE_S)
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is a 431 and the connection closes
 _HEAD_TOO_LARGE = error_body(
     431, f"Request line and headers are larger than {MAX_HEAD_BYTES} bytes", code="headers_too_large"
@@ -65,6 +78,32 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
 
+class DrainingHttpToolsProtocol(NoDelayHttpToolsProtocol):
+    """Drains a connection on shutdown without cutting it under a client. uvicorn's own
+    `shutdown` closes an idle kept-alive connection at once: a client sending its next request
+    on it at that moment gets "server disconnected". Here the request in flight, and any that
+    arrives later, is served and answered `Connection: close`; an idle connection closes once
+    idle for the keep-alive timeout (the normal rule: a client's pool expects that)."""
+
+    _draining = False
+
+    def shutdown(self) -> None:
+        self._draining = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        elif self.timeout_keep_alive_task is None and not self.transport.is_closing():
+            # Connected but no request yet: uvicorn arms no timer for that; it gets the same.
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._draining and self.cycle is not None:
+            self.cycle.keep_alive = False
+
+
 class GracefulServer(uvicorn.Server):
     """Exits normally after a graceful shutdown on SIGINT/SIGTERM. uvicorn re-raises the signal
     once it has shut down, so the process would die "killed by SIGTERM" and a supervisor could
@@ -77,19 +116,41 @@ class GracefulServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def make_server(app: FrontendApp, host: str, port: int) -> uvicorn.Server:
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to `host:port` (each address it resolves to, as uvicorn would bind them)
+    with SO_REUSEPORT, so the graph's next frontend can bind the same port while this one still
+    serves (and SO_REUSEADDR, past connections in TIME_WAIT)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:  # as asyncio binds it: IPv4 gets its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def make_server(app: FrontendApp, grace_s: float = SHUTDOWN_GRACE_S) -> uvicorn.Server:
+    """The server for `app`, to serve the sockets of `listen`; on SIGTERM in-flight requests
+    get `grace_s` to finish."""
     cap = app.limits.max_concurrent
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         loop="uvloop",
-        http=NoDelayHttpToolsProtocol,
+        http=DrainingHttpToolsProtocol,
         lifespan="off",
         access_log=False,
         log_config=None,
         log_level="warning",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=grace_s,
         # Connections (and tasks) at once: well above the request cap, so excess requests still
         # get the frontend's own 503, while a flood of idle connections stays bounded.
         limit_concurrency=4 * cap + 256 if cap else None,

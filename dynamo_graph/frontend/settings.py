@@ -46,3 +46,7 @@ class LimitSettings:
     health_check_timeout_s: float | None = setting(None, flag="--health-check-timeout-s", gt=0)
     """A probe not answered within this takes the instance out of routing until one passes
     (default DYN_HEALTH_CHECK_TIMEOUT_S, else 3)."""
+    model_wait_s: float = setting(30.0, flag="--model-wait-s", ge=0)
+    """A served model whose workers are all gone (being replaced, restarting) stays listed this
+    long: its requests wait for a worker, then get 503 with `Retry-After`, never 404 (0 = drop it
+    at once)."""

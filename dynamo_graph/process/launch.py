@@ -19,7 +19,13 @@ from rich.console import Console
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.settings import RunConfigError
-from dynamo_graph.backend.worker import StartedEngine, make_card, serve_engine, start_built_engine
+from dynamo_graph.backend.worker import (
+    StartedEngine,
+    make_card,
+    serve_engine,
+    shutdown_grace_from_env,
+    start_built_engine,
+)
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.options import flagged
@@ -130,6 +136,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         body_limit_mb=cfg.limits.body_limit_mb,
         max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s,
+        model_wait_s=cfg.limits.model_wait_s,
     )
     try:
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))
@@ -139,10 +146,15 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
-    from dynamo_graph.frontend.server import make_server
+    from dynamo_graph.frontend.server import SHUTDOWN_GRACE_S, listen, make_server
 
     app = frontend_app(cfg, registry, lora)
-    server = make_server(app, cfg.http.host, cfg.http.port)
+    try:
+        sockets = listen(cfg.http.host, cfg.http.port)
+    except OSError as err:
+        raise RunConfigError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err}") from None
+    # In-flight requests get DYN_SHUTDOWN_GRACE_S, as a worker's do, on SIGTERM.
+    server = make_server(app, grace_s=shutdown_grace_from_env(SHUTDOWN_GRACE_S))
     names = ", ".join(registry.names()) or "models as workers appear"
     auth = "API key required" if app.api_keys else "no API key"
     console.print(
@@ -154,7 +166,7 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
         )
-    await server.serve()
+    await server.serve(sockets)
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:
@@ -289,6 +301,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
         # The frontend's --migration-limit wins when given; else each worker's card says.
         migration_limit=cfg.worker.migration_limit if "migration_limit" in cfg.explicit else None,
         disagg=cfg.disagg,
+        model_wait_s=cfg.limits.model_wait_s,
     )
     watch = asyncio.create_task(watcher.run(), name="model watcher")
     lora = LoraAdmin(watcher)

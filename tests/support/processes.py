@@ -62,10 +62,18 @@ class Frontend(Protocol):
 class ServerProcess:
     """A `dyngraph run in=http ...` child; stopped with SIGTERM, then SIGKILL."""
 
-    def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, log_dir: Path) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        log_dir: Path,
+        port: int | None = None,
+    ) -> None:
+        """`port`: another frontend's, to share it (SO_REUSEPORT); else a free one."""
+        self.port = free_port() if port is None else port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
+        self.log_path = log_dir / f"server-{self.port}-{time.monotonic_ns()}.log"
         full_env = {**os.environ, "DYN_TOKEN_ECHO_DELAY_MS": "0", **(env or {})}
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(

@@ -19,6 +19,7 @@ from tests.support.waiting import wait_for
 
 MODEL_ENDPOINT = "dyn://dist.backend.generate"
 LEASE_TTL = "2"
+MODEL_WAIT_S = "1"  # a model whose workers all left stays listed this long (--model-wait-s)
 
 
 @pytest.fixture(params=["file+tcp", "etcd+nats"])
@@ -59,7 +60,11 @@ def spawn(tmp_path: Path, planes: dict[str, str]) -> Iterator[Callable[..., Work
 
 @pytest.fixture
 def frontend(tmp_path: Path, planes: dict[str, str]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["out=auto", "--router-mode", "round-robin"], env=planes, log_dir=tmp_path)
+    proc = ServerProcess(
+        ["out=auto", "--router-mode", "round-robin", "--model-wait-s", MODEL_WAIT_S],
+        env=planes,
+        log_dir=tmp_path,
+    )
     try:
         proc.wait_ready(path="/live")
         yield proc
@@ -146,7 +151,7 @@ def test_models_follow_workers(
     worker.kill9()
     late.kill9()
     took = wait_for(lambda: model not in listed(), 10, "the model to leave /v1/models")
-    assert took <= float(LEASE_TTL) + 2.0
+    assert took <= float(LEASE_TTL) + float(MODEL_WAIT_S) + 2.0
 
 
 def test_new_worker_is_listed_within_a_second(

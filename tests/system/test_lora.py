@@ -120,7 +120,8 @@ def test_unknown_adapters_and_bad_loads_are_named(make_cluster, tiny_lora: Path,
 
 
 def test_adapters_declared_on_the_command_line_come_up_with_the_worker(make_cluster, tiny_lora: Path) -> None:
-    cluster = make_cluster(workers=0, limit=None, speedup=20.0)
+    # A model whose workers left stays for --model-wait-s: 1 s here, not 30.
+    cluster = make_cluster(workers=0, limit=None, speedup=20.0, frontend_args=["--model-wait-s", "1"])
     cluster.start_worker(extra_args=["--lora-modules", f"{ADAPTER}={tiny_lora},second={tiny_lora}"])
     wait_for(lambda: {ADAPTER, "second"} <= set(_models(cluster)), 60, "the declared adapters")
     client = openai.OpenAI(base_url=f"{cluster.frontend.base_url}/v1", api_key="unused", max_retries=0)
