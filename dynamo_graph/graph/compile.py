@@ -333,6 +333,9 @@ class _Compiler:
             env={
                 **self.planes_env(),
                 **self._host_env(comp.host),
+                # Streams in flight finish within this on SIGTERM (a rollout retiring the old run),
+                # before the supervisor's SIGKILL at shutdown_grace_s.
+                "DYN_SHUTDOWN_GRACE_S": _inner_grace(comp.shutdown_grace_s),
                 **dict(sorted(comp.env.items())),
                 **auth_env,
             },
@@ -437,7 +440,7 @@ class _Compiler:
                 **self._gpu_env(worker, host, slot),
                 # In-flight requests get the grace, minus time to end the rest (so they migrate)
                 # before the supervisor's SIGKILL at shutdown_grace_s.
-                "DYN_SHUTDOWN_GRACE_S": f"{max(worker.shutdown_grace_s - 3.0, 0.0):g}",
+                "DYN_SHUTDOWN_GRACE_S": _inner_grace(worker.shutdown_grace_s),
                 **dict(sorted(worker.env.items())),
             }
             side_env, side_ports = self._side_channels(worker, f"{name}-{replica}", host)
@@ -502,3 +505,9 @@ def compile_graph(
     a scheduler that places hosts on nodes sharing this filesystem (graph/targets/slurm/): addresses come
     from it, workdirs are as on the local host, and no host is reached over ssh."""
     return _Compiler(graph, graph_file, state_dir, nodes).plan()
+
+
+def _inner_grace(shutdown_grace_s: float) -> str:
+    """A process's own grace for streams in flight: the supervisor's, less the time it needs to
+    end the rest (a worker's unfinished streams migrate) before SIGKILL."""
+    return f"{max(shutdown_grace_s - 3.0, 0.0):g}"

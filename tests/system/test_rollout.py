@@ -132,6 +132,18 @@ def test_change_break_roll_back_and_scale_down_under_load_fail_nothing(versioned
         assert down.returncode == 0, down.stdout + down.stderr
         assert "- backend-1" in down.stdout and "- backend-2" in down.stdout
         load.wait_for_requests(20)
+
+        # (5) a frontend setting: the new frontend binds the same port beside the old one, which
+        # finishes its streams and closes its kept-alive connections after their next answer
+        before = graph.pids()
+        graph.graph["components"]["frontend"]["limits"] = {"model_wait_s": 20.0}
+        graph.commit("frontend waits longer for a model's workers")
+        front = graph.cli("up", "-d")
+        assert front.returncode == 0, front.stdout + front.stderr
+        assert "~ frontend-0" in front.stdout and "backend" not in front.stdout.split("graph rollout")[0]
+        after = graph.pids()
+        assert after["frontend-0"] != before["frontend-0"] and after["backend-0"] == before["backend-0"]
+        load.wait_for_requests(20)
     result = load.result
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
     assert result.ok >= 100

@@ -231,11 +231,12 @@ class TcpRequestPlaneServer(RequestPlaneServer):
 
 
 class _ClientStream(ClientStream):
-    __slots__ = ("id",)
+    __slots__ = ("answered", "id")
 
     def __init__(self, stream_id: int) -> None:
         super().__init__()
         self.id = stream_id
+        self.answered = False  # a frame arrived for it: the worker took it on
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -269,6 +270,7 @@ class _ClientConnection(asyncio.Protocol):
         stream = self.streams.get(frame.id)
         if stream is None:
             return  # a stream the caller already closed (cancelled): its late frames are dropped
+        stream.answered = True
         frames = stream.frames
         frames.append(frame)
         if len(frames) >= self._cap and stream not in self._full:
@@ -290,7 +292,12 @@ class _ClientConnection(asyncio.Protocol):
         self.client._forget(self)
         why = f": {exc}" if exc else ""
         for stream in self.streams.values():
-            stream.fail(StreamBroken(f"connection to {self.address} lost{why}"))
+            # Not a frame back yet: nothing reached the caller, so another instance may take it
+            # (a worker closing its connections as it retires, the request already on the wire).
+            if stream.answered:
+                stream.fail(StreamBroken(f"connection to {self.address} lost{why}"))
+            else:
+                stream.fail(CannotConnect(f"connection to {self.address} lost before an answer{why}"))
 
     def open(self, subject: str, headers: dict[str, str], payload: bytes, request_id: str) -> _ClientStream:
         self._next_id += 1
