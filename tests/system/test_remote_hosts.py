@@ -30,6 +30,7 @@ from dynamo_graph.graph.targets.local.remote.agent import REATTACH_S
 from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
 from dynamo_graph.graph.targets.local.remote.ssh import SshHosts as SshHosts_
 from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses, run_cli
+from tests.support.rolling_load import StreamingLoad
 from tests.support.routing import opening_messages, served_by
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
 from tests.support.waiting import wait_for
@@ -651,3 +652,41 @@ async def test_side_channel_ports_of_replicas_on_one_host_are_distinct_and_free_
     h0 = ssh_hosts.hosts[0]
     assert {p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for p in workers} == {h0.address}
     assert not set(side.values()) & set(h0.listening_ports())
+
+
+def test_a_change_rolls_the_remote_workers_and_rollback_too_failing_no_request(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """Rolling updates on ssh hosts: each worker's new run starts on its host beside the old one
+    and must be listed by the frontend here before the old one retires; streamed load with no
+    retries sees no error, through the change and its rollback."""
+    graph = make_graph(
+        **{"components.frontend.migration_limit": None, "components.backend.migration_limit": None}
+    )
+    assert graph.cli("up", "-d").returncode == 0
+    before = graph.processes()
+    with StreamingLoad(f"{graph.base_url}/v1", "tiny-model", clients=3) as load:
+        load.wait_for_requests(20)
+        make_graph(
+            **{
+                "components.frontend.migration_limit": None,
+                "components.backend.migration_limit": None,
+                "components.backend.env.DYN_TOKEN_ECHO_DELAY_MS": "1",
+                "components.frontend.http.port": graph.port,
+            }
+        )
+        changed = graph.cli("up", "-d", timeout=180)
+        assert changed.returncode == 0, changed.stdout + changed.stderr
+        assert "~ backend-0" in changed.stdout and "~ backend-1" in changed.stdout
+        after = graph.processes()
+        for name, host in (("backend-0", "h0"), ("backend-1", "h1")):
+            assert after[name]["host"] == host and after[name]["pid"] != before[name]["pid"]
+        assert after["frontend-0"]["pid"] == before["frontend-0"]["pid"]
+        load.wait_for_requests(20)
+        back = graph.cli("rollback", timeout=180)
+        assert back.returncode == 0, back.stdout + back.stderr
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+    history = graph.cli("history")
+    assert "rollback 1" in history.stdout, history.stdout
