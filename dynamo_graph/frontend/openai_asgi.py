@@ -31,6 +31,7 @@ from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
 from dynamo_graph.llm.openai import AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import Delta, ModelPipeline, Prepared
+from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
 
@@ -50,6 +51,11 @@ OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
 WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers looks again
+ACCEPT_ATTEMPTS = 3  # a request whose model's workers all left before its first byte is accepted again
+
+
+class _WorkersLeft(Exception):
+    """Raised (not answered) when a request's model lost its last worker before the first byte."""
 
 
 def model_unavailable(name: str) -> HTTPError:
@@ -216,14 +222,26 @@ class OpenAIHandler:
         try:
             body = await self._read(scope, receive, deadline)
             request, original = self.decode(body)
-            await self._await_worker(request.model, receive, deadline)
-            pipeline, prepared = self._accept(request, scope)
         except HTTPError as err:
             await self._refuse(send, err)
             return
         except ConnectionResetError:
             return
-        await self._serve(pipeline, prepared, original, receive, send, deadline)
+        for attempt in range(ACCEPT_ATTEMPTS):
+            try:
+                await self._await_worker(request.model, receive, deadline)
+                pipeline, prepared = self._accept(request, scope)
+            except HTTPError as err:
+                await self._refuse(send, err)
+                return
+            except ConnectionResetError:
+                return
+            retry = attempt + 1 < ACCEPT_ATTEMPTS
+            try:
+                await self._serve(pipeline, prepared, original, receive, send, deadline, retry)
+                return
+            except _WorkersLeft:
+                continue  # accepted again: by the model's new pipeline, once it has a worker
 
     async def _await_worker(self, name: str, receive: Receive, deadline: float | None) -> None:
         """While a listed model has no worker to route to (every replica being replaced, or
@@ -328,30 +346,47 @@ class OpenAIHandler:
         receive: Receive,
         send: Send,
         deadline: float | None = None,
+        retry: bool = False,
     ) -> None:
         """The request's lifecycle around its answer, streamed (`_stream`) or whole (`_unary`):
         in-flight and request metrics, cancellation when the client goes away. `request`: as the
-        client sent it (`decode`)."""
+        client sent it (`decode`). With `retry`, a model whose workers all left before the first
+        byte raises _WorkersLeft instead of answering (see `_left`)."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
         watcher = asyncio.create_task(watch_disconnect(receive, context))
         metrics.inflight += 1
         start = time.perf_counter()
         request_type = "stream" if request.stream else "unary"
-        status = "error"
+        status: str | None = "error"
         try:
             if request.stream:
-                ok = await self._stream(pipeline, prepared, request, context, send, metrics, start, deadline)
+                ok = await self._stream(
+                    pipeline, prepared, request, context, send, metrics, start, deadline, retry
+                )
             else:
-                ok = await self._unary(pipeline, prepared, request, context, send, metrics, start, deadline)
+                ok = await self._unary(
+                    pipeline, prepared, request, context, send, metrics, start, deadline, retry
+                )
             disconnected = watcher.done() and not watcher.cancelled()
             status = "cancelled" if disconnected else ("success" if ok else "error")
+        except _WorkersLeft:
+            status = None  # not answered: it is accepted again
+            raise
         finally:
             metrics.inflight -= 1
             watcher.cancel()
-            metrics.count_request(self.endpoint, request_type, status)
-            metrics.duration.observe(time.perf_counter() - start)
-            self._count_tokens(metrics, prepared)
+            if status is not None:
+                metrics.count_request(self.endpoint, request_type, status)
+                metrics.duration.observe(time.perf_counter() - start)
+                self._count_tokens(metrics, prepared)
+
+    def _left(self, err: Exception, pipeline: ModelPipeline, retry: bool) -> bool:
+        """Whether a request that failed before its first byte should be accepted again: the
+        model's last worker left under it (NoInstances) while the model stays listed, e.g. a
+        rolling update whose new workers serve another model card and take over the model
+        with a new pipeline at that moment."""
+        return retry and isinstance(err, NoInstances) and self.models.get(pipeline.name) is not None
 
     @staticmethod
     def _count_tokens(metrics: ModelMetrics, prepared: Prepared) -> None:
@@ -371,6 +406,7 @@ class OpenAIHandler:
         metrics: ModelMetrics,
         start: float,
         deadline: float | None,
+        retry: bool = False,
     ) -> bool:
         writer = self.writer(request, prepared)
         started = False
@@ -403,6 +439,8 @@ class OpenAIHandler:
                         await send({"type": "http.response.body", "body": tail, "more_body": False})
                         return True
         except Exception as err:
+            if not started and self._left(err, pipeline, retry):
+                raise _WorkersLeft from err
             http_err = await self._failure(err, context, deltas)
             if not started:
                 await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
@@ -427,6 +465,7 @@ class OpenAIHandler:
         metrics: ModelMetrics,
         start: float,
         deadline: float | None,
+        retry: bool = False,
     ) -> bool:
         """The stream gathered into one JSON answer by the surface's `answer`."""
         answer = self.answer(request, prepared)
@@ -445,6 +484,8 @@ class OpenAIHandler:
                         answer.finish(delta.finish_reason)
                         finished = True
         except Exception as err:
+            if first and self._left(err, pipeline, retry):
+                raise _WorkersLeft from err
             http_err = await self._failure(err, context, deltas)
             await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False

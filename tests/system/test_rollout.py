@@ -148,6 +148,22 @@ def test_change_break_roll_back_and_scale_down_under_load_fail_nothing(versioned
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
     assert result.ok >= 100
 
+    # (6) a change of the model's card (its tool-call parser): a frontend serves one card per
+    # model and refuses the new replicas while an old one is left, so they take over together
+    # once the old ones left; a request accepted for the old card in that instant is accepted
+    # again by the new one.
+    graph.backend["replicas"] = 2
+    graph.graph["models"]["tiny-model"]["tool_call_parser"] = "hermes"
+    graph.commit("hermes tool calls")
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as card_load:
+        card_load.wait_for_requests(20)
+        card = graph.cli("up", "-d")
+        assert card.returncode == 0, card.stdout + card.stderr
+        assert graph.status()["components"]["backend"] == {"desired": 2, "ready": 2, "revisions": [8]}
+        card_load.wait_for_requests(20)
+    handover = card_load.result
+    assert handover.failures == [], f"{len(handover.failures)} of {handover.total}: {handover.failures[:5]}"
+
     history = graph.cli("history")
     assert history.returncode == 0, history.stdout + history.stderr
     for commit in (first, second, last):

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import probes
@@ -52,10 +53,15 @@ class RollingFleet(Fleet, Protocol):
 FAILURE_LOG_LINES = 20
 ROUTABLE_POLL_S = 0.05
 SERVING_ROLES = ("agg", "decode")  # workers a frontend lists as a model's instances
+INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
 
 
 class RolloutFailed(Exception):
     """A new run did not prove itself; the message names it and says why."""
+
+
+class CardChanged(RolloutFailed):
+    """The frontends refuse the new runs for their model card (see Rollout._hand_over)."""
 
 
 def dependency_order(plan: Plan, names: Sequence[str]) -> list[str]:
@@ -119,13 +125,14 @@ class Rollout:
         sup, changes = self.sup, self.changes
         try:
             await self._in_place()
-            added = [sup.runners[n] for n in changes.added if n in sup.runners]
-            await self._prove(added)
             plan = sup.plan
             assert plan is not None
             for batch in batches(plan, changes.rolled):
-                await self._roll_batch(batch)
-                self.replaced += batch
+                batch = [n for n in batch if n not in self.replaced]  # a handover took the rest
+                if batch:
+                    await self._roll_batch(batch)
+            # Started at once; proven after the changed replicas, whose model card they share.
+            await self._prove([sup.runners[n] for n in changes.added if n in sup.runners])
             await self._retire([self.old[n] for n in changes.removed])
             return True, ""
         except RolloutFailed as failure:
@@ -135,7 +142,6 @@ class Rollout:
 
     async def _in_place(self) -> None:
         """Processes that cannot run twice: stop the old runs (dependents first), start the new."""
-
         sup, changes = self.sup, self.changes
         going = [n for n in [*changes.restarted] if n in changes.in_place or n in changes.dependents]
         if not going:
@@ -155,19 +161,15 @@ class Rollout:
         routable; raises RolloutFailed naming the first that was not."""
         if not runners:
             return
-        before = await self._listed_instances()
         results = await asyncio.gather(*(r.proven() for r in runners))
         for runner, ok in zip(runners, results, strict=True):
             if not ok:
                 raise RolloutFailed(self._why(runner))
-        serving = sum(1 for r in runners if r.spec.role in SERVING_ROLES and not r.spec.shares_ports)
-        if serving:
-            await self._wait_routable(before, serving, runners)
+        await self._wait_routable(runners)
 
     async def _roll_batch(self, batch: list[str]) -> None:
         """New runs beside the old ones (the first `max_unavailable` old ones stop first); once
         the new ones proved themselves, the old ones retire."""
-
         sup = self.sup
         assert sup.plan is not None
         specs = {p.name: p for p in sup.plan.processes}
@@ -182,6 +184,9 @@ class Rollout:
         sup.persist()
         try:
             await self._prove(new)
+        except CardChanged as changed:
+            await self._hand_over(batch, changed)
+            return
         except RolloutFailed:
             await self._stop(new)
             for name in batch:  # the old runs serve again; the stopped ones start again
@@ -192,6 +197,33 @@ class Rollout:
             sup.persist()
             raise
         await self._retire([self.old[n] for n in batch if n not in early])
+        self.replaced += batch
+
+    async def _hand_over(self, batch: list[str], changed: CardChanged) -> None:
+        """The new runs serve a model card the old ones do not (another template, context
+        length, parser, KV block size): a frontend routes one card per model, so it refuses
+        them while an old run is left. Start the component's remaining new runs beside the old
+        ones, retire every old run (streams finish), and the frontends take the new card when
+        the last old one leaves (requests meanwhile wait for a worker, `limits.model_wait_s`)."""
+        sup = self.sup
+        assert sup.plan is not None
+        specs = {p.name: p for p in sup.plan.processes}
+        component = specs[batch[0]].component
+        rest = [n for n in self.changes.rolled if specs[n].component == component and n not in batch]
+        rest = [n for n in rest if n not in self.replaced]
+        sup.report("dyngraph", f"{changed}: handing {component} over to the new card at once")
+        started = []
+        for name in rest:
+            sup.retire(self.old[name])
+            sup.runners[name] = Runner(sup, specs[name], self.revision, proving=True)
+            started.append(sup.runners[name])
+        sup.persist()
+        for runner, ok in zip(started, await asyncio.gather(*(r.proven() for r in started)), strict=True):
+            if not ok:
+                raise RolloutFailed(self._why(runner))
+        await self._retire([self.old[n] for n in [*batch, *rest]])
+        self.replaced += [*batch, *rest]
+        await self._wait_routable([sup.runners[n] for n in [*batch, *rest]], handing_over=True)
 
     async def _roll_back(self) -> None:
         """Give every process this rollout touched its previous run back, new beside old."""
@@ -250,40 +282,60 @@ class Rollout:
             if r.spec.shares_ports and r.ready.is_set() and r.spec.readiness.target.endswith("/health")
         ]
 
-    async def _listed_instances(self) -> dict[str, set[str]]:
-        """Instance ids each ready frontend lists in its /health, by frontend name."""
-        listed = {}
-        for runner in self._frontends():
-            ids = await _instance_ids(runner)
-            if ids is not None:
-                listed[runner.spec.name] = ids
-        return listed
-
-    async def _wait_routable(
-        self, before: dict[str, set[str]], count: int, runners: Sequence[Runner]
-    ) -> None:
-        """Until every frontend that listed instances before lists `count` new ones."""
+    async def _wait_routable(self, runners: Sequence[Runner], handing_over: bool = False) -> None:
+        """Until every ready frontend lists the new worker runs among its model's instances.
+        Raises CardChanged when one refuses them all for their model card (unless
+        `handing_over`: then old cards may still be leaving), RolloutFailed when time is up."""
+        ids = {r.spec.name: i for r in runners if r.spec.role in SERVING_ROLES and (i := _instance_of(r))}
+        if not ids:
+            return
         timeout = max(r.spec.readiness.timeout_s for r in runners)
         deadline = time.monotonic() + timeout
-        frontends = {r.spec.name: r for r in self._frontends() if r.spec.name in before}
-        waiting = dict(frontends)
+        waiting = {r.spec.name: r for r in self._frontends()}
+        wanted = set(ids.values())
         while waiting:
-            for name, runner in list(waiting.items()):
-                ids = await _instance_ids(runner)
-                if ids is not None and len(ids - before[name]) >= count:
+            for name, frontend in list(waiting.items()):
+                found = await _listed(frontend)
+                if found is None:
+                    continue
+                if wanted <= found.instances:
                     del waiting[name]
+                elif not handing_over and wanted <= found.refused:
+                    raise CardChanged(f"{name} refuses {', '.join(ids)} for a changed model card")
             if not waiting:
                 return
             if time.monotonic() > deadline:
-                names = ", ".join(r.spec.name for r in runners)
                 raise RolloutFailed(
-                    f"{names}: ready, but not listed by {', '.join(waiting)} within {timeout:g} s "
+                    f"{', '.join(ids)}: ready, but not listed by {', '.join(waiting)} within {timeout:g} s "
                     "(not registered in discovery, or refused: see the frontend's /health)"
                 )
             await asyncio.sleep(ROUTABLE_POLL_S)
 
 
-async def _instance_ids(frontend: Runner) -> set[str] | None:
+def _instance_of(runner: Runner) -> str | None:
+    """The instance id a worker's current run announced in its log ("instance <hex> serving",
+    the line its readiness probe waits for)."""
+    proc = runner.proc
+    if proc is None:
+        return None
+    try:
+        with proc.log_path.open("rb") as log:
+            log.seek(proc.log_offset)
+            found = INSTANCE_LINE.search(log.read().decode(errors="replace"))
+    except FileNotFoundError:
+        return None
+    return found.group(1) if found else None
+
+
+class Listed(NamedTuple):
+    """A frontend's worker instances, as its /health lists them: routable ones and those it
+    refused for their model card."""
+
+    instances: set[str]
+    refused: set[str]
+
+
+async def _listed(frontend: Runner) -> Listed | None:
     """The worker instances a frontend lists in /health (None when it cannot be asked)."""
     proc = frontend.proc
     if proc is None:
@@ -296,11 +348,19 @@ async def _instance_ids(frontend: Runner) -> set[str] | None:
         return None
     details = health.get("details") if isinstance(health, dict) else None
     if not isinstance(details, dict):
-        return set() if status in (200, 503) else None
-    return {
-        str(instance.get("instance_id"))
-        for model in details.values()
-        if isinstance(model, dict)
-        for instance in model.get("instances", [])
-        if isinstance(instance, dict)
-    }
+        return Listed(set(), set()) if status in (200, 503) else None
+    models = [m for m in details.values() if isinstance(m, dict)]
+
+    def ids(entries: object, state: str | None = None) -> set[str]:
+        if not isinstance(entries, list):
+            return set()
+        return {
+            str(e.get("instance_id"))
+            for e in entries
+            if isinstance(e, dict) and (state is None or e.get("state") == state)
+        }
+
+    return Listed(
+        {i for m in models for i in ids(m.get("instances"))},
+        {i for m in models for i in ids(m.get("unavailable"), "refused")},
+    )
