@@ -180,6 +180,8 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if (rolling := self.rolling) is not None:
+            self.revisions.finish(rolling, "failed", "the graph was stopped during its rollout")
         await stop_in_order([*self.runners.values(), *self.retiring])
         self.persist()
         if self.ssh is not None:
