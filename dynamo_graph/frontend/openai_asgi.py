@@ -54,7 +54,7 @@ WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers look
 ACCEPT_ATTEMPTS = 3  # a request whose model's workers all left before its first byte is accepted again
 
 
-class _WorkersLeft(Exception):
+class WorkersLeft(Exception):
     """Raised (not answered) when a request's model lost its last worker before the first byte."""
 
 
@@ -240,7 +240,7 @@ class OpenAIHandler:
             try:
                 await self._serve(pipeline, prepared, original, receive, send, deadline, retry)
                 return
-            except _WorkersLeft:
+            except WorkersLeft:
                 continue  # accepted again: by the model's new pipeline, once it has a worker
 
     async def _await_worker(self, name: str, receive: Receive, deadline: float | None) -> None:
@@ -351,7 +351,7 @@ class OpenAIHandler:
         """The request's lifecycle around its answer, streamed (`_stream`) or whole (`_unary`):
         in-flight and request metrics, cancellation when the client goes away. `request`: as the
         client sent it (`decode`). With `retry`, a model whose workers all left before the first
-        byte raises _WorkersLeft instead of answering (see `_left`)."""
+        byte raises WorkersLeft instead of answering (see `_left`)."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
         watcher = asyncio.create_task(watch_disconnect(receive, context))
@@ -370,7 +370,7 @@ class OpenAIHandler:
                 )
             disconnected = watcher.done() and not watcher.cancelled()
             status = "cancelled" if disconnected else ("success" if ok else "error")
-        except _WorkersLeft:
+        except WorkersLeft:
             status = None  # not answered: it is accepted again
             raise
         finally:
@@ -440,7 +440,7 @@ class OpenAIHandler:
                         return True
         except Exception as err:
             if not started and self._left(err, pipeline, retry):
-                raise _WorkersLeft from err
+                raise WorkersLeft from err
             http_err = await self._failure(err, context, deltas)
             if not started:
                 await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
@@ -485,7 +485,7 @@ class OpenAIHandler:
                         finished = True
         except Exception as err:
             if first and self._left(err, pipeline, retry):
-                raise _WorkersLeft from err
+                raise WorkersLeft from err
             http_err = await self._failure(err, context, deltas)
             await send_json(send, http_err.status, self.error_body(http_err), http_err.headers)
             return False

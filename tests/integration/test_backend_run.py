@@ -153,7 +153,8 @@ def planes(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def frontend(tmp_path: Path, planes: dict[str, str]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["out=auto"], env=planes, log_dir=tmp_path)
+    # A model whose workers left stays listed for --model-wait-s: 1 s here, so it leaves soon.
+    proc = ServerProcess(["out=auto", "--model-wait-s", "1"], env=planes, log_dir=tmp_path)
     try:
         proc.wait_ready(path="/live")
         yield proc

@@ -15,7 +15,7 @@ import msgspec
 
 from dynamo_graph.frontend.errors import HTTPError
 from dynamo_graph.frontend.metrics import ModelMetrics
-from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Scope, Send, send_json
+from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Scope, Send, WorkersLeft, send_json
 from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest, embeddings_body
 from dynamo_graph.llm.embeddings import EmbeddingPipeline
 from dynamo_graph.llm.preprocessor import RequestValidationError
@@ -54,6 +54,7 @@ class EmbeddingsHandler(OpenAIHandler):
         metrics: ModelMetrics,
         start: float,
         deadline: float | None,
+        retry: bool = False,
     ) -> bool:
         try:
             async with asyncio.timeout_at(deadline):
@@ -61,6 +62,8 @@ class EmbeddingsHandler(OpenAIHandler):
         except Exception as err:
             if context.is_stopped():  # the client went away: nobody is listening
                 return False
+            if self._left(err, pipeline, retry):
+                raise WorkersLeft from err
             http_err = await self._failure(err, context)
             await send_json(send, http_err.status, self.error_body(http_err))
             return False

@@ -51,6 +51,9 @@ from dynamo_graph.runtime.transport.streams import ClientStream, HandlerTasks, S
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+# Stopping: connections stay open until no request came for LINGER_QUIET_S, at most LINGER_MAX_S.
+LINGER_QUIET_S = 0.3
+LINGER_MAX_S = 2.0
 
 
 def format_address(host: str, port: int) -> str:
@@ -157,6 +160,7 @@ class TcpRequestPlaneServer(RequestPlaneServer):
         self._tasks = HandlerTasks()
         self._server: asyncio.Server | None = None
         self._stopping = False
+        self._last_request = 0.0  # loop time of the last request frame
 
     @property
     def address(self) -> str:
@@ -186,6 +190,7 @@ class TcpRequestPlaneServer(RequestPlaneServer):
             await self._server.wait_closed()
         await self._tasks.wait(grace_s)
         await self._tasks.end([stream for conn in self._connections for stream in conn.streams.values()])
+        await self._linger()
         connections = list(self._connections)
         for conn in connections:
             conn.writer.flush()
@@ -196,7 +201,21 @@ class TcpRequestPlaneServer(RequestPlaneServer):
                 for conn in connections:
                     conn.transport.abort()
 
+    async def _linger(self) -> None:
+        """Keep the connections open, answering `not_found`, until callers stopped sending: a
+        caller learns that this instance left from discovery (a moment after `unregister`) or
+        from that answer, and a request already on the wire when a connection closes would be
+        lost (a broken stream) where `not_found` lets the caller try another instance."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + LINGER_MAX_S
+        while self._connections and loop.time() < until:
+            quiet = loop.time() - self._last_request
+            if quiet >= LINGER_QUIET_S:
+                return
+            await asyncio.sleep(LINGER_QUIET_S - quiet)
+
     def _open(self, conn: _ServerConnection, frame: Request) -> None:
+        self._last_request = asyncio.get_running_loop().time()
         sid = frame.id
         handler = self._handlers.get(frame.subject)
         if handler is None or self._stopping:
@@ -231,12 +250,11 @@ class TcpRequestPlaneServer(RequestPlaneServer):
 
 
 class _ClientStream(ClientStream):
-    __slots__ = ("answered", "id")
+    __slots__ = ("id",)
 
     def __init__(self, stream_id: int) -> None:
         super().__init__()
         self.id = stream_id
-        self.answered = False  # a frame arrived for it: the worker took it on
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -270,7 +288,6 @@ class _ClientConnection(asyncio.Protocol):
         stream = self.streams.get(frame.id)
         if stream is None:
             return  # a stream the caller already closed (cancelled): its late frames are dropped
-        stream.answered = True
         frames = stream.frames
         frames.append(frame)
         if len(frames) >= self._cap and stream not in self._full:
@@ -292,12 +309,7 @@ class _ClientConnection(asyncio.Protocol):
         self.client._forget(self)
         why = f": {exc}" if exc else ""
         for stream in self.streams.values():
-            # Not a frame back yet: nothing reached the caller, so another instance may take it
-            # (a worker closing its connections as it retires, the request already on the wire).
-            if stream.answered:
-                stream.fail(StreamBroken(f"connection to {self.address} lost{why}"))
-            else:
-                stream.fail(CannotConnect(f"connection to {self.address} lost before an answer{why}"))
+            stream.fail(StreamBroken(f"connection to {self.address} lost{why}"))
 
     def open(self, subject: str, headers: dict[str, str], payload: bytes, request_id: str) -> _ClientStream:
         self._next_id += 1
