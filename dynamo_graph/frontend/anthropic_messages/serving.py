@@ -158,6 +158,7 @@ class CountTokensHandler(MessagesHandler):
         receive: Receive,
         send: Send,
         deadline: float | None = None,
+        retry: bool = False,
     ) -> None:
         if prepared.preprocessed is None:
             err = HTTPError(
