@@ -59,7 +59,9 @@ def test_one_prefill_and_one_decode_worker_answer_as_the_aggregated_model(
         tiny_model,
         prefill=1,
         decode=1,
-        frontend_args=("--use-kv-events", "false"),
+        # No health checks: their 1-token requests would show in the decode worker's prompt loads
+        # whenever it sat idle (a loaded machine).
+        frontend_args=("--use-kv-events", "false", "--health-check-interval-s", "0"),
         engine="llamacpp",
         engine_args=ENGINE_ARGS,
     )
