@@ -5,28 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
-from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RemoteHost, RestartPolicy
+from dynamo_graph.graph.plan import Plan, ProcessSpec, RemoteHost
 from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes
 from dynamo_graph.graph.targets.local.diff import field_changes
-
-
-def _spec(
-    name: str, *, deps: tuple[str, ...] = (), argv: tuple[str, ...] = (), host: str = "local"
-) -> ProcessSpec:
-    return ProcessSpec(
-        name=name,
-        component=name.rsplit("-", 1)[0],
-        replica=0,
-        host=host,
-        argv=["dyngraph", "run", *argv],
-        env={"A": "1"},
-        workdir="/w",
-        ports={},
-        depends_on=list(deps),
-        readiness=Probe("log", "serving model", 5.0),
-        restart=RestartPolicy("on-failure", 5, 1.0, 30.0),
-        shutdown_grace_s=10.0,
-    )
+from tests.support.plans import process_spec as _spec
 
 
 def _plan(*specs: ProcessSpec, files: dict[str, str] | None = None, hosts: dict | None = None) -> Plan:
@@ -34,7 +16,12 @@ def _plan(*specs: ProcessSpec, files: dict[str, str] | None = None, hosts: dict 
 
 
 def test_restarts_follow_dependencies_transitively() -> None:
-    old = _plan(_spec("etcd-0"), _spec("w-0", deps=("etcd-0",)), _spec("f-0", deps=("w-0",)), _spec("x-0"))
+    old = _plan(
+        _spec("etcd-0"),
+        _spec("w-0", deps=("etcd-0",)),
+        _spec("f-0", deps=("w-0",)),
+        _spec("x-0"),
+    )
     new_etcd = msgspec.structs.replace(old.processes[0], env={"A": "2"})
     new = _plan(new_etcd, *old.processes[1:3], _spec("y-0", deps=("etcd-0",)))
     changes = plan_changes({p.name: p for p in old.processes}, {}, new, set())
@@ -78,7 +65,10 @@ def test_a_new_dependency_restarts_nothing() -> None:
 def test_engine_args_count_by_content_and_moved_hosts_restart() -> None:
     args = ("--extra-engine-args", "/state/engine-args/w.json")
     old = _plan(
-        _spec("w-0", argv=args), _spec("r-0", host="h1"), files={args[1]: "{}"}, hosts={"h1": RemoteHost("a")}
+        _spec("w-0", argv=args),
+        _spec("r-0", host="h1"),
+        files={args[1]: "{}"},
+        hosts={"h1": RemoteHost("a")},
     )
     same = plan_changes({p.name: p for p in old.processes}, old.files, old, set())
     assert same.lines() == []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RestartPolicy, RolloutPolicy
+from dynamo_graph.graph.plan import Plan, ProcessSpec, RolloutPolicy
 from dynamo_graph.graph.targets.local.revisions import (
     Origin,
     RevisionStore,
@@ -17,27 +17,13 @@ from dynamo_graph.graph.targets.local.revisions import (
     serving,
 )
 from dynamo_graph.graph.targets.local.rollout import batches, dependency_order
+from tests.support.plans import process_spec
 
 ORIGIN = Origin("up", "ci")
 
 
 def _spec(name: str, *, deps: tuple[str, ...] = (), surge: int = 1, unavailable: int = 0) -> ProcessSpec:
-    return ProcessSpec(
-        name=name,
-        component=name.rsplit("-", 1)[0],
-        replica=int(name.rsplit("-", 1)[1]),
-        host="local",
-        argv=["dyngraph", "run"],
-        env={},
-        workdir="/w",
-        ports={},
-        depends_on=list(deps),
-        readiness=Probe("log", "serving model", 5.0),
-        restart=RestartPolicy("on-failure", 5, 1.0, 30.0),
-        shutdown_grace_s=10.0,
-        rollout=RolloutPolicy(surge, unavailable),
-        rolls=True,
-    )
+    return process_spec(name, deps=deps, rollout=RolloutPolicy(surge, unavailable), rolls=True)
 
 
 def _plan(*specs: ProcessSpec, argv: str = "") -> Plan:
