@@ -36,6 +36,11 @@ class PlanChanges:
         return [*self.changed, *self.dependents]
 
     @property
+    def stops_first(self) -> list[str]:
+        """Restarted processes whose old run stops before the new one starts."""
+        return [n for n in self.restarted if n in self.in_place or n in self.dependents]
+
+    @property
     def rolled(self) -> list[str]:
         """Changed processes replaced by a new run started beside the old one (rollout.py)."""
         return [n for n in self.changed if n not in self.in_place]

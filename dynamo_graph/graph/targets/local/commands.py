@@ -111,10 +111,9 @@ def apply_and_wait(state: StateDir, plan: Plan, origin: Origin, console: Console
         return 1
     if revision.outcome == "failed":
         console.print(f"[bold red]revision {revision.number} failed:[/] {revision.message}", highlight=False)
-        serving = state.read_plan()
-        if reply.changes and revision.number > 1:
+        if revision.rolled_back:
             console.print(f"rolled back: the graph serves its previous revision ({plan.graph})")
-        elif serving is not None:
+        else:
             console.print(f"the rest keeps running; stop it with `dyngraph down {plan.graph_file}`")
         return 1
     running = state.read_plan() or plan  # as the supervisor filled its `auto` ports

@@ -36,7 +36,8 @@ def revision_lines(revisions: list[Revision]) -> list[str]:
         since = when(latest.started_at)
         lines.append(f"revision {latest.number} rolling out since {since}: {', '.join(latest.changes)}")
     elif latest is not None and latest.outcome == "failed":
-        lines.append(f"revision {latest.number} failed and was rolled back: {latest.message.splitlines()[0]}")
+        what = "failed and was rolled back" if latest.rolled_back else "failed"
+        lines.append(f"revision {latest.number} {what}: {latest.message.splitlines()[0]}")
     return lines
 
 

@@ -48,6 +48,7 @@ class Revision(msgspec.Struct):
     changes: list[str]
     outcome: Outcome = "rolling"
     message: str = ""  # why it failed: the process, its state, its last log lines
+    rolled_back: bool = False  # failed, and the previous processes serve again (not a first start)
     started_at: float = 0.0
     finished_at: float | None = None
 
@@ -126,9 +127,12 @@ class RevisionStore:
         self.write(revision)
         return revision
 
-    def finish(self, revision: Revision, outcome: Outcome, message: str = "") -> None:
+    def finish(
+        self, revision: Revision, outcome: Outcome, message: str = "", rolled_back: bool = False
+    ) -> None:
         revision.outcome = outcome
         revision.message = message
+        revision.rolled_back = rolled_back
         revision.finished_at = time.time()
         self.write(revision)
 

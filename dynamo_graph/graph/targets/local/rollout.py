@@ -143,7 +143,7 @@ class Rollout:
     async def _in_place(self) -> None:
         """Processes that cannot run twice: stop the old runs (dependents first), start the new."""
         sup, changes = self.sup, self.changes
-        going = [n for n in [*changes.restarted] if n in changes.in_place or n in changes.dependents]
+        going = changes.stops_first
         if not going:
             return
         await stop_in_order([self.old[n] for n in going])
@@ -188,7 +188,7 @@ class Rollout:
             await self._hand_over(batch, changed)
             return
         except RolloutFailed:
-            await self._stop(new)
+            await stop_in_order(new)
             for name in batch:  # the old runs serve again; the stopped ones start again
                 if name in early:
                     sup.runners[name] = Runner(sup, self.old[name].spec, self.old[name].record.revision)
@@ -230,7 +230,7 @@ class Rollout:
 
         sup = self.sup
         changes = self.changes
-        await self._stop([sup.runners[n] for n in changes.added if n in sup.runners])
+        await stop_in_order([sup.runners[n] for n in changes.added if n in sup.runners])
         for name in changes.added:
             sup.runners.pop(name, None)
         for name in changes.removed:  # never retired: they serve on
@@ -247,10 +247,9 @@ class Rollout:
                 await self._retire([current])
             else:
                 sup.report(name, "the previous run did not come back either: " + self._why(previous))
-        in_place = [n for n in changes.restarted if n in changes.in_place or n in changes.dependents]
-        for name in in_place:
+        for name in changes.stops_first:
             if name in sup.runners and sup.runners[name].spec != self.old[name].spec:
-                await self._stop([sup.runners[name]])
+                await stop_in_order([sup.runners[name]])
                 sup.runners[name] = Runner(sup, self.old[name].spec, self.old[name].record.revision)
         sup.order()
         sup.persist()
@@ -263,9 +262,6 @@ class Rollout:
         self.sup.persist()
         await stop_in_order(runners)
         self.sup.forget_retired(runners)
-
-    async def _stop(self, runners: Sequence[Runner]) -> None:
-        await stop_in_order(runners)
 
     def _why(self, runner: Runner) -> str:
         record = runner.record

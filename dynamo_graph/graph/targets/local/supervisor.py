@@ -160,8 +160,9 @@ class Supervisor:
             self.revisions.finish(revision, "ready")
             self.report("dyngraph", f"revision {revision.number} is ready")
             return
-        self.revisions.finish(revision, "failed", why)
-        if rollout.old_plan is None:
+        rolled_back = rollout.old_plan is not None  # a first start has nothing to go back to
+        self.revisions.finish(revision, "failed", why, rolled_back)
+        if not rolled_back:
             self.report("dyngraph", f"revision {revision.number} failed: {why}")
             return
         self.report("dyngraph", f"revision {revision.number} failed and was rolled back: {why}")
