@@ -109,7 +109,7 @@ class KvRoutedTokensBackend:
             admitted = True
         while True:
             try:
-                instances = [i for i in self.client.instance_ids() if i not in unreachable]
+                instances = self.client.candidates(unreachable)
                 if not instances:
                     raise NoInstances(f"no instances of {self.client.name} are available")
                 choice = router.route(

@@ -242,7 +242,16 @@ class _Compiler:
 
     def _rollout(self, name: str) -> RolloutPolicy:
         rollout = self.graph.components[name].rollout or self.graph.rollout
-        return RolloutPolicy(rollout.max_surge, rollout.max_unavailable)
+        policy = rollout.model_dump()
+        if policy["strategy"] == "canary" and not self._can_canary(name):
+            policy["strategy"] = "rolling"  # the graph-wide canary is for the workers that can be one
+        return RolloutPolicy(**{**policy, "steps": tuple(policy["steps"])})
+
+    def _can_canary(self, name: str) -> bool:
+        """Only a dynamic worker's requests can be split between revisions (schema.py refuses a
+        component's own canary elsewhere)."""
+        comp = self.graph.components[name]
+        return isinstance(comp, Worker) and not comp.static
 
     def _process_names(self, component: str) -> list[str]:
         comp = self.graph.components[component]

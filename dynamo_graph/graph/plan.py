@@ -31,12 +31,17 @@ class RestartPolicy(msgspec.Struct, frozen=True):
 
 
 class RolloutPolicy(msgspec.Struct, frozen=True):
-    """How a changed component's replicas are replaced (see targets/local/rollout.py): up to
-    `max_surge` new replicas start beside the old ones, and up to `max_unavailable` old ones stop
-    before their replacements are ready."""
+    """How a changed component's replicas are replaced (see targets/local/rollout.py and
+    canary.py): the graph's `rollout` section, field for field (schema.py documents them)."""
 
     max_surge: int = 1
     max_unavailable: int = 0
+    strategy: Literal["rolling", "canary"] = "rolling"
+    steps: tuple[int, ...] = (10, 50, 100)
+    pause_s: float = 30.0
+    max_error_rate_increase: float = 0.01
+    max_ttft_p90_ratio: float = 1.5
+    min_requests: int = 20
 
 
 class ProcessSpec(msgspec.Struct, frozen=True):

@@ -325,18 +325,42 @@ class Rollout(_Model):
     """How `up` replaces a changed component while it serves: new replicas start beside the old
     ones, and an old one stops (out of routing first, its streams finishing within
     `shutdown_grace_s`) only once its replacement is ready and routable. A replacement that fails
-    rolls the whole change back; the previous revision keeps serving."""
+    rolls the whole change back; the previous revision keeps serving. A `canary` also gives the
+    new replicas a growing share of the requests and compares how they answer with the old ones
+    before it goes on (docs/rollouts.md)."""
 
     max_surge: int = Field(1, ge=0)
     """New replicas started beside the old ones at a time."""
     max_unavailable: int = Field(0, ge=0)
     """Old replicas stopped before their replacements are ready (capacity given up to roll
     faster, or where a replica's fixed port cannot be shared)."""
+    strategy: Literal["rolling", "canary"] = "rolling"
+    """`rolling`: batch by batch, each new replica proven ready and routable. `canary` (dynamic
+    workers): at each of `steps` the new replicas take that share of the requests for
+    `pause_s`, then their error rate and time to first token are compared with the old ones';
+    worse than the bounds below rolls back, else the next step (100: the old ones retire)."""
+    steps: list[Annotated[int, Field(ge=1, le=100)]] = [10, 50, 100]
+    """Canary: percent of the component's requests the new replicas take, step by step
+    (ascending, ending at 100)."""
+    pause_s: float = Field(30.0, gt=0)
+    """Canary: seconds each step serves before it is judged."""
+    max_error_rate_increase: float = Field(0.01, ge=0, le=1)
+    """Canary: how far the new replicas' error rate (requests they failed, 5xx) may exceed the
+    old ones' over a step."""
+    max_ttft_p90_ratio: float = Field(1.5, ge=1)
+    """Canary: how many times the old replicas' time-to-first-token p90 the new ones' may be."""
+    min_requests: int = Field(20, ge=1)
+    """Canary: requests each side must answer before a step's time to first token is compared;
+    a step waits up to three pauses for them, then is judged on errors alone."""
 
     @model_validator(mode="after")
     def _progresses(self) -> Rollout:
         if self.max_surge == 0 and self.max_unavailable == 0:
             raise field_error("max_surge", "cannot be 0 with `max_unavailable` 0: nothing could roll")
+        if any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise field_error("steps", f"must ascend, not {self.steps}")
+        if not self.steps or self.steps[-1] != 100:
+            raise field_error("steps", f"must end at 100 (the new revision takes all), not {self.steps}")
         return self
 
 
@@ -389,6 +413,16 @@ class Frontend(_Component):
     `Authorization: Bearer KEY`; /health, /live and /metrics stay open."""
     models: list[str] | None = None
     """Keys of `models` this frontend serves; default all."""
+
+    @model_validator(mode="after")
+    def _no_canary(self) -> Frontend:
+        if self.rollout is not None and self.rollout.strategy == "canary":
+            raise field_error(
+                "rollout.strategy",
+                "a frontend's processes share one port, so requests cannot be split between "
+                "revisions there; use `rolling` (a canary is for workers)",
+            )
+        return self
 
 
 class Gpus(_Model):
@@ -474,6 +508,15 @@ class Worker(_Component):
         if endpoint is not None:
             resolve_endpoint(endpoint, namespace="ns", component="comp")
         return endpoint
+
+    @model_validator(mode="after")
+    def _canary_splits_traffic(self) -> Worker:
+        if self.rollout is not None and self.rollout.strategy == "canary" and self.static:
+            raise field_error(
+                "rollout.strategy",
+                "a static worker cannot run beside its replacement on its fixed port: no canary",
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_engine_args(self) -> Worker:

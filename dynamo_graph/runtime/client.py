@@ -6,6 +6,10 @@ health check (runtime/health.py) stays out of routing until it passes one. One t
 `overloaded` before its first response (a worker at its `--max-inflight`) is skipped for that
 request only: the request goes to another instance, as after a failed connection, without a
 cool-off and without counting as a migration.
+
+A component's traffic split (runtime/traffic.py: a canary rollout's share for the new
+revision's instances) narrows each request's candidates (`routing_ids`), and every instance's
+answers are counted (`AnswerStats`, in `/health`), so the rollout can compare the two groups.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +31,7 @@ from dynamo_graph.runtime.errors import Overloaded, RequestError, ShuttingDown
 from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
 from dynamo_graph.runtime.pickers import InstancePicker
+from dynamo_graph.runtime.traffic import AnswerStats, TrafficSplit, traffic_key
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
 if TYPE_CHECKING:
@@ -73,11 +79,14 @@ class Client:
         self._random = InstancePicker("random")
         self._round_robin = InstancePicker("round-robin")
         self._record_decoder = msgspec.json.Decoder(InstanceRecord)
+        self._split_decoder = msgspec.json.Decoder(TrafficSplit)
         self.instances: dict[int, InstanceRecord] = {}
         # When set, only these instances are routed to (e.g. those whose model card was accepted).
         self.allowed: set[int] | None = None
         # Requests sent to each instance (for /health and for checking how load spreads).
         self.sent: dict[int, int] = {}
+        self.answers: dict[int, AnswerStats] = {}  # how each instance answered them
+        self.split: TrafficSplit | None = None  # the component's traffic split, while one is set
         # Instances that failed us, left out of routing until this (monotonic) time.
         self._down_until: dict[int, float] = {}
         self._down_since: dict[int, tuple[float, str]] = {}  # (wall clock, why), for /health
@@ -88,6 +97,7 @@ class Client:
         # Health-check state (runtime/health.py); unhealthy instances are left out of routing.
         self.health = HealthTable(on_change=self._changed.set, name=str(name))
         self._watch_task: asyncio.Task[None] | None = None
+        self._split_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         discovery = self.runtime.discovery
@@ -96,6 +106,7 @@ class Client:
                 f"{self.name}: a static runtime has no discovery; use a static endpoint address"
             )
         self._watch_task = asyncio.create_task(self._watch(), name=f"watch {self.name}")
+        self._split_task = asyncio.create_task(self._watch_split(), name=f"traffic of {self.name}")
 
     def add_static(self, record: InstanceRecord) -> None:
         """Route to a known address with no discovery (static mode)."""
@@ -113,6 +124,22 @@ class Client:
             else:
                 self._drop(instance_id)
 
+    async def _watch_split(self) -> None:
+        assert self.runtime.discovery is not None
+        key = traffic_key(self.name.namespace, self.name.component)
+        async for event in self.runtime.discovery.watch_prefix(key):
+            if event.key != key:
+                continue  # another component whose name starts with this one's
+            split = None
+            if event.kind == "put" and event.value is not None:
+                try:
+                    split = self._split_decoder.decode(event.value)
+                except msgspec.DecodeError as err:
+                    log.warning("ignoring malformed traffic split %s: %s", key, err)
+            if split != self.split:
+                log.info("%s: traffic split %s", self.name, split or "lifted")
+            self.split = split
+
     def _set(self, instance_id: int, record: InstanceRecord) -> None:
         self.instances[instance_id] = record
         self._down_until.pop(instance_id, None)  # (re-)registered: routable again at once
@@ -122,6 +149,7 @@ class Client:
         self._changed.set()
 
     def _drop(self, instance_id: int) -> None:
+        self.answers.pop(instance_id, None)
         self._down_until.pop(instance_id, None)
         self._down_since.pop(instance_id, None)
         self.health.remove(instance_id)
@@ -151,6 +179,16 @@ class Client:
         """The instances requests may go to now."""
         return [i for i in self._ordered if self._routable(i)]
 
+    def routing_ids(self) -> list[int]:
+        """The candidates of one request: `instance_ids`, narrowed to one side of the traffic
+        split (drawn per call) while a split is set."""
+        ids = self.instance_ids()
+        split = self.split
+        if split is None or not ids:
+            return ids
+        labels = {i: r.labels for i in ids if (r := self.instances.get(i)) is not None}
+        return split.choose(ids, labels, random.random())
+
     def checkable_ids(self) -> list[int]:
         """The instances to health-check: known, accepted, not cooling off after a failure."""
         allowed = self.allowed
@@ -166,6 +204,10 @@ class Client:
             "state": state,
             "since": _when(since),
         }
+        if record is not None and record.labels:
+            info["labels"] = record.labels
+        if (answers := self.answers.get(instance_id)) is not None:
+            info.update(answers.report())
         if reason is not None:
             info["reason"] = reason
         if entry is not None and entry.checks:
@@ -239,7 +281,9 @@ class Client:
         return await asyncio.wait_for(wait(), timeout_s)
 
     def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
-        candidates = [i for i in self.instance_ids() if not exclude or i not in exclude]
+        candidates = [i for i in self.routing_ids() if not exclude or i not in exclude]
+        if not candidates and self.split is not None:  # its side of the split failed us: any other
+            candidates = [i for i in self.instance_ids() if not exclude or i not in exclude]
         if not candidates:
             raise NoInstances(f"no instances of {self.name} are available")
         return (picker or self.picker).pick(candidates)
@@ -285,18 +329,26 @@ class Client:
             if record is None:
                 raise NoInstances(f"instance {target:x} of {self.name} is not known")
             self.sent[target] = self.sent.get(target, 0) + 1
+            answers = self.answers.get(target)
+            if answers is None:
+                answers = self.answers[target] = AnswerStats()
+            answers.requests += 1
+            sent_at = now()
             stream = self.runtime.client_for(record.transport).stream(
                 record.transport, record.subject, payload, {}, ctx, timeout_s
             )
             started = False
             try:
                 async for item in stream:
-                    started = True
-                    seen[target] = now()  # an answer: proof of health (runtime/health.py)
+                    seen[target] = at = now()  # an answer: proof of health (runtime/health.py)
+                    if not started:
+                        started = True
+                        answers.first_response(at - sent_at)
                     yield decode(item)
                 seen[target] = now()
                 return
             except CannotConnect as err:
+                answers.errors += 1
                 self.report_instance_down(target)
                 if instance_id is not None:
                     err.instance_id = target  # type: ignore[attr-defined]
@@ -315,6 +367,8 @@ class Client:
                 overloaded = err
                 tried.add(target)
             except RequestError as err:
+                if err.http_status >= 500:  # the instance's fault, not the request's
+                    answers.errors += 1
                 if isinstance(err, (StreamBroken, ShuttingDown)):
                     self.report_instance_down(target)
                 err.instance_id = target  # type: ignore[attr-defined]
@@ -356,7 +410,8 @@ class Client:
         return self.generate(request, instance_id=instance_id, context=context)
 
     async def close(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        for task in (self._watch_task, self._split_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

@@ -22,6 +22,7 @@ import msgspec
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.discovery import Discovery, create_discovery
 from dynamo_graph.runtime.names import EndpointName, new_instance_id
+from dynamo_graph.runtime.traffic import labels_from_env
 from dynamo_graph.runtime.transport import create_client, create_server
 from dynamo_graph.runtime.transport.base import RequestPlaneClient, RequestPlaneServer
 
@@ -43,6 +44,8 @@ class InstanceRecord(msgspec.Struct, omit_defaults=True):
     instance_id: int
     transport: dict[str, Any]
     subject: str
+    # What a traffic split selects by (runtime/traffic.py), from DYN_INSTANCE_LABELS.
+    labels: dict[str, str] = {}
 
 
 class DistributedRuntime:
@@ -209,6 +212,7 @@ class Endpoint:
             instance_id=self.instance_id,
             transport=transport,
             subject=self.subject,
+            labels=labels_from_env(),
         )
         discovery = self.runtime.discovery
         if discovery is not None:

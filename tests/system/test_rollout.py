@@ -169,3 +169,45 @@ def test_change_break_roll_back_and_scale_down_under_load_fail_nothing(versioned
     for commit in (first, second, last):
         assert commit[:10] in history.stdout
     assert "rollback 1" in history.stdout and "failed" in history.stdout
+
+
+def test_a_canary_promoted_then_one_with_a_slow_first_token_rolled_back_fail_nothing(
+    versioned: VersionedGraph,
+) -> None:
+    """(6) `strategy: canary`: the new revision takes half the requests, is compared with the old
+    one and promoted; a slower one (its first tokens 40x later) loses the comparison and is
+    rolled back by itself, while the old revision serves on. No request fails in either."""
+    graph = versioned
+    graph.backend["rollout"] = {
+        "strategy": "canary",
+        "steps": [50, 100],
+        "pause_s": 2,
+        "min_requests": 5,
+        "max_ttft_p90_ratio": 3,
+    }
+    graph.commit("canary rollouts")
+    assert graph.cli("up", "-d").returncode == 0
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as load:
+        load.wait_for_requests(20)
+        before = graph.pids()
+        graph.backend["engine_args"]["num_gpu_blocks"] = 2048
+        graph.commit("more KV blocks")
+        promoted = graph.cli("up", "-d")
+        assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+        after = graph.pids()
+        assert after["backend-0"] != before["backend-0"] and after["backend-1"] != before["backend-1"]
+        assert graph.status()["components"]["backend"] == {"desired": 2, "ready": 2, "revisions": [2]}
+        load.wait_for_requests(20)
+
+        graph.backend["engine_args"]["speedup_ratio"] = 0.5
+        graph.commit("a slow engine")
+        slow = graph.cli("up", "-d")
+        assert slow.returncode == 1, slow.stdout + slow.stderr
+        assert "canary backend, step 1 of 2: 50% of requests" in slow.stdout, slow.stdout
+        assert "TTFT p90" in slow.stdout and "rolled back" in slow.stdout
+        assert graph.pids() == after
+        status = graph.status()
+        assert status["revision"]["number"] == 2 and status["rolling"] is None
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"

@@ -51,6 +51,27 @@ INVALID = [
         "did you mean 'worker'?",
     ),
     (
+        "canary-steps-must-end-at-100",
+        HEAD + "rollout: {strategy: canary, steps: [10, 50]}\n"
+        "components:\n  backend: {kind: worker, model: tiny, engine: echo_core}\n",
+        "rollout.steps",
+        "must end at 100",
+    ),
+    (
+        "canary-steps-must-ascend",
+        HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core,"
+        " rollout: {strategy: canary, steps: [50, 10, 100]}}\n",
+        "components.backend.rollout.steps",
+        "must ascend",
+    ),
+    (
+        "no-canary-frontend",
+        HEAD + "components:\n  frontend: {kind: frontend, rollout: {strategy: canary}}\n"
+        "  backend: {kind: worker, model: tiny, engine: echo_core}\n",
+        "components.frontend.rollout.strategy",
+        "requests cannot be split between revisions",
+    ),
+    (
         "bad-plane",
         MINIMAL + "runtime: {request_plane: nat}\n",
         "runtime.request_plane",

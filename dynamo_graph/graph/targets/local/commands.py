@@ -81,14 +81,20 @@ def wait_deadline(plan: Plan) -> float:
     return time.monotonic() + longest * _levels(plan) + 10.0
 
 
-def _wait_revision(state: StateDir, number: int) -> Revision:
+def _wait_revision(state: StateDir, number: int, console: Console) -> Revision:
     """Poll the revision's file until its rollout ended (every step of it is bounded by the
-    processes' readiness timeouts). Raises ControlError if the supervisor died meanwhile."""
+    processes' readiness timeouts), printing the steps it records (a canary's). Raises
+    ControlError if the supervisor died meanwhile."""
     store = RevisionStore(state.revisions)
+    shown = 0
     while True:
         revision = store.read(number)
-        if revision is not None and revision.outcome != "rolling":
-            return revision
+        if revision is not None:
+            for line in revision.progress[shown:]:
+                console.print(line, highlight=False)
+            shown = len(revision.progress)
+            if revision.outcome != "rolling":
+                return revision
         if state.supervisor() is None:
             raise control.ControlError("the supervisor exited; see " + str(state.supervisor_log))
         time.sleep(POLL_S)
@@ -105,7 +111,7 @@ def apply_and_wait(state: StateDir, plan: Plan, origin: Origin, console: Console
     for change in reply.changes:
         console.print(change, highlight=False)
     try:
-        revision = _wait_revision(state, reply.revision)
+        revision = _wait_revision(state, reply.revision, console)
     except control.ControlError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1

@@ -35,6 +35,8 @@ def revision_lines(revisions: list[Revision]) -> list[str]:
     if latest is not None and latest.outcome == "rolling":
         since = when(latest.started_at)
         lines.append(f"revision {latest.number} rolling out since {since}: {', '.join(latest.changes)}")
+        if latest.progress:
+            lines.append(f"  {latest.progress[-1]}")
     elif latest is not None and latest.outcome == "failed":
         what = "failed and was rolled back" if latest.rolled_back else "failed"
         lines.append(f"revision {latest.number} {what}: {latest.message.splitlines()[0]}")
@@ -67,6 +69,7 @@ def _revision(revision: Revision | None) -> dict[str, Any] | None:
         "content_hash": revision.content_hash,
         "changes": revision.changes,
         "message": revision.message,
+        "progress": revision.progress,
         "started_at": revision.started_at,
         "finished_at": revision.finished_at,
     }

@@ -49,6 +49,7 @@ class Revision(msgspec.Struct):
     outcome: Outcome = "rolling"
     message: str = ""  # why it failed: the process, its state, its last log lines
     rolled_back: bool = False  # failed, and the previous processes serve again (not a first start)
+    progress: list[str] = []  # the steps it went through (a canary's shares and what they saw)
     started_at: float = 0.0
     finished_at: float | None = None
 
@@ -126,6 +127,10 @@ class RevisionStore:
         )
         self.write(revision)
         return revision
+
+    def progress(self, revision: Revision, text: str) -> None:
+        revision.progress.append(text)
+        self.write(revision)
 
     def finish(
         self, revision: Revision, outcome: Outcome, message: str = "", rolled_back: bool = False

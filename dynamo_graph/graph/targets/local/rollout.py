@@ -12,23 +12,30 @@ nats, a static worker on its fixed port) stops first, and what depends on it res
 New processes start (and must prove themselves) before removed ones retire, so scaling down
 and removing a component retire the same way.
 
-A new run that fails (exits, misses its readiness timeout, is never routable) stops the
-rollout: it is stopped, and every process already replaced gets its previous run back the same
-way (new beside old), so the graph ends as it was. The revision is recorded as failed with the
-process, why, and its last log lines; `up` prints them and exits non-zero.
+A component whose `rollout.strategy` is `canary` is replaced as a whole instead: its new runs
+take a growing share of its requests, step by step, and each step is judged against the old
+runs before the next (`_canary`; the split and the judging are canary.py's).
+
+A new run that fails (exits, misses its readiness timeout, is never routable, loses its canary
+comparison) stops the rollout: it is stopped, and every process already replaced gets its
+previous run back the same way (new beside old), so the graph ends as it was. The revision is
+recorded as failed with the process, why, and its last log lines; `up` prints them and exits
+non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from dynamo_graph.graph.plan import Plan
+from dynamo_graph.graph.plan import Plan, RolloutPolicy
 from dynamo_graph.graph.targets.local import probes
+from dynamo_graph.graph.targets.local.canary import Answers, TrafficSplit, judge, side, tally
 from dynamo_graph.graph.targets.local.changes import PlanChanges
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.runner import Fleet, Runner, stop_in_order
@@ -49,9 +56,13 @@ class RollingFleet(Fleet, Protocol):
 
     def order(self) -> None: ...
 
+    def progress(self, text: str) -> None: ...
+
 
 FAILURE_LOG_LINES = 20
 ROUTABLE_POLL_S = 0.05
+CANARY_POLL_S = 1.0  # how often a canary step looks at the answers (it fails early on errors)
+CANARY_MAX_PAUSES = 3  # a step waits this many pauses at most for `min_requests` a side
 SERVING_ROLES = ("agg", "decode")  # workers a frontend lists as a model's instances
 INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
 
@@ -86,7 +97,7 @@ def dependency_order(plan: Plan, names: Sequence[str]) -> list[str]:
 
 def batches(plan: Plan, names: Sequence[str]) -> list[list[str]]:
     """The rolled processes grouped by component (dependency order), each component's cut into
-    batches of `max_surge + max_unavailable`."""
+    batches of `max_surge + max_unavailable` (a canary's is one batch)."""
     specs = {p.name: p for p in plan.processes}
     by_component: dict[str, list[str]] = {}
     for name in dependency_order(plan, names):
@@ -95,6 +106,8 @@ def batches(plan: Plan, names: Sequence[str]) -> list[list[str]]:
     for members in by_component.values():
         policy = specs[members[0]].rollout
         size = max(policy.max_surge + policy.max_unavailable, 1)
+        if policy.strategy == "canary":
+            size = len(members)
         out += [members[i : i + size] for i in range(0, len(members), size)]
     return out
 
@@ -127,9 +140,12 @@ class Rollout:
             await self._in_place()
             plan = sup.plan
             assert plan is not None
+            specs = {p.name: p for p in plan.processes}
             for batch in batches(plan, changes.rolled):
                 batch = [n for n in batch if n not in self.replaced]  # a handover took the rest
-                if batch:
+                if batch and specs[batch[0]].rollout.strategy == "canary":
+                    await self._canary(batch)
+                elif batch:
                     await self._roll_batch(batch)
             # Started at once; proven after the changed replicas, whose model card they share.
             await self._prove([sup.runners[n] for n in changes.added if n in sup.runners])
@@ -198,6 +214,84 @@ class Rollout:
             raise
         await self._retire([self.old[n] for n in batch if n not in early])
         self.replaced += batch
+
+    async def _canary(self, names: list[str]) -> None:
+        """One component's new runs take each step's share of its requests, as many of them
+        running beside all the old runs as the share asks (at least one); each step but the
+        last (100) is judged. A failed step stops the new runs and the old ones serve on."""
+        sup = self.sup
+        assert sup.plan is not None
+        specs = {p.name: p for p in sup.plan.processes}
+        policy = specs[names[0]].rollout
+        component = specs[names[0]].component
+        old_ids = {i for n in names if (i := _instance_of(self.old[n]))}
+        new: list[Runner] = []
+        async with TrafficSplit(specs[names[0]], self.revision) as split:
+            try:
+                for number, step in enumerate(policy.steps, 1):
+                    await split.share(step / 100)  # before a new run registers: it gets no more
+                    wanted = max(1, math.ceil(step * len(names) / 100))
+                    started = []
+                    for name in names[len(new) : wanted]:
+                        sup.retire(self.old[name])
+                        sup.runners[name] = Runner(sup, specs[name], self.revision, proving=True)
+                        started.append(sup.runners[name])
+                    new += started
+                    sup.persist()
+                    try:
+                        await self._prove(started)
+                    except CardChanged as changed:
+                        raise RolloutFailed(
+                            f"{changed}: a canary cannot change the model card (both revisions must "
+                            "serve one model the same way); roll it with `strategy: rolling`"
+                        ) from None
+                    if step == 100:
+                        break
+                    where = f"canary {component}, step {number} of {len(policy.steps)}: {step}% of requests"
+                    new_ids = {i for r in new if (i := _instance_of(r))}
+                    await self._judge_step(policy, where, new_ids, old_ids)
+            except RolloutFailed:
+                await split.share(0.0)  # no new requests to the new runs; theirs finish
+                await stop_in_order(new)
+                for name in names[: len(new)]:
+                    sup.runners[name] = sup.unretire(self.old[name])
+                sup.persist()
+                raise
+        await self._retire([self.old[n] for n in names])
+        self.replaced += names
+
+    async def _judge_step(
+        self, policy: RolloutPolicy, where: str, new_ids: set[str], old_ids: set[str]
+    ) -> None:
+        """Serve one step for its pause (longer, up to CANARY_MAX_PAUSES, until both sides
+        answered `min_requests`), then judge it; raises RolloutFailed when the new side lost
+        (at once when its errors already lose)."""
+        sup = self.sup
+        sup.progress(f"{where}, judged after {policy.pause_s:g} s")
+        before = await self._answers()
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(CANARY_POLL_S)
+            after = await self._answers()
+            new, old = side(before, after, new_ids), side(before, after, old_ids)
+            elapsed = time.monotonic() - started
+            early = judge(new, old, policy, errors_only=True)
+            if not early.ok and new.requests >= policy.min_requests:
+                raise RolloutFailed(f"{where}: {early.why}")
+            if elapsed < policy.pause_s:
+                continue
+            enough = min(new.requests, old.requests) >= policy.min_requests
+            if enough or elapsed >= CANARY_MAX_PAUSES * policy.pause_s:
+                break
+        verdict = judge(new, old, policy)
+        if not verdict.ok:
+            raise RolloutFailed(f"{where}: {verdict.why}")
+        sup.progress(f"{where}: passed ({verdict.why})")
+
+    async def _answers(self) -> dict[str, Answers]:
+        """Per instance id, the answers every ready frontend counted so far."""
+        documents = await asyncio.gather(*(_health(f) for f in self._frontends()))
+        return tally([d for _, d in filter(None, documents)])
 
     async def _hand_over(self, batch: list[str], changed: CardChanged) -> None:
         """The new runs serve a model card the old ones do not (another template, context
@@ -331,17 +425,25 @@ class Listed(NamedTuple):
     refused: set[str]
 
 
-async def _listed(frontend: Runner) -> Listed | None:
-    """The worker instances a frontend lists in /health (None when it cannot be asked)."""
+async def _health(frontend: Runner) -> tuple[int, Any] | None:
+    """A frontend's /health (status, parsed body); None when it cannot be asked."""
     proc = frontend.proc
     if proc is None:
         return None
     try:
         async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
             status, _, body = await probes.http_get(frontend.spec.readiness.target, proc.open_connection)
-        health = json.loads(body)
+        return status, json.loads(body)
     except (OSError, TimeoutError, ValueError, IndexError):
         return None
+
+
+async def _listed(frontend: Runner) -> Listed | None:
+    """The worker instances a frontend lists in /health (None when it cannot be asked)."""
+    answer = await _health(frontend)
+    if answer is None:
+        return None
+    status, health = answer
     details = health.get("details") if isinstance(health, dict) else None
     if not isinstance(details, dict):
         return Listed(set(), set()) if status in (200, 503) else None

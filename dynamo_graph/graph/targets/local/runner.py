@@ -22,11 +22,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from dynamo_graph.graph.plan import ProcessSpec
 from dynamo_graph.graph.targets.local import probes
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.process import LocalProcess
 from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir
+from dynamo_graph.runtime.traffic import LABELS_ENV
 
 if TYPE_CHECKING:
     from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
@@ -131,7 +134,7 @@ class Runner:
 
     async def _one_run(self, attempt: int) -> tuple[int, bool]:
         """Start, probe, watch one run; returns (exit code, whether it counts as a failure)."""
-        self.proc = self.sup.launcher(self.spec)
+        self.proc = self.sup.launcher(_labelled(self.spec, self.record.revision))
         if not isinstance(self.proc, LocalProcess):
             self.proc.on_link = self._link_changed
         self._start = asyncio.ensure_future(self.proc.start(attempt))
@@ -225,3 +228,11 @@ async def stop_in_order(runners: Iterable[Runner]) -> None:
         await runner.stop()
 
     await asyncio.gather(*(stop_one(r) for r in runners))
+
+
+def _labelled(spec: ProcessSpec, revision: int) -> ProcessSpec:
+    """The spec a run launches with: its instances labelled with the run's revision, which a
+    canary's traffic split selects by (canary.py). Added at launch, not in the plan, so a new
+    revision does not make every unchanged process look changed."""
+    labels = ",".join(filter(None, (spec.env.get(LABELS_ENV, ""), f"revision={revision}")))
+    return msgspec.structs.replace(spec, env={**spec.env, LABELS_ENV: labels})

@@ -82,6 +82,12 @@ class Supervisor:
                 self.retiring.remove(runner)
         self.persist()
 
+    def progress(self, text: str) -> None:
+        """Where the rollout is (a canary's step), for `status` and the supervisor's log."""
+        if self.revision is not None:
+            self.revisions.progress(self.revision, text)
+        self.report("dyngraph", text)
+
     @property
     def rolling(self) -> Revision | None:
         """The revision being rolled out, if one is."""

@@ -1,0 +1,161 @@
+"""What a canary rollout steers and judges: the traffic split and the two sides' answers.
+
+At each of `rollout.steps` (percent) the rollout (rollout.py: `Rollout._canary`) runs enough
+new replicas beside all the old ones, and `TrafficSplit` sends that share of the component's
+requests to the instances labelled with the new revision (runtime/traffic.py: one discovery key
+the supervisor holds under its own lease, so a supervisor that dies takes its split with it).
+After `pause_s` the answers every frontend counted per instance (its /health: requests, errors,
+time to first response) are summed per side over the step, and `judge` compares them: a new
+side that fails more often than the old by more than `max_error_rate_increase`, or whose time
+to first token p90 is above `max_ttft_p90_ratio` times the old side's, fails the step and the
+new replicas are stopped (their streams finish); the old revision serves as before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgspec
+
+from dynamo_graph.graph.plan import ProcessSpec, RolloutPolicy
+from dynamo_graph.runtime.discovery import Discovery, create_discovery
+from dynamo_graph.runtime.names import EndpointName
+from dynamo_graph.runtime.traffic import TrafficSplit as SplitRecord
+from dynamo_graph.runtime.traffic import percentile_ms, traffic_key
+
+
+@dataclass
+class Answers:
+    """How one instance, or one side of the split, answered (cumulative, or over a step)."""
+
+    requests: int = 0
+    errors: int = 0
+    first_response_ms: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: Answers, sign: int = 1) -> None:
+        self.requests += sign * other.requests
+        self.errors += sign * other.errors
+        for bound, n in other.first_response_ms.items():
+            self.first_response_ms[bound] += sign * n
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    def ttft_p90_ms(self) -> float | None:
+        return percentile_ms(self.first_response_ms, 0.9)
+
+    def describe(self) -> str:
+        p90 = self.ttft_p90_ms()
+        ttft = "-" if p90 is None else f"{p90:.0f} ms"
+        return f"{self.requests} requests, {self.errors} failed, TTFT p90 {ttft}"
+
+
+def answers_of(health: Any) -> dict[str, Answers]:
+    """Per instance id (hex), what one frontend's /health document says it answered. An
+    instance listed under several models (LoRA adapters share a client) is counted once."""
+    out: dict[str, Answers] = {}
+    details = health.get("details") if isinstance(health, dict) else None
+    if not isinstance(details, dict):
+        return out
+    for model in details.values():
+        if not isinstance(model, dict):
+            continue
+        for entry in [*(model.get("instances") or []), *(model.get("unavailable") or [])]:
+            if not isinstance(entry, dict) or entry.get("instance_id") in out:
+                continue
+            buckets = entry.get("first_response_ms")
+            out[str(entry.get("instance_id"))] = Answers(
+                int(entry.get("requests") or 0),
+                int(entry.get("errors") or 0),
+                Counter(buckets) if isinstance(buckets, dict) else Counter(),
+            )
+    return out
+
+
+def tally(documents: list[Any]) -> dict[str, Answers]:
+    """Per instance id, the answers every frontend counted."""
+    total: dict[str, Answers] = {}
+    for document in documents:
+        for instance, answers in answers_of(document).items():
+            total.setdefault(instance, Answers()).add(answers)
+    return total
+
+
+def side(before: Mapping[str, Answers], after: Mapping[str, Answers], ids: set[str]) -> Answers:
+    """What the instances `ids` answered between two tallies."""
+    out = Answers()
+    for instance in ids:
+        if instance in after:
+            out.add(after[instance])
+        if instance in before:
+            out.add(before[instance], -1)
+    return out
+
+
+class Verdict(NamedTuple):
+    ok: bool
+    why: str  # what was compared, and why it failed if it did
+
+
+def judge(new: Answers, old: Answers, policy: RolloutPolicy, errors_only: bool = False) -> Verdict:
+    """The new side against the old over one step (see the module docstring). Time to first
+    token is compared only where both sides answered `min_requests` (and not `errors_only`)."""
+    seen = f"new: {new.describe()}; old: {old.describe()}"
+    if new.errors and new.error_rate > old.error_rate + policy.max_error_rate_increase:
+        return Verdict(
+            False,
+            f"error rate {new.error_rate:.1%} against {old.error_rate:.1%} "
+            f"(allowed +{policy.max_error_rate_increase:.1%}); {seen}",
+        )
+    enough = min(new.requests, old.requests) >= policy.min_requests
+    new_p90, old_p90 = new.ttft_p90_ms(), old.ttft_p90_ms()
+    if errors_only or not enough or new_p90 is None or old_p90 is None:
+        return Verdict(True, seen if enough else f"{seen} (too few requests to compare TTFT)")
+    if new_p90 > policy.max_ttft_p90_ratio * old_p90:
+        return Verdict(
+            False,
+            f"TTFT p90 {new_p90:.0f} ms against {old_p90:.0f} ms "
+            f"(allowed {policy.max_ttft_p90_ratio:g}x); {seen}",
+        )
+    return Verdict(True, seen)
+
+
+def endpoint_of(spec: ProcessSpec) -> EndpointName:
+    """The endpoint a worker's command line serves (`in=dyn://ns.component.endpoint`)."""
+    for arg in spec.argv:
+        if arg.startswith("in=dyn://"):
+            return EndpointName.parse(arg.removeprefix("in="))
+    raise ValueError(f"{spec.name} serves no dyn:// endpoint: it cannot be a canary")
+
+
+class TrafficSplit:
+    """The component's split between revisions, held in discovery while the canary runs (the
+    same backend, folder or endpoints the graph's processes use, from their environment)."""
+
+    def __init__(self, spec: ProcessSpec, revision: int) -> None:
+        env = spec.env
+        self.key = traffic_key(endpoint_of(spec).namespace, endpoint_of(spec).component)
+        self.labels = {"revision": str(revision)}
+        self.discovery: Discovery = create_discovery(
+            env.get("DYN_DISCOVERY_BACKEND") or "file",
+            file_root=env.get("DYN_FILE_KV"),
+            etcd_endpoints=env.get("ETCD_ENDPOINTS"),
+            ttl_s=float(env["DYN_LEASE_TTL"]) if env.get("DYN_LEASE_TTL") else None,
+        )
+
+    async def __aenter__(self) -> TrafficSplit:
+        await self.discovery.start()
+        return self
+
+    async def share(self, fraction: float) -> None:
+        """Send `fraction` of the requests to the new revision's instances."""
+        record = SplitRecord(self.labels, fraction)
+        await self.discovery.put(self.key, msgspec.json.encode(record))
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Lift the split (every instance a candidate again) and leave discovery."""
+        await self.discovery.close()
