@@ -690,3 +690,41 @@ def test_a_change_rolls_the_remote_workers_and_rollback_too_failing_no_request(
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
     history = graph.cli("history")
     assert "rollback 1" in history.stdout, history.stdout
+
+
+def test_a_canary_on_the_hosts_that_answers_slower_is_rolled_back_failing_no_request(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """A canary on ssh hosts: the split lives in the graph's etcd, the new worker on its host
+    takes half the requests, its first tokens come 40 ms later than the old ones', and the
+    comparison rolls it back; the old workers serve on and no request fails."""
+    canary = {
+        "strategy": "canary",
+        "steps": [50, 100],
+        "pause_s": 2,
+        "min_requests": 5,
+        "max_ttft_p90_ratio": 3,
+    }
+    graph = make_graph(**{"components.backend.rollout": canary})
+    assert graph.cli("up", "-d").returncode == 0
+    before = graph.processes()
+    with StreamingLoad(f"{graph.base_url}/v1", "tiny-model", clients=3) as load:
+        load.wait_for_requests(20)
+        make_graph(
+            **{
+                "components.backend.rollout": canary,
+                "components.backend.env.DYN_TOKEN_ECHO_DELAY_MS": "40",
+                "components.frontend.http.port": graph.port,
+            }
+        )
+        slow = graph.cli("up", "-d", timeout=180)
+        assert slow.returncode == 1, slow.stdout + slow.stderr
+        assert "canary backend, step 1 of 2" in slow.stdout and "TTFT p90" in slow.stdout, slow.stdout
+        assert "rolled back" in slow.stdout
+        after = graph.processes()
+        assert {n: r["pid"] for n, r in after.items() if not r.get("retiring")} == {
+            n: r["pid"] for n, r in before.items()
+        }
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
