@@ -271,10 +271,27 @@ def test_command(
         bool, typer.Option("--keep-state", help="keep each run's state dir and logs (kept anyway on failure)")
     ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="show the supervisor's events")] = False,
+    against: Annotated[
+        str | None,
+        typer.Option(
+            "--against", help="run the checks against this running frontend (http://host:port) instead"
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="with --against: only the checks that ask this model")
+    ] = None,
 ) -> None:
+    console = Console(soft_wrap=True)
+    if against is not None:
+        from dynamo_graph.smoke.against import run_against
+
+        if len(graph_files) != 1:
+            raise typer.BadParameter("--against takes one graph file", param_hint="graph_files")
+        raise typer.Exit(run_against(graph_files[0], override or [], against, model, console))
+    if model is not None:
+        raise typer.BadParameter("--model goes with --against", param_hint="--model")
     from dynamo_graph.smoke.run import run_tests
 
-    console = Console(soft_wrap=True)
     code = run_tests(
         graph_files, override or [], console, junit=junit, verbose=verbose, keep_state=keep_state
     )

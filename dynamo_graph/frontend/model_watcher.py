@@ -68,9 +68,12 @@ from dynamo_graph.router.migration import Migration, RoutedBackend
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
-from dynamo_graph.runtime.runtime import DistributedRuntime
+from dynamo_graph.runtime.runtime import DistributedRuntime, InstanceRecord
+from dynamo_graph.runtime.traffic import has_labels, parse_labels
 
 log = logging.getLogger(__name__)
+LABELS_WAIT_S = 10.0  # for the instance record of a card, when the frontend routes by labels
+LABELS_POLL_S = 0.05
 
 
 class CardMismatch(ValueError):
@@ -189,6 +192,8 @@ class ModelWatcher:
         self._models: dict[str, _Model] = {}
         self._model_of_key: dict[str, tuple[str, bool]] = {}  # card key -> (model, prefill pool?)
         self._refused: dict[str, tuple[str, bool, bytes]] = {}  # card key -> (model, prefill?, card)
+        labels = kv_config.instance_labels if kv_config is not None else None
+        self.labels = parse_labels(labels, "--router-instance-labels") if labels else {}
 
     async def run(self) -> None:
         discovery = self.runtime.discovery
@@ -206,6 +211,9 @@ class ModelWatcher:
             instance_id = instance_id_from_key(key)
         except (msgspec.DecodeError, ValueError) as err:
             log.warning("ignoring malformed model card %s: %s", key, err)
+            return
+        if self.labels and not await self._labelled(endpoint, instance_id):
+            log.info("ignoring worker %x: not labelled %s", instance_id, self.labels)
             return
         name = card.display_name
         prefill = "prefill" in card.model_type
@@ -373,6 +381,25 @@ class ModelWatcher:
             main.disagg.prefill = pool.routed
         log.info("model %r: prefill pool added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
         return pool
+
+    async def _labelled(self, endpoint: EndpointName, instance_id: int) -> bool:
+        """Whether the instance carries the labels this frontend routes to. A worker publishes
+        its card just before its instance record: wait for that a little."""
+        discovery = self.runtime.discovery
+        assert discovery is not None
+        key = endpoint.instance_key(instance_id)
+        deadline = time.monotonic() + LABELS_WAIT_S
+        while True:
+            found = await discovery.get_prefix(key)
+            if key in found:
+                try:
+                    record = msgspec.json.decode(found[key], type=InstanceRecord)
+                except msgspec.DecodeError:
+                    return False
+                return has_labels(record.labels, self.labels)
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(LABELS_POLL_S)
 
     async def _removed(self, key: str) -> None:
         refused = self._refused.pop(key, None)

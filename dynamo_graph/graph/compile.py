@@ -491,6 +491,7 @@ class _Compiler:
             else:
                 processes += self.workers(name, comp)
         assert self.graph.namespace is not None
+        checked = any(p.rollout.checks for p in processes)
         return Plan(
             graph=self.graph.name,
             namespace=self.graph.namespace,
@@ -500,6 +501,7 @@ class _Compiler:
             processes=processes,
             hosts=self.remote_hosts(),
             local_python=self.local_python(),
+            graph_json=self.graph.model_dump_json(exclude_unset=True) if checked else "",
         )
 
 

@@ -42,6 +42,7 @@ class RolloutPolicy(msgspec.Struct, frozen=True):
     max_error_rate_increase: float = 0.01
     max_ttft_p90_ratio: float = 1.5
     min_requests: int = 20
+    checks: bool = False
 
 
 class ProcessSpec(msgspec.Struct, frozen=True):
@@ -90,6 +91,9 @@ class Plan(msgspec.Struct, frozen=True):
     # The interpreter that runs local processes' `dyngraph` (hosts.local.python / venv); None: the
     # supervisor's own.
     local_python: str | None = None
+    # The validated graph as JSON, for a rollout's `checks` (`dyngraph test --against` reads it);
+    # empty unless a component's rollout has them.
+    graph_json: str = ""
 
 
 def port_placeholder(name: str) -> str:

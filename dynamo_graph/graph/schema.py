@@ -352,6 +352,10 @@ class Rollout(_Model):
     min_requests: int = Field(20, ge=1)
     """Canary: requests each side must answer before a step's time to first token is compared;
     a step waits up to three pauses for them, then is judged on errors alone."""
+    checks: bool = False
+    """Run the graph's `tests` (those that ask this component's model; default checks without
+    `tests`) against the component's first new replicas, through a frontend of their own that
+    routes to nothing else, before any old replica retires; a failure rolls back."""
 
     @model_validator(mode="after")
     def _progresses(self) -> Rollout:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dynamo_graph.options import SettingError, Spell, setting
+from dynamo_graph.runtime.traffic import parse_labels
 
 # Settings that mean something only to the kv router: given with another mode, an error.
 KV_ONLY = (
@@ -70,6 +71,10 @@ class RouterConfig:
     queue_reserve: int = setting(0, flag="--router-queue-reserve", ge=0)
     """kv, with the queue in priority order: workers kept free of ordinary prefill work while
     priority > 0 requests are arriving, so that they start at once; 0: none."""
+    instance_labels: str | None = setting(None, flag="--router-instance-labels")
+    """Route only to worker instances labelled so (`key=value[,key=value]`, from the workers'
+    DYN_INSTANCE_LABELS; every worker of a graph carries `revision=N`): a frontend of its own
+    for one pool or one revision, as a rollout's `checks` use."""
     # The approximate indexer's (without KV events), as Dynamo's defaults; not user settings.
     ttl_s: float = 120.0
     max_tree_size: int = 2**20
@@ -77,6 +82,11 @@ class RouterConfig:
 
     def check(self, given: set[str], spell: Spell) -> None:
         """The rules that span settings; `given` names the settings the user gave."""
+        if self.instance_labels is not None:
+            try:
+                parse_labels(self.instance_labels, spell("instance_labels"))
+            except ValueError as err:
+                raise SettingError(str(err)) from None
         kv_only = [spell(name) for name in KV_ONLY if name in given]
         if kv_only and self.mode != "kv":
             raise SettingError(

@@ -34,17 +34,24 @@ def traffic_key(namespace: str, component: str) -> str:
     return f"{TRAFFIC_ROOT}/{namespace}/{component}"
 
 
-def labels_from_env() -> dict[str, str]:
-    """This process's instance labels, `DYN_INSTANCE_LABELS=key=value[,key=value...]`; a
-    ValueError naming the variable when one is malformed."""
-    raw = os.environ.get(LABELS_ENV, "").strip()
+def parse_labels(text: str, source: str) -> dict[str, str]:
+    """`key=value[,key=value...]` as a dict; a ValueError naming `source` when malformed."""
     labels: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in raw.split(","))):
+    for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"{LABELS_ENV}={raw!r}: expected key=value[,key=value...]")
+            raise ValueError(f"{source}={text!r}: expected key=value[,key=value...]")
         labels[key.strip()] = value.strip()
     return labels
+
+
+def labels_from_env() -> dict[str, str]:
+    """This process's instance labels, `DYN_INSTANCE_LABELS=key=value[,key=value...]`."""
+    return parse_labels(os.environ.get(LABELS_ENV, ""), LABELS_ENV)
+
+
+def has_labels(labels: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in wanted.items())
 
 
 class TrafficSplit(msgspec.Struct, frozen=True):
@@ -53,14 +60,11 @@ class TrafficSplit(msgspec.Struct, frozen=True):
     labels: dict[str, str]
     share: float
 
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return all(labels.get(k) == v for k, v in self.labels.items())
-
     def choose(
         self, ids: Sequence[int], labels_of: Mapping[int, Mapping[str, str]], draw: float
     ) -> list[int]:
         """The candidates of one request, given its uniform `draw` in [0, 1)."""
-        chosen = [i for i in ids if self.matches(labels_of.get(i, {}))]
+        chosen = [i for i in ids if has_labels(labels_of.get(i, {}), self.labels)]
         if not chosen or len(chosen) == len(ids):
             return list(ids)
         if draw < self.share:

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -26,6 +27,18 @@ _VERDICT = {
     2: ("error", "bold red"),
     130: ("interrupted", "yellow"),
 }
+
+
+_MARKS = {"passed": "[green]✓[/]", "failed": "[bold red]✗[/]", "error": "[bold red]![/]"}
+
+
+def print_check(console: Console, outcome: CheckResult) -> None:
+    """One check's line as it ends: its mark, name and measurements, then why it failed."""
+    mark = _MARKS.get(outcome.outcome, "-")
+    detail = f" [dim]({escape(outcome.detail)})[/]" if outcome.detail else ""
+    console.print(f"  {mark} {escape(outcome.name)}{detail}", highlight=False)
+    for failure in outcome.failures:
+        console.print(f"      {escape(failure)}", highlight=False)
 
 
 def _why(result: GraphResult) -> str:

@@ -13,7 +13,6 @@ crash loop's backoff.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import time
@@ -33,13 +32,12 @@ from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
 from dynamo_graph.graph.targets.local.ui import frontend_url
 from dynamo_graph.smoke.defaults import default_checks, served_models
+from dynamo_graph.smoke.report import print_check
 from dynamo_graph.smoke.results import CheckResult, GraphResult
-from dynamo_graph.smoke.steps import Address, Target, listed_models, run_check
+from dynamo_graph.smoke.steps import Address, Target, api_key_headers, run_check, wait_models
 
 FAILURE_LOG_LINES = 30
-MODELS_TIMEOUT_S = 60.0  # after every process is ready, until the frontends list their models
 POLL_S = 0.02
-_MARKS = {"passed": "[green]✓[/]", "failed": "[bold red]✗[/]", "error": "[bold red]![/]"}
 
 
 class Session:
@@ -100,16 +98,18 @@ class Session:
             return
         frontends = self._frontends(sup)
         async with httpx.AsyncClient(timeout=None) as client:
-            if missing := await self._wait_models(client, frontends):
+            graph = self.built.graph
+            deployed = {graph.models[w.model].name for w in graph.workers().values() if w.replicas}
+            wanted = {k: [m for m in served_models(graph, k) if m in deployed] for k in frontends}
+            if missing := await wait_models(client, graph, frontends, wanted):
                 self._up_failed("models", missing, "", time.monotonic() - started)
                 return
             self.console.print(f"  up in {time.monotonic() - started:.2f} s", highlight=False)
-            graph = self.built.graph
             target = Target(graph, sup, frontends, client)
             for index, check in enumerate(graph.tests if graph.tests is not None else default_checks(graph)):
                 outcome = await run_check(target, check, index)
                 self.result.checks.append(outcome)
-                self._print_check(outcome)
+                print_check(self.console, outcome)
 
     async def _wait_up(self, sup: Supervisor) -> tuple[str, str, str] | None:
         """None once every process is ready; else (process, why, its last log lines)."""
@@ -139,41 +139,9 @@ class Session:
         for spec in (sup.plan or self.plan).processes:
             if (url := frontend_url(spec)) is None or spec.component in frontends:
                 continue
-            keys = [
-                key.strip()
-                for name in self.built.graph.frontends()[spec.component].api_key_env
-                for key in os.environ.get(name, "").split(",")
-                if key.strip()
-            ]
-            headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+            headers = api_key_headers(self.built.graph, spec.component)
             frontends[spec.component] = Address(url.split(" on host ")[0].removesuffix("/v1"), headers)
         return frontends
-
-    async def _wait_models(self, client: httpx.AsyncClient, frontends: dict[str, Address]) -> str:
-        """Wait until each frontend lists the models its workers serve; returns what is missing."""
-        graph = self.built.graph
-        deployed = {graph.models[w.model].name for w in graph.workers().values() if w.replicas}
-        wanted = {k: [m for m in served_models(graph, k) if m in deployed] for k in frontends}
-        deadline = time.monotonic() + MODELS_TIMEOUT_S
-        while True:
-            missing = []
-            for key, address in frontends.items():
-                try:
-                    listed = await listed_models(client, address)
-                except httpx.HTTPStatusError as e:
-                    if e.response.status_code in (401, 403):  # waiting will not help
-                        names = ", ".join(graph.frontends()[key].api_key_env)
-                        return f"{key}: GET /v1/models: {e.response.status_code}; set a key in {names}"
-                    missing.append(f"{key}: GET /v1/models: {e}")
-                    continue
-                except (httpx.HTTPError, ValueError) as e:
-                    missing.append(f"{key}: GET /v1/models: {e}")
-                    continue
-                if absent := [m for m in wanted[key] if m not in listed]:
-                    missing.append(f"{key} does not list {', '.join(absent)} after {MODELS_TIMEOUT_S:g} s")
-            if not missing or time.monotonic() > deadline:
-                return "; ".join(missing)
-            await asyncio.sleep(POLL_S * 5)
 
     def _up_failed(self, process: str, why: str, log: str, seconds: float) -> None:
         self.result.up_failure = f"{process}: {why}"
@@ -190,13 +158,6 @@ class Session:
             self.console.print(f"  last log lines of {escape(process)}:", highlight=False)
             for line in log.splitlines():
                 self.console.print(f"    {process} | {line}", highlight=False, markup=False)
-
-    def _print_check(self, outcome: CheckResult) -> None:
-        mark = _MARKS.get(outcome.outcome, "-")
-        detail = f" [dim]({escape(outcome.detail)})[/]" if outcome.detail else ""
-        self.console.print(f"  {mark} {escape(outcome.name)}{detail}", highlight=False)
-        for failure in outcome.failures:
-            self.console.print(f"      {escape(failure)}", highlight=False)
 
     def _check_teardown(self) -> None:
         """After the supervisor stopped: no process of the plan alive, no port of it listening."""

@@ -5,6 +5,7 @@ of the run."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dynamo_graph.smoke.expect import unmet
 from dynamo_graph.smoke.results import CheckResult
 
 METRICS_SETTLE_S = 5.0  # counters of a request that just ended may show a moment later
+MODELS_TIMEOUT_S = 60.0  # once the graph is up, until its frontends list their models
 POLL_S = 0.05
 
 
@@ -37,7 +39,7 @@ class Target:
     """What the checks talk to: the graph, its supervisor, each frontend's address."""
 
     graph: Graph
-    sup: Supervisor
+    sup: Supervisor | None  # None: a frontend that was already running (`--against`); no faults
     frontends: dict[str, Address]  # frontend key -> address
     client: httpx.AsyncClient
 
@@ -108,6 +110,44 @@ def _measured(answers: list[Answer]) -> str:
     return (f"{len(answers)}x, slowest: " if len(answers) > 1 else "") + ", ".join(parts)
 
 
+def api_key_headers(graph: Graph, frontend: str) -> dict[str, str]:
+    """The bearer header of the first key in the variables a frontend's `api_key_env` names
+    (as `up` passes them on), if any."""
+    keys = [
+        key.strip()
+        for name in graph.frontends()[frontend].api_key_env
+        for key in os.environ.get(name, "").split(",")
+        if key.strip()
+    ]
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+async def wait_models(
+    client: httpx.AsyncClient, graph: Graph, frontends: dict[str, Address], wanted: dict[str, list[str]]
+) -> str:
+    """Wait until each frontend lists the models `wanted` of it; returns what is missing."""
+    deadline = time.monotonic() + MODELS_TIMEOUT_S
+    while True:
+        missing = []
+        for key, address in frontends.items():
+            try:
+                listed = await listed_models(client, address)
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code in (401, 403):  # waiting will not help
+                    names = ", ".join(graph.frontends()[key].api_key_env)
+                    return f"{key}: GET /v1/models: {e.response.status_code}; set a key in {names}"
+                missing.append(f"{key}: GET /v1/models: {e}")
+                continue
+            except (httpx.HTTPError, ValueError) as e:
+                missing.append(f"{key}: GET /v1/models: {e}")
+                continue
+            if absent := [m for m in wanted.get(key, []) if m not in listed]:
+                missing.append(f"{key} does not list {', '.join(absent)} after {MODELS_TIMEOUT_S:g} s")
+        if not missing or time.monotonic() > deadline:
+            return "; ".join(missing)
+        await asyncio.sleep(POLL_S * 2)
+
+
 async def listed_models(client: httpx.AsyncClient, address: Address) -> list[str]:
     """The model ids `/v1/models` lists; raises httpx.HTTPStatusError on an error status."""
     response = await client.get(address.url + "/v1/models", headers=address.headers)
@@ -144,7 +184,9 @@ async def _metrics(client: httpx.AsyncClient, address: Address, texts: list[str]
         await asyncio.sleep(POLL_S * 4)
 
 
-def _runner(sup: Supervisor, fault: SmokeFault) -> Runner | None:
+def _runner(sup: Supervisor | None, fault: SmokeFault) -> Runner | None:
+    if sup is None:
+        return None
     return next(
         (
             r

@@ -211,3 +211,44 @@ def test_a_canary_promoted_then_one_with_a_slow_first_token_rolled_back_fail_not
         load.wait_for_requests(20)
     result = load.result
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+
+
+def test_new_replicas_that_fail_the_graphs_checks_never_serve_and_are_rolled_back(
+    versioned: VersionedGraph,
+) -> None:
+    """`rollout: {checks: true}`: the graph's own `tests` run against the first new replicas,
+    through a frontend that routes to nothing else, while the graph's frontends send them no
+    request; a revision whose first tokens miss the check's budget is rolled back, and the
+    load never met it (no request fails, none waits on the slow replica)."""
+    graph = versioned
+    graph.backend["rollout"] = {"checks": True}
+    graph.graph["tests"] = [
+        {
+            "name": "first token in time",
+            "chat": {"prompt": "hi", "max_tokens": 4, "stream": True},
+            "expect": {"ttft_s": 1.0},
+        }
+    ]
+    graph.commit("checked rollouts")
+    assert graph.cli("up", "-d").returncode == 0
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as load:
+        load.wait_for_requests(20)
+        graph.backend["engine_args"]["num_gpu_blocks"] = 2048
+        graph.commit("more KV blocks")
+        checked = graph.cli("up", "-d", timeout=300)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert "checks against the new backend replicas passed" in checked.stdout, checked.stdout
+        after = graph.pids()
+        load.wait_for_requests(20)
+
+        graph.backend["engine_args"]["speedup_ratio"] = 0.01
+        graph.commit("a very slow engine")
+        slow = graph.cli("up", "-d", timeout=300)
+        assert slow.returncode == 1, slow.stdout + slow.stderr
+        assert "the graph's checks failed against the new backend replicas" in slow.stdout, slow.stdout
+        assert "first token in time" in slow.stdout and "rolled back" in slow.stdout
+        assert graph.pids() == after
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+    assert max(result.ttfts) < 1.0, "a request met the slow replica"

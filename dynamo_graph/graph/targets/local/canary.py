@@ -21,10 +21,15 @@ from typing import Any, NamedTuple
 import msgspec
 
 from dynamo_graph.graph.plan import ProcessSpec, RolloutPolicy
-from dynamo_graph.runtime.discovery import Discovery, create_discovery
+from dynamo_graph.runtime.discovery import Discovery, DiscoveryError, create_discovery
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.traffic import TrafficSplit as SplitRecord
 from dynamo_graph.runtime.traffic import percentile_ms, traffic_key
+
+
+class RolloutFailed(Exception):
+    """The rollout cannot go on: a new run did not prove itself (or lost its comparison), or
+    its traffic could not be steered; the message names what and says why."""
 
 
 @dataclass
@@ -148,13 +153,19 @@ class TrafficSplit:
         )
 
     async def __aenter__(self) -> TrafficSplit:
-        await self.discovery.start()
+        try:
+            await self.discovery.start()
+        except (DiscoveryError, OSError) as err:
+            raise RolloutFailed(f"cannot reach discovery to split {self.key}'s traffic: {err}") from err
         return self
 
     async def share(self, fraction: float) -> None:
         """Send `fraction` of the requests to the new revision's instances."""
         record = SplitRecord(self.labels, fraction)
-        await self.discovery.put(self.key, msgspec.json.encode(record))
+        try:
+            await self.discovery.put(self.key, msgspec.json.encode(record))
+        except (DiscoveryError, OSError) as err:
+            raise RolloutFailed(f"cannot set {self.key}'s traffic split: {err}") from err
 
     async def __aexit__(self, *exc: object) -> None:
         """Lift the split (every instance a candidate again) and leave discovery."""

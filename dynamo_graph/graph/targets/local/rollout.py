@@ -26,17 +26,19 @@ non-zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from dynamo_graph.graph.plan import Plan, RolloutPolicy
+from dynamo_graph.graph.plan import Plan, ProcessSpec, RolloutPolicy
 from dynamo_graph.graph.targets.local import probes
-from dynamo_graph.graph.targets.local.canary import Answers, TrafficSplit, judge, side, tally
+from dynamo_graph.graph.targets.local.canary import Answers, RolloutFailed, TrafficSplit, judge, side, tally
 from dynamo_graph.graph.targets.local.changes import PlanChanges
+from dynamo_graph.graph.targets.local.checks import check_revision
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.runner import Fleet, Runner, stop_in_order
 
@@ -65,10 +67,6 @@ CANARY_POLL_S = 1.0  # how often a canary step looks at the answers (it fails ea
 CANARY_MAX_PAUSES = 3  # a step waits this many pauses at most for `min_requests` a side
 SERVING_ROLES = ("agg", "decode")  # workers a frontend lists as a model's instances
 INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
-
-
-class RolloutFailed(Exception):
-    """A new run did not prove itself; the message names it and says why."""
 
 
 class CardChanged(RolloutFailed):
@@ -130,6 +128,7 @@ class Rollout:
         self.old_ports = old_ports  # before the new runs got fresh ones: restored on rollback
         self.revision = 0
         self.replaced: list[str] = []  # rolled names whose new run took over, in order
+        self.checked: set[str] = set()  # components whose new runs passed the graph's checks
 
     async def run(self, revision: int) -> tuple[bool, str]:
         """Apply the changes as `revision`: (True, "") when done; (False, why) when a new run
@@ -192,14 +191,16 @@ class Rollout:
         early = batch[: specs[batch[0]].rollout.max_unavailable]
         await self._retire([self.old[n] for n in early])
         new = []
-        for name in batch:
-            if name not in early:
-                sup.retire(self.old[name])
-            sup.runners[name] = Runner(sup, specs[name], self.revision, proving=True)
-            new.append(sup.runners[name])
-        sup.persist()
         try:
-            await self._prove(new)
+            async with self._held_back(specs[batch[0]]):
+                for name in batch:
+                    if name not in early:
+                        sup.retire(self.old[name])
+                    sup.runners[name] = Runner(sup, specs[name], self.revision, proving=True)
+                    new.append(sup.runners[name])
+                sup.persist()
+                await self._prove(new)
+                await self._check(new)
         except CardChanged as changed:
             await self._hand_over(batch, changed)
             return
@@ -229,7 +230,9 @@ class Rollout:
         async with TrafficSplit(specs[names[0]], self.revision) as split:
             try:
                 for number, step in enumerate(policy.steps, 1):
-                    await split.share(step / 100)  # before a new run registers: it gets no more
+                    checking = self._wants_check(specs[names[0]])
+                    # Before a new run registers, so it never gets more (none while it is checked).
+                    await split.share(0.0 if checking else step / 100)
                     wanted = max(1, math.ceil(step * len(names) / 100))
                     started = []
                     for name in names[len(new) : wanted]:
@@ -245,6 +248,9 @@ class Rollout:
                             f"{changed}: a canary cannot change the model card (both revisions must "
                             "serve one model the same way); roll it with `strategy: rolling`"
                         ) from None
+                    if checking:
+                        await self._check(started)
+                        await split.share(step / 100)
                     if step == 100:
                         break
                     where = f"canary {component}, step {number} of {len(policy.steps)}: {step}% of requests"
@@ -259,6 +265,37 @@ class Rollout:
                 raise
         await self._retire([self.old[n] for n in names])
         self.replaced += names
+
+    def _wants_check(self, spec: ProcessSpec) -> bool:
+        return (
+            spec.rollout.checks
+            and spec.role in SERVING_ROLES
+            and spec.component not in self.checked
+            and bool(self.sup.plan and self.sup.plan.graph_json)
+        )
+
+    def _held_back(self, spec: ProcessSpec) -> contextlib.AbstractAsyncContextManager[object]:
+        """While a component's first new runs are checked, the frontends send them nothing (a
+        traffic split of share 0): users meet them only once they passed."""
+        if not self._wants_check(spec):
+            return contextlib.nullcontext()
+        return _split_at(TrafficSplit(spec, self.revision), 0.0)
+
+    async def _check(self, runners: Sequence[Runner]) -> None:
+        """The graph's checks against a component's first new runs, when its rollout asks
+        (`checks: true`; checks.py). A prefill pool is left out: a frontend of its own would
+        have none of the new revision's decode workers to pair it with."""
+        if not runners or not self._wants_check(runners[0].spec):
+            return
+        sup = self.sup
+        assert sup.plan is not None
+        component = runners[0].spec.component
+        self.checked.add(component)
+        sup.progress(f"checks against the new {component} replicas")
+        why = await check_revision(sup.state, sup.plan, runners[0].spec, self.revision)
+        if why is not None:
+            raise RolloutFailed(f"the graph's checks failed against the new {component} replicas:\n{why}")
+        sup.progress(f"checks against the new {component} replicas passed")
 
     async def _judge_step(
         self, policy: RolloutPolicy, where: str, new_ids: set[str], old_ids: set[str]
@@ -315,6 +352,7 @@ class Rollout:
         for runner, ok in zip(started, await asyncio.gather(*(r.proven() for r in started)), strict=True):
             if not ok:
                 raise RolloutFailed(self._why(runner))
+        await self._check([sup.runners[n] for n in batch])
         await self._retire([self.old[n] for n in [*batch, *rest]])
         self.replaced += [*batch, *rest]
         await self._wait_routable([sup.runners[n] for n in [*batch, *rest]], handing_over=True)
@@ -400,6 +438,13 @@ class Rollout:
                     "(not registered in discovery, or refused: see the frontend's /health)"
                 )
             await asyncio.sleep(ROUTABLE_POLL_S)
+
+
+@contextlib.asynccontextmanager
+async def _split_at(split: TrafficSplit, share: float) -> AsyncIterator[TrafficSplit]:
+    async with split:
+        await split.share(share)
+        yield split
 
 
 def _instance_of(runner: Runner) -> str | None:
