@@ -23,7 +23,12 @@ from dynamo_graph.llm.logprobs import LogprobNamer
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_capabilities
 from dynamo_graph.llm.postprocessor import Postprocessor
-from dynamo_graph.llm.preprocessor import UNSUPPORTED_BY_MODEL, Preprocessor, RequestValidationError
+from dynamo_graph.llm.preprocessor import (
+    TOOL_CHOICE_WITHOUT_TOOL,
+    UNSUPPORTED_BY_MODEL,
+    Preprocessor,
+    RequestValidationError,
+)
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.token_output import TokenDelta, TokenLimits
 from dynamo_graph.llm.tool_choice import forced, forced_schema
@@ -136,7 +141,7 @@ def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard
             )
         return
     if not request.tools:
-        raise RequestValidationError("tool_choice needs tools", "tool_choice", "tool_choice_without_tools")
+        raise RequestValidationError("tool_choice needs tools", "tool_choice", TOOL_CHOICE_WITHOUT_TOOL)
     forced_schema(request)  # a bad choice is a 400 before the engine's ability is
     if "guided_json" not in card.capabilities:
         engine = f"engine {card.engine!r}" if card.engine else "this model's engine"

@@ -53,6 +53,8 @@ CHAT_TEMPLATE_ERROR = "chat_template_error"
 UNSUPPORTED_BY_MODEL = "unsupported_by_model"  # a field the model's engine or parsers cannot serve
 # min_tokens against the completion bound, which is max_tokens or the model's default and context.
 MIN_TOKENS_ABOVE_MAX = "min_tokens_above_max_tokens"
+# A tool_choice that forces a call to a function `tools` does not hold (or with no tools).
+TOOL_CHOICE_WITHOUT_TOOL = "tool_choice_without_tool"
 
 
 class RequestValidationError(ValueError):

@@ -47,10 +47,13 @@ DEVIATIONS = {
         "/v1/completions) or what the model's context leaves",
         ("must be less than or equal to",),
     ),
-    "tool_choice_without_tools": (
-        "a tool_choice that forces a call needs tools to call",
-        ("tool_choice needs tools",),
+    "tool_choice_without_tool": (
+        "a tool_choice that forces a call names a function in tools (or needs tools at all)",
+        ("tool_choice needs tools", "which is not in tools"),
     ),
+    # vLLM's token-in/token-out request may leave `model` out where the server serves one model;
+    # how many this frontend serves is the deployment's.
+    "model_required": ("`model` may be left out only where the frontend serves one model", ()),
 }
 
 

@@ -103,7 +103,8 @@ def _fuzz(base_url: str, tmp_path: Path, *extra: str) -> None:
         argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S, check=False
     )
     report = run.stdout + run.stderr
-    assert run.returncode == 0, report[-12000:]
+    failures = report.find("= FAILURES =")
+    assert run.returncode == 0, report[failures : failures + 12000] if failures >= 0 else report[-12000:]
     assert "No issues found" in report or " passed" in report, report[-3000:]
 
 

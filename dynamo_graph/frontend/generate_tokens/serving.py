@@ -37,7 +37,7 @@ class GenerateTokensHandler(OpenAIHandler):
                     400,
                     "model is required: this server serves several models",
                     param="model",
-                    code="invalid_request",
+                    code="model_required",
                 )
             model = names[0]
         return to_completion(request, model)
