@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
-.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke
+.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,15 @@ SMOKE_JUNIT ?= .cache/reports/smoke-junit.xml
 
 smoke: setup services $(MODEL_DIR)/tokenizer.json
 	$(BIN)/dyngraph test graphs/ci/*.yaml --junit $(SMOKE_JUNIT)
+
+# Schemathesis with every check against a running frontend (docs/http-api.md):
+#   make fuzz-api FUZZ_URL=http://127.0.0.1:8080 [FUZZ_KEY=sk-...] [FUZZ_EXAMPLES=100]
+FUZZ_URL ?= http://127.0.0.1:$(HTTP_PORT)
+FUZZ_EXAMPLES ?= 100
+fuzz-api: setup
+	SCHEMATHESIS_HOOKS=tests.support.schemathesis_hooks PYTHONPATH=$(CURDIR) $(BIN)/schemathesis run \
+	  $(FUZZ_URL)/openapi.json --checks all --exclude-checks positive_data_acceptance \
+	  --max-examples $(FUZZ_EXAMPLES) $(if $(FUZZ_KEY),--header "Authorization: Bearer $(FUZZ_KEY)")
 
 test-all: setup
 	$(BIN)/pytest -q -m ''

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.frontend import (
@@ -24,6 +25,7 @@ from dynamo_graph.frontend import (
     openai_completions,
     openai_embeddings,
     openai_responses,
+    openapi,
 )
 from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
@@ -52,10 +54,14 @@ SURFACES = (
 )
 
 
-def _error_response(status: int, message: str) -> Response:
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
     from fastapi.responses import Response
 
-    return Response(error_body(status, message), status_code=status, media_type="application/json")
+    body = error_body(status, message)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
@@ -75,17 +81,19 @@ def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
 LIVE_BODY = {"status": "live", "message": "Service is live"}
 
 
-def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
+def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: ApiKeys | None = None) -> FastAPI:
+    """`api_keys`: the keys the dispatcher checks, so the OpenAPI document says which routes need one."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     api = FastAPI(title="dyngraph frontend", version="0.1.0")
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error_response(exc.status_code, str(exc.detail))
+        # Starlette's 405 carries `Allow` (RFC 9110): keep its headers.
+        return _error_response(exc.status_code, str(exc.detail), exc.headers)
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -104,61 +112,19 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
     async def live() -> dict[str, str]:
         return dict(LIVE_BODY)
 
-    @api.get("/metrics", response_model=None)
+    @api.get("/metrics", response_model=None, response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=PROMETHEUS_TEXT)
 
     default_openapi = api.openapi
 
-    def openapi() -> dict[str, Any]:
+    def document() -> dict[str, Any]:
         if api.openapi_schema is None:
-            api.openapi_schema = with_generation_routes(default_openapi())
+            api.openapi_schema = openapi.complete(default_openapi(), SURFACES, api_keys)
         return api.openapi_schema
 
-    api.openapi = openapi  # type: ignore[method-assign]
+    api.openapi = document  # type: ignore[method-assign]
     return api
-
-
-def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAPI document with the raw-ASGI generation routes, their request bodies' schemas
-    generated from the msgspec types the handlers decode into."""
-    import msgspec
-
-    routes = [(route, surface.error) for surface in SURFACES for route in surface.routes]
-    bodies, components = msgspec.json.schema_components(
-        [route.handler.decoder.type for route, _ in routes], ref_template="#/components/schemas/{name}"
-    )
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(components)
-    for surface in SURFACES:
-        schemas[surface.error.name] = surface.error.schema
-    statuses = [
-        (400, "Invalid request; the field is named"),
-        (401, "Missing or wrong API key"),
-        (404, "Unknown model"),
-        (413, "Request body too large"),
-        (415, "Not JSON"),
-        (503, "At the concurrency limit, or the model's workers are all gone for now; see Retry-After"),
-        (504, "Past the request time limit"),
-    ]
-    for (route, error), schema in zip(routes, bodies, strict=True):
-        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error.name}"}}}
-        errors = {str(code): {"description": text, "content": content} for code, text in statuses}
-        doc.setdefault("paths", {})[route.path] = {
-            "post": {
-                "summary": route.summary,
-                "operationId": route.path.strip("/").replace("/", "_"),
-                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                "responses": {
-                    "200": {
-                        "description": "The answer, or with `stream: true` server-sent events",
-                        "content": {"application/json": {}, "text/event-stream": {}},
-                    },
-                    **errors,
-                },
-            }
-        }
-    return doc
 
 
 def pid_header() -> tuple[bytes, bytes]:
@@ -218,7 +184,7 @@ class FrontendApp:
 
     def _build_api_soon(self) -> asyncio.Future[FastAPI]:
         if self._api_building is None:
-            building = asyncio.to_thread(build_api, self.models, self.metrics)
+            building = asyncio.to_thread(build_api, self.models, self.metrics, self.api_keys)
             self._api_building = asyncio.ensure_future(building)
         return self._api_building
 

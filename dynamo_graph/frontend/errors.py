@@ -76,6 +76,11 @@ class HTTPError(Exception):
         )
 
 
+def post_only() -> HTTPError:
+    """The 405 of a route that takes only POST, with the `Allow` header RFC 9110 requires."""
+    return HTTPError(405, "Use POST for this endpoint", headers=[(b"allow", b"POST")])
+
+
 def overload_status() -> int:
     """`DYN_HTTP_OVERLOAD_STATUS_CODE`: 529 (default, as Anthropic and Dynamo answer when
     overloaded) or 503 for clients and balancers that only know that one."""
@@ -132,6 +137,36 @@ OPENAI_ERROR = ErrorSchema(
         "required": ["error"],
     },
 )
+
+
+def _integral(text: str) -> int | float:
+    """A JSON number with no fraction (`5.0`, `1e3`) is an integer, as JSON Schema counts it."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
+
+
+_UNTYPED = msgspec.json.Decoder(float_hook=_integral)
+
+
+def request_decoder(request_type: Any) -> msgspec.json.Decoder:
+    """A route's request decoder: integral floats in untyped places (token-id lists) are ints."""
+    return msgspec.json.Decoder(request_type, float_hook=_integral)
+
+
+def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """The body as the decoder's type; an integral float where an int is typed is taken as the int
+    (a second, rare pass); anything else wrong is a 400 naming the field."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as err:  # a DecodeError too: first
+        if "got `float`" not in str(err):
+            raise from_decode_error(err) from None
+    except msgspec.DecodeError as err:
+        raise from_decode_error(err) from None
+    try:
+        return msgspec.convert(_UNTYPED.decode(body), decoder.type)
+    except msgspec.ValidationError as err:
+        raise from_decode_error(err) from None
 
 
 # msgspec's messages end with " - at `$.field[0].sub`"; the path becomes the OpenAI `param`.

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from dynamo_graph.frontend.errors import HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import HTTPError, from_decode_error, post_only
 from dynamo_graph.frontend.model_watcher import ModelWatcher
 from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send, read_body, send_json
 from dynamo_graph.llm.card import LORA_ENDPOINT
@@ -218,7 +218,8 @@ class LoraRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_json(send, 405, HTTPError(405, "Use POST for this endpoint").body())
+            refused = post_only()
+            await send_json(send, 405, refused.body(), refused.headers)
             return
         try:
             body = await read_body(receive, self.body_limit)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -23,14 +24,21 @@ from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema, HTTPError, from_decode_error
+from dynamo_graph.frontend.errors import (
+    OPENAI_ERROR,
+    ErrorSchema,
+    HTTPError,
+    decode_request,
+    post_only,
+)
 from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
-from dynamo_graph.llm.openai import AnyRequest, requested_max_tokens
+from dynamo_graph.llm.openai import MAX_CHOICES, AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import Delta, ModelPipeline, Prepared
+from dynamo_graph.llm.preprocessor import CONTEXT_LENGTH_EXCEEDED
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
@@ -42,7 +50,6 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
-MAX_N = 1  # choices per request: the pipelines produce one
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
 _RETRY_AFTER = [(b"retry-after", str(RETRY_AFTER_S).encode())]
@@ -174,7 +181,8 @@ class OpenAIHandler:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_json(send, 405, self.error_body(HTTPError(405, "Use POST for this endpoint")))
+            refused = post_only()
+            await send_json(send, 405, self.error_body(refused), refused.headers)
             return
         admission = self.admission
         if not admission.try_acquire():
@@ -204,13 +212,14 @@ class OpenAIHandler:
             ) from None
 
     def _model(self, name: str) -> Any:
-        """The model's pipeline; 404 for an unknown model, 400 for one that serves other endpoints."""
+        """The model's pipeline; 404 for an unknown model and, as OpenAI answers, for one that
+        serves other endpoints (`wrong_endpoint`): no such model here."""
         pipeline = self.models.get(name)
         if pipeline is None:
             raise HTTPError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         if self.kind not in pipeline.card.model_type:
             raise HTTPError(
-                400,
+                404,
                 f"The model `{name}` does not serve this endpoint; it serves "
                 f"{', '.join(pipeline.card.model_type)}",
                 param="model",
@@ -284,10 +293,7 @@ class OpenAIHandler:
 
     def decode(self, body: bytes) -> tuple[AnyRequest, Any]:
         """(the request the pipeline runs, the request as the client sent it)."""
-        try:
-            request = self.decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise from_decode_error(err) from None
+        request = decode_request(self.decoder, body)
         return self.convert(request), request
 
     def convert(self, request: Any) -> Any:
@@ -299,7 +305,7 @@ class OpenAIHandler:
         """An error as this API's clients expect it, naming the field they set (`param_names`)."""
         param = self.param_names.get(err.param or "")
         if param is not None:
-            message = err.message.replace(err.param or "", param)
+            message = re.sub(rf"\b{re.escape(err.param or '')}\b", param, err.message)
             err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
         return self.render_error(err)
 
@@ -334,9 +340,8 @@ class OpenAIHandler:
         except RequestError as err:
             raise HTTPError.from_engine_error(err) from None
         except ValueError as err:  # the preprocessor's and chat template's input errors
-            raise HTTPError(
-                400, str(err), param=getattr(err, "param", None), code="invalid_request"
-            ) from None
+            code = getattr(err, "code", "invalid_request")
+            raise HTTPError(400, str(err), param=getattr(err, "param", None), code=code) from None
 
     async def _serve(
         self,
@@ -515,12 +520,17 @@ class Surface:
 
 def _check_caps(request: AnyRequest) -> None:
     """Caps that hold for every model: choices per request."""
-    if request.n is not None and request.n > MAX_N:
-        raise HTTPError(400, f"n must be at most {MAX_N}, not {request.n}", param="n", code="invalid_request")
-    best_of = getattr(request, "best_of", None)
-    if best_of is not None and best_of > MAX_N:
+    if request.n is not None and request.n > MAX_CHOICES:
         raise HTTPError(
-            400, f"best_of must be at most {MAX_N}, not {best_of}", param="best_of", code="invalid_request"
+            400, f"n must be at most {MAX_CHOICES}, not {request.n}", param="n", code="invalid_request"
+        )
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of > MAX_CHOICES:
+        raise HTTPError(
+            400,
+            f"best_of must be at most {MAX_CHOICES}, not {best_of}",
+            param="best_of",
+            code="invalid_request",
         )
 
 
@@ -534,5 +544,5 @@ def _check_context(pipeline: ModelPipeline, request: AnyRequest) -> None:
             400,
             f"This model's maximum context length is {ctx} tokens, but {param} is {max_tokens}",
             param=param,
-            code="invalid_request",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )

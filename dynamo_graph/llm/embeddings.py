@@ -14,7 +14,12 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 
 from dynamo_graph.llm.card import ModelDeploymentCard
-from dynamo_graph.llm.preprocessor import RequestValidationError
+from dynamo_graph.llm.preprocessor import (
+    CONTEXT_LENGTH_EXCEEDED,
+    OUT_OF_VOCABULARY,
+    UNSUPPORTED_BY_MODEL,
+    RequestValidationError,
+)
 from dynamo_graph.llm.protocol import EmbeddingOutput, PreprocessedEmbeddingRequest
 from dynamo_graph.runtime.context import Context
 
@@ -52,11 +57,13 @@ class EmbeddingPipeline:
                     f"This model's maximum context length is {ctx} tokens, however input[{i}] has "
                     f"{len(ids)} tokens. Please reduce the length of the input.",
                     "input",
+                    CONTEXT_LENGTH_EXCEEDED,
                 )
         if dimensions is not None and DIMENSIONS_CAPABILITY not in self.card.capabilities:
             raise RequestValidationError(
                 f"model {self.name!r} does not support `dimensions` (its vectors cannot be shortened)",
                 "dimensions",
+                UNSUPPORTED_BY_MODEL,
             )
         return PreprocessedEmbeddingRequest(model=self.name, token_ids=token_ids, dimensions=dimensions)
 
@@ -96,5 +103,6 @@ class EmbeddingPipeline:
                 f"input[{index}] holds token id {bad}, outside this model's vocabulary "
                 f"[0, {self.vocab_size})",
                 "input",
+                OUT_OF_VOCABULARY,
             )
         return ids

@@ -4,6 +4,12 @@ One definition for every input: the HTTP frontend decodes request bodies straigh
 (msgspec names the offending field in its errors, which become OpenAI error bodies), and the
 text / batch inputs build them in code. Unknown fields are ignored, as OpenAI-compatible servers
 do; values out of range are rejected here so nothing downstream has to re-check them.
+
+What the pipeline checks after decoding (preprocessor.py: a non-empty prompt or message list,
+text-only content, one choice, ...) is stated beside the field as JSON Schema
+(`Meta(extra_json_schema=...)`), so the frontend's OpenAPI document (frontend/openapi.py) says
+everything a request is held to; the frontend's fuzz test (tests/system/test_openapi_fuzz.py)
+checks the two agree.
 """
 
 from __future__ import annotations
@@ -19,6 +25,62 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_CHOICES = 1  # choices per request: the pipelines produce one
+Choices = Annotated[int, Meta(ge=1, extra_json_schema={"maximum": MAX_CHOICES})]
+# max_tokens 0 is refused by the preprocessor (there is nothing to generate).
+MaxTokens = Annotated[int, Meta(extra_json_schema={"minimum": 1})]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# The prompt shapes the preprocessor takes: one prompt (batches of several are refused).
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+    ]
+}
+# Text-only models: a part that is not text would vanish from the prompt, so it is refused.
+TEXT_PART = {
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+# logit_bias keys are token ids (the vocabulary's bounds are the model's).
+TOKEN_ID_KEYS = {"propertyNames": {"pattern": "^[0-9]+$"}}
+# response_format: what the preprocessor turns into guided decoding.
+RESPONSE_FORMAT = {
+    "anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+        {
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {"schema": {"type": "object"}},
+                    "required": ["schema"],
+                },
+            },
+            "required": ["type", "json_schema"],
+        },
+    ]
+}
+# tool_choice (tool_choice.py): a mode, or the one function to call.
+TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required", None]},
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}},
+                    "required": ["name"],
+                },
+            },
+            "required": ["function"],
+        },
+    ]
+}
 
 
 class ContentPart(msgspec.Struct, omit_defaults=True):
@@ -30,7 +92,7 @@ class ContentPart(msgspec.Struct, omit_defaults=True):
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: Role
-    content: str | list[ContentPart] | None = None
+    content: str | list[Annotated[ContentPart, Meta(extra_json_schema=TEXT_PART)]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -82,19 +144,24 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: NonNegInt | None = None
+    max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
     top_k: int | None = None
     min_p: Probability | None = None
-    n: PosInt | None = None
+    n: Choices | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(extra_json_schema=TOKEN_ID_KEYS)
+        ]
+        | None
+    ) = None
     user: str | None = None
     ignore_eos: bool | None = None
     min_tokens: NonNegInt | None = None
@@ -108,14 +175,14 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: NonNegInt | None = None
+    messages: Annotated[list[ChatMessage], Meta(extra_json_schema={"minItems": 1})]
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Annotated[Any, Meta(extra_json_schema=TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any], Meta(extra_json_schema=RESPONSE_FORMAT)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -123,11 +190,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: str | list[Any]
+    prompt: Annotated[str | list[Any], Meta(extra_json_schema={"allOf": [PROMPT_SCHEMA]})]
     echo: bool | None = None
-    best_of: PosInt | None = None
+    best_of: Choices | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    suffix: str | None = None
+    suffix: Annotated[str, Meta(extra_json_schema={"not": {}})] | None = None  # not supported: null only
 
 
 AnyRequest = ChatCompletionRequest | CompletionRequest

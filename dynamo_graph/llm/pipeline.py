@@ -23,7 +23,12 @@ from dynamo_graph.llm.logprobs import LogprobNamer
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.openai import AnyRequest, ChatCompletionRequest, requested_capabilities
 from dynamo_graph.llm.postprocessor import Postprocessor
-from dynamo_graph.llm.preprocessor import Preprocessor, RequestValidationError
+from dynamo_graph.llm.preprocessor import (
+    TOOL_CHOICE_WITHOUT_TOOL,
+    UNSUPPORTED_BY_MODEL,
+    Preprocessor,
+    RequestValidationError,
+)
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.llm.token_output import TokenDelta, TokenLimits
 from dynamo_graph.llm.tool_choice import forced, forced_schema
@@ -116,7 +121,9 @@ def _check_capabilities(request: AnyRequest, card: ModelDeploymentCard) -> None:
         field = missing[0]
         engine = f"engine {card.engine!r}" if card.engine else "this model's engine"
         raise RequestValidationError(
-            f"{field} is not supported by {engine} of model {card.display_name!r}", field
+            f"{field} is not supported by {engine} of model {card.display_name!r}",
+            field,
+            UNSUPPORTED_BY_MODEL,
         )
 
 
@@ -130,10 +137,11 @@ def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard
                 f'tool_choice "auto" needs a tool call parser, and model {card.display_name!r} has none '
                 "(start its workers with --dyn-tool-call-parser)",
                 "tool_choice",
+                UNSUPPORTED_BY_MODEL,
             )
         return
     if not request.tools:
-        raise RequestValidationError("tool_choice needs tools", "tool_choice")
+        raise RequestValidationError("tool_choice needs tools", "tool_choice", TOOL_CHOICE_WITHOUT_TOOL)
     forced_schema(request)  # a bad choice is a 400 before the engine's ability is
     if "guided_json" not in card.capabilities:
         engine = f"engine {card.engine!r}" if card.engine else "this model's engine"
@@ -142,6 +150,7 @@ def _check_tool_choice(request: ChatCompletionRequest, card: ModelDeploymentCard
             f"tool_choice {shown!r} needs guided decoding, which {engine} of model "
             f'{card.display_name!r} does not do; use "auto" or "none"',
             "tool_choice",
+            UNSUPPORTED_BY_MODEL,
         )
     if request.response_format or request.guided_json is not None:
         raise RequestValidationError(

@@ -45,13 +45,27 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 _PROMPT_SHAPES = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-class RequestValidationError(ValueError):
-    """A client error: `param` is the OpenAI field at fault (None when no single field is)."""
+# Error codes of the refusals that depend on the model named (its context, vocabulary, chat
+# template), which a request's schema cannot state; the rest are `invalid_request`.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for it
+OUT_OF_VOCABULARY = "token_out_of_vocabulary"
+CHAT_TEMPLATE_ERROR = "chat_template_error"
+UNSUPPORTED_BY_MODEL = "unsupported_by_model"  # a field the model's engine or parsers cannot serve
+# min_tokens against the completion bound, which is max_tokens or the model's default and context.
+MIN_TOKENS_ABOVE_MAX = "min_tokens_above_max_tokens"
+# A tool_choice that forces a call to a function `tools` does not hold (or with no tools).
+TOOL_CHOICE_WITHOUT_TOOL = "tool_choice_without_tool"
 
-    def __init__(self, message: str, param: str | None) -> None:
+
+class RequestValidationError(ValueError):
+    """A client error: `param` is the OpenAI field at fault (None when no single field is);
+    `code` the OpenAI error body's."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class Preprocessor:
@@ -97,7 +111,7 @@ class Preprocessor:
                 **extra,
             )
         except ChatTemplateError as exc:
-            raise RequestValidationError(str(exc), "messages") from exc
+            raise RequestValidationError(str(exc), "messages", CHAT_TEMPLATE_ERROR) from exc
         token_ids, prefixes = self.segments.encode_prefixed(prompt)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(requested_max_tokens(req), len(token_ids), max_param, "messages", None)
@@ -156,6 +170,7 @@ class Preprocessor:
             raise RequestValidationError(
                 f"prompt contains token id {bad}, outside this model's vocabulary [0, {self.vocab_size})",
                 "prompt",
+                OUT_OF_VOCABULARY,
             )
         return ids
 
@@ -175,6 +190,7 @@ class Preprocessor:
                 f"{'have' if noun == 'messages' else 'has'} {prompt_len} tokens, leaving no room for the "
                 f"completion. Please reduce the length of the {noun}.",
                 prompt_param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         remaining = ctx - prompt_len
         if requested is None:
@@ -185,6 +201,7 @@ class Preprocessor:
                 f"{prompt_len + requested} tokens ({prompt_len} in the {noun}, {requested} in the "
                 f"completion). Please reduce the length of the {noun} or completion.",
                 prompt_param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         return requested
 
@@ -209,6 +226,7 @@ class Preprocessor:
             raise RequestValidationError(
                 f"min_tokens ({min_tokens}) must be less than or equal to {max_param} ({max_tokens})",
                 "min_tokens",
+                MIN_TOKENS_ABOVE_MAX,
             )
         nvext = req.nvext
         return PreprocessedRequest(
@@ -303,6 +321,7 @@ def _check_logit_bias(logit_bias: dict[str, float], vocab_size: int) -> None:
             raise RequestValidationError(
                 f"logit_bias key {key!r} is not a token id in this model's vocabulary [0, {vocab_size})",
                 "logit_bias",
+                OUT_OF_VOCABULARY,
             )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_graph.llm.openai import ChatCompletionRequest
-from dynamo_graph.llm.preprocessor import RequestValidationError
+from dynamo_graph.llm.preprocessor import TOOL_CHOICE_WITHOUT_TOOL, RequestValidationError
 from dynamo_graph.llm.tool_calls import ToolCallDelta, ToolCallStream, ToolFormat
 from dynamo_graph.llm.tool_calls.json_calls import JsonCallsRegion
 from dynamo_graph.llm.tool_calls.stream import Event, new_call_id
@@ -58,7 +58,9 @@ def named_function(request: ChatCompletionRequest) -> str | None:
         )
     if name not in _functions(request):
         raise RequestValidationError(
-            f"tool_choice names function {name!r}, which is not in tools", "tool_choice"
+            f"tool_choice names function {name!r}, which is not in tools",
+            "tool_choice",
+            TOOL_CHOICE_WITHOUT_TOOL,
         )
     return name
 
@@ -67,7 +69,9 @@ def forced_schema(request: ChatCompletionRequest) -> dict[str, Any]:
     """The JSON schema the output must follow for the forced call(s)."""
     functions = _functions(request)
     if not functions:
-        raise RequestValidationError("tool_choice needs tools with function names", "tool_choice")
+        raise RequestValidationError(
+            "tool_choice needs tools with function names", "tool_choice", TOOL_CHOICE_WITHOUT_TOOL
+        )
     name = named_function(request)
     if name is not None:
         return functions[name]

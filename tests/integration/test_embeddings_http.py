@@ -103,7 +103,7 @@ def test_bad_input_names_the_field(mocker: ServerProcess, body: dict, param: str
 
 
 def test_chat_request_to_embedding_model_is_refused(mocker: ServerProcess) -> None:
-    with pytest.raises(openai.BadRequestError, match="`emb` does not serve this endpoint") as err:
+    with pytest.raises(openai.NotFoundError, match="`emb` does not serve this endpoint") as err:
         client(mocker).chat.completions.create(model="emb", messages=[{"role": "user", "content": "hi"}])
     assert err.value.body["param"] == "model"  # type: ignore[index]
     listed = client(mocker).models.list().data[0]
@@ -116,9 +116,9 @@ def test_metrics_label_the_endpoint(mocker: ServerProcess) -> None:
     assert metric(mocker, "dynamo_frontend_requests_total", endpoint="embeddings") == before + 1
 
 
-def test_embeddings_on_a_chat_model_answer_400(tiny_model: Path, tmp_path: Path) -> None:
+def test_embeddings_on_a_chat_model_answer_404(tiny_model: Path, tmp_path: Path) -> None:
     with running_server(echo_core_args(tiny_model, "chatty"), log_dir=tmp_path) as server:
-        with pytest.raises(openai.BadRequestError, match="`chatty` does not serve this endpoint") as err:
+        with pytest.raises(openai.NotFoundError, match="`chatty` does not serve this endpoint") as err:
             client(server).embeddings.create(model="chatty", input="hi")
         assert err.value.body["param"] == "model"  # type: ignore[index]
 

@@ -69,7 +69,7 @@ CASES = [
         {"model": "tiny", "messages": MSG, "max_tokens": -1},
         400,
         "max_tokens",
-        ">= 0",
+        "at least 1",
     ),
     (
         "temperature-range",

@@ -76,7 +76,7 @@ def test_tokens_are_kv_routed_and_embeddings_spread(graph: ServerProcess, tiny_m
     wrong = http.post(
         "/v1/chat/completions", json={"model": EMBED, "messages": [{"role": "user", "content": "x"}]}
     )
-    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
 
 
 def test_an_embedding_request_whose_worker_dies_is_retried(tiny_model: Path, tmp_path: Path) -> None:

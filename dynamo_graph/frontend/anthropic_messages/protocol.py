@@ -78,11 +78,52 @@ class ToolChoiceNone(msgspec.Struct, tag="none", tag_field="type"):
 ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 
 
+def _blocks(*kinds: dict[str, Any], shown: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A turn's content: text, or blocks of `kinds`, one of them `shown` (a turn of thinking
+    blocks alone becomes no chat message at all)."""
+    blocks: dict[str, Any] = {"type": "array", "items": {"anyOf": list(kinds)}, "minItems": 1}
+    if shown:
+        blocks["contains"] = {"properties": {"type": {"enum": list(shown)}}}
+    return {"anyOf": [{"type": "string"}, blocks]}
+
+
+def _kind(tag: str, **properties: Any) -> dict[str, Any]:
+    return {"properties": {"type": {"const": tag}, **properties}}
+
+
+# Which blocks serving.py takes in which turn: tool results from the user, calls and thinking
+# from the assistant, text from both; no images (no engine here sees them).
+TURN_BLOCKS = {
+    "anyOf": [
+        {
+            "properties": {
+                "role": {"const": "user"},
+                "content": _blocks(_kind("text"), _kind("tool_result", content=_blocks(_kind("text")))),
+            }
+        },
+        {
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": _blocks(
+                    _kind("text"),
+                    _kind("tool_use"),
+                    _kind("thinking"),
+                    _kind("redacted_thinking"),
+                    shown=("text", "tool_use"),
+                ),
+            }
+        },
+    ]
+}
+
+
 class CountTokensRequest(msgspec.Struct, kw_only=True):
     """`POST /v1/messages/count_tokens`: what a message would be, without sampling options."""
 
     model: str
-    messages: list[Message]
+    messages: Annotated[
+        list[Annotated[Message, Meta(extra_json_schema=TURN_BLOCKS)]], Meta(extra_json_schema={"minItems": 1})
+    ]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -26,10 +26,11 @@ from dynamo_graph.frontend.anthropic_messages.protocol import (
     ToolUseBlock,
 )
 from dynamo_graph.frontend.api_surface import SurfaceHandler
-from dynamo_graph.frontend.errors import HTTPError
+from dynamo_graph.frontend.errors import HTTPError, request_decoder
 from dynamo_graph.frontend.openai_asgi import Receive, Send, send_json
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
+from dynamo_graph.llm.preprocessor import UNSUPPORTED_BY_MODEL
 
 
 def _bad(message: str, param: str) -> HTTPError:
@@ -131,7 +132,7 @@ class MessagesHandler(SurfaceHandler):
     """`POST /v1/messages`."""
 
     endpoint = "messages"
-    decoder = msgspec.json.Decoder(MessagesRequest)
+    decoder = request_decoder(MessagesRequest)
     param_names: ClassVar[dict[str, str]] = {"stop": "stop_sequences"}
 
     def convert(self, request: CountTokensRequest) -> ChatCompletionRequest:
@@ -148,7 +149,7 @@ class CountTokensHandler(MessagesHandler):
     """`POST /v1/messages/count_tokens`: the prompt the model's template makes, counted; nothing
     is generated."""
 
-    decoder = msgspec.json.Decoder(CountTokensRequest)
+    decoder = request_decoder(CountTokensRequest)
 
     async def _serve(
         self,
@@ -166,7 +167,7 @@ class CountTokensHandler(MessagesHandler):
                 f"Model {pipeline.name!r} is served by an engine that applies its own template; "
                 "its prompt cannot be counted here",
                 param="model",
-                code="invalid_request",
+                code=UNSUPPORTED_BY_MODEL,
             )
             await send_json(send, 400, self.error_body(err))
             return

@@ -14,10 +14,12 @@ import msgspec
 from msgspec import Meta
 
 from dynamo_graph.llm.openai import (
+    TOKEN_ID_KEYS,
+    Choices,
     CompletionRequest,
+    MaxTokens,
     NonNegInt,
     Penalty,
-    PosInt,
     Probability,
     StreamOptions,
     Temperature,
@@ -25,7 +27,7 @@ from dynamo_graph.llm.openai import (
 
 
 class TokenSamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    max_tokens: NonNegInt | None = None
+    max_tokens: MaxTokens | None = None
     min_tokens: NonNegInt | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
@@ -38,8 +40,13 @@ class TokenSamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    n: PosInt | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(extra_json_schema=TOKEN_ID_KEYS)
+        ]
+        | None
+    ) = None
+    n: Choices | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import msgspec
-
-from dynamo_graph.frontend.errors import HTTPError
+from dynamo_graph.frontend.errors import HTTPError, request_decoder
 from dynamo_graph.frontend.generate_tokens.events import TokensWriter
 from dynamo_graph.frontend.generate_tokens.protocol import PARAM_NAMES, GenerateRequest, to_completion
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler
@@ -27,7 +25,7 @@ class GenerateTokensHandler(OpenAIHandler):
 
     kind = "completions"
     endpoint = "generate"
-    decoder = msgspec.json.Decoder(GenerateRequest)
+    decoder = request_decoder(GenerateRequest)
     param_names: ClassVar[dict[str, str]] = PARAM_NAMES
 
     def convert(self, request: GenerateRequest) -> CompletionRequest:
@@ -39,7 +37,7 @@ class GenerateTokensHandler(OpenAIHandler):
                     400,
                     "model is required: this server serves several models",
                     param="model",
-                    code="invalid_request",
+                    code="model_required",
                 )
             model = names[0]
         return to_completion(request, model)
@@ -48,7 +46,7 @@ class GenerateTokensHandler(OpenAIHandler):
     def _prepare(pipeline: ModelPipeline, request: AnyRequest) -> Prepared:
         if not isinstance(pipeline, TokensPipeline):
             raise HTTPError(
-                400,
+                404,
                 f"The model `{pipeline.name}` takes text: token-in/token-out needs a tokens-input model",
                 param="model",
                 code="wrong_endpoint",

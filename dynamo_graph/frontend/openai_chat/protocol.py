@@ -9,13 +9,14 @@ import uuid
 
 import msgspec
 
+from dynamo_graph.frontend.errors import request_decoder
 from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
 
 __all__ = ["DECODER", "ChatCompletionRequest", "chat_completion_body", "usage_dict"]
 
-DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+DECODER = request_decoder(ChatCompletionRequest)
 
 
 def usage_dict(prepared: Prepared) -> dict:

@@ -8,6 +8,7 @@ import uuid
 
 import msgspec
 
+from dynamo_graph.frontend.errors import request_decoder
 from dynamo_graph.frontend.openai_chat.protocol import usage_dict
 from dynamo_graph.llm.logprobs import TokenLogprob, completion_logprobs
 from dynamo_graph.llm.openai import CompletionRequest
@@ -15,7 +16,7 @@ from dynamo_graph.llm.pipeline import Prepared
 
 __all__ = ["DECODER", "CompletionRequest", "completion_body"]
 
-DECODER = msgspec.json.Decoder(CompletionRequest)
+DECODER = request_decoder(CompletionRequest)
 
 
 def completion_body(

@@ -16,12 +16,25 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
+from dynamo_graph.llm.embeddings import MAX_INPUTS
+
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# The shapes llm/embeddings.py takes (msgspec cannot tell list types apart in a union).
+INPUT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_INPUTS},
+        {**_IDS, "maxItems": MAX_INPUTS},
+        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS},
+    ]
+}
+
 
 class EmbeddingsRequest(msgspec.Struct, kw_only=True):
     stream: ClassVar[bool] = False  # an embeddings answer is always whole (one JSON body)
 
     model: str
-    input: str | list[Any]
+    input: Annotated[str | list[Any], Meta(extra_json_schema={"allOf": [INPUT_SCHEMA]})]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import msgspec
-
-from dynamo_graph.frontend.errors import HTTPError
+from dynamo_graph.frontend.errors import HTTPError, request_decoder
 from dynamo_graph.frontend.metrics import ModelMetrics
 from dynamo_graph.frontend.openai_asgi import OpenAIHandler, Scope, Send, WorkersLeft, send_json
 from dynamo_graph.frontend.openai_embeddings.protocol import EmbeddingsRequest, embeddings_body
@@ -33,7 +31,7 @@ class EmbeddingsHandler(OpenAIHandler):
 
     kind = "embedding"
     endpoint = "embeddings"
-    decoder = msgspec.json.Decoder(EmbeddingsRequest)
+    decoder = request_decoder(EmbeddingsRequest)
 
     def _accept(  # type: ignore[override]
         self, request: EmbeddingsRequest, scope: Scope
@@ -42,7 +40,7 @@ class EmbeddingsHandler(OpenAIHandler):
         try:
             return pipeline, pipeline.prepare(request.input, request.dimensions)
         except RequestValidationError as err:
-            raise HTTPError(400, err.message, param=err.param, code="invalid_request") from None
+            raise HTTPError(400, err.message, param=err.param, code=err.code) from None
 
     async def _unary(  # type: ignore[override]
         self,

@@ -8,9 +8,10 @@ those that would need state or tools we do not run are refused in serving.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from dynamo_graph.llm.openai import NvExt, PosInt, Probability, Temperature
 
@@ -33,9 +34,66 @@ class TextConfig(msgspec.Struct, omit_defaults=True):
     format: dict[str, Any] | None = None
 
 
+_TEXT_PARTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    },
+}
+_CONTENT = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
+_STRING = {"type": "string"}
+_REASONING = {"type": "object", "properties": {"type": {"const": "reasoning"}}, "required": ["type"]}
+# The items serving.py turns into chat messages (earlier reasoning is dropped, so some other item
+# must be there); images and hosted tools' items are refused.
+INPUT_ITEMS = {
+    "type": "array",
+    "minItems": 1,
+    "contains": {"not": _REASONING},
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "message"},
+                    "role": {"enum": ["user", "system", "developer", "assistant"]},
+                    "content": _CONTENT,
+                },
+                "required": ["role", "content"],
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function_call"},
+                    "call_id": _STRING,
+                    "name": _STRING,
+                    "arguments": _STRING,
+                },
+                "required": ["type", "call_id", "name", "arguments"],
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function_call_output"},
+                    "call_id": _STRING,
+                    "output": _CONTENT,
+                },
+                "required": ["type", "call_id", "output"],
+            },
+            _REASONING,
+        ]
+    },
+}
+# Stored responses are not kept here: these must be left out (or null, or false).
+_STATELESS = Meta(extra_json_schema={"not": {}})
+
+
 class ResponsesRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     model: str
-    input: str | list[dict[str, Any]]
+    input: Annotated[
+        str | list[dict[str, Any]], Meta(extra_json_schema={"allOf": [{"anyOf": [_STRING, INPUT_ITEMS]}]})
+    ]
     instructions: str | None = None
     max_output_tokens: PosInt | None = None
     temperature: Temperature | None = None
@@ -46,9 +104,9 @@ class ResponsesRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     text: TextConfig | None = None
     stream: bool = False
     store: bool | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
+    previous_response_id: Annotated[str, _STATELESS] | None = None
+    conversation: Annotated[Any, Meta(extra_json_schema={"type": "null"})] = None
+    background: Annotated[bool, Meta(extra_json_schema={"const": False})] | None = None
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
     user: str | None = None

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from dynamo_graph.frontend.api_surface import SurfaceHandler
-from dynamo_graph.frontend.errors import HTTPError
+from dynamo_graph.frontend.errors import HTTPError, request_decoder
 from dynamo_graph.frontend.openai_responses.events import ResponseEvents
 from dynamo_graph.frontend.openai_responses.protocol import NamedFunction, ResponsesRequest
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
@@ -134,7 +134,7 @@ class ResponsesHandler(SurfaceHandler):
 
     endpoint = "responses"
 
-    decoder = msgspec.json.Decoder(ResponsesRequest)
+    decoder = request_decoder(ResponsesRequest)
     param_names: ClassVar[dict[str, str]] = {
         "max_tokens": "max_output_tokens",
         "messages": "input",
