@@ -280,10 +280,16 @@ class Client:
 
         return await asyncio.wait_for(wait(), timeout_s)
 
+    def candidates(self, exclude: set[int] | None = None) -> list[int]:
+        """One request's candidates (`routing_ids`) but those in `exclude`; when its side of the
+        traffic split has none left, any other routable instance (serving beats the split)."""
+        ids = [i for i in self.routing_ids() if not exclude or i not in exclude]
+        if not ids and self.split is not None:
+            ids = [i for i in self.instance_ids() if not exclude or i not in exclude]
+        return ids
+
     def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
-        candidates = [i for i in self.routing_ids() if not exclude or i not in exclude]
-        if not candidates and self.split is not None:  # its side of the split failed us: any other
-            candidates = [i for i in self.instance_ids() if not exclude or i not in exclude]
+        candidates = self.candidates(exclude)
         if not candidates:
             raise NoInstances(f"no instances of {self.name} are available")
         return (picker or self.picker).pick(candidates)
