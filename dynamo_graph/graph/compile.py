@@ -19,9 +19,12 @@ process too, so two replicas on one host never share one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
+
+import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
 from dynamo_graph.frontend.settings import LimitSettings
@@ -41,6 +44,20 @@ from dynamo_graph.router.config import DisaggConfig, RouterConfig
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
 PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (DYNAMO.md 1.4)
+# Engine arguments that shape a KV cache or move it (vLLM's, SGLang's, the mocker's names): a
+# prefill worker's KV is of use to a decode worker only where these agree.
+KV_SHAPING_ENGINE_ARGS = frozenset(
+    {
+        "block_size",
+        "dtype",
+        "kv_cache_dtype",
+        "kv_transfer_config",
+        "quantization",
+        "revision",
+        "disaggregation_transfer_backend",
+        "page_size",
+    }
+)
 
 
 def _port(value: int | str, name: str) -> str:
@@ -439,6 +456,7 @@ class _Compiler:
             *to_argv(worker_settings),
         ]
         depends_on, restart = self._common(name)
+        pairing = self._pairing(worker, engine) if worker.role in ("prefill", "decode") else ""
         procs = []
         on_host: dict[str, int] = {}
         for replica, host in enumerate(worker.hosts_of_replicas()):
@@ -477,9 +495,32 @@ class _Compiler:
                     role=worker.role,
                     rollout=self._rollout(name),
                     rolls=not worker.static,  # a static worker's fixed address is taken until it stops
+                    pairing=pairing,
                 )
             )
         return procs
+
+    def _engine_args_from_file(self, worker: Worker) -> dict[str, object]:
+        """A worker's `engine_args_file` as read now ({} when unreadable: preflight says why)."""
+        if worker.engine_args_file is None:
+            return {}
+        try:
+            loaded = yaml.safe_load(Path(_file_path(worker.engine_args_file, self.graph_dir)).read_text())
+        except (OSError, yaml.YAMLError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+    def _pairing(self, worker: Worker, engine: str) -> str:
+        """What a model's prefill and decode workers must share for KV to move between them."""
+        model = self.graph.models[worker.model]
+        args = worker.engine_args or self._engine_args_from_file(worker)
+        shared = {
+            "model": [model.path, model.config, model.context_length, model.kv_cache_block_size],
+            "engine": engine,
+            "engine_args": {k: args[k] for k in sorted(KV_SHAPING_ENGINE_ARGS) if k in args},
+        }
+        digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+        return f"{model.name}@{digest[:12]}"
 
     def plan(self) -> Plan:
         self.infra = self.infra_processes()

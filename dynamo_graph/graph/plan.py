@@ -66,6 +66,9 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     # Whether the new run binds the old one's ports too (SO_REUSEPORT: a frontend); False: a
     # rolling process's `auto` ports are fresh for the new run.
     shares_ports: bool = False
+    # A prefill or decode worker's "MODEL@hash" of what its model's prefill and decode workers
+    # must share for KV to move between them (model files, block size, engine, connector); "".
+    pairing: str = ""
 
 
 class RemoteHost(msgspec.Struct, frozen=True):

@@ -264,6 +264,9 @@ class FakeClient:
     def instance_ids(self) -> list[int]:
         return [1, 2]
 
+    def candidates(self, exclude: set[int] | None = None) -> list[int]:
+        return [i for i in self.instance_ids() if not exclude or i not in exclude]
+
     async def generate(self, request, *, instance_id, context, response_type, exclude=None):  # type: ignore[no-untyped-def]
         self.sent.append(instance_id)
         yield LLMEngineOutput(token_ids=[42])

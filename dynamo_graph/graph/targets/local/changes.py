@@ -92,3 +92,37 @@ def plan_changes(
     ordered = {n: dependents[n] for n in specs if n in dependents}
     removed = [n for n in old if n not in specs]
     return PlanChanges(added, changed, ordered, removed, frozenset(in_place))
+
+
+def _pairings(plan: Plan) -> dict[str, dict[str, set[str]]]:
+    """Per model, the pairing signatures of its prefill and of its decode workers."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for spec in plan.processes:
+        if spec.pairing:
+            model = spec.pairing.rpartition("@")[0]
+            out.setdefault(model, {}).setdefault(spec.role, set()).add(spec.pairing)
+    return out
+
+
+def unpaired(old: Plan | None, new: Plan) -> str | None:
+    """Why `new` cannot roll out over `old`: it changes what a model's prefill and decode
+    workers must share (model files, KV block size, engine, connector) while both pools serve,
+    so a rolling update would hand an old prefill worker's KV to a new decode worker (or the
+    reverse). None when it can."""
+    if old is None:
+        return None
+    before, after = _pairings(old), _pairings(new)
+    for model, pools in before.items():
+        now = after.get(model, {})
+        if not {"prefill", "decode"} <= pools.keys() or not {"prefill", "decode"} <= now.keys():
+            continue  # one pool is (or will be) gone: nothing pairs across revisions
+        if set().union(*pools.values()) != set().union(*now.values()):
+            return (
+                f"model {model}: this revision changes what its prefill and decode workers must "
+                "share (model files, KV block size, engine or KV connector), and while both pools "
+                "roll an old prefill worker would hand its KV to a new decode worker. Apply it in "
+                "steps: set the prefill component's `replicas: 0` (the decode workers prefill "
+                "themselves; with `disagg.enforce` requests get 503 meanwhile), change the "
+                "workers, then bring the prefill replicas back"
+            )
+    return None

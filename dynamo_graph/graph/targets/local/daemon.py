@@ -23,7 +23,7 @@ from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import control, registry
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
-from dynamo_graph.graph.targets.local.supervisor import Report, RolloutBusy, Supervisor
+from dynamo_graph.graph.targets.local.supervisor import Refused, Report, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
 # a fresh supervisor starts from empty so no dead instance of last time is routed to.
@@ -54,8 +54,8 @@ async def supervise(
             return control.Reply(ok=True)
         try:
             changes, revision = await sup.apply(req.plan, req.origin)
-        except RolloutBusy as busy:
-            return control.Reply(ok=False, error=str(busy))
+        except Refused as refused:
+            return control.Reply(ok=False, error=str(refused))
         report("dyngraph", f"revision {revision}: " + (", ".join(changes) or "no changes"))
         return control.Reply(ok=True, changes=changes, revision=revision)
 

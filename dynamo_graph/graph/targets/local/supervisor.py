@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
-from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes
+from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes, unpaired
 from dynamo_graph.graph.targets.local.ports import fill_plan
 from dynamo_graph.graph.targets.local.process import LocalProcess
 from dynamo_graph.graph.targets.local.revisions import Origin, Revision, RevisionStore, serving
@@ -98,12 +98,15 @@ class Supervisor:
         the revision that applies them (the current one when nothing changed). The rollout goes
         on in the background (rollout.py); what waits here is asking remote hosts for their
         `auto` ports (raises SshError when one cannot be asked). Refused (RolloutBusy) while
-        another revision is still rolling out."""
+        another revision is still rolling out, Refused for a change prefill and decode workers
+        could not roll through (changes.unpaired)."""
         if (rolling := self.rolling) is not None:
             raise RolloutBusy(
                 f"revision {rolling.number} is still rolling out (`dyngraph status` shows it); "
                 "apply again once it is done"
             )
+        if (why := unpaired(self.plan, raw)) is not None:
+            raise Refused(why)
         if raw.hosts:
             from dynamo_graph.graph.targets.local.remote.ssh import SshHosts
 
@@ -195,5 +198,9 @@ class Supervisor:
             await self.ssh.close()
 
 
-class RolloutBusy(Exception):
+class Refused(Exception):
+    """A plan the supervisor will not apply; the message says why (nothing was changed)."""
+
+
+class RolloutBusy(Refused):
     """A plan was sent while another revision was still rolling out."""
