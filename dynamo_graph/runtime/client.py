@@ -339,7 +339,7 @@ class Client:
             if answers is None:
                 answers = self.answers[target] = AnswerStats()
             answers.requests += 1
-            sent_at = now()
+            sent_at = last_at = now()
             stream = self.runtime.client_for(record.transport).stream(
                 record.transport, record.subject, payload, {}, ctx, timeout_s
             )
@@ -347,9 +347,12 @@ class Client:
             try:
                 async for item in stream:
                     seen[target] = at = now()  # an answer: proof of health (runtime/health.py)
-                    if not started:
+                    if started:
+                        answers.next_response(at - last_at)
+                    else:
                         started = True
                         answers.first_response(at - sent_at)
+                    last_at = at
                     yield decode(item)
                 seen[target] = now()
                 return

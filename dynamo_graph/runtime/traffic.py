@@ -8,10 +8,11 @@ keeps it under its lease, so a split never outlives the rollout that set it. Wit
 with one of the two groups empty, every routable instance is a candidate.
 
 `AnswerStats` counts, per instance a client sent requests to, the requests, the errors the
-instance caused (it could not be reached, its stream broke, it answered an error) and the time
-to its first response, in fixed geometric buckets, so anyone reading two snapshots can compare
-two groups of instances over the interval between them (error rate, time-to-first-response
-percentiles) without this room knowing what a token is.
+instance caused (it could not be reached, its stream broke, it answered an error), the time to
+its first response and the time between its later responses, in fixed geometric buckets, so
+anyone reading two snapshots can compare groups of instances over the interval between them
+(error rate, percentiles: a canary's judge, the autoscaler's planner) without this room
+knowing what a token is (an engine streaming a token per response makes them TTFT and ITL).
 """
 
 from __future__ import annotations
@@ -76,28 +77,41 @@ class TrafficSplit(msgspec.Struct, frozen=True):
 class AnswerStats:
     """What one instance's answers looked like, cumulative since the client first sent to it."""
 
-    __slots__ = ("buckets", "errors", "requests")
+    __slots__ = ("between", "buckets", "errors", "requests")
 
     def __init__(self) -> None:
         self.requests = 0
         self.errors = 0
         self.buckets = [0] * (len(FIRST_RESPONSE_BOUNDS_MS) + 1)  # the last one: beyond the bounds
+        self.between = [0] * (len(FIRST_RESPONSE_BOUNDS_MS) + 1)  # gaps between later responses
 
     def first_response(self, seconds: float) -> None:
         self.buckets[bisect.bisect_left(FIRST_RESPONSE_BOUNDS_MS, seconds * 1000.0)] += 1
 
+    def next_response(self, seconds: float) -> None:
+        self.between[bisect.bisect_left(FIRST_RESPONSE_BOUNDS_MS, seconds * 1000.0)] += 1
+
     def report(self) -> dict[str, object]:
-        """`errors` and the non-empty `first_response_ms` buckets, keyed by upper bound (`inf` last)."""
-        bounds = [*map(str, FIRST_RESPONSE_BOUNDS_MS), "inf"]
+        """`errors` and the non-empty `first_response_ms` and `between_responses_ms` buckets,
+        keyed by upper bound (`inf` last)."""
         return {
             "errors": self.errors,
-            "first_response_ms": {bounds[i]: n for i, n in enumerate(self.buckets) if n},
+            "first_response_ms": _nonzero(self.buckets),
+            "between_responses_ms": _nonzero(self.between),
         }
 
 
+_BOUND_NAMES = [*map(str, FIRST_RESPONSE_BOUNDS_MS), "inf"]
+
+
+def _nonzero(buckets: list[int]) -> dict[str, int]:
+    return {_BOUND_NAMES[i]: n for i, n in enumerate(buckets) if n}
+
+
 def percentile_ms(buckets: Mapping[str, int], q: float) -> float | None:
-    """The `q` quantile (0..1) of a `first_response_ms` bucket map (as `AnswerStats.report` gives,
-    or a difference of two), by the upper bound of the bucket holding it; None when empty."""
+    """The `q` quantile (0..1) of a bucket map (`first_response_ms` or `between_responses_ms` as
+    `AnswerStats.report` gives, or a difference of two), by the upper bound of the bucket holding
+    it; None when empty."""
     counts = sorted((math.inf if k == "inf" else float(k), n) for k, n in buckets.items() if n > 0)
     total = sum(n for _, n in counts)
     if total == 0:

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from dynamo_graph.graph.plan import RolloutPolicy
-from dynamo_graph.graph.targets.local.canary import Answers, judge, side, tally
+from dynamo_graph.graph.targets.local.answers import Answers, side, tally
+from dynamo_graph.graph.targets.local.canary import judge
 from dynamo_graph.runtime.traffic import AnswerStats, TrafficSplit, labels_from_env, percentile_ms
 
 LABELS = {1: {"revision": "1"}, 2: {"revision": "1"}, 3: {"revision": "2"}}

@@ -4,7 +4,7 @@ At each of `rollout.steps` (percent) the rollout (rollout.py: `Rollout._canary`)
 new replicas beside all the old ones, and `TrafficSplit` sends that share of the component's
 requests to the instances labelled with the new revision (runtime/traffic.py: one discovery key
 the supervisor holds under its own lease, so a supervisor that dies takes its split with it).
-After `pause_s` the answers every frontend counted per instance (its /health: requests, errors,
+After `pause_s` the answers every frontend counted per instance (answers.py: requests, errors,
 time to first response) are summed per side over the step, and `judge` compares them: a new
 side that fails more often than the old by more than `max_error_rate_increase`, or whose time
 to first token p90 is above `max_ttft_p90_ratio` times the old side's, fails the step and the
@@ -13,92 +13,21 @@ new replicas are stopped (their streams finish); the old revision serves as befo
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 
 from dynamo_graph.graph.plan import ProcessSpec, RolloutPolicy
+from dynamo_graph.graph.targets.local.answers import Answers
 from dynamo_graph.runtime.discovery import Discovery, DiscoveryError, create_discovery
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.traffic import TrafficSplit as SplitRecord
-from dynamo_graph.runtime.traffic import percentile_ms, traffic_key
+from dynamo_graph.runtime.traffic import traffic_key
 
 
 class RolloutFailed(Exception):
     """The rollout cannot go on: a new run did not prove itself (or lost its comparison), or
     its traffic could not be steered; the message names what and says why."""
-
-
-@dataclass
-class Answers:
-    """How one instance, or one side of the split, answered (cumulative, or over a step)."""
-
-    requests: int = 0
-    errors: int = 0
-    first_response_ms: Counter[str] = field(default_factory=Counter)
-
-    def add(self, other: Answers, sign: int = 1) -> None:
-        self.requests += sign * other.requests
-        self.errors += sign * other.errors
-        for bound, n in other.first_response_ms.items():
-            self.first_response_ms[bound] += sign * n
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    def ttft_p90_ms(self) -> float | None:
-        return percentile_ms(self.first_response_ms, 0.9)
-
-    def describe(self) -> str:
-        p90 = self.ttft_p90_ms()
-        ttft = "-" if p90 is None else f"{p90:.0f} ms"
-        return f"{self.requests} requests, {self.errors} failed, TTFT p90 {ttft}"
-
-
-def answers_of(health: Any) -> dict[str, Answers]:
-    """Per instance id (hex), what one frontend's /health document says it answered. An
-    instance listed under several models (LoRA adapters share a client) is counted once."""
-    out: dict[str, Answers] = {}
-    details = health.get("details") if isinstance(health, dict) else None
-    if not isinstance(details, dict):
-        return out
-    for model in details.values():
-        if not isinstance(model, dict):
-            continue
-        for entry in [*(model.get("instances") or []), *(model.get("unavailable") or [])]:
-            if not isinstance(entry, dict) or entry.get("instance_id") in out:
-                continue
-            buckets = entry.get("first_response_ms")
-            out[str(entry.get("instance_id"))] = Answers(
-                int(entry.get("requests") or 0),
-                int(entry.get("errors") or 0),
-                Counter(buckets) if isinstance(buckets, dict) else Counter(),
-            )
-    return out
-
-
-def tally(documents: list[Any]) -> dict[str, Answers]:
-    """Per instance id, the answers every frontend counted."""
-    total: dict[str, Answers] = {}
-    for document in documents:
-        for instance, answers in answers_of(document).items():
-            total.setdefault(instance, Answers()).add(answers)
-    return total
-
-
-def side(before: Mapping[str, Answers], after: Mapping[str, Answers], ids: set[str]) -> Answers:
-    """What the instances `ids` answered between two tallies."""
-    out = Answers()
-    for instance in ids:
-        if instance in after:
-            out.add(after[instance])
-        if instance in before:
-            out.add(before[instance], -1)
-    return out
 
 
 class Verdict(NamedTuple):

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from dynamo_graph.graph.plan import Plan, ProcessSpec, RolloutPolicy
-from dynamo_graph.graph.targets.local import probes
-from dynamo_graph.graph.targets.local.canary import Answers, RolloutFailed, TrafficSplit, judge, side, tally
+from dynamo_graph.graph.targets.local.answers import frontend_answers, health_of, serving_frontends, side
+from dynamo_graph.graph.targets.local.canary import RolloutFailed, TrafficSplit, judge
 from dynamo_graph.graph.targets.local.changes import PlanChanges
 from dynamo_graph.graph.targets.local.checks import check_revision
 from dynamo_graph.graph.targets.local.logs import tail_lines
@@ -305,11 +304,11 @@ class Rollout:
         (at once when its errors already lose)."""
         sup = self.sup
         sup.progress(f"{where}, judged after {policy.pause_s:g} s")
-        before = await self._answers()
+        before = await frontend_answers(self._frontends())
         started = time.monotonic()
         while True:
             await asyncio.sleep(CANARY_POLL_S)
-            after = await self._answers()
+            after = await frontend_answers(self._frontends())
             new, old = side(before, after, new_ids), side(before, after, old_ids)
             elapsed = time.monotonic() - started
             early = judge(new, old, policy, errors_only=True)
@@ -324,11 +323,6 @@ class Rollout:
         if not verdict.ok:
             raise RolloutFailed(f"{where}: {verdict.why}")
         sup.progress(f"{where}: passed ({verdict.why})")
-
-    async def _answers(self) -> dict[str, Answers]:
-        """Per instance id, the answers every ready frontend counted so far."""
-        documents = await asyncio.gather(*(_health(f) for f in self._frontends()))
-        return tally([d for _, d in filter(None, documents)])
 
     async def _hand_over(self, batch: list[str], changed: CardChanged) -> None:
         """The new runs serve a model card the old ones do not (another template, context
@@ -404,11 +398,7 @@ class Rollout:
     # ---- routable: every running frontend lists the new workers -------------------------------
 
     def _frontends(self) -> list[Runner]:
-        return [
-            r
-            for r in self.sup.runners.values()
-            if r.spec.shares_ports and r.ready.is_set() and r.spec.readiness.target.endswith("/health")
-        ]
+        return serving_frontends(self.sup.runners.values())
 
     async def _wait_routable(self, runners: Sequence[Runner], handing_over: bool = False) -> None:
         """Until every ready frontend lists the new worker runs among its model's instances.
@@ -470,22 +460,9 @@ class Listed(NamedTuple):
     refused: set[str]
 
 
-async def _health(frontend: Runner) -> tuple[int, Any] | None:
-    """A frontend's /health (status, parsed body); None when it cannot be asked."""
-    proc = frontend.proc
-    if proc is None:
-        return None
-    try:
-        async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
-            status, _, body = await probes.http_get(frontend.spec.readiness.target, proc.open_connection)
-        return status, json.loads(body)
-    except (OSError, TimeoutError, ValueError, IndexError):
-        return None
-
-
 async def _listed(frontend: Runner) -> Listed | None:
     """The worker instances a frontend lists in /health (None when it cannot be asked)."""
-    answer = await _health(frontend)
+    answer = await health_of(frontend)
     if answer is None:
         return None
     status, health = answer
