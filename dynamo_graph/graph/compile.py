@@ -29,6 +29,7 @@ import yaml
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
 from dynamo_graph.frontend.settings import LimitSettings
 from dynamo_graph.graph.plan import (
+    AutoscalePolicy,
     Plan,
     Probe,
     ProcessSpec,
@@ -100,6 +101,8 @@ class _Compiler:
         self.infra: list[ProcessSpec] = []
         self.next_gpu: dict[str, int] = {}  # host -> lowest GPU not yet given to an auto-placed replica
         self.named_gpus = self._named_gpus()
+        self.standby: list[ProcessSpec] = []  # autoscaled replicas beyond `replicas` (Plan.standby)
+        self.autoscale = self._autoscale_policies()
         self.multi_host = any(host != LOCAL for comp in graph.components.values() for host in _hosts_of(comp))
 
     def _infra_host(self, configured: str | None) -> str:
@@ -423,7 +426,60 @@ class _Compiler:
             self.next_gpu[host] = gpu
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids)}
 
+    def _autoscale_policies(self) -> dict[str, AutoscalePolicy]:
+        """Each autoscaled worker's policy, its `max_replicas` cut to what fits: the GPUs its
+        hosts declare less what every worker's `replicas` use, and the graph's `max_gpus`
+        (autoscaled pools take what is left in component order)."""
+        workers = self.graph.workers()
+        used: dict[str, int] = {}
+        for worker in workers.values():
+            for host in worker.hosts_of_replicas():
+                used[host] = used.get(host, 0) + worker.gpus.per_replica
+        budget = self.graph.max_gpus
+        left = None if budget is None else budget - sum(used.values())
+        policies = {}
+        for name in sorted(workers):
+            worker = workers[name]
+            scale = worker.autoscale
+            if scale is None:
+                continue
+            per, fits, capped = worker.gpus.per_replica, worker.replicas, ""
+            while fits < scale.max_replicas and per:
+                host = worker.placement[fits % len(worker.placement)]
+                have = self.graph.host(host).gpus
+                if used.get(host, 0) + per > have:
+                    capped = f"host {host!r} has {have} GPU(s) and {per} per replica"
+                    break
+                if left is not None and left < per:
+                    capped = f"max_gpus is {budget}"
+                    break
+                used[host] = used.get(host, 0) + per
+                left = None if left is None else left - per
+                fits += 1
+            fits = fits if per else scale.max_replicas
+            policies[name] = AutoscalePolicy(
+                min_replicas=scale.min_replicas,
+                max_replicas=fits,
+                wanted_max=scale.max_replicas,
+                capped=capped,
+                ttft_p90_ms=scale.target.ttft_p90_ms,
+                itl_p90_ms=scale.target.itl_p90_ms,
+                interval_s=scale.interval_s,
+                scale_down_delay_s=scale.scale_down_delay_s,
+            )
+        return policies
+
     def workers(self, name: str, worker: Worker) -> list[ProcessSpec]:
+        """The processes of the worker's `replicas`; an autoscaled one's further replicas, up to
+        the most that fit, go to `standby`."""
+        policy = self.autoscale.get(name)
+        if policy is None:
+            return self._replicas(name, worker)
+        procs = self._replicas(name, worker.model_copy(update={"replicas": policy.max_replicas}))
+        self.standby += procs[worker.replicas :]
+        return procs[: worker.replicas]
+
+    def _replicas(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
         engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
         adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in (model.lora_adapters or {}).items())
@@ -543,11 +599,16 @@ class _Compiler:
             hosts=self.remote_hosts(),
             local_python=self.local_python(),
             graph_json=self.graph.model_dump_json(exclude_unset=True) if checked else "",
+            autoscale=self.autoscale,
+            standby=self.standby,
         )
 
 
 def _hosts_of(comp: Frontend | Worker) -> list[str]:
-    return comp.hosts_of_replicas() if isinstance(comp, Worker) else [comp.host]
+    """Where the component's processes may run (every host of an autoscaled one's placement)."""
+    if isinstance(comp, Worker):
+        return list(comp.placement) if comp.autoscale is not None else comp.hosts_of_replicas()
+    return [comp.host]
 
 
 def compile_graph(

@@ -45,6 +45,20 @@ class RolloutPolicy(msgspec.Struct, frozen=True):
     checks: bool = False
 
 
+class AutoscalePolicy(msgspec.Struct, frozen=True):
+    """A pool the supervisor's planner sizes (targets/local/planner.py): the graph's `autoscale`,
+    with `max_replicas` cut to what the hosts' GPUs and `max_gpus` allow (`capped` says why)."""
+
+    min_replicas: int
+    max_replicas: int
+    wanted_max: int  # the graph's max_replicas
+    capped: str  # why max_replicas < wanted_max; "" when it is not
+    ttft_p90_ms: float | None
+    itl_p90_ms: float | None
+    interval_s: float
+    scale_down_delay_s: float
+
+
 class ProcessSpec(msgspec.Struct, frozen=True):
     name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
     component: str
@@ -97,6 +111,10 @@ class Plan(msgspec.Struct, frozen=True):
     # The validated graph as JSON, for a rollout's `checks` (`dyngraph test --against` reads it);
     # empty unless a component's rollout has them.
     graph_json: str = ""
+    # Autoscaled components (by name), and their replicas beyond the graph's `replicas`, up to
+    # the most that fit: the supervisor starts them as its planner asks (`processes` has the rest).
+    autoscale: dict[str, AutoscalePolicy] = {}
+    standby: list[ProcessSpec] = []
 
 
 def port_placeholder(name: str) -> str:

@@ -368,6 +368,43 @@ class Rollout(_Model):
         return self
 
 
+class AutoscaleTarget(_Model):
+    """What the planner holds a pool to, over each interval (at least one)."""
+
+    ttft_p90_ms: float | None = Field(None, gt=0)
+    """Time to first token, 90th percentile, as the frontends see it (ms)."""
+    itl_p90_ms: float | None = Field(None, gt=0)
+    """Time between tokens, 90th percentile, as the frontends see it (ms)."""
+
+    @model_validator(mode="after")
+    def _some(self) -> AutoscaleTarget:
+        if self.ttft_p90_ms is None and self.itl_p90_ms is None:
+            raise field_error("ttft_p90_ms", "give `ttft_p90_ms`, `itl_p90_ms` or both")
+        return self
+
+
+class Autoscale(_Model):
+    """Replicas the supervisor's planner sizes from what the frontends measure (docs/autoscaling.md):
+    the graph's `replicas` is where it starts."""
+
+    min_replicas: int = Field(1, ge=0)
+    """Fewest replicas kept."""
+    max_replicas: int = Field(ge=1)
+    """Most replicas started (fewer where the hosts' GPUs or `max_gpus` do not allow them)."""
+    target: AutoscaleTarget
+    """The latency the pool is sized to hold."""
+    interval_s: float = Field(5.0, gt=0)
+    """How often the planner measures and decides."""
+    scale_down_delay_s: float = Field(30.0, ge=0)
+    """How long fewer replicas must have been enough before the pool shrinks (no flapping)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscale:
+        if self.min_replicas > self.max_replicas:
+            raise field_error("min_replicas", f"must be at most `max_replicas` ({self.max_replicas})")
+        return self
+
+
 class _Component(_Model):
     env: Env = {}
     """Environment variables of the component's processes."""
@@ -477,7 +514,10 @@ class Worker(_Component):
     """JSON file of engine arguments (--extra-engine-args); instead of `engine_args`."""
     replicas: int = Field(1, ge=0)
     """Worker processes; replica i runs on `placement[i % len(placement)]`. 0 keeps the
-    component declared with nothing running (e.g. a prefill pool scaled down by a re-`up`)."""
+    component declared with nothing running (e.g. a prefill pool scaled down by a re-`up`).
+    With `autoscale`, where the planner starts."""
+    autoscale: Autoscale | None = None
+    """Let the supervisor's planner size the replicas between `min_replicas` and `max_replicas`."""
     placement: list[str] = Field([LOCAL], min_length=1)
     """Hosts the replicas are spread over, round-robin (keys of `hosts`, or `local`)."""
     gpus: Gpus = Gpus()
@@ -512,6 +552,20 @@ class Worker(_Component):
         if endpoint is not None:
             resolve_endpoint(endpoint, namespace="ns", component="comp")
         return endpoint
+
+    @model_validator(mode="after")
+    def _autoscaled(self) -> Worker:
+        scale = self.autoscale
+        if scale is None:
+            return self
+        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise field_error(
+                "replicas",
+                f"must be within autoscale's {scale.min_replicas}..{scale.max_replicas} (where it starts)",
+            )
+        if self.static:
+            raise field_error("autoscale", "a static worker is found at fixed addresses: it cannot scale")
+        return self
 
     @model_validator(mode="after")
     def _canary_splits_traffic(self) -> Worker:
@@ -893,6 +947,8 @@ class Graph(_Model):
     """The Slurm job of `up --target slurm`; with it, hosts are nodes of the allocation."""
     rollout: Rollout = Rollout()
     """How a change replaces a component's replicas, for components without their own `rollout`."""
+    max_gpus: int | None = Field(None, ge=0)
+    """GPUs the graph may use at most, all its replicas together: autoscaled pools stop short of it."""
     tests: list[SmokeCheck] | None = None
     """Smoke checks `dyngraph test` runs once the graph is up, in order; default: the models are
     listed, and one chat, one streamed chat and one completion request succeed."""

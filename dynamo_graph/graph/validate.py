@@ -421,6 +421,10 @@ def check_gpus(graph: Graph) -> Iterator[Problem]:
                     f"GPU {taken[0]} on host {host!r} is also used by {claimed[host][taken[0]]}",
                 )
             claimed[host].update(dict.fromkeys(ids, f"components.{key}"))
+    if graph.max_gpus is not None and sum(total.values()) > graph.max_gpus:
+        yield Problem(
+            "max_gpus", f"the workers' replicas use {sum(total.values())} GPUs, more than {graph.max_gpus}"
+        )
 
 
 def _gpu_shortfall(host: str, have: int, need: int, total: int) -> str:

@@ -15,9 +15,11 @@ for a plan that has remote hosts.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.targets.local.changes import moved_hosts, plan_changes, unpaired
@@ -47,6 +49,9 @@ class Supervisor:
         self.retiring: list[Runner] = []  # old runs a rollout replaces, until they stopped
         self.revisions = RevisionStore(state.revisions)
         self.revision: Revision | None = None  # the one rolling out, else the one serving
+        self.full_plan: Plan | None = None  # as applied: autoscaled pools' standby replicas too
+        self.desired: dict[str, int] = {}  # autoscaled components: the replicas to run
+        self.scaling = False  # a pool's replicas are being changed (not a revision)
 
     def launcher(self, spec: ProcessSpec) -> LocalProcess | RemoteProcess:
         """One run of `spec`, on this host or over ssh."""
@@ -98,15 +103,50 @@ class Supervisor:
         the revision that applies them (the current one when nothing changed). The rollout goes
         on in the background (rollout.py); what waits here is asking remote hosts for their
         `auto` ports (raises SshError when one cannot be asked). Refused (RolloutBusy) while
-        another revision is still rolling out, Refused for a change prefill and decode workers
-        could not roll through (changes.unpaired)."""
+        another revision or a scaling is still rolling out, Refused for a change prefill and
+        decode workers could not roll through (changes.unpaired). An autoscaled component keeps
+        the replicas its planner chose (within the new plan's bounds)."""
         if (rolling := self.rolling) is not None:
             raise RolloutBusy(
                 f"revision {rolling.number} is still rolling out (`dyngraph status` shows it); "
                 "apply again once it is done"
             )
-        if (why := unpaired(self.plan, raw)) is not None:
+        if self.scaling:
+            raise RolloutBusy("the autoscaler is changing a pool's replicas; apply again in a moment")
+        for component, policy in raw.autoscale.items():
+            start = self.desired.get(component, sum(p.component == component for p in raw.processes))
+            self.desired[component] = min(max(start, policy.min_replicas), policy.max_replicas)
+        plan = scaled(raw, self.desired)
+        if (why := unpaired(self.plan, plan)) is not None:
             raise Refused(why)
+        lines, filled, rollout = await self._changes(plan)
+        if not lines and self.revision is not None:
+            return [], self.revision.number
+        revision = self.revisions.begin(origin, raw, lines)
+        self.revision = revision
+        self.full_plan = raw
+        self._start(filled, rollout, revision.number, self._roll(rollout, revision))
+        return lines, revision.number
+
+    async def scale(self, component: str, replicas: int) -> list[str] | None:
+        """Run `replicas` of an autoscaled component (the planner's decision) through the same
+        rollout as a change (new replicas prove themselves, removed ones retire and drain), as
+        part of the serving revision; None when a rollout is in progress (ask again later)."""
+        if self.rolling is not None or self.scaling or self.stopping or self.full_plan is None:
+            return None
+        before = self.desired.get(component)
+        self.desired[component] = replicas
+        lines, filled, rollout = await self._changes(scaled(self.full_plan, self.desired))
+        if not lines:
+            return []
+        number = self.revision.number if self.revision is not None else 0
+        self.scaling = True
+        self._start(filled, rollout, number, self._scaled(rollout, number, component, before))
+        return lines
+
+    async def _changes(self, raw: Plan) -> tuple[list[str], Plan, Rollout]:
+        """How `raw` differs from what runs: its lines, the plan with its ports filled, and the
+        rollout that would apply it."""
         if raw.hosts:
             from dynamo_graph.graph.targets.local.remote.ssh import SshHosts
 
@@ -121,15 +161,17 @@ class Supervisor:
         old_specs = {n: r.spec for n, r in old.items()}
         old_files = self.plan.files if self.plan else {}
         changes = plan_changes(old_specs, old_files, plan, moved)
-        if not changes.lines() and self.revision is not None:
-            return [], self.revision.number
         rollout = Rollout(self, changes, old, self.plan, ports_before)
         if changes.rolled:
             plan = fill_plan(raw, self._fresh_ports(raw, changes.rolled))
+        return changes.lines(), plan, rollout
+
+    def _start(self, plan: Plan, rollout: Rollout, number: int, done: Coroutine[None, None, None]) -> None:
+        """Make `plan` the running one and start `rollout` on it, as `number`'s processes."""
+        changes = rollout.changes
+        old = rollout.old
         for path, text in plan.files.items():
             atomic_write(Path(path), text)
-        revision = self.revisions.begin(origin, raw, changes.lines())
-        self.revision = revision
         old_plan = self.plan
         self.plan = plan
         new = {p.name: p for p in plan.processes}
@@ -138,17 +180,33 @@ class Supervisor:
                 runner.spec = new[name]  # the same process; its dependencies or policy may differ
         for name in changes.added:
             # The first revision's processes restart as their policy says; later ones prove themselves.
-            self.runners[name] = Runner(self, new[name], revision.number, proving=old_plan is not None)
+            self.runners[name] = Runner(self, new[name], number, proving=old_plan is not None)
         for name in changes.removed:
             self.retire(self.runners.pop(name))
         self.order()
         self.state.write_plan(plan)
         self.state.write_ports(self.ports)
         self.persist()
-        task = asyncio.create_task(self._roll(rollout, revision), name=f"rollout {revision.number}")
+        task = asyncio.create_task(done, name=f"rollout {number}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return changes.lines(), revision.number
+
+    async def _scaled(self, rollout: Rollout, number: int, component: str, before: int | None) -> None:
+        """Run a scaling's rollout; if a new replica failed, the pool keeps what it had."""
+        try:
+            ok, why = await rollout.run(number)
+        finally:
+            self.scaling = False
+        if self.stopping:
+            return
+        if ok:
+            self.report("dyngraph", f"{component}: {', '.join(rollout.changes.lines())}")
+            return
+        if before is not None:
+            self.desired[component] = before
+        self.state.write_plan(rollout.old_plan or self.plan)
+        self.state.write_ports(self.ports)
+        self.report("dyngraph", f"{component}: scaling failed and was undone: {why}")
 
     def _fresh_ports(self, raw: Plan, rolled: list[str]) -> dict[str, int]:
         """The ports with the `auto` ones of rolled processes forgotten, so their new runs get
@@ -178,6 +236,7 @@ class Supervisor:
         self.state.write_plan(rollout.old_plan)
         self.state.write_ports(self.ports)
         self.revision = serving(self.revisions.all())
+        self.full_plan = self.revision.plan if self.revision is not None else None
 
     def order(self) -> None:
         """Keep runners (and so processes.json and `status`) in plan order."""
@@ -196,6 +255,22 @@ class Supervisor:
         self.persist()
         if self.ssh is not None:
             await self.ssh.close()
+
+
+def scaled(plan: Plan, desired: dict[str, int]) -> Plan:
+    """`plan` with `desired` replicas of each autoscaled component: its first ones, from the
+    plan's processes then its standby ones, each after the processes before it."""
+    if not plan.autoscale:
+        return plan
+    wanted = [
+        p
+        for p in [*plan.processes, *plan.standby]
+        if p.component not in plan.autoscale or p.replica < desired.get(p.component, 0)
+    ]
+    order = {p.name: i for i, p in enumerate(plan.processes)}
+    last = {p.component: order[p.name] for p in plan.processes}
+    ranked = sorted(wanted, key=lambda p: (order.get(p.name, last.get(p.component, len(order))), p.replica))
+    return msgspec.structs.replace(plan, processes=ranked)
 
 
 class Refused(Exception):
