@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 from dynamo_graph.graph.targets.local import probes
 from dynamo_graph.graph.targets.local.runner import Runner
 from dynamo_graph.runtime.traffic import percentile_ms
+
+INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
 
 
 @dataclass
@@ -124,3 +127,18 @@ async def frontend_answers(frontends: Iterable[Runner]) -> dict[str, Answers]:
     """Per instance id, the answers the given frontends counted so far."""
     documents = await asyncio.gather(*(health_of(f) for f in frontends))
     return tally([d for _, d in filter(None, documents)])
+
+
+def instance_of(runner: Runner) -> str | None:
+    """The instance id a worker's current run announced in its log ("instance <hex> serving",
+    the line its readiness probe waits for)."""
+    proc = runner.proc
+    if proc is None:
+        return None
+    try:
+        with proc.log_path.open("rb") as log:
+            log.seek(proc.log_offset)
+            found = INSTANCE_LINE.search(log.read().decode(errors="replace"))
+    except FileNotFoundError:
+        return None
+    return found.group(1) if found else None

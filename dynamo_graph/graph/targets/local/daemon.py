@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import control, registry
+from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.supervisor import Refused, Report, Supervisor
@@ -64,6 +65,7 @@ async def supervise(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
     extra: asyncio.Task[None] | None = None
+    autoscaler = asyncio.create_task(Autoscaler(sup).run(), name="autoscaler")
     try:
         if plan is not None:
             await sup.apply(plan, origin_of(plan.graph_file, command))
@@ -74,6 +76,9 @@ async def supervise(
     finally:
         server.close()
         report("dyngraph", "stopping")
+        autoscaler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await autoscaler
         await sup.stop_all()
         if extra is not None:
             extra.cancel()

@@ -28,13 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from dynamo_graph.graph.plan import Plan, ProcessSpec, RolloutPolicy
-from dynamo_graph.graph.targets.local.answers import frontend_answers, health_of, serving_frontends, side
+from dynamo_graph.graph.targets.local.answers import (
+    frontend_answers,
+    health_of,
+    instance_of,
+    serving_frontends,
+    side,
+)
 from dynamo_graph.graph.targets.local.canary import RolloutFailed, TrafficSplit, judge
 from dynamo_graph.graph.targets.local.changes import PlanChanges
 from dynamo_graph.graph.targets.local.checks import check_revision
@@ -65,7 +70,6 @@ ROUTABLE_POLL_S = 0.05
 CANARY_POLL_S = 1.0  # how often a canary step looks at the answers (it fails early on errors)
 CANARY_MAX_PAUSES = 3  # a step waits this many pauses at most for `min_requests` a side
 SERVING_ROLES = ("agg", "decode")  # workers a frontend lists as a model's instances
-INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
 
 
 class CardChanged(RolloutFailed):
@@ -224,7 +228,7 @@ class Rollout:
         specs = {p.name: p for p in sup.plan.processes}
         policy = specs[names[0]].rollout
         component = specs[names[0]].component
-        old_ids = {i for n in names if (i := _instance_of(self.old[n]))}
+        old_ids = {i for n in names if (i := instance_of(self.old[n]))}
         new: list[Runner] = []
         async with TrafficSplit(specs[names[0]], self.revision) as split:
             try:
@@ -253,7 +257,7 @@ class Rollout:
                     if step == 100:
                         break
                     where = f"canary {component}, step {number} of {len(policy.steps)}: {step}% of requests"
-                    new_ids = {i for r in new if (i := _instance_of(r))}
+                    new_ids = {i for r in new if (i := instance_of(r))}
                     await self._judge_step(policy, where, new_ids, old_ids)
             except RolloutFailed:
                 await split.share(0.0)  # no new requests to the new runs; theirs finish
@@ -404,7 +408,7 @@ class Rollout:
         """Until every ready frontend lists the new worker runs among its model's instances.
         Raises CardChanged when one refuses them all for their model card (unless
         `handing_over`: then old cards may still be leaving), RolloutFailed when time is up."""
-        ids = {r.spec.name: i for r in runners if r.spec.role in SERVING_ROLES and (i := _instance_of(r))}
+        ids = {r.spec.name: i for r in runners if r.spec.role in SERVING_ROLES and (i := instance_of(r))}
         if not ids:
             return
         timeout = max(r.spec.readiness.timeout_s for r in runners)
@@ -435,21 +439,6 @@ async def _split_at(split: TrafficSplit, share: float) -> AsyncIterator[TrafficS
     async with split:
         await split.share(share)
         yield split
-
-
-def _instance_of(runner: Runner) -> str | None:
-    """The instance id a worker's current run announced in its log ("instance <hex> serving",
-    the line its readiness probe waits for)."""
-    proc = runner.proc
-    if proc is None:
-        return None
-    try:
-        with proc.log_path.open("rb") as log:
-            log.seek(proc.log_offset)
-            found = INSTANCE_LINE.search(log.read().decode(errors="replace"))
-    except FileNotFoundError:
-        return None
-    return found.group(1) if found else None
 
 
 class Listed(NamedTuple):
