@@ -12,8 +12,8 @@ time to first response and between responses (TTFT and ITL, one token per respon
   MIN_ANSWERS answers say nothing about latency.
 - **demand** — the arrival rate, plus its trend over the last TREND_INTERVALS intervals when it
   rises, so a ramp is met ahead rather than behind (as Dynamo's SLA planner predicts load).
-- **desired** = ceil(demand / (capacity x HEADROOM)), at least one more than now while the
-  target is missed, within `min_replicas`..`max_replicas` (what fits: plan.py's
+- **desired** = ceil(demand / capacity), at least one more than now while the target is
+  missed, within `min_replicas`..`max_replicas` (what fits: plan.py's
   AutoscalePolicy). With no capacity known yet, only the target decides: missed, one more.
 - Up at once; down only once fewer replicas would have done for `scale_down_delay_s` without a
   break, to the most any interval of that stretch wanted — so a load swinging around the target
@@ -43,7 +43,6 @@ from dynamo_graph.graph.targets.local.answers import (
 from dynamo_graph.graph.targets.local.state import atomic_write
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
 
-HEADROOM = 0.85  # a replica is planned at this share of the rate it has shown within target
 MIN_ANSWERS = 5  # answers an interval needs before its latency counts
 TREND_INTERVALS = 3
 TICK_S = 0.5  # how often the loop looks whether a pool is due
@@ -114,7 +113,7 @@ class PoolPlanner:
         trend = (self.rates[-1] - self.rates[0]) / max(len(self.rates) - 1, 1)
         demand = seen.rate + max(trend, 0.0)
         if self.capacity:
-            wanted = math.ceil(demand / (self.capacity * HEADROOM))
+            wanted = math.ceil(demand / self.capacity)
             why = f"{demand:.1f} req/s wanted at {self.capacity:.1f} req/s a replica"
         else:
             wanted = seen.ready
