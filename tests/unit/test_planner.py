@@ -36,9 +36,18 @@ def test_capacity_is_learned_within_the_target_and_sizes_a_rising_load_ahead() -
 
 
 def test_a_miss_lowers_the_capacity_in_proportion() -> None:
-    planner = PoolPlanner("p", capacity=10.0)
+    planner = PoolPlanner("p", capacity=10.0, ready_was=2, resized_at=-100.0)
     planner.decide(POLICY, seen(2, 10.0, 1000.0), now=0.0)  # 5 req/s a replica, 2x over
     assert planner.capacity == 2.5
+
+
+def test_a_miss_just_after_the_pool_grew_is_the_old_queue_not_the_capacity() -> None:
+    planner = PoolPlanner("p", capacity=10.0, ready_was=2, resized_at=-100.0)
+    planner.decide(POLICY, seen(4, 10.0, 1000.0), now=0.0)  # two more just came
+    planner.decide(POLICY, seen(4, 10.0, 800.0), now=5.0)
+    assert planner.capacity == 10.0
+    planner.decide(POLICY, seen(4, 10.0, 1000.0), now=10.0)  # settled: now it counts
+    assert planner.capacity == 1.25
 
 
 def test_scale_down_waits_for_the_delay_and_takes_the_most_wanted_meanwhile() -> None:

@@ -27,7 +27,13 @@ from rich.console import Console
 from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local import control, probes, registry
 from dynamo_graph.graph.targets.local.daemon import supervise
-from dynamo_graph.graph.targets.local.history import revision_lines, status_document, when
+from dynamo_graph.graph.targets.local.history import (
+    autoscale_decisions,
+    autoscale_lines,
+    revision_lines,
+    status_document,
+    when,
+)
 from dynamo_graph.graph.targets.local.logs import LogFollower, interleaved, tail_lines
 from dynamo_graph.graph.targets.local.ports import listening, plan_ports
 from dynamo_graph.graph.targets.local.process import START_MARKER, kill_verified, pid_alive
@@ -326,12 +332,13 @@ def status(state: StateDir, console: Console, as_json: bool = False) -> int:
     retiring = [r for r in all_records if r.retiring]
     running = state.supervisor() is not None
     revisions = RevisionStore(state.revisions).all()
+    decisions = autoscale_decisions(state)
     if as_json:
-        console.print_json(data=status_document(plan, all_records, revisions, running))
+        console.print_json(data=status_document(plan, all_records, revisions, running, decisions))
         return 0
     health = asyncio.run(_health_now(state, plan, records)) if running else {}
     console.print(status_table(plan, records, health, retiring))
-    for line in revision_lines(revisions):
+    for line in [*revision_lines(revisions), *autoscale_lines(plan, decisions)]:
         console.print(line, highlight=False)
     if not running:
         console.print(f"graph {plan.graph} is not running (last known states shown)")

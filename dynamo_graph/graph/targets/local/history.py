@@ -3,6 +3,7 @@ lines of `status`, and `status --json` (for scripts and CI)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -75,11 +76,39 @@ def _revision(revision: Revision | None) -> dict[str, Any] | None:
     }
 
 
+def autoscale_decisions(state: StateDir) -> dict[str, dict[str, Any]]:
+    """The autoscaler's last decision per pool (planner.py writes them), {} when none."""
+    try:
+        found = json.loads((state.root / "autoscale.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def autoscale_lines(plan: Plan, decisions: dict[str, dict[str, Any]]) -> list[str]:
+    """Per autoscaled pool, for `status`: its bounds, what it runs, and the last decision."""
+    lines = []
+    for pool, policy in plan.autoscale.items():
+        running = sum(p.component == pool for p in plan.processes)
+        line = f"{pool}: autoscaled {policy.min_replicas}..{policy.max_replicas}, {running} wanted"
+        if (last := decisions.get(pool)) is not None:
+            line += f"; last decision {last.get('desired')} at {when(last.get('time'))}: {last.get('reason')}"
+        if policy.capped:
+            line += f" (capped below {policy.wanted_max}: {policy.capped})"
+        lines.append(line)
+    return lines
+
+
 def status_document(
-    plan: Plan, records: list[ProcessRecord], revisions: list[Revision], running: bool
+    plan: Plan,
+    records: list[ProcessRecord],
+    revisions: list[Revision],
+    running: bool,
+    decisions: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """`status --json`: the graph, its serving revision and any rollout, each component's
-    desired and ready replicas, and every process (old runs being retired included)."""
+    desired and ready replicas (an autoscaled one's bounds and last decision), and every
+    process (old runs being retired included)."""
     current = [r for r in records if not r.retiring]
     components: dict[str, dict[str, Any]] = {}
     for spec in plan.processes:
@@ -92,6 +121,14 @@ def status_document(
         entry["ready"] += record.state == "ready"
         if record.revision and record.revision not in entry["revisions"]:
             entry["revisions"].append(record.revision)
+    for pool, policy in plan.autoscale.items():
+        entry = components.setdefault(pool, {"desired": 0, "ready": 0, "revisions": []})
+        entry["autoscale"] = {
+            "min_replicas": policy.min_replicas,
+            "max_replicas": policy.max_replicas,
+            "capped": policy.capped or None,
+            "last": (decisions or {}).get(pool),
+        }
     latest = revisions[-1] if revisions else None
     return {
         "graph": plan.graph,

@@ -8,8 +8,9 @@ time to first response and between responses (TTFT and ITL, one token per respon
 - **capacity** — the request rate one replica serves within the target, learned online: an
   interval within the target at r requests/s per replica raises it to at least r (the best a
   replica has shown); an interval over the target caps it at r x target / measured, the rate
-  the target would have allowed if latency grows in proportion. Intervals with fewer than
-  MIN_ANSWERS answers say nothing about latency.
+  the target would have allowed if latency grows in proportion — unless the pool changed size
+  in the last SETTLE_INTERVALS intervals: a miss then is the queue built before the new
+  replicas came. Intervals with fewer than MIN_ANSWERS answers say nothing about latency.
 - **demand** — the arrival rate, plus its trend over the last TREND_INTERVALS intervals when it
   rises, so a ramp is met ahead rather than behind (as Dynamo's SLA planner predicts load).
 - **desired** = ceil(demand / capacity), at least one more than now while the target is
@@ -44,6 +45,7 @@ from dynamo_graph.graph.targets.local.state import atomic_write
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
 
 MIN_ANSWERS = 5  # answers an interval needs before its latency counts
+SETTLE_INTERVALS = 2  # after the pool changed size, misses do not lower the capacity this long
 TREND_INTERVALS = 3
 TICK_S = 0.5  # how often the loop looks whether a pool is due
 
@@ -99,14 +101,19 @@ class PoolPlanner:
     rates: deque[float] = field(default_factory=lambda: deque(maxlen=TREND_INTERVALS))
     fewer_since: float | None = None  # when fewer replicas started to look enough
     fewer_most: int = 0  # the most replicas any interval since then wanted
+    ready_was: int = -1  # ready replicas at the last decision
+    resized_at: float = float("-inf")  # when the ready count last changed
 
     def decide(self, policy: AutoscalePolicy, seen: Measured, now: float) -> Decision:
         over = missed(policy, seen)
         per_replica = seen.rate / max(seen.ready, 1)
+        if seen.ready != self.ready_was:
+            self.ready_was, self.resized_at = seen.ready, now
+        settled = now - self.resized_at >= SETTLE_INTERVALS * policy.interval_s
         if seen.answers >= MIN_ANSWERS and seen.ready:
             if over is None and per_replica > 0:
                 self.capacity = max(self.capacity or 0.0, per_replica)
-            elif over is not None:
+            elif over is not None and (settled or self.capacity is None):
                 limit = per_replica / over
                 self.capacity = limit if self.capacity is None else min(self.capacity, limit)
         self.rates.append(seen.rate)
