@@ -48,7 +48,7 @@ from dynamo_graph.bench.report import write_json  # noqa: E402
 from dynamo_graph.llm.chat_template import ChatTemplate  # noqa: E402
 from dynamo_graph.llm.model_source import resolve_model  # noqa: E402
 
-MODES = {"round-robin": [], "kv": [], "kv-own-ttft": ["--router-prefill-penalty", "0"]}
+MODES = ("round-robin", "kv", "kv-own-ttft")  # bench_routing.py's
 WORDS = [
     "serving",
     "router",
@@ -98,10 +98,9 @@ def documents_workload(args: argparse.Namespace, seed: int) -> list[Conversation
 
 
 def run_mode(args: argparse.Namespace, mode: str, convs: list[Conversation], run_dir: Path) -> dict:
-    kv = mode.startswith("kv")
-    point_args = argparse.Namespace(**{**vars(args), "workers": 2, "kv_router_args": MODES[mode], "seed": 0})
+    point_args = argparse.Namespace(**{**vars(args), "workers": 2, "seed": 0})
     run_dir.mkdir(parents=True)
-    dep = Deployment(point_args, "kv" if kv else mode, args.concurrency, run_dir)
+    dep = Deployment(point_args, mode, args.concurrency, run_dir)
     try:
         warm_up(dep, point_args, vocab_range(Path(args.model)))
         results, wall = asyncio.run(

@@ -124,6 +124,8 @@ MODES = {
     "kv": ["--router-mode", "kv", "--use-kv-events", "true"],  # the predictive cost (default)
     "kv-approx": ["--router-mode", "kv", "--use-kv-events", "false"],
     "kv-dynamo": ["--router-mode", "kv", "--use-kv-events", "true", "--router-cost", "dynamo"],
+    # the predictive cost ranking by the request's own predicted TTFT only (before issue 27)
+    "kv-own-ttft": ["--router-mode", "kv", "--use-kv-events", "true", "--router-prefill-penalty", "0"],
 }
 
 
