@@ -43,9 +43,14 @@ speed), times the penalty. Without it, a busy prefix holder and an idle worker t
 recompute the prefix predict about the same TTFT for the request, and the idle one, or the one
 whose fit happens to be faster, wins: the prefix is computed twice, and one worker collects new
 prefixes until its cache thrashes. Measured on issue 27's workload (24 documents of 4k tokens
-asked about in one message, 2 mocker workers at speedup 1, c=8; bench_doc_routing.py): the
-capture of the oracle's extra hits over round-robin went from ~82% to 92-98% and round-robin /
-kv mean TTFT from 1.08-1.10x to 1.21-1.24x (results/doc_routing.json).
+asked about in one message, 2 mocker workers at speedup 1, c=8, new connections;
+bench_doc_routing.py, three seeds, each against penalty 0 in the same run): the share of the
+cache hits an oracle adds over round-robin that kv routing captures went from 70-85% to
+98-100%, and round-robin's mean TTFT over kv's from 1.08-1.18x to 1.16-1.43x
+(results/doc_routing*.json). The misses it removes were of both kinds: a busy holder's prefix
+recomputed on the idle worker, and a worker whose fit looked faster collecting new documents
+until its 1,024-block cache evicted them. The in-flight bookkeeping (sequences.py) already
+keeps concurrent first uses of a document together before its KV events arrive.
 
 Why this form. In the mocker (perf_model.py, Dynamo's fit to a vLLM worker), a pass costs
 16.5 ms + 0.0152 ms per prefill token (+ a small quadratic term) + decode_ms(kv usage), and
