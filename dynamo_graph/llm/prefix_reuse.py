@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 STRIDE = 128  # characters between checkpoints: what a reuse tokenizes again, at most
-CHECKPOINT_BYTES = 240  # a checkpoint's key, object and map slot (counted in the cache's budget)
+CHECKPOINT_BYTES = 320  # a checkpoint's key, object, digest and map slot (in the cache's budget)
 _SPLIT_BEHAVIORS = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext"}
 
 
