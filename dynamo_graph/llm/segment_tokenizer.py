@@ -275,7 +275,8 @@ class SegmentTokenizer:
                 if point is not None:  # the ids up to a cut in a cached piece: a prefix ends there
                     ids.extend(piece)
                     if leading:
-                        since.append(self._point_digest(point))
+                        assert point.digest is not None
+                        since.append(point.digest)
                         key = xxh3_128_digest(key + b"".join(since))
                         since.clear()
                         prefixes.append((len(ids) - len(piece) + point.count, key))
@@ -317,6 +318,8 @@ class SegmentTokenizer:
             return ids, self._remember(part, ids, [start for start, _ in encoding.offsets]), None
         self._cache.move_to_end(point.source)
         source_ids = self._cache[point.source][0]
+        if point.digest is None:  # for the prefix that ends at the cut, once per checkpoint
+            point.digest = _digest(source_ids[: point.count])
         rest = self.tokenizer.encode(part[point.cut :], add_special_tokens=False)
         ids = [*source_ids[: point.count], *rest.ids]
         self.prefix_hits += 1
@@ -324,11 +327,6 @@ class SegmentTokenizer:
         if len(part) - point.end >= STRIDE:  # text past the shared part: checkpoints of its own
             digest = self._remember(part, ids, [start for start, _ in rest.offsets], point)
         return ids, digest, point
-
-    def _point_digest(self, point: Checkpoint) -> bytes:
-        if point.digest is None:
-            point.digest = _digest(self._cache[point.source][0][: point.count])
-        return point.digest
 
     def _remember(
         self, segment: str, ids: list[int], starts: list[int] | None = None, after: Checkpoint | None = None
@@ -338,10 +336,15 @@ class SegmentTokenizer:
         size = entry_bytes(segment, len(ids))
         if size > self.max_bytes:
             return None
-        digest = _digest(ids)
         keys = [] if starts is None or self._prefixes is None else self._prefixes.add(segment, starts, after)
+        size += CHECKPOINT_BYTES * len(keys)
+        if size > self.max_bytes:
+            assert self._prefixes is not None
+            self._prefixes.discard(segment, keys)
+            return None
+        digest = _digest(ids)
         self._cache[segment] = (tuple(ids), digest, keys)
-        self.held_bytes += size + CHECKPOINT_BYTES * len(keys)
+        self.held_bytes += size
         while self.held_bytes > self.max_bytes:
             old, (old_ids, _, old_keys) = self._cache.popitem(last=False)
             self.held_bytes -= entry_bytes(old, len(old_ids)) + CHECKPOINT_BYTES * len(old_keys)

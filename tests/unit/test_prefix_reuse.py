@@ -144,6 +144,19 @@ def test_the_cache_with_checkpoints_stays_within_its_budget(tiny: Tokenizer) -> 
     assert segments.prefix_hits == len(documents)
 
 
+def test_a_text_found_by_its_prefix_may_push_that_prefix_out_of_a_small_cache(tiny: Tokenizer) -> None:
+    """The cache holds one document: the longer text found by its prefix replaces it."""
+    document = "words and more words " * 30
+    budget = 2 * entry_bytes(document, len(whole(tiny, document)))
+    segments = SegmentTokenizer(tiny, max_bytes=budget)
+    segments.encode(SPECIAL + document + SPECIAL)
+    longer = SPECIAL + document + "and then a good deal more text " * 12 + SPECIAL
+    ids, prefixes = segments.encode_prefixed(longer)
+    assert ids == whole(tiny, longer) and segments.prefix_hits == 1
+    assert len(segments) == 1 and segments.held_bytes <= budget
+    assert prefixes[-1][0] < len(whole(tiny, SPECIAL + document))  # named at the cut
+
+
 def _pairs_of_words(tiny_model: Path) -> Tokenizer:
     """A split pattern that keeps two words and the space between them together, and a merge
     of a word's last letter with the space after it (first in rank): a space after a word is
