@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-STRIDE = 128  # characters between checkpoints: what a reuse tokenizes again, at most
+STRIDE = 128  # characters between checkpoints: about what a reuse tokenizes of the shared text
 CHECKPOINT_BYTES = 320  # a checkpoint's key, object, digest and map slot (in the cache's budget)
 _SPLIT_BEHAVIORS = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext"}
 
@@ -103,7 +103,7 @@ class Checkpoint:
     end: int  # x
     cut: int
     count: int
-    digest: bytes | None = field(default=None)  # of C's first `count` ids, once asked for
+    digest: bytes | None = field(default=None)  # of C's first `count` ids, from its first reuse
 
 
 def safe_cut(text: str, before: int, floor: int = 0) -> int:
