@@ -2,15 +2,22 @@
 
     .venv/bin/python benchmarks/bench_long_prompts.py --model .cache/tiny-model
     .venv/bin/python benchmarks/bench_long_prompts.py --modes kv,round-robin --rounds 3
+    .venv/bin/python benchmarks/bench_long_prompts.py --modes kv --workloads one_message \
+        --tokenize segments,no-reuse,whole --rounds 2
 
-Every request is a streamed chat whose system message is the same ~`--prefix-tokens` (4096)
-token document and whose user message is a question of ~24 tokens that names the request's
-number (so it is new to every cache; with the template's tokens around it, a new suffix of ~32),
-answered with 64 tokens. The same load runs with the
-frontend's segment cache (the default) and with it off (`DYN_TOKENIZE_CACHE_MB=0`, every
-prompt tokenized whole), and the frontend process's CPU-ms per request is compared. Short
-prompts (bench_frontend.py's message, numbered the same way) are measured too, to show the
-cache costs nothing there. The issue's target: <= 1.5 CPU-ms per long-prefix request at c=8.
+Workloads (`--workloads`), every request a streamed chat answered with 64 tokens:
+- `long_prefix`: the system message is the same ~`--prefix-tokens` (4096) token document, the
+  user message a question of ~24 tokens that names the request's number (so it is new to every
+  cache; with the template's tokens around it, a new suffix of ~32);
+- `one_message`: the same document and question in *one* user message, so the text between
+  the template's special tokens is new on every request (issue 27): only the reuse of a cached
+  prefix inside a segment (llm/prefix_reuse.py) avoids tokenizing the document again;
+- `short`: bench_frontend.py's message, numbered the same way, to show the caches cost nothing.
+Tokenization (`--tokenize`): `segments` (the default: the segment cache with prefix reuse),
+`no-reuse` (the segment cache without it: `DYN_TOKENIZE_PREFIX_REUSE=0`) and `whole` (the
+cache off, `DYN_TOKENIZE_CACHE_MB=0`, every prompt tokenized whole); the frontend process's
+CPU-ms per request is compared. The issues' target (17 and 27): <= 1.5 CPU-ms per long-prefix
+request at c=8 behind kv routing.
 
 Modes (`--modes`, all by default), each point on fresh processes:
 - `in-process`: `dyngraph run in=http out=echo_core`, the engine in the frontend's process
@@ -29,7 +36,6 @@ import argparse
 import contextlib
 import itertools
 import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_frontend import PROMPT, STREAM_BODY, free_port, measure, start
 from bench_routing import Deployment
 
+from dynamo_graph.bench.provenance import git_of, provenance
 from dynamo_graph.bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +67,17 @@ WORDS = [
     "latency",
 ]
 Body = Callable[[int], dict]
-NO_CACHE = {"DYN_TOKENIZE_CACHE_MB": "0"}
+TOKENIZE = {
+    "segments": {},
+    "no-reuse": {"DYN_TOKENIZE_PREFIX_REUSE": "0"},
+    "whole": {"DYN_TOKENIZE_CACHE_MB": "0"},
+}
+WORKLOADS = ("long_prefix", "one_message", "short")
 
 
-def long_body(prefix_tokens: int, model: str = "bench") -> Body:
-    """Request number -> body: the shared document, then a question of ~24 tokens of its own."""
+def long_body(prefix_tokens: int, model: str = "bench", *, one_message: bool = False) -> Body:
+    """Request number -> body: the shared document, then a question of ~24 tokens of its own,
+    as a system and a user message, or (`one_message`) both in one user message."""
     rng = random.Random(4096)
     # About two tokens a word with the tiny model's tokenizer.
     document = "Answer from this document.\n\n" + " ".join(
@@ -73,13 +86,19 @@ def long_body(prefix_tokens: int, model: str = "bench") -> Body:
 
     def body(number: int) -> dict:
         question = f"Request {number}: which three words of the document come up most, and why?"
-        return {
-            **STREAM_BODY,
-            "model": model,
-            "messages": [{"role": "system", "content": document}, {"role": "user", "content": question}],
-        }
+        if one_message:
+            messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        else:
+            messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+        return {**STREAM_BODY, "model": model, "messages": messages}
 
     return body
+
+
+def workload_body(args: argparse.Namespace, workload: str, model: str = "bench") -> Body:
+    if workload == "short":
+        return short_body(model)
+    return long_body(args.prefix_tokens, model, one_message=workload == "one_message")
 
 
 def short_body(model: str = "bench") -> Body:
@@ -149,9 +168,7 @@ def routed_point(
     with environment({**env, "DYN_TOKEN_ECHO_DELAY_MS": "0"}):
         dep = Deployment(settings, mode, args.concurrency, run_dir)
     try:
-        body = (
-            long_body(args.prefix_tokens, dep.model) if workload == "long_prefix" else short_body(dep.model)
-        )
+        body = workload_body(args, workload, dep.model)
         workers = {f"worker{i}": p.pid for i, p in enumerate(dep.procs) if p is not dep.frontend}
         return measure(
             dep.frontend.pid,
@@ -167,49 +184,53 @@ def routed_point(
         dep.close()
 
 
-POINTS = [(w, t, env) for w in ("long_prefix", "short") for t, env in (("segments", {}), ("whole", NO_CACHE))]
-
-
 def point(args: argparse.Namespace, mode: str, workload: str, env: dict[str, str], run_dir: Path) -> dict:
     if mode != "in-process":
         return routed_point(args, mode, workload, env, run_dir)
-    body = long_body(args.prefix_tokens) if workload == "long_prefix" else short_body()
-    return in_process_point(args, body, env)
+    return in_process_point(args, workload_body(args, workload), env)
 
 
-def summarize(rows: list[dict], modes: list[str]) -> list[dict]:
-    """Each (mode, workload)'s median CPU per request over the rounds, segments and whole."""
+def summarize(rows: list[dict], modes: list[str], workloads: list[str], tokenize: list[str]) -> list[dict]:
+    """Each (mode, workload)'s median CPU per request over the rounds, per tokenization, and
+    each one's ratio over `segments` (the default)."""
     summary = []
     for mode in modes:
-        for workload in ("long_prefix", "short"):
+        for workload in workloads:
             cpu = {
-                tokenize: statistics.median(
+                how: statistics.median(
                     r["server_cpu_ms_per_request"]
                     for r in rows
-                    if (r["mode"], r["workload"], r["tokenize"]) == (mode, workload, tokenize)
+                    if (r["mode"], r["workload"], r["tokenize"]) == (mode, workload, how)
                 )
-                for tokenize in ("segments", "whole")
+                for how in tokenize
             }
-            ratio = round(cpu["whole"] / cpu["segments"], 2)
-            summary.append(
-                {
-                    "mode": mode,
-                    "workload": workload,
-                    "cpu_ms_per_request_median": cpu,
-                    "whole_over_segments": ratio,
-                }
-            )
+            entry: dict = {"mode": mode, "workload": workload, "cpu_ms_per_request_median": cpu}
+            if "segments" in cpu:
+                entry |= {f"{how}_over_segments": round(cpu[how] / cpu["segments"], 2) for how in cpu}
+            summary.append(entry)
             print(
-                f"median {mode:11s} {workload:11s} segments {cpu['segments']:.3f}  "
-                f"whole {cpu['whole']:.3f} CPU-ms  ({ratio}x)"
+                f"median {mode:11s} {workload:11s} "
+                + "  ".join(f"{h} {v:.3f}" for h, v in cpu.items())
+                + " CPU-ms"
             )
     return summary
+
+
+def choices(
+    parser: argparse.ArgumentParser, raw: str, allowed: tuple[str, ...] | dict, what: str
+) -> list[str]:
+    picked = [m.strip() for m in raw.split(",") if m.strip()]
+    if unknown := set(picked) - set(allowed):
+        parser.error(f"unknown {what} {', '.join(sorted(unknown))}: use {', '.join(allowed)}")
+    return picked
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"some of {', '.join(MODES)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {', '.join(WORKLOADS)}")
+    parser.add_argument("--tokenize", default="segments,whole", help=f"some of {', '.join(TOKENIZE)}")
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=400)
@@ -218,18 +239,19 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_prompts.json"))
     args = parser.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := set(modes) - set(MODES):
-        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}: use {', '.join(MODES)}")
+    modes = choices(parser, args.modes, MODES, "mode(s)")
+    workloads = choices(parser, args.workloads, WORKLOADS, "workload(s)")
+    tokenize = choices(parser, args.tokenize, TOKENIZE, "tokenization(s)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-long-prompts-") as tmp:
-        for round_, mode, (workload, tokenize, env) in itertools.product(range(args.rounds), modes, POINTS):
-            run_dir = Path(tmp) / f"{round_}-{mode}-{workload}-{tokenize}"
+        matrix = itertools.product(range(args.rounds), modes, workloads, tokenize)
+        for round_, mode, workload, tokenize_ in matrix:
+            run_dir = Path(tmp) / f"{round_}-{mode}-{workload}-{tokenize_}"
             run_dir.mkdir()
-            row = point(args, mode, workload, env, run_dir)
-            rows.append({"round": round_, "mode": mode, "workload": workload, "tokenize": tokenize, **row})
+            row = point(args, mode, workload, TOKENIZE[tokenize_], run_dir)
+            rows.append({"round": round_, "mode": mode, "workload": workload, "tokenize": tokenize_, **row})
             print(
-                f"round {round_} {mode:11s} {workload:11s} {tokenize:8s} ok {row['ok']}/{row['requests']}  "
+                f"round {round_} {mode:11s} {workload:11s} {tokenize_:8s} ok {row['ok']}/{row['requests']}  "
                 f"frontend {row['server_cpu_ms_per_request']:6.3f} CPU-ms/request  "
                 f"TTFT p50 {row['ttft_p50_ms']:7.2f} ms  {row['rps']:6.1f} req/s",
                 flush=True,
@@ -238,10 +260,11 @@ def main() -> int:
         Path(args.out),
         {
             "benchmark": "long_prompts",
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            **provenance(),
+            "source": git_of(Path(__file__)),
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
-            "target": "issue 17: <= 1.5 frontend CPU-ms per long-prefix request at c=8",
-            "summary": summarize(rows, modes),
+            "target": "issues 17 and 27: <= 1.5 frontend CPU-ms per long-prefix request at c=8 behind kv",
+            "summary": summarize(rows, modes, workloads, tokenize),
             "rows": rows,
         },
     )

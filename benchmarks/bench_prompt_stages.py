@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/bench_prompt_stages.py --model .cache/tiny-model
 
 Runs the frontend's own per-request code in this process, without HTTP, on bench_long_prompts.py's
-bodies (a ~4k-token shared system document + a short question) and bench_frontend.py's short
-chat, each stage many times after a warm-up (so the segment cache, the router's prefix-hash
-cache and its index hold the shared prefix, as they do under load). Every call is a request
-of its own number, whose question no cache has seen, and the figure is process CPU (every
-thread's: a tokenizer's thread pool counts) in microseconds per call:
+bodies (a ~4k-token shared system document + a short question, and the two in one user
+message: `one_message`) and bench_frontend.py's short chat, each stage many times after a
+warm-up (so the segment cache, the router's prefix-hash cache and its index hold the shared
+prefix, as they do under load). Every call is a request of its own number, whose question no
+cache has seen, and the figure is process CPU (every thread's: a tokenizer's thread pool
+counts) in microseconds per call:
 
 - `decode`: the JSON body into a `ChatCompletionRequest` (the chat route's decoder);
 - `render`: the chat template over the request's messages;
@@ -118,7 +119,12 @@ def main() -> int:
     )
     pipeline = tokens_pipeline(card, model, backend=None)  # type: ignore[arg-type]
     rows = {}
-    for workload, body in (("long_prefix", long_body(args.prefix_tokens)), ("short", short_body())):
+    workloads = (
+        ("long_prefix", long_body(args.prefix_tokens)),
+        ("one_message", long_body(args.prefix_tokens, one_message=True)),
+        ("short", short_body()),
+    )
+    for workload, body in workloads:
         rows[workload] = stages(pipeline, body, args.calls)
         print(f"{workload:11s} " + "  ".join(f"{k} {v}" for k, v in rows[workload].items()))
     path = write_json(

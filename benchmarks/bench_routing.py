@@ -124,6 +124,8 @@ MODES = {
     "kv": ["--router-mode", "kv", "--use-kv-events", "true"],  # the predictive cost (default)
     "kv-approx": ["--router-mode", "kv", "--use-kv-events", "false"],
     "kv-dynamo": ["--router-mode", "kv", "--use-kv-events", "true", "--router-cost", "dynamo"],
+    # the predictive cost ranking by the request's own predicted TTFT only (before issue 27)
+    "kv-own-ttft": ["--router-mode", "kv", "--use-kv-events", "true", "--router-prefill-penalty", "0"],
 }
 
 
@@ -136,6 +138,7 @@ class Conversation:
     doc: int
     prompts: list[list[int]]  # one per turn
     max_tokens: list[int]  # one per turn: the answer's length
+    messages: list[list[dict]] | None = None  # sent as chats (prompts: their token ids) if given
 
 
 def vary(rng: random.Random, mean: int) -> int:
@@ -192,15 +195,35 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A streamed /v1/chat/completions request, usage in the last chunk."""
+    body = {k: v for k, v in completion_body(model, [], max_tokens).items() if k != "prompt"}
+    return {**body, "messages": messages}
+
+
 async def run_point(
-    port: int, model: str, convs: list[Conversation], concurrency: int, max_seconds: float
+    port: int,
+    model: str,
+    convs: list[Conversation],
+    concurrency: int,
+    max_seconds: float,
+    keep_alive: bool = True,
 ) -> tuple[list[TurnResult], float]:
-    """`concurrency` conversations at once, each one's turns in order; no new turn after the deadline."""
-    target = Target("127.0.0.1", port, "/v1/completions")
+    """`concurrency` conversations at once, each one's turns in order; no new turn after the
+    deadline. Conversations with `messages` are sent as chats; `keep_alive=False`: a new
+    connection per request."""
+    chats = bool(convs) and convs[0].messages is not None
+    target = Target(
+        "127.0.0.1", port, "/v1/chat/completions" if chats else "/v1/completions", keep_alive=keep_alive
+    )
+
+    def body(c: Conversation, t: int) -> dict:
+        if c.messages is not None:
+            return chat_body(model, c.messages[t], c.max_tokens[t])
+        return completion_body(model, c.prompts[t], c.max_tokens[t])
+
     requests = {
-        (c.index, t): encode_request(target, completion_body(model, prompt, c.max_tokens[t]))
-        for c in convs
-        for t, prompt in enumerate(c.prompts)
+        (c.index, t): encode_request(target, body(c, t)) for c in convs for t in range(len(c.prompts))
     }
     queue = list(reversed(convs))
     results: list[TurnResult] = []

@@ -49,6 +49,7 @@ class Settings:
     trace_speedup: float = 1.0
     trace_block_size: int = workload.MOONCAKE_BLOCK_SIZE
     seed: int = 0
+    reuse_prompts: bool = False  # the same prompts at every load point (each gets its own by default)
     max_seconds: float = 120.0
     request_timeout_s: float = 300.0
     warmup: int = 0
@@ -62,6 +63,7 @@ class Settings:
             "api": self.api,
             "requests_per_point": self.requests,
             "seed": self.seed,
+            "prompts_per_point": "the same" if self.reuse_prompts else "fresh",
             "max_seconds_per_point": self.max_seconds,
             "request_timeout_s": self.request_timeout_s,
             "warmup_requests": self.warmup,
@@ -90,22 +92,39 @@ class Measured:
 
 @dataclass(frozen=True)
 class Prepared:
-    """The workload's prompts, made once before anything starts and sent to every variant."""
+    """The workload's prompts, made once before anything starts and sent to every variant: one
+    list per load point, and the warm-up's."""
 
     vocab: workload.Vocabulary
-    prompts: list[workload.Prompt]
+    points: list[list[workload.Prompt]]
+    warmup: list[workload.Prompt]
 
 
 def prepare(settings: Settings) -> Prepared:
-    """Raises WorkloadError (a bad trace, impossible lengths, no tokenizer there)."""
+    """Raises WorkloadError (a bad trace, impossible lengths, no tokenizer there).
+
+    Each load point gets prompts of its own (shared prefixes and trace blocks too), drawn from
+    the seed and the point's index, so that no point meets a prefix cache warmed by the points
+    before it (the later points of `-c 1,8,32` would otherwise be mostly cached, the first not);
+    so does the warm-up. `reuse_prompts` sends the first point's prompts at every point, and
+    warms up with them, as a warm cache would see them."""
     if settings.tokenizer is None:
         vocab = workload.words_vocabulary()
     else:
         vocab = workload.tokenizer_vocabulary(settings.tokenizer)
-    return Prepared(vocab, _prompts(settings, vocab))
+    first = _prompts(settings, vocab, settings.seed)
+    if settings.reuse_prompts:
+        return Prepared(vocab, [first] * len(settings.loads), first[: settings.warmup])
+    points = [first] + [
+        _prompts(settings, vocab, f"{settings.seed}/point{i}") for i in range(1, len(settings.loads))
+    ]
+    warmup = (
+        _prompts(settings, vocab, f"{settings.seed}/warmup")[: settings.warmup] if settings.warmup else []
+    )
+    return Prepared(vocab, points, warmup)
 
 
-def _prompts(settings: Settings, vocab: workload.Vocabulary) -> list[workload.Prompt]:
+def _prompts(settings: Settings, vocab: workload.Vocabulary, seed: int | str) -> list[workload.Prompt]:
     if settings.trace is not None:
         return workload.trace(
             vocab,
@@ -113,7 +132,7 @@ def _prompts(settings: Settings, vocab: workload.Vocabulary) -> list[workload.Pr
             block_size=settings.trace_block_size,
             speedup=settings.trace_speedup,
             limit=settings.requests,
-            seed=settings.seed,
+            seed=seed,
         )
     return workload.synthetic(
         vocab,
@@ -122,7 +141,7 @@ def _prompts(settings: Settings, vocab: workload.Vocabulary) -> list[workload.Pr
         output_len=settings.output_len,
         prefix_len=settings.prefix_len,
         num_prefixes=settings.num_prefixes,
-        seed=settings.seed,
+        seed=seed,
     )
 
 
@@ -171,18 +190,18 @@ def measure(
     if model is None or model not in models:
         served = ", ".join(models) or "none"
         raise server.ServerError(f"{endpoint.url} serves no model {model!r} (it serves: {served})")
-    vocab, prompts = prepared.vocab, prepared.prompts
+    vocab = prepared.vocab
     path = "/v1/chat/completions" if settings.api == "chat" else "/v1/completions"
     target = Target(endpoint.host, endpoint.port, path, headers=tuple(settings.headers.items()))
 
     def bodies(ps: list[workload.Prompt]) -> list[loadgen.Request]:
         return workload.to_requests(ps, vocab, api=settings.api, model=model, ignore_eos=settings.ignore_eos)
 
-    if settings.warmup:  # connections, caches, lazy imports: not measured
-        warm = bodies(prompts[: settings.warmup])
+    if prepared.warmup:  # connections, caches, lazy imports: not measured
+        warm = bodies(prepared.warmup)
         asyncio.run(loadgen.run_closed(target, warm, concurrency=min(4, len(warm)), max_seconds=60.0))
     points, runs = [], []
-    for load in settings.loads:
+    for load, prompts in zip(settings.loads, prepared.points, strict=True):
         timed = workload.poisson(prompts, load.level, settings.seed) if load.mode == "open" else prompts
         requests = bodies(timed)
         task = progress.add_task(f"{name}{' ' if name else ''}{load.label}", total=len(requests), failed=0)
@@ -202,6 +221,7 @@ def measure(
             {
                 "load": load.as_json(),
                 "label": load.label,
+                "prompts_digest": workload.digest(prompts),
                 "summary": stats.summarize(run),
                 "server": server.delta(before, after),
                 "timeline": stats.timeline(run.results, run.wall_s),

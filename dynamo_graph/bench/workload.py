@@ -1,6 +1,7 @@
 """Workloads: the prompts, output lengths and arrival times a benchmark sends.
 
-Three kinds, all seeded and so the same for every point and every variant of a sweep:
+Three kinds, all seeded and so the same for every variant of a sweep (measure.py draws each
+load point's own, from the seed and the point's index, unless asked to reuse them):
 - synthetic: `input_len` prompt tokens and `output_len` tokens to generate per request;
 - shared prefix: the same, but each prompt starts with one of `num_prefixes` common prefixes of
   `prefix_len` tokens (what a prefix cache and KV-aware routing are for);
@@ -17,6 +18,7 @@ about one token each.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -112,7 +114,7 @@ def synthetic(
     output_len: int,
     prefix_len: int = 0,
     num_prefixes: int = 1,
-    seed: int = 0,
+    seed: int | str = 0,
 ) -> list[Prompt]:
     """`count` prompts of `input_len` tokens; with `prefix_len`, each begins with one of
     `num_prefixes` shared prefixes (request i uses prefix i mod num_prefixes)."""
@@ -137,7 +139,7 @@ def trace(
     block_size: int = MOONCAKE_BLOCK_SIZE,
     speedup: float = 1.0,
     limit: int | None = None,
-    seed: int = 0,
+    seed: int | str = 0,
 ) -> list[Prompt]:
     """The requests of a mooncake-style JSONL trace, arriving at `timestamp / speedup`
     (milliseconds, counted from the first line's)."""
@@ -172,6 +174,14 @@ def trace(
     if not prompts:
         raise WorkloadError(f"{path}: no requests in the trace")
     return prompts
+
+
+def digest(prompts: list[Prompt]) -> str:
+    """A short fingerprint of the prompts' ids and lengths: equal for the same prompts."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.ids, p.max_tokens]).encode())
+    return h.hexdigest()[:16]
 
 
 def poisson(prompts: list[Prompt], rate: float, seed: int = 0) -> list[Prompt]:

@@ -84,6 +84,14 @@ def bench_command(
         bool, typer.Option("--ignore-eos/--stop-at-eos", help="generate exactly --output-len tokens")
     ] = True,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    reuse_prompts: Annotated[
+        bool,
+        typer.Option(
+            "--reuse-prompts",
+            help="send the same prompts at every load point (default: fresh ones per point, so "
+            "no point runs on a prefix cache the points before it warmed)",
+        ),
+    ] = False,
     sweep: Annotated[
         list[str] | None,
         typer.Option(
@@ -126,6 +134,7 @@ def bench_command(
         trace_speedup=trace_speedup,
         trace_block_size=trace_block_size,
         seed=seed,
+        reuse_prompts=reuse_prompts,
         max_seconds=duration,
         request_timeout_s=request_timeout,
         warmup=warmup,

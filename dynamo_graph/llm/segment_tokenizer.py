@@ -28,6 +28,13 @@ unique short question never becomes the prefix a cache remembers. The cache hold
 least recently used out first. It belongs to one tokenizer object, so a changed tokenizer or
 template never meets stale ids.
 
+A long piece not in the cache may still start with one that is: a shared document and a new
+question in one user message. For byte-level BPE tokenizers with a regex pre-tokenizer (GPT-2,
+Llama 3, Qwen), its ids are then the cached piece's ids up to a safe cut plus the ids of the rest
+(prefix_reuse.py), and a prefix for the router ends at the cut. A load-time probe checks that on
+the tokenizer and turns it off, logging why, where it does not hold; `DYN_TOKENIZE_PREFIX_REUSE=0`
+turns it off too.
+
 `encode_prefixed` also names the prompt's leading prefixes made of cached segments (with the
 special tokens and short pieces between them), so that the KV router can reuse their block
 hashes (router/kv/prefix_hashes.py): each is a token count and a key, the xxh3-128 of the
@@ -43,12 +50,22 @@ import logging
 import os
 import re
 import sys
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 from xxhash import xxh3_128_digest
+
+from dynamo_graph.llm.prefix_reuse import (
+    CHECKPOINT_BYTES,
+    STRIDE,
+    Checkpoint,
+    PrefixIndex,
+    cuts_refusal,
+    reuse_refusal,
+)
 
 log = logging.getLogger(__name__)
 LONG_SEGMENT_CHARS = 256
@@ -79,6 +96,25 @@ _PROBE_TEXTS = (
 )
 
 
+# Continuations of a probe document at its checkpoints: what could join the text before a cut.
+_REUSE_TAILS = ("  \n", "\n\n  x", "'s", "123", "\u0301e", "\xa0y", ". Why?")
+_REUSE_PROBE_ENDS = 12  # checkpoint ends probed per tail
+
+
+# The load-time verdict on prefix reuse, per tokenizer object (a model's pipelines, and tests,
+# make many segment tokenizers of one tokenizer; the probe costs ~100 encodes).
+_REUSE_VERDICTS: weakref.WeakKeyDictionary[Tokenizer, str | None] = weakref.WeakKeyDictionary()
+
+
+def _reuse_from_env() -> bool:
+    return (os.environ.get("DYN_TOKENIZE_PREFIX_REUSE") or "1").strip().lower() not in {
+        "0",
+        "false",
+        "no",
+        "off",
+    }
+
+
 def _cache_bytes_from_env() -> int:
     raw = (os.environ.get("DYN_TOKENIZE_CACHE_MB") or "").strip()
     try:
@@ -94,14 +130,18 @@ class SegmentTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, max_bytes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
-        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()  # ids, digest
+        # ids, digest, and the keys of the checkpoints of a long piece (prefix_reuse.py)
+        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes, list[tuple[int, int]]]] = OrderedDict()
         self.held_bytes = 0
         self.hits = 0  # of long segments (those that name prefixes)
         self.misses = 0
+        self.prefix_hits = 0  # long segments tokenized from a cached prefix's ids on
         specials: dict[str, int] = {}
+        words: list[str] = []
         clean = True
         for token_id, token in tokenizer.get_added_tokens_decoder().items():
             if not token.special:
+                words.append(token.content)
                 continue
             specials[token.content] = token_id
             clean = clean and not (token.lstrip or token.rstrip or token.normalized or token.single_word)
@@ -114,6 +154,23 @@ class SegmentTokenizer:
             if not self._agrees_on_probes():
                 log.info("tokenizer: segments do not tokenize independently; prompts are tokenized whole")
                 self._split = None
+        self._prefixes: PrefixIndex | None = None
+        if self._split is not None and _reuse_from_env():
+            if tokenizer in _REUSE_VERDICTS:
+                refusal = _REUSE_VERDICTS[tokenizer]
+            else:
+                refusal = _REUSE_VERDICTS[tokenizer] = reuse_refusal(
+                    tokenizer
+                ) or self._reuse_refusal_on_probes(words)
+            if refusal is None:
+                self._prefixes = PrefixIndex(words)
+            else:
+                log.info("tokenizer: no reuse of a cached prefix inside a segment: %s", refusal)
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether a long piece is tokenized from the ids of a cached piece it starts with."""
+        return self._prefixes is not None
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +208,34 @@ class SegmentTokenizer:
                 return False
         return True
 
+    def _reuse_refusal_on_probes(self, words: list[str]) -> str | None:
+        """A probe document: each of its safe cuts must start a pre-token, whatever follows;
+        cached, then continued at checkpoints by text that could join what precedes a cut, the
+        ids through the reuse path must be the whole text's."""
+        document = " ".join(self._probe_texts()) + " Value: 1234567, it's done!\n\n  - item\t(x)  "
+        document += "end" + " " * (STRIDE + 8) + "x"  # a checkpoint inside a run of spaces
+        while len(document) < 3 * STRIDE:
+            document += document
+        if refusal := cuts_refusal(self.tokenizer, document, _REUSE_TAILS):
+            return refusal
+        self._prefixes = PrefixIndex(words)
+        special = next(iter(self._special_ids))
+        ends = range(STRIDE + 1, len(document), max((len(document) - STRIDE) // _REUSE_PROBE_ENDS, 1))
+        try:
+            self._segmented(special + document, cache=True)
+            for end in ends:
+                for tail in _REUSE_TAILS:
+                    text = special + document[:end] + tail + special
+                    if self._segmented(text, cache=True)[0] != self._whole(text):
+                        return f"a probe differs from whole tokenization: {document[end - 12 : end] + tail!r}"
+            if not self.prefix_hits:
+                return "the probes found no cut to reuse a prefix at"
+            return None
+        finally:
+            self._prefixes = None
+            self._cache.clear()
+            self.held_bytes = self.hits = self.misses = self.prefix_hits = 0
+
     def encode(self, text: str) -> list[int]:
         return self.encode_prefixed(text)[0]
 
@@ -184,7 +269,19 @@ class SegmentTokenizer:
                 entries.move_to_end(part)
                 if long:
                     self.hits += 1
-                piece, digest = found
+                piece, digest, _ = found
+            elif long and cache and self._prefixes is not None:
+                piece, digest, point = self._long_piece(part)
+                if point is not None:  # the ids up to a cut in a cached piece: a prefix ends there
+                    ids.extend(piece)
+                    if leading:
+                        assert point.digest is not None
+                        since.append(point.digest)
+                        key = xxh3_128_digest(key + b"".join(since))
+                        since.clear()
+                        prefixes.append((len(ids) - len(piece) + point.count, key))
+                        leading = False  # what follows the cut is new: no longer prefix ends past it
+                    continue
             else:
                 # One piece, one call: encode_batch would wake the tokenizer's thread pool,
                 # which costs more CPU than it saves on a request's few short pieces.
@@ -209,15 +306,49 @@ class SegmentTokenizer:
                 prefixes.append((len(ids), key))
         return ids, prefixes[-MAX_PREFIXES:]
 
-    def _remember(self, segment: str, ids: list[int]) -> bytes | None:
-        """Cache a piece's ids (if it fits); their digest, or None if not cached."""
+    def _long_piece(self, part: str) -> tuple[list[int], bytes | None, Checkpoint | None]:
+        """A long piece not in the cache: its ids from those of the longest cached piece it
+        starts with (and the checkpoint used), else whole; cached when it adds checkpoints."""
+        assert self._prefixes is not None
+        point = self._prefixes.find(part)
+        if point is None:
+            encoding = self.tokenizer.encode(part, add_special_tokens=False)
+            self.misses += 1
+            ids = encoding.ids
+            return ids, self._remember(part, ids, [start for start, _ in encoding.offsets]), None
+        self._cache.move_to_end(point.source)
+        source_ids = self._cache[point.source][0]
+        if point.digest is None:  # for the prefix that ends at the cut, once per checkpoint
+            point.digest = _digest(source_ids[: point.count])
+        rest = self.tokenizer.encode(part[point.cut :], add_special_tokens=False)
+        ids = [*source_ids[: point.count], *rest.ids]
+        self.prefix_hits += 1
+        digest = None
+        if len(part) - point.end >= STRIDE:  # text past the shared part: checkpoints of its own
+            digest = self._remember(part, ids, [start for start, _ in rest.offsets], point)
+        return ids, digest, point
+
+    def _remember(
+        self, segment: str, ids: list[int], starts: list[int] | None = None, after: Checkpoint | None = None
+    ) -> bytes | None:
+        """Cache a piece's ids (if it fits); their digest, or None if not cached. `starts`: its
+        tokens' offsets, for checkpoints (from `after`'s cut when it was found by `after`)."""
         size = entry_bytes(segment, len(ids))
         if size > self.max_bytes:
             return None
+        keys = [] if starts is None or self._prefixes is None else self._prefixes.add(segment, starts, after)
+        size += CHECKPOINT_BYTES * len(keys)
+        if size > self.max_bytes:
+            assert self._prefixes is not None
+            self._prefixes.discard(segment, keys)
+            return None
         digest = _digest(ids)
-        self._cache[segment] = (tuple(ids), digest)
+        self._cache[segment] = (tuple(ids), digest, keys)
         self.held_bytes += size
         while self.held_bytes > self.max_bytes:
-            old, (old_ids, _) = self._cache.popitem(last=False)
-            self.held_bytes -= entry_bytes(old, len(old_ids))
+            old, (old_ids, _, old_keys) = self._cache.popitem(last=False)
+            self.held_bytes -= entry_bytes(old, len(old_ids)) + CHECKPOINT_BYTES * len(old_keys)
+            if old_keys:
+                assert self._prefixes is not None
+                self._prefixes.discard(old, old_keys)
         return digest

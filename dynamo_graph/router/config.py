@@ -43,6 +43,10 @@ class RouterConfig:
     cost: Literal["predictive", "dynamo"] = setting("predictive", flag="--router-cost")
     """kv: `predictive` sends a request where its time to first token is predicted lowest (a
     per-worker prefill cost fitted from observed TTFTs); `dynamo` uses Dynamo's block cost."""
+    prefill_penalty: float = setting(1.0, flag="--router-prefill-penalty", ge=0)
+    """kv, predictive cost: besides its own predicted wait, a request is charged this many times
+    the prefill time of the work it adds on a worker: its uncached tokens (a wait for those
+    queued behind it) and the cached blocks they evict there; 0 = its own TTFT only."""
     session_affinity_ttl_secs: float = setting(
         0.0, flag="--router-session-affinity-ttl-secs", ge=0, dynamo="--router-session-affinity-ttl-secs"
     )

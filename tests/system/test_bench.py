@@ -85,6 +85,10 @@ def test_bench_a_running_graph_counts_what_its_metrics_count(tmp_path: Path, tin
     assert result["prompts"] == "token ids"
     assert all(p["server"]["input_tokens"] == p["summary"]["prompt_tokens"] == 24 * 48 for p in points)
     assert all(p["summary"]["output_tokens"] == 24 * 8 for p in points)
+    # every point its own prompts: none runs on a prefix cache the points before it warmed
+    assert len({p["prompts_digest"] for p in points}) == 3
+    assert all(p["summary"]["cached_tokens"] == 0 for p in points)
+    assert result["workload"]["prompts_per_point"] == "fresh"
     for p in points:
         assert 0 < p["summary"]["ttft_ms"]["p50"] <= p["summary"]["ttft_ms"]["p99"]
         assert p["summary"]["e2e_ms"]["p90"] >= p["summary"]["ttft_ms"]["p90"]

@@ -145,3 +145,26 @@ def test_plots_without_matplotlib_name_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
     with pytest.raises(plots.PlotsUnavailable, match=r"dyngraph\[plot\]"):
         plots.pyplot()
+
+
+def test_each_load_point_gets_fresh_prompts_unless_asked_to_reuse_them(tokenizer_dir: Path) -> None:
+    from dynamo_graph.bench.measure import Load, Settings, prepare
+
+    loads = [Load("closed", 1), Load("closed", 8), Load("open", 5.0)]
+    base = Settings(loads=loads, requests=12, input_len=64, prefix_len=32, num_prefixes=2, warmup=4)
+    fresh = prepare(Settings(**{**vars(base), "tokenizer": tokenizer_dir}))
+    ids = [{tuple(p.ids) for p in point} for point in fresh.points]
+    prefixes = [{tuple(p.ids[:32]) for p in point} for point in fresh.points]
+    assert all(len(point) == 12 for point in fresh.points)
+    for a, b in itertools.combinations(range(3), 2):
+        assert not ids[a] & ids[b] and not prefixes[a] & prefixes[b]  # shared prefixes too
+    assert not {tuple(p.ids) for p in fresh.warmup} & set().union(*ids)  # the warm-up warms nothing
+    assert len({workload.digest(point) for point in fresh.points}) == 3
+    # the first point's are what they were before points got their own: the seed's
+    again = prepare(Settings(**{**vars(base), "tokenizer": tokenizer_dir}))
+    assert [p.ids for p in again.points[0]] == [p.ids for p in fresh.points[0]]
+
+    reused = prepare(Settings(**{**vars(base), "tokenizer": tokenizer_dir, "reuse_prompts": True}))
+    assert all(point == reused.points[0] for point in reused.points)
+    assert [p.ids for p in reused.points[0]] == [p.ids for p in fresh.points[0]]
+    assert reused.warmup == reused.points[0][:4]

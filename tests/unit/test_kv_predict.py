@@ -174,3 +174,48 @@ def test_dynamo_cost_stays_selectable():
     assert choice.logit >= 4  # blocks, not seconds
     with pytest.raises(ValueError, match="cost must be one of predictive, dynamo"):
         _router(cost="fastest")
+
+
+def _two_alike() -> TtftModel:
+    """Two ranks fitted alike: 10 ms + 15 µs per prefill token (the mocker at speedup 1)."""
+    model = TtftModel()
+    for _ in range(40):
+        for key in ((1, 0), (2, 0)):
+            for tokens in (100, 2000, 6000):
+                model.observe(key, tokens, 0, 0.010 + 15e-6 * tokens)
+    return model
+
+
+def test_a_busy_prefix_holder_keeps_its_prefix_rather_than_an_idle_worker_recomputing_it():
+    """The holder's queue (a little more than the prefix) makes the request's own TTFT better on
+    the idle worker, but recomputing the prefix there costs that worker's next requests its
+    prefill time: with the penalty the prefix stays where it is."""
+    model, holder, idle = _two_alike(), (1, 0), (2, 0)
+    seqs = ActiveSequences()
+    seqs.add("queued", holder, [], prefill_tokens=4800)
+    isl = 256 * BS + 32
+    overlap = {holder: 256}
+    own = predict_workers([holder, idle], [], isl, BS, overlap, seqs, model)
+    assert pick_near_best(own, random.Random(0)).key == idle
+    charged = predict_workers([holder, idle], [], isl, BS, overlap, seqs, model, prefill_penalty=1.0)
+    assert pick_near_best(charged, random.Random(0)).key == holder
+    by_key = {c.key: c for c in charged}
+    assert by_key[holder].logit == pytest.approx(
+        next(c for c in own if c.key == holder).logit + 32 * 15e-6, rel=0.05
+    )
+
+
+def test_a_full_cache_is_charged_for_the_blocks_a_new_prefix_evicts():
+    """Neither rank holds the prompt; the one whose cache is full would evict as many cached
+    blocks as it stores, a recompute for a later request: the one with room gets it."""
+    model, full, roomy = _two_alike(), (1, 0), (2, 0)
+    model.observe(full, 100, 0, 0.005)  # the full one now looks a little faster
+    seqs = ActiveSequences()
+    spare = {full: 0, roomy: 500}
+    isl = 128 * BS
+    blind = predict_workers([full, roomy], [], isl, BS, {}, seqs, model, prefill_penalty=1.0)
+    assert pick_near_best(blind, random.Random(0)).key == full
+    aware = predict_workers([full, roomy], [], isl, BS, {}, seqs, model, 1.0, spare.get)
+    assert pick_near_best(aware, random.Random(0)).key == roomy
+    evicted = {c.key: c.logit for c in aware}[full] - {c.key: c.logit for c in blind}[full]
+    assert evicted == pytest.approx(isl * model.pooled.coeffs[1])

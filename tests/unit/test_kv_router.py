@@ -74,3 +74,22 @@ def test_overlap_weight_zero_ignores_the_cache():
     router.indexer.apply_event(stored_event(2, list(range(160))))
     choice = router.route("r", list(range(160)), [1, 2])
     assert choice.overlap_blocks == 0
+
+
+def test_a_new_prefix_goes_where_the_cache_has_room_not_to_the_smaller_full_one():
+    """Worker 1's cache (20 blocks, from its card) is full; worker 2 holds more but has room.
+    The smaller cache would win the tie, but storing the new prefix there evicts as much."""
+    router = KvRouter(BS, seed=0)
+    router.add_worker(1, {"total_kv_blocks": 20})
+    router.add_worker(2, {"total_kv_blocks": 400})
+    router.add_worker(3, {"total_kv_blocks": 100, "data_parallel_size": 2})
+    router.indexer.apply_event(stored_event(1, list(range(20 * BS))))
+    router.indexer.apply_event(stored_event(2, list(range(50_000, 50_000 + 40 * BS))))
+    assert [router.spare_blocks(k) for k in ((1, 0), (2, 0), (3, 1))] == [0, 360, 50]
+    assert router.route("r", list(range(9000, 9000 + 64 * BS)), [1, 2]).key == (2, 0)
+    plain = KvRouter(BS, RouterConfig(mode="kv", prefill_penalty=0.0), seed=0)
+    plain.indexer.apply_event(stored_event(1, list(range(20 * BS))))
+    plain.indexer.apply_event(stored_event(2, list(range(50_000, 50_000 + 40 * BS))))
+    assert plain.route("r", list(range(9000, 9000 + 64 * BS)), [1, 2]).key == (1, 0)
+    router.remove_worker(2)
+    assert router.spare_blocks((2, 0)) is None

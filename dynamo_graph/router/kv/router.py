@@ -96,10 +96,11 @@ class KvRouter:
                 self.free_ranks, policy=policy, max_size=config.max_queue_size, reserve=config.queue_reserve
             )
         self._candidates: list[WorkerKey] = []
-        # Per worker instance, from its model card: data-parallel ranks (1 when not told) and
-        # max_num_batched_tokens (the queue threshold's unit).
+        # Per worker instance, from its model card: data-parallel ranks (1 when not told),
+        # max_num_batched_tokens (the queue threshold's unit) and KV cache blocks per rank.
         self.dp_sizes: dict[int, int] = {}
         self.max_batched_tokens: dict[int, int] = {}
+        self.kv_blocks: dict[int, int] = {}  # per rank, from the card's total_kv_blocks
         self.routed = 0
         self.overlap_blocks_routed = 0
         self.events_applied = 0
@@ -117,6 +118,16 @@ class KvRouter:
             self.max_batched_tokens[worker_id] = int(batched)
         else:
             self.max_batched_tokens.pop(worker_id, None)
+        total = config.get("total_kv_blocks")
+        if total:
+            self.kv_blocks[worker_id] = int(total) // self.dp_sizes[worker_id]
+        else:
+            self.kv_blocks.pop(worker_id, None)
+
+    def spare_blocks(self, key: WorkerKey) -> int | None:
+        """Cache blocks of a rank its indexed blocks leave free (None: its capacity is unknown)."""
+        capacity = self.kv_blocks.get(key[0])
+        return None if capacity is None else capacity - self.indexer.tree_size(key)
 
     async def subscribe(self, runtime: DistributedRuntime, namespace: str, component: str) -> None:
         """Feed the indexer from the KV events of the workers on channel namespace/component
@@ -225,7 +236,17 @@ class KvRouter:
         isl = len(token_ids)
         predictive = config.cost == "predictive"
         if predictive:
-            choices = predict_workers(candidates, seq, isl, block_size, overlaps, self.sequences, self.model)
+            choices = predict_workers(
+                candidates,
+                seq,
+                isl,
+                block_size,
+                overlaps,
+                self.sequences,
+                self.model,
+                config.prefill_penalty,
+                self.spare_blocks,
+            )
         else:
             choices = score_workers(candidates, seq, isl, block_size, overlaps, self.sequences, weight)
         choice = None
@@ -255,13 +276,13 @@ class KvRouter:
         self.overlap_blocks_routed += choice.overlap_blocks
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "request %s -> %x rank %d (overlap %d of %d blocks, cost %.4g; %s)",
+                "request %s -> %x rank %d (overlap %d of %d blocks, cost %.4g; cost/overlap %s)",
                 request_id,
                 *key,
                 choice.overlap_blocks,
                 len(local),
                 choice.logit,
-                ", ".join(f"{c.key[0]:x}.{c.key[1]}={c.logit:.4g}" for c in choices),
+                ", ".join(f"{c.key[0]:x}.{c.key[1]}={c.logit:.4g}/{c.overlap_blocks}" for c in choices),
             )
         return choice
 
@@ -301,6 +322,7 @@ class KvRouter:
             self.affinity.remove_worker(worker_id)
         self.dp_sizes.pop(worker_id, None)
         self.max_batched_tokens.pop(worker_id, None)
+        self.kv_blocks.pop(worker_id, None)
         self._candidates = [key for key in self._candidates if key[0] != worker_id]
 
     async def close(self) -> None:
