@@ -51,6 +51,27 @@ INVALID = [
         "did you mean 'worker'?",
     ),
     (
+        "autoscale-min-above-max",
+        HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core,"
+        " autoscale: {min_replicas: 3, max_replicas: 2, target: {ttft_p90_ms: 500}}}\n",
+        "components.backend.autoscale.min_replicas",
+        "must be at most `max_replicas` (2)",
+    ),
+    (
+        "autoscale-replicas-outside-bounds",
+        HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core, replicas: 5,"
+        " autoscale: {max_replicas: 4, target: {ttft_p90_ms: 500}}}\n",
+        "components.backend.replicas",
+        "must be within autoscale's 1..4",
+    ),
+    (
+        "autoscale-needs-a-target",
+        HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core,"
+        " autoscale: {max_replicas: 4, target: {}}}\n",
+        "components.backend.autoscale.target.ttft_p90_ms",
+        "give `ttft_p90_ms`, `itl_p90_ms` or both",
+    ),
+    (
         "canary-steps-must-end-at-100",
         HEAD + "rollout: {strategy: canary, steps: [10, 50]}\n"
         "components:\n  backend: {kind: worker, model: tiny, engine: echo_core}\n",
