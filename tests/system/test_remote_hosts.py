@@ -728,3 +728,41 @@ def test_a_canary_on_the_hosts_that_answers_slower_is_rolled_back_failing_no_req
         load.wait_for_requests(20)
     result = load.result
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+
+
+def test_the_autoscaler_adds_a_replica_on_the_second_host_and_retires_it_losing_nothing(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """Autoscaling on ssh hosts: a busy pool of one mocker on h0 grows a replica on h1 (its
+    placement's next host), then, idle, retires it there; streamed load with no retries sees no
+    error throughout."""
+    graph = make_graph(
+        **{
+            "components.backend.engine": "mocker",
+            "components.backend.engine_args": {"max_num_seqs": 2, "speedup_ratio": 1.0, "block_size": 16},
+            "components.backend.replicas": 1,
+            "components.backend.autoscale": {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target": {"ttft_p90_ms": 150},
+                "interval_s": 1,
+                "scale_down_delay_s": 3,
+            },
+        }
+    )
+    up = graph.cli("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    with StreamingLoad(f"{graph.base_url}/v1", "tiny-model", clients=8) as load:
+        deadline = time.monotonic() + 60
+        while "backend-1" not in graph.processes() or _state(graph, "backend-1") != "ready":
+            assert time.monotonic() < deadline, "the pool did not grow to the second host"
+            time.sleep(0.25)
+        assert graph.processes()["backend-1"]["host"] == "h1"
+        load.wait_for_requests(20)
+    result = load.result
+    deadline = time.monotonic() + 60
+    while "backend-1" in graph.processes():
+        assert time.monotonic() < deadline, "the idle pool did not shrink back"
+        time.sleep(0.25)
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+    assert graph.chat()

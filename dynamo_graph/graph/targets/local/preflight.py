@@ -105,7 +105,7 @@ def _worker_needs(need: _HostNeeds, spec: ProcessSpec, key: str, worker: Worker)
 
 def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]:
     needs: dict[str, _HostNeeds] = {}
-    for spec in plan.processes:
+    for spec in [*plan.processes, *plan.standby]:  # standby: the autoscaler may start them
         need = needs.setdefault(spec.host, _HostNeeds())
         comp = graph.components.get(spec.component)
         if isinstance(comp, Worker):
