@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynamo_graph.bench.loadgen import Request, Target, run_open
+from dynamo_graph.bench.loadgen import Target, run_open
+from dynamo_graph.bench.replicas import ReplicaSampler, phased
+from dynamo_graph.graph.paths import state_dir
 from tests.support.processes import free_port, run_cli
 
 LOW_RPS, HIGH_RPS = 2.0, 16.0
@@ -23,42 +24,13 @@ TTFT_TARGET_MS = 250.0
 MAX_REPLICAS = 4
 
 
-def _schedule() -> list[Request]:
-    body = {
-        "model": "tiny-model",
-        "messages": [{"role": "user", "content": "tell me a long story about the sea"}],
-        "max_tokens": 60,
-        "stream": True,
-        "nvext": {"ignore_eos": True},
-    }
-    requests, start = [], 0.0
-    for seconds, rate in PHASES:
-        count = int(seconds * rate)
-        requests += [Request(body, start + i / rate) for i in range(count)]
-        start += seconds
-    return requests
-
-
-class Sampler(threading.Thread):
-    """Ready replicas of the pool every 0.25 s, from the state dir's processes.json."""
-
-    def __init__(self, processes: Path) -> None:
-        super().__init__(daemon=True)
-        self.processes = processes
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.25):
-            try:
-                records = json.loads(self.processes.read_text())
-            except (OSError, ValueError):
-                continue
-            ready = sum(
-                r["component"] == "backend" and r["state"] == "ready" and not r.get("retiring")
-                for r in records
-            )
-            self.samples.append((time.monotonic(), ready))
+BODY = {
+    "model": "tiny-model",
+    "messages": [{"role": "user", "content": "tell me a long story about the sea"}],
+    "max_tokens": 60,
+    "stream": True,
+    "nvext": {"ignore_eos": True},
+}
 
 
 @pytest.fixture
@@ -106,14 +78,13 @@ def test_the_pool_grows_under_load_holds_its_target_and_shrinks_back_losing_noth
     file, port = graph
     up = run_cli(["up", "-d", str(file)], timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
-    sampler = Sampler(file.parent / ".dyngraph" / "autoscale" / "processes.json")
+    sampler = ReplicaSampler(state_dir(file), "backend")
     sampler.start()
     started = time.monotonic()
     target = Target("127.0.0.1", port, "/v1/chat/completions", keep_alive=False)
-    run = asyncio.run(run_open(target, _schedule(), max_seconds=sum(s for s, _ in PHASES) + 5))
+    run = asyncio.run(run_open(target, phased(BODY, PHASES), max_seconds=sum(s for s, _ in PHASES) + 5))
     time.sleep(2)
-    sampler.stop.set()
-    sampler.join()
+    sampler.stop()
 
     failed = [r for r in run.results if not r.ok]
     assert not failed, f"{len(failed)} of {len(run.results)} failed: {[r.error for r in failed[:3]]}"
@@ -125,9 +96,7 @@ def test_the_pool_grows_under_load_holds_its_target_and_shrinks_back_losing_noth
     p90 = second_half[int(0.9 * (len(second_half) - 1))]
     assert p90 <= TTFT_TARGET_MS * 1.5, f"TTFT p90 {p90:.0f} ms in the busy phase's second half"
     assert sampler.samples[-1][1] == 1, f"not back to min_replicas: {sampler.samples[-8:]}"
-    spans = zip(sampler.samples, sampler.samples[1:], strict=False)
-    replica_seconds = sum((t1 - t0) * n for (t0, n), (t1, _) in spans)
-    elapsed = sampler.samples[-1][0] - sampler.samples[0][0]
+    replica_seconds, elapsed = sampler.replica_seconds(), sampler.elapsed()
     assert replica_seconds < 0.75 * MAX_REPLICAS * elapsed, (replica_seconds, elapsed)
 
     decisions = [
