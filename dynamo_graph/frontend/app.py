@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.frontend import (
@@ -30,7 +29,7 @@ from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
+from dynamo_graph.frontend.openai_asgi import PID_HEADER, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -106,7 +105,7 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics) -> FastAPI:
 
     @api.get("/metrics", response_model=None)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await metrics.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     default_openapi = api.openapi
 
@@ -164,7 +163,7 @@ def with_generation_routes(doc: dict[str, Any]) -> dict[str, Any]:
 def pid_header() -> tuple[bytes, bytes]:
     """`x-dyngraph-pid` on the probes' answers: two frontends of a graph share a port while one
     replaces the other (server.py), and the supervisor's readiness probe must know which answered."""
-    return (b"x-dyngraph-pid", str(os.getpid()).encode())
+    return PID_HEADER
 
 
 async def _send_json(send: Send, status: int, content: Any) -> None:

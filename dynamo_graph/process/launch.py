@@ -56,7 +56,13 @@ _PARALLELISM = (
     "extra_engine_args",
 )
 # The HTTP frontend's own: nothing to apply them to without in=http.
-_HTTP_ONLY = ("http_body_limit_mb", "max_concurrent_requests", "request_timeout_s", "api_key")
+_HTTP_ONLY = (
+    "http_body_limit_mb",
+    "max_concurrent_requests",
+    "request_timeout_s",
+    "api_key",
+    "http_processes",
+)
 
 
 def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
@@ -146,7 +152,9 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
+    from dynamo_graph.frontend.group import membership
     from dynamo_graph.frontend.server import SHUTDOWN_GRACE_S, listen, make_server
+    from dynamo_graph.frontend.settings import GROUP_ENV
 
     app = frontend_app(cfg, registry, lora)
     try:
@@ -166,7 +174,9 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
         )
-    await server.serve(sockets)
+    async with membership(os.environ.get(GROUP_ENV), app.metrics.registry) as group:
+        app.metrics.group = group
+        await server.serve(sockets)
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:
@@ -349,6 +359,12 @@ async def run_async(cfg: RunConfig) -> int:
 
 
 def run(cfg: RunConfig) -> int:
+    from dynamo_graph.frontend.settings import GROUP_ENV
+
+    if cfg.input == "http" and cfg.http.processes > 1 and GROUP_ENV not in os.environ:
+        from dynamo_graph.process.http_group import run_group
+
+        return run_group(cfg)
     try:
         import uvloop
 

@@ -338,10 +338,13 @@ async def _listed(frontend: Runner) -> Listed | None:
         return None
     try:
         async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
-            status, _, body = await probes.http_get(frontend.spec.readiness.target, proc.open_connection)
+            target = frontend.spec.readiness.target
+            status, headers, body = await probes.http_get(target, proc.open_connection)
         health = json.loads(body)
     except (OSError, TimeoutError, ValueError, IndexError):
         return None
+    if headers.get(probes.PID_HEADER, str(proc.pid)) != str(proc.pid):
+        return None  # another process on the port answered (a replica): ask again
     details = health.get("details") if isinstance(health, dict) else None
     if not isinstance(details, dict):
         return Listed(set(), set()) if status in (200, 503) else None
