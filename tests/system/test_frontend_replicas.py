@@ -1,0 +1,176 @@
+"""A frontend with `replicas: 2` (issue 27): two processes on one port (SO_REUSEPORT), each with
+its own KV router fed by the same KV events. `dyngraph up` of the CI graph mocker-kv.yaml (two
+mocker workers, kv routing) on real processes; the official `openai` client, a new connection per
+request unless a test pins one; which process answered is its `x-dyngraph-pid` header."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.local_graph import Graph
+from tests.support.processes import pid_alive
+from tests.support.routing import opening_messages
+from tests.support.waiting import wait_for
+
+PID = "x-dyngraph-pid"
+MODEL = "tiny-model"
+
+
+@pytest.fixture
+def graph(tmp_path: Path, tiny_model: Path) -> Iterator[Graph]:
+    graph = Graph("mocker-kv.yaml", tmp_path, tiny_model)
+    try:
+        up = graph.up("+components.frontend.replicas=2")
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield graph
+    finally:
+        graph.cli("down", timeout=90)
+
+
+def _client(graph: Graph, *, keep_alive: bool = False) -> openai.OpenAI:
+    """No retries; without keep-alive every request opens a new connection (any process may take it)."""
+    limits = httpx.Limits(max_keepalive_connections=None if keep_alive else 0)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{graph.port}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(timeout=30, limits=limits),
+    )
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = 8) -> tuple[int, dict]:
+    """(the pid of the process that answered, the answer)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens
+    )
+    return int(raw.headers[PID]), raw.parse().model_dump()
+
+
+def _frontend_pids(graph: Graph) -> dict[str, int]:
+    return {name: r["pid"] for name, r in graph.processes().items() if r["component"] == "frontend"}
+
+
+def test_both_processes_serve_one_port_and_one_scrape_counts_both(graph: Graph) -> None:
+    pids = _frontend_pids(graph)
+    assert sorted(pids) == ["frontend-0", "frontend-1"], pids
+    status = graph.cli("status")
+    assert "frontend-0" in status.stdout and "frontend-1" in status.stdout, status.stdout
+    client = _client(graph)
+    answered: dict[int, int] = {}
+    for n in range(40):
+        pid, body = _chat(client, [{"role": "user", "content": f"hello {n}"}])
+        assert body["choices"][0]["finish_reason"] == "length"
+        answered[pid] = answered.get(pid, 0) + 1
+        if len(answered) == 2 and n >= 9:
+            break
+    assert set(answered) == set(pids.values()), (answered, pids)
+    metrics = httpx.get(f"http://127.0.0.1:{graph.port}/metrics", timeout=10).text
+    assert "dynamo_frontend_group_processes 2.0" in metrics
+    for pid, count in answered.items():
+        line = (
+            f'dynamo_frontend_requests_total{{endpoint="chat_completions",model="{MODEL}",pid="{pid}",'
+            f'request_type="unary",status="success"}} {float(count)}'
+        )
+        assert line in metrics, metrics
+
+
+def test_follow_up_turns_through_either_process_find_the_prefix_holder(graph: Graph) -> None:
+    """Each conversation's first turn lands on one process; its follow-ups are sent until one
+    lands on the other, and every one is routed to the worker caching the conversation (the
+    mocker reports the cached prompt tokens). A router that did not hear the other process's
+    conversations would pick by load: half of them on the wrong worker."""
+    client = _client(graph)
+    crossed = 0
+    for conv in range(6):
+        messages = opening_messages(conv)
+        first_pid, first = _chat(client, messages, max_tokens=24)
+        messages.append({"role": "assistant", "content": first["choices"][0]["message"]["content"]})
+        messages.append({"role": "user", "content": "Follow-up: can you check again?"})
+        for _ in range(16):
+            pid, body = _chat(client, messages)
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # Everything up to the first turn's answer is cached there (whole 16-token blocks).
+            assert cached >= first["usage"]["prompt_tokens"] - 16, (conv, pid, first_pid, body["usage"])
+            if pid != first_pid:
+                crossed += 1
+                break
+    assert crossed == 6, f"only {crossed} of 6 conversations reached the other process"
+    # Both workers held conversations (on one alone, any router would have found the prefix).
+    served = _requests_per_worker(graph)
+    assert len(served) == 2 and all(served.values()), served
+
+
+def _requests_per_worker(graph: Graph) -> dict[str, int]:
+    """Requests per worker instance, summed over both processes' /health (each counts its own)."""
+    seen: dict[str, dict[str, int]] = {}
+    for _ in range(40):
+        resp = httpx.get(f"http://127.0.0.1:{graph.port}/health", timeout=10)  # a new connection
+        instances = resp.json()["details"][MODEL]["instances"]
+        seen[resp.headers[PID]] = {i["instance_id"]: i["requests"] for i in instances}
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2, seen
+    total: dict[str, int] = {}
+    for counts in seen.values():
+        for instance, n in counts.items():
+            total[instance] = total.get(instance, 0) + n
+    return total
+
+
+def test_a_killed_process_loses_no_request_of_the_other_and_comes_back(graph: Graph) -> None:
+    # One kept-alive connection, so every request goes to its process (unary: a streamed answer
+    # that the openai client stops reading at [DONE] closes its connection).
+    pinned = _client(graph, keep_alive=True)
+    survivor, _ = _chat(pinned, [{"role": "user", "content": "pin"}])
+    pids = _frontend_pids(graph)
+    victim_name, victim = next((n, p) for n, p in pids.items() if p != survivor)
+    failures: list[str] = []
+    served = 0
+    done = threading.Event()
+
+    def load() -> None:
+        nonlocal served
+        while not done.is_set():
+            try:
+                pid, body = _chat(pinned, [{"role": "user", "content": f"pinned {served}"}], max_tokens=16)
+                assert pid == survivor and body["usage"]["completion_tokens"] == 16, (pid, body)
+                served += 1
+            except Exception as err:  # every failure counts
+                failures.append(repr(err))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    wait_for(lambda: served >= 5, 30, "streams through the survivor")
+    os.kill(victim, signal.SIGKILL)
+    # Once it is gone its listener is too (until then a connection queued there is reset: the
+    # kernel's race, not the frontend's).
+    wait_for(lambda: not pid_alive(victim), 10, "the killed process gone")
+    fresh = _client(graph)
+    after_kill = [_chat(fresh, [{"role": "user", "content": f"after {n}"}])[0] for n in range(10)]
+    assert set(after_kill) == {survivor}  # new connections: only the survivor listens
+
+    def restarted() -> bool:
+        record = graph.processes()[victim_name]
+        return record["state"] == "ready" and record["pid"] not in (None, victim) and record["restarts"] == 1
+
+    wait_for(restarted, 60, f"{victim_name} restarted")
+    before = served
+    wait_for(lambda: served >= before + 5, 30, "more streams through the survivor")
+    done.set()
+    thread.join(30)
+    assert failures == [] and served > 10, (failures, served)
+    comeback = graph.processes()[victim_name]["pid"]
+    status = graph.cli("status").stdout
+    row = next(line for line in status.splitlines() if victim_name in line)
+    cells = [c.strip() for c in row.replace("│", "|").split("|") if c.strip()]
+    assert cells[:5] == [victim_name, "local", str(comeback), "ready", "1"], status
+    seen = {_chat(fresh, [{"role": "user", "content": f"back {n}"}])[0] for n in range(40)}
+    assert comeback in seen, (seen, comeback)
