@@ -15,6 +15,15 @@ and it can only sum, max or list gauges; the routers' gauges (a worker's fitted 
 backlog as one process sees it) mean nothing summed. Here the request path is untouched and the
 cost falls on the scrape: one local round trip per process.
 
+Metrics are all the members share. Each has its own router: its index of the workers' caches
+agrees with the others' because each subscribes to the same KV events; its in-flight load is its
+own booking of the requests it routed, and the others' show through the workers' load reports
+(router/kv/reported.py), the larger of the two counting. That count is off by at most what reached
+or left a worker during one report's age (~5-10 ms on one host), by any member; without load
+reports (`router.cost: dynamo`, no queue) a member sees only its own 1/N of the load.
+docs/frontend-scaling.md says more, and what else stays per process (the queue, session
+affinity, the index of a member that started later).
+
 A process that does not answer within `PEER_TIMEOUT_S` is left out of that scrape (its series
 are missing, not zero); a socket left by a killed process is removed by the next scrape.
 `dynamo_frontend_group_processes` says how many processes answered.

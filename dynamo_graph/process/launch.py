@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 WAIT_FOR_MODEL_S = 60.0
+SETTLE_S = 10.0  # a frontend builds the models discovery lists before it joins its port, this long at most
 console = Console(stderr=True, soft_wrap=True)
 
 # Settings of a worker (in=dyn://) that an in-process engine has no use for.
@@ -317,6 +318,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
     lora = LoraAdmin(watcher)
     try:
         if cfg.input == "http":
+            await watcher.settled(SETTLE_S)
             await _serve_http(cfg, registry, lora)
             return 0
         return await _drive_input(cfg, await _first_model(registry, WAIT_FOR_MODEL_S), echo=False)

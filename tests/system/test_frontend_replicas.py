@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.local_graph import Graph
 from tests.support.processes import pid_alive
+from tests.support.rolling_load import StreamingLoad
 from tests.support.routing import opening_messages
 from tests.support.waiting import wait_for
 
@@ -174,3 +175,29 @@ def test_a_killed_process_loses_no_request_of_the_other_and_comes_back(graph: Gr
     assert cells[:5] == [victim_name, "local", str(comeback), "ready", "1"], status
     seen = {_chat(fresh, [{"role": "user", "content": f"back {n}"}])[0] for n in range(40)}
     assert comeback in seen, (seen, comeback)
+
+
+def test_rolling_and_scaling_replicated_frontends_fail_nothing(graph: Graph) -> None:
+    """A changed frontend's replicas are replaced one at a time, each new process beside its
+    old one on the port; scaling to 3 adds one, back to 1 retires two. Streamed load throughout."""
+    url = f"http://127.0.0.1:{graph.port}/v1"
+    with StreamingLoad(url, MODEL) as load:
+        load.wait_for_requests(20)
+        before = _frontend_pids(graph)
+        rolled = graph.up("+components.frontend.replicas=2", "+components.frontend.limits.model_wait_s=20")
+        assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+        assert "~ frontend-0" in rolled.stdout and "~ frontend-1" in rolled.stdout, rolled.stdout
+        after = _frontend_pids(graph)
+        assert set(after) == set(before) and not set(after.values()) & set(before.values()), (before, after)
+        load.wait_for_requests(20)
+        grown = graph.up("+components.frontend.replicas=3", "+components.frontend.limits.model_wait_s=20")
+        assert grown.returncode == 0 and "+ frontend-2" in grown.stdout, grown.stdout + grown.stderr
+        assert _frontend_pids(graph)["frontend-1"] == after["frontend-1"]  # untouched
+        load.wait_for_requests(20)
+        shrunk = graph.up("+components.frontend.limits.model_wait_s=20")  # replicas: 1
+        assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+        assert "- frontend-1" in shrunk.stdout and "- frontend-2" in shrunk.stdout, shrunk.stdout
+        assert sorted(_frontend_pids(graph)) == ["frontend-0"]
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
