@@ -3,7 +3,7 @@
 A frontend with `replicas: N` (or `dyngraph run --http-processes N`) is N processes on one port
 (SO_REUSEPORT): the kernel gives each new connection to one of them, so a scrape reaches one
 process, at random. Each process also listens on a Unix socket of its group's folder
-(`<tmp>/dyngraph-<uid>/frontend-groups/<group>/<pid>.sock`, private to the user); the process
+(`<tmp>/dyngraph-frontends-<uid>/<group>/<pid>.sock`, private to the user); the process
 that takes a scrape asks every other one there for its metrics and answers for all of them, each
 series labelled with its process's `pid`, so one scrape holds the whole frontend and PromQL sums
 it (`sum by (model) (rate(dynamo_frontend_requests_total[1m]))`).
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -48,17 +49,23 @@ log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 2.0
 PID_LABEL = "pid"
+MAX_GROUP_NAME = 32
 _Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]  # name, doc, type, unit, samples
 
 
 def group_dir(group: str) -> Path:
-    """The folder where the members of `group` put their sockets (made private to this user)."""
-    root = Path(tempfile.gettempdir()) / f"dyngraph-{os.getuid()}"
+    """The folder where the members of `group` put their sockets, in one private to this user.
+    A long group name is hashed: a Unix socket's path holds 107 bytes at most."""
+    root = Path(tempfile.gettempdir()) / f"dyngraph-frontends-{os.getuid()}"
     root.mkdir(mode=0o700, exist_ok=True)
-    if root.stat().st_uid != os.getuid() or root.stat().st_mode & 0o077:
-        raise PermissionError(f"{root} must belong to this user alone")
-    path = root / "frontend-groups" / group.replace("/", "_")
-    path.mkdir(parents=True, exist_ok=True)
+    info = root.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{root} must belong to this user alone (mode 700)")
+    name = group.replace("/", "_")
+    if len(name) > MAX_GROUP_NAME:
+        name = hashlib.sha256(group.encode()).hexdigest()[:MAX_GROUP_NAME]
+    path = root / name
+    path.mkdir(exist_ok=True)
     return path
 
 
@@ -130,7 +137,12 @@ class FrontendGroup(Collector):
 
     async def scrape(self) -> bytes:
         """Every member's metrics, each series labelled with its process's pid."""
-        peers = [n for n in os.listdir(self.dir) if n.endswith(".sock") and n != self.path.name]
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:  # someone removed the folder: this process answers for itself
+            log.warning("%s is gone: /metrics answers for this process alone", self.dir)
+            names = []
+        peers = [n for n in names if n.endswith(".sock") and n != self.path.name]
         answers = [(self.member, _families(self.registry))]
         answers += [a for a in await asyncio.gather(*(self._ask(p) for p in peers)) if a is not None]
         self._merged = _merge(sorted(answers))

@@ -65,3 +65,15 @@ def test_without_a_group_the_scrape_is_the_process_own() -> None:
     _requests(metrics, 1)
     text = asyncio.run(metrics.scrape())
     assert text == metrics.render() and b'pid="' not in text
+
+
+def test_a_long_group_name_still_fits_a_socket_path() -> None:
+    async def start_and_scrape() -> bytes:
+        member = FrontendGroup("ns-" + "x" * 200 + ".frontend", FrontendMetrics().registry, member=7)
+        await member.start()  # a 200-character folder would pass the 107 bytes of a socket path
+        try:
+            return await member.scrape()
+        finally:
+            await member.close()
+
+    assert b"dynamo_frontend_group_processes 1.0" in asyncio.run(start_and_scrape())
