@@ -223,8 +223,10 @@ class _LoadPoint:
 
 
 def _processes_row(
-    processes: int, load: _LoadPoint, parts: list[dict], frontend_cpu: float, workers_cpu: float
+    processes: int, load: _LoadPoint, parts: list[dict], process_cpu: list[float], workers_cpu: float
 ) -> dict:
+    """`process_cpu`: CPU seconds of each frontend process (the group's parent too)."""
+    frontend_cpu = sum(process_cpu)
     ok = sum(part["ok"] for part in parts)
     wall = max(part["wall_s"] for part in parts)
     ttft = [t for part in parts for t in part["ttft"]]
@@ -243,6 +245,10 @@ def _processes_row(
         "frontend_cpu_ms_per_request": round(frontend_cpu * 1000 / max(ok, 1), 3),
         "workers_cpu_ms_per_request": round(workers_cpu * 1000 / max(ok, 1), 3),
         "frontend_cpu_cores_busy": round(frontend_cpu / wall, 2),
+        # Each process's share: an even split says the kernel spreads connections over the port.
+        "frontend_cpu_share_per_process": sorted(
+            (round(c / max(frontend_cpu, 1e-9), 3) for c in process_cpu), reverse=True
+        ),
     }
 
 
@@ -303,7 +309,7 @@ def compare_processes(args: argparse.Namespace) -> int:
                         cpu0 = {p: cpu_seconds(p) for p in pids + [w.pid for w in workers]}
                         parts = load.run(args.requests, args.max_seconds)
                         cpu = {p: cpu_seconds(p) - cpu0[p] for p in cpu0}
-                        fe_cpu = sum(cpu[p] for p in pids)
+                        fe_cpu = [cpu[p] for p in pids]
                         row = _processes_row(n, load, parts, fe_cpu, sum(cpu[w.pid] for w in workers))
                         rows.append(row)
                         print(json.dumps(row), flush=True)
