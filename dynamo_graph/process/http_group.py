@@ -5,7 +5,8 @@ each a member of one group (`DYN_FRONTEND_GROUP`), so each binds the port beside
 (SO_REUSEPORT) and answers /metrics for all of them (frontend/group.py). One that exits is
 started again after a backoff while the others serve; one that keeps exiting at once (a taken
 port, a bad flag) stops the group. SIGINT or SIGTERM is passed on as SIGTERM, and the group
-exits once every process finished its streams (each has its own grace, DYN_SHUTDOWN_GRACE_S).
+exits once every process finished its streams (each has its own grace, DYN_SHUTDOWN_GRACE_S);
+if it is killed outright, its processes get SIGTERM from the kernel (Linux's parent-death signal).
 
 A graph's frontend with `replicas: N` gets the same processes from the supervisor instead, one
 process spec each (graph/compile.py), so `dyngraph status` lists them and rollouts replace them.
@@ -14,6 +15,8 @@ process spec each (graph/compile.py), so `dyngraph status` lists them and rollou
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -33,6 +36,16 @@ SOON_S = 10.0  # an exit this soon after the start counts as "at once"
 GIVE_UP_AFTER = 5  # exits at once in a row, of one process, that stop the group
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _end_with_parent() -> None:
+    """In each child before it runs: SIGTERM when the group's process dies, by kill -9 too, so
+    no orphan keeps the port (Linux; elsewhere an orphan serves on until stopped)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class _Group:
     def __init__(self, cfg: RunConfig) -> None:
         self.size = cfg.http.processes
@@ -48,7 +61,9 @@ class _Group:
         backoff, soon = BACKOFF_S, 0
         while True:
             started = loop.time()
-            proc = self.procs[index] = await asyncio.create_subprocess_exec(*self.argv, env=self.env)
+            proc = self.procs[index] = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.env, preexec_fn=_end_with_parent
+            )
             if self.stopping.is_set():  # the signal came while it was starting
                 proc.send_signal(signal.SIGTERM)
             code = await proc.wait()

@@ -16,7 +16,14 @@ import openai
 import pytest
 
 from tests.support.local_graph import Graph
-from tests.support.processes import pid_alive
+from tests.support.processes import (
+    DYNGRAPH,
+    ServerProcess,
+    WorkerProcess,
+    embedded_planes_env,
+    pid_alive,
+    port_refuses,
+)
 from tests.support.rolling_load import StreamingLoad
 from tests.support.routing import opening_messages
 from tests.support.waiting import wait_for
@@ -201,3 +208,45 @@ def test_rolling_and_scaling_replicated_frontends_fail_nothing(graph: Graph) -> 
         load.wait_for_requests(20)
     result = load.result
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+
+
+def _children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").glob("*/children") for c in task.read_text().split()}
+
+
+def test_dyngraph_run_http_processes_keeps_its_processes_running(tmp_path: Path, tiny_model: Path) -> None:
+    """`dyngraph run in=http --http-processes 2`: both serve the port, one killed comes back, and
+    SIGTERM to the group ends them all; so does a kill -9 of the group (no orphan keeps the port)."""
+    planes = embedded_planes_env(tmp_path, zmq_events=True)
+    argv = [*DYNGRAPH, "run", "in=dyn://run.mocker.generate", "out=mocker", str(tiny_model)]
+    worker = WorkerProcess(argv, env=planes, log_dir=tmp_path)
+    groups = [ServerProcess(["out=auto", "--http-processes", "2"], env=planes, log_dir=tmp_path)]
+    try:
+        group = groups[0]
+        group.wait_ready()
+
+        def answering() -> set[int]:
+            return {int(httpx.get(f"{group.base_url}/health", timeout=5).headers[PID]) for _ in range(20)}
+
+        first = _children(group.proc.pid)
+        assert len(first) == 2
+        wait_for(lambda: answering() == first, 30, "both processes answering")
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: len(_children(group.proc.pid) - first) == 1, 30, "a new process")
+        wait_for(lambda: answering() == _children(group.proc.pid), 30, "the new process answering")
+        ended = first | _children(group.proc.pid)
+        assert group.stop() == 0, group.log()
+        assert not any(pid_alive(p) for p in ended) and port_refuses(group.port), group.log()
+
+        groups.append(ServerProcess(["out=auto", "--http-processes", "2"], env=planes, log_dir=tmp_path))
+        killed = groups[-1]
+        killed.wait_ready()
+        wait_for(lambda: len(_children(killed.proc.pid)) == 2, 30, "two processes")
+        orphans = _children(killed.proc.pid)
+        killed.proc.kill()
+        wait_for(lambda: not any(pid_alive(p) for p in orphans), 30, "its processes ended with it")
+    finally:
+        for group in groups:
+            group.stop()
+        worker.stop()
