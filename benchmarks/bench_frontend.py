@@ -269,6 +269,7 @@ def _print_processes_summary(rows: list[dict]) -> None:
 
 def compare_processes(args: argparse.Namespace) -> int:
     """1 vs N frontend processes on one port, mocker workers behind (see the module docstring)."""
+    load_before = os.getloadavg()  # others' work on the machine shows in every figure: recorded
     counts = [int(n) for n in args.frontend_processes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     clients = args.clients or max(1, (os.cpu_count() or 1) // 4)
@@ -346,6 +347,7 @@ def compare_processes(args: argparse.Namespace) -> int:
             "router_mode": args.router_mode,
             "client_processes": clients,
         },
+        "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
     }
     _print_processes_summary(rows)
