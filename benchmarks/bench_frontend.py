@@ -11,18 +11,33 @@ Results: benchmarks/results/frontend.json (frontend_apis.json with --apis: the s
 as a chat completion, a Responses call and a Messages call on one server, and each one's server
 CPU per request as a ratio to the chat completion's; issue 19's target is at most 1.15).
 Target (notes/PERF.md): Dynamo's Rust frontend spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
+
+With --frontend-processes 1,2,4,8 it measures instead a frontend of N processes on one port
+(`dyngraph run in=http out=auto --http-processes N`, docs/frontend-scaling.md) in front of
+mocker workers at speedup 10000: req/s and CPU-ms per request of all its processes together
+(from /proc), each N against N=1 of the same run, with new connections and with keep-alive.
+The load comes from --clients processes (a single Python client tops out near 1-2k req/s).
+
+    python benchmarks/bench_frontend.py --model .cache/tiny-model --frontend-processes 1,2,4,8 \
+        --concurrency 64 --workers 4 --clients 4 --max-seconds 15
+Results: benchmarks/results/frontend_processes.json (with the commit and the machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from dynamo_graph.bench.loadgen import Request, Target, run_closed
+from dynamo_graph.bench.provenance import git_of, provenance
 from dynamo_graph.bench.report import write_json
 from dynamo_graph.bench.stats import percentile
 from dynamo_graph.bench.stream import Result
@@ -146,6 +162,199 @@ def measure(
     }
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (a frontend of N processes: its group and their children)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in task.read_text().split()]
+    return found
+
+
+def _client_share(port: int, keep_alive: bool, concurrency: int, requests: int, max_seconds: float) -> dict:
+    """One client process's part of a load point (run in a process pool)."""
+    target = Target("127.0.0.1", port, "/v1/chat/completions", keep_alive=keep_alive)
+    bodies = [Request(STREAM_BODY) for _ in range(requests)]
+    run = asyncio.run(run_closed(target, bodies, concurrency=concurrency, max_seconds=max_seconds))
+    ok = [r for r in run.results if r.ok]
+    return {
+        "requests": len(run.results),
+        "ok": len(ok),
+        "wall_s": run.wall_s,
+        "tokens": sum(r.tokens for r in ok),
+        "ttft": [r.ttft for r in ok],
+        "errors": sorted({r.error for r in run.results if not r.ok})[:3],
+    }
+
+
+def _wait_for_processes(port: int, processes: int, timeout_s: float = 120.0) -> set[int]:
+    """Until `processes` distinct frontend processes answered /health 200 (each found the model)."""
+    answered: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(answered) < processes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(answered)} of {processes} frontend processes are ready")
+        with contextlib.suppress(httpx.TransportError):
+            resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # a new connection each
+            if resp.status_code == 200:
+                answered.add(int(resp.headers["x-dyngraph-pid"]))
+                continue
+        time.sleep(0.1)
+    return answered
+
+
+class _LoadPoint:
+    """One load point, split over the client processes of `pool`."""
+
+    def __init__(
+        self, pool: concurrent.futures.Executor, clients: int, port: int, keep_alive: bool, concurrency: int
+    ) -> None:
+        self.pool, self.clients, self.port = pool, clients, port
+        self.keep_alive, self.concurrency = keep_alive, concurrency
+
+    def run(self, requests: int, seconds: float) -> list[dict]:
+        each = max(self.concurrency // self.clients, 1), max(requests // self.clients, 1)
+        share = (self.port, self.keep_alive, *each, seconds)
+        jobs = [self.pool.submit(_client_share, *share) for _ in range(self.clients)]
+        return [job.result() for job in jobs]
+
+
+def _processes_row(
+    processes: int, load: _LoadPoint, parts: list[dict], process_cpu: list[float], workers_cpu: float
+) -> dict:
+    """`process_cpu`: CPU seconds of each frontend process (the group's parent too)."""
+    frontend_cpu = sum(process_cpu)
+    ok = sum(part["ok"] for part in parts)
+    wall = max(part["wall_s"] for part in parts)
+    ttft = [t for part in parts for t in part["ttft"]]
+    return {
+        "frontend_processes": processes,
+        "keep_alive": load.keep_alive,
+        "concurrency": load.concurrency,
+        "clients": load.clients,
+        "requests": sum(part["requests"] for part in parts),
+        "ok": ok,
+        "errors": sorted({e for part in parts for e in part["errors"]})[:3],
+        "events_per_request": round(sum(p["tokens"] for p in parts) / max(ok, 1), 1),
+        "rps": round(ok / wall, 1),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 2),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 2),
+        "frontend_cpu_ms_per_request": round(frontend_cpu * 1000 / max(ok, 1), 3),
+        "workers_cpu_ms_per_request": round(workers_cpu * 1000 / max(ok, 1), 3),
+        "frontend_cpu_cores_busy": round(frontend_cpu / wall, 2),
+        # Each process's share: an even split says the kernel spreads connections over the port.
+        "frontend_cpu_share_per_process": sorted(
+            (round(c / max(frontend_cpu, 1e-9), 3) for c in process_cpu), reverse=True
+        ),
+    }
+
+
+def _print_processes_summary(rows: list[dict]) -> None:
+    print(
+        f"\n{'procs':>5} {'conn':>10} {'c':>4} {'req/s':>8} {'x':>5} {'fe CPU-ms/req':>13} {'x':>5} "
+        f"{'fe cores':>8} {'wk CPU-ms/req':>13} {'TTFT p50':>9} ok/sent"
+    )
+    for r in rows:
+        conn = "keep-alive" if r["keep_alive"] else "new"
+        print(
+            f"{r['frontend_processes']:>5} {conn:>10} {r['concurrency']:>4} {r['rps']:>8} "
+            f"{r['rps_ratio_to_first']:>5} {r['frontend_cpu_ms_per_request']:>13} "
+            f"{r['cpu_ratio_to_first']:>5} {r['frontend_cpu_cores_busy']:>8} "
+            f"{r['workers_cpu_ms_per_request']:>13} {r['ttft_p50_ms']:>7}ms {r['ok']}/{r['requests']}"
+        )
+
+
+def compare_processes(args: argparse.Namespace) -> int:
+    """1 vs N frontend processes on one port, mocker workers behind (see the module docstring)."""
+    load_before = os.getloadavg()  # others' work on the machine shows in every figure: recorded
+    counts = [int(n) for n in args.frontend_processes.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    clients = args.clients or max(1, (os.cpu_count() or 1) // 4)
+    planes = tempfile.mkdtemp(prefix="bench-frontend-")
+    env = {
+        **os.environ,
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": f"{planes}/discovery",
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "PYTHONHASHSEED": "0",
+        "DYN_LOG": "warn",
+    }
+    engine_args = Path(planes) / "mocker.json"
+    engine_args.write_text(
+        json.dumps({"speedup_ratio": args.speedup, "block_size": 16, "num_gpu_blocks": 65536})
+    )
+    dyngraph = [sys.executable, "-m", "dynamo_graph", "run"]
+    worker_argv = [*dyngraph, "in=dyn://bench.mocker.generate", "out=mocker", args.model]
+    worker_argv += ["--model-name", "bench", "--extra-engine-args", str(engine_args)]
+    workers = [subprocess.Popen(worker_argv, env=env, stdout=subprocess.DEVNULL) for _ in range(args.workers)]
+    rows: list[dict] = []
+    pool = concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        list(pool.map(time.sleep, [0.0] * clients))  # the client processes exist before any timing
+        for n in counts:
+            port = free_port()
+            frontend_argv = [*dyngraph, "in=http", "out=auto", "--http-port", str(port)]
+            frontend_argv += ["--http-processes", str(n), "--router-mode", args.router_mode]
+            frontend = subprocess.Popen(frontend_argv, env=env, stdout=subprocess.DEVNULL)
+            try:
+                _wait_for_processes(port, n)
+                pids = descendants(frontend.pid)
+                for keep_alive in (False, True):
+                    for c in levels:
+                        load = _LoadPoint(pool, clients, port, keep_alive, c)
+                        load.run(min(args.requests, 4 * c), 10)  # warm-up: connections, caches; not counted
+                        cpu0 = {p: cpu_seconds(p) for p in pids + [w.pid for w in workers]}
+                        parts = load.run(args.requests, args.max_seconds)
+                        cpu = {p: cpu_seconds(p) - cpu0[p] for p in cpu0}
+                        fe_cpu = [cpu[p] for p in pids]
+                        row = _processes_row(n, load, parts, fe_cpu, sum(cpu[w.pid] for w in workers))
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            finally:
+                frontend.terminate()
+                frontend.wait(timeout=60)
+    finally:
+        pool.shutdown()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(timeout=30)
+        shutil.rmtree(planes, ignore_errors=True)
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["frontend_processes"] == counts[0]
+            and (r["keep_alive"], r["concurrency"]) == (row["keep_alive"], row["concurrency"])
+        )
+        row["rps_ratio_to_first"] = round(row["rps"] / max(base["rps"], 1e-9), 2)
+        row["cpu_ratio_to_first"] = round(
+            row["frontend_cpu_ms_per_request"] / max(base["frontend_cpu_ms_per_request"], 1e-9), 2
+        )
+    result = {
+        "benchmark": "frontend_processes_streaming_chat_mocker",
+        **provenance(),
+        "git": git_of(Path(__file__)),
+        "workload": {
+            "output_tokens": 64,
+            "engine": "mocker",
+            "speedup_ratio": args.speedup,
+            "workers": args.workers,
+            "router_mode": args.router_mode,
+            "client_processes": clients,
+        },
+        "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "rows": rows,
+    }
+    _print_processes_summary(rows)
+    print(f"wrote {write_json(Path(args.out), result)}")
+    return 0
+
+
 def compare_apis(args: argparse.Namespace, argv: list[str], port: int) -> int:
     """Server CPU per streamed request, chat vs Responses vs Messages, on one echo_core server;
     the routes take turns for `--rounds` rounds so that load from others on the machine falls on
@@ -218,11 +427,29 @@ def main() -> int:
     )
     parser.add_argument("--apis", action="store_true", help="compare chat, Responses and Messages instead")
     parser.add_argument("--rounds", type=int, default=3, help="with --apis: rounds of taking turns")
+    parser.add_argument(
+        "--frontend-processes",
+        default=None,
+        help="e.g. 1,2,4,8: measure a frontend of that many processes against mocker workers instead",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="with --frontend-processes: mocker workers")
+    parser.add_argument(
+        "--speedup", type=float, default=10000.0, help="with --frontend-processes: mocker speedup"
+    )
+    parser.add_argument(
+        "--clients", type=int, default=0, help="with --frontend-processes: load processes (default cores/4)"
+    )
+    parser.add_argument("--router-mode", default="round-robin", choices=["round-robin", "random", "kv"])
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/...)")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results"
     if args.out is None:
-        args.out = str(results / ("frontend_apis.json" if args.apis else "frontend.json"))
+        name = (
+            "frontend_apis" if args.apis else "frontend_processes" if args.frontend_processes else "frontend"
+        )
+        args.out = str(results / f"{name}.json")
+    if args.frontend_processes:
+        return compare_processes(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     body = STREAM_BODY
 

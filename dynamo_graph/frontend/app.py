@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,7 @@ from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
-from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send
+from dynamo_graph.frontend.openai_asgi import PID_HEADER, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -114,7 +113,7 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: ApiKeys
 
     @api.get("/metrics", response_model=None, response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=PROMETHEUS_TEXT)
+        return Response(await metrics.scrape(), media_type=PROMETHEUS_TEXT)
 
     default_openapi = api.openapi
 
@@ -130,7 +129,7 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: ApiKeys
 def pid_header() -> tuple[bytes, bytes]:
     """`x-dyngraph-pid` on the probes' answers: two frontends of a graph share a port while one
     replaces the other (server.py), and the supervisor's readiness probe must know which answered."""
-    return (b"x-dyngraph-pid", str(os.getpid()).encode())
+    return PID_HEADER
 
 
 async def _send_json(send: Send, status: int, content: Any) -> None:

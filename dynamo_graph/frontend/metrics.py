@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -134,11 +135,17 @@ class ModelMetrics:
         self.requests[key] = self.requests.get(key, 0) + 1
 
 
+class Scraper(Protocol):
+    async def scrape(self) -> bytes: ...
+
+
 class FrontendMetrics(Collector):
     def __init__(self) -> None:
         self.models: dict[str, ModelMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        # The frontend processes sharing this one's port (group.py), which /metrics answers for.
+        self.group: Scraper | None = None
 
     def model(self, name: str) -> ModelMetrics:
         metrics = self.models.get(name)
@@ -148,6 +155,10 @@ class FrontendMetrics(Collector):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """What /metrics answers: this process's metrics, or its group's (every process's)."""
+        return self.render() if self.group is None else await self.group.scrape()
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -39,6 +39,7 @@ passes one. Refused workers are listed in /health as `refused`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -194,6 +195,8 @@ class ModelWatcher:
         self._refused: dict[str, tuple[str, bool, bytes]] = {}  # card key -> (model, prefill?, card)
         labels = kv_config.instance_labels if kv_config is not None else None
         self.labels = parse_labels(labels, "--router-instance-labels") if labels else {}
+        self._handled: set[str] = set()  # card keys whose latest event was taken in (`settled`)
+        self._took_one = asyncio.Event()
 
     async def run(self) -> None:
         discovery = self.runtime.discovery
@@ -203,6 +206,22 @@ class ModelWatcher:
                 await self._added(event.key, event.value)
             else:
                 await self._removed(event.key)
+            self._handled.add(event.key)
+            self._took_one.set()
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until the cards in discovery now have been taken in (their models built, or refused),
+        at most `timeout_s`. A frontend joins its port only then: beside other frontends already
+        serving there (its replicas, or the run a rollout replaces), it would otherwise answer
+        404 for their models while it builds them."""
+        discovery = self.runtime.discovery
+        assert discovery is not None, "model discovery needs a discovery backend"
+        keys = set(await discovery.get_prefix(self.prefix))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not keys <= self._handled:
+                    self._took_one.clear()
+                    await self._took_one.wait()
 
     async def _added(self, key: str, value: bytes) -> None:
         try:

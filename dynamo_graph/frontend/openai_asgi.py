@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -49,7 +50,11 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-JSON_HEADERS = [(b"content-type", b"application/json")]
+# Which frontend process answered: processes share a port (a frontend's replicas, and a
+# rollout's old and new run), and tests, benchmarks and the supervisor's probes tell them apart.
+PID_HEADER = (b"x-dyngraph-pid", str(os.getpid()).encode())
+JSON_HEADERS = [(b"content-type", b"application/json"), PID_HEADER]
+STREAM_HEADERS = [*SSE_HEADERS, PID_HEADER]
 
 # Saturated: answered at once, never queued (a client retries after Retry-After).
 _RETRY_AFTER = [(b"retry-after", str(RETRY_AFTER_S).encode())]
@@ -423,7 +428,7 @@ class OpenAIHandler:
             async with asyncio.timeout_at(deadline):
                 async for delta in deltas:
                     if not started:
-                        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
                         started = True
                         head = writer.start()
                         if head:
@@ -456,7 +461,7 @@ class OpenAIHandler:
             return False
         # The stream ended without a finish reason: the client went away and we stopped.
         if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 

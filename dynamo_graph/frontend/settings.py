@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from dynamo_graph.options import SettingError, Spell, setting
 
+GROUP_ENV = "DYN_FRONTEND_GROUP"
+"""Set (to the group's name) in each of the frontend processes that share one port: they answer
+/metrics for the whole group (frontend/group.py). `dyngraph run --http-processes` sets it for
+its children, a graph's compiler for the replicas of a frontend."""
+
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
@@ -17,11 +22,18 @@ class HttpSettings:
     """Bind address; `0.0.0.0` to serve other machines."""
     port: int = setting(8080, flag="--http-port", ge=0, le=65535)
     """Port."""
+    processes: int = setting(1, flag="--http-processes", ge=1, le=256, in_graph=False)
+    """Frontend processes sharing the port (SO_REUSEPORT), each with its own router fed by the
+    same KV events and load reports, restarted if one dies (vLLM's `--api-server-count`, uvicorn's
+    `--workers`; a graph's frontend says `replicas`). Needs a fixed port and workers it
+    discovers (out=auto or dyn://); see docs/frontend-scaling.md."""
     api_key: str | None = setting(None, flag="--api-key", in_graph=False)
     """Require this key (a comma list for several) on /v1 routes; DYN_API_KEY keeps it out of
     `ps`, DYN_API_KEY_ENV names variables that hold keys."""
 
     def check(self, given: set[str], spell: Spell) -> None:
+        if self.processes > 1 and self.port == 0:
+            raise SettingError(f"{spell('processes')} needs a fixed {spell('port')}: the processes share it")
         if self.api_key is not None and not [k for k in self.api_key.split(",") if k.strip()]:
             raise SettingError(
                 f"{spell('api_key')} needs a key (or a comma list of keys)"

@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
-from dynamo_graph.frontend.settings import LimitSettings
+from dynamo_graph.frontend.settings import GROUP_ENV, LimitSettings
 from dynamo_graph.graph.plan import (
     AutoscalePolicy,
     Plan,
@@ -275,8 +275,7 @@ class _Compiler:
 
     def _process_names(self, component: str) -> list[str]:
         comp = self.graph.components[component]
-        replicas = comp.replicas if isinstance(comp, Worker) else 1
-        return [f"{component}-{i}" for i in range(replicas)]
+        return [f"{component}-{i}" for i in range(comp.replicas)]
 
     def _workdir(self, host: str) -> str:
         """Local: relative to the graph file. Remote: as written (the remote resolves `~`)."""
@@ -319,7 +318,7 @@ class _Compiler:
             return _file_path(local.python, self.graph_dir)
         return local.python
 
-    def frontend(self, name: str, comp: Frontend) -> ProcessSpec:
+    def frontend(self, name: str, comp: Frontend) -> list[ProcessSpec]:
         out = "auto"
         endpoints = {
             str(w.endpoint_name())
@@ -329,6 +328,8 @@ class _Compiler:
         serves_workers = bool(endpoints)
         if comp.models is not None and len(endpoints) == 1:
             out = endpoints.pop()  # serve just that endpoint's workers
+        # The component's one port, which every replica binds (named after the first for the
+        # ports a running graph already has).
         port_name = f"{name}-0.http"
         http_port = _port(comp.http.port, port_name)
         argv = [
@@ -353,31 +354,37 @@ class _Compiler:
         # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
         # and workers start in parallel; a frontend with no workers in the graph is ready when live.
         probe_url = f"http://{probe_host}:{http_port}{'/health' if serves_workers else '/live'}"
-        return ProcessSpec(
-            name=f"{name}-0",
-            component=name,
-            replica=0,
-            host=comp.host,
-            argv=argv,
-            env={
-                **self.planes_env(),
-                **self._host_env(comp.host),
-                # Streams in flight finish within this on SIGTERM (a rollout retiring the old run),
-                # before the supervisor's SIGKILL at shutdown_grace_s.
-                "DYN_SHUTDOWN_GRACE_S": _inner_grace(comp.shutdown_grace_s),
-                **dict(sorted(comp.env.items())),
-                **auth_env,
-            },
-            workdir=self._workdir(comp.host),
-            ports={port_name: comp.http.port},
-            depends_on=depends_on,
-            readiness=Probe("http", probe_url, comp.readiness.timeout_s),
-            restart=restart,
-            shutdown_grace_s=comp.shutdown_grace_s,
-            rollout=self._rollout(name),
-            rolls=True,  # the new frontend binds the same port (SO_REUSEPORT) before the old stops
-            shares_ports=True,
-        )
+        env = {
+            **self.planes_env(),
+            **self._host_env(comp.host),
+            # Streams in flight finish within this on SIGTERM (a rollout retiring the old run),
+            # before the supervisor's SIGKILL at shutdown_grace_s.
+            "DYN_SHUTDOWN_GRACE_S": _inner_grace(comp.shutdown_grace_s),
+            **dict(sorted(comp.env.items())),
+            **auth_env,
+        }
+        if comp.replicas > 1:  # replicas answer /metrics for each other (frontend/group.py)
+            env[GROUP_ENV] = f"{self.graph.namespace}.{name}"
+        return [
+            ProcessSpec(
+                name=f"{name}-{replica}",
+                component=name,
+                replica=replica,
+                host=comp.host,
+                argv=list(argv),
+                env=dict(env),
+                workdir=self._workdir(comp.host),
+                ports={port_name: comp.http.port},
+                depends_on=depends_on,
+                readiness=Probe("http", probe_url, comp.readiness.timeout_s),
+                restart=restart,
+                shutdown_grace_s=comp.shutdown_grace_s,
+                rollout=self._rollout(name),
+                rolls=True,  # the new frontend binds the same port (SO_REUSEPORT) before the old stops
+                shares_ports=True,
+            )
+            for replica in range(comp.replicas)
+        ]
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
         if worker.engine_args_file is not None:
@@ -584,7 +591,7 @@ class _Compiler:
         for name in sorted(self.graph.components):
             comp = self.graph.components[name]
             if isinstance(comp, Frontend):
-                processes.append(self.frontend(name, comp))
+                processes += self.frontend(name, comp)
             else:
                 processes += self.workers(name, comp)
         assert self.graph.namespace is not None

@@ -437,6 +437,11 @@ class Frontend(_Component):
     kind: Literal["frontend"]
     host: str = LOCAL
     """Host the frontend runs on (a key of `hosts`, or `local`)."""
+    replicas: int = Field(1, ge=1, le=256)
+    """Frontend processes on `host`, sharing the HTTP port (SO_REUSEPORT): `<key>-0` .. `<key>-N-1`
+    in `status`, each restarted on its own, each with its own router fed by the same KV events
+    and load reports; /metrics answers for all of them (--http-processes for `dyngraph run`; see
+    docs/frontend-scaling.md for the default and when to raise it)."""
     http: Http = Http()
     """HTTP listener."""
     router: Router = Router()

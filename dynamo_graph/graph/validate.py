@@ -317,9 +317,8 @@ def check_test_faults(graph: Graph) -> Iterator[Problem]:
     for i, check in enumerate(graph.tests or []):
         fault = check.fault
         comp = graph.components.get(fault.kill) if fault is not None else None
-        replicas = comp.replicas if isinstance(comp, Worker) else 1
-        if fault is not None and comp is not None and fault.replica >= replicas:
-            message = f"{fault.kill} runs {replicas} replica(s), counted from 0"
+        if fault is not None and comp is not None and fault.replica >= comp.replicas:
+            message = f"{fault.kill} runs {comp.replicas} replica(s), counted from 0"
             yield Problem(f"tests.{i}.fault.replica", message)
 
 

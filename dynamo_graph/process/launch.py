@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 WAIT_FOR_MODEL_S = 60.0
+SETTLE_S = 10.0  # a frontend builds the models discovery lists before it joins its port, this long at most
 console = Console(stderr=True, soft_wrap=True)
 
 # Settings of a worker (in=dyn://) that an in-process engine has no use for.
@@ -56,7 +57,13 @@ _PARALLELISM = (
     "extra_engine_args",
 )
 # The HTTP frontend's own: nothing to apply them to without in=http.
-_HTTP_ONLY = ("http_body_limit_mb", "max_concurrent_requests", "request_timeout_s", "api_key")
+_HTTP_ONLY = (
+    "http_body_limit_mb",
+    "max_concurrent_requests",
+    "request_timeout_s",
+    "api_key",
+    "http_processes",
+)
 
 
 def _warn_unused_flags(cfg: RunConfig, engine_name: str) -> None:
@@ -146,7 +153,9 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
+    from dynamo_graph.frontend.group import membership
     from dynamo_graph.frontend.server import SHUTDOWN_GRACE_S, listen, make_server
+    from dynamo_graph.frontend.settings import GROUP_ENV
 
     app = frontend_app(cfg, registry, lora)
     try:
@@ -166,7 +175,9 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
         )
-    await server.serve(sockets)
+    async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
+        app.metrics.group = group
+        await server.serve(sockets)
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:
@@ -307,6 +318,7 @@ async def _run_frontend(cfg: RunConfig) -> int:
     lora = LoraAdmin(watcher)
     try:
         if cfg.input == "http":
+            await watcher.settled(SETTLE_S)
             await _serve_http(cfg, registry, lora)
             return 0
         return await _drive_input(cfg, await _first_model(registry, WAIT_FOR_MODEL_S), echo=False)
@@ -349,6 +361,12 @@ async def run_async(cfg: RunConfig) -> int:
 
 
 def run(cfg: RunConfig) -> int:
+    from dynamo_graph.frontend.settings import GROUP_ENV
+
+    if cfg.input == "http" and cfg.http.processes > 1 and GROUP_ENV not in os.environ:
+        from dynamo_graph.process.http_group import run_group
+
+        return run_group(cfg)
     try:
         import uvloop
 

@@ -153,6 +153,12 @@ def run_config_from_args(
 
 def _check_parts(cfg: RunConfig) -> None:
     """The rules between the words (in=, out=) and the flags."""
+    if cfg.http.processes > 1 and cfg.input == "http" and not cfg.discovers_workers:
+        raise RunConfigError(
+            f"--http-processes {cfg.http.processes} runs that many frontends of the same workers: "
+            f"give out=auto or out=dyn://...; out={cfg.output or 'the default engine'} would run an "
+            "engine in each"
+        )
     if cfg.input == "dyn" and cfg.discovers_workers:
         raise RunConfigError(f"in={cfg.input_arg} serves an engine: give out=ENGINE, not out={cfg.output}")
     if cfg.engine.lora_modules and cfg.input != "dyn":

@@ -336,6 +336,14 @@ def test_router_keys_survive_render_and_import(tmp_path: Path, router: dict) -> 
     assert {**defaults, **imported} == {**defaults, **router}
 
 
+def test_frontend_replicas_survive_render_and_import(tmp_path: Path) -> None:
+    """A frontend's replicas are Dynamo's frontend pods, and come back as replicas."""
+    built = build(_router_graph(tmp_path, {"mode": "kv"}), ["components.front.replicas=3"], engines="dynamo")
+    dgd = build_dgd(built.graph, built.plan)
+    assert dgd["spec"]["services"]["front"]["replicas"] == 3
+    assert import_dgd(dgd).graph["components"]["front"]["replicas"] == 3
+
+
 def test_router_keys_without_a_dynamo_flag_are_listed_in_the_header(tmp_path: Path) -> None:
     router = {"mode": "kv", "queue_threshold": 0.5, "queue_policy": "fcfs", "max_queue_size": 16}
     built = build(_router_graph(tmp_path, router), engines="dynamo")

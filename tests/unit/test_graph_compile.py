@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_graph.frontend.settings import GROUP_ENV
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.targets.dispatch import ENGINES_OF_FORMAT, FORMATS, render
 
@@ -70,6 +71,22 @@ def test_overrides_scale_replicas_and_add_env(tmp_path: Path) -> None:
     workers = [p for p in built.plan.processes if p.component == "backend"]
     assert [p.name for p in workers] == ["backend-0", "backend-1", "backend-2"]
     assert all(p.env["FOO"] == "bar" for p in workers)
+
+
+def test_frontend_replicas_share_one_port_and_a_metrics_group(tmp_path: Path) -> None:
+    text = BASE.replace("http: {port: 18555}", "http: {port: auto}")
+    one = [p for p in build(_write(tmp_path, text)).plan.processes if p.component == "frontend"]
+    assert [p.name for p in one] == ["frontend-0"] and GROUP_ENV not in one[0].env  # as before replicas
+    built = build(_write(tmp_path, text), ["+components.frontend.replicas=3"])
+    frontends = [p for p in built.plan.processes if p.component == "frontend"]
+    assert [(p.name, p.replica) for p in frontends] == [
+        ("frontend-0", 0),
+        ("frontend-1", 1),
+        ("frontend-2", 2),
+    ]
+    assert {tuple(p.argv) for p in frontends} == {tuple(one[0].argv)}  # one placeholder: one port
+    assert all(p.ports == {"frontend-0.http": "auto"} and p.shares_ports and p.rolls for p in frontends)
+    assert {p.env[GROUP_ENV] for p in frontends} == {"demo.frontend"}
 
 
 def test_depends_on_and_managed_infra(tmp_path: Path) -> None:

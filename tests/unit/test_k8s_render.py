@@ -106,7 +106,7 @@ def test_workers_get_files_models_and_in_cluster_planes(tmp_path: Path) -> None:
             "models": {"host_path": "/data/models"},
         },
         "components": {
-            "web": {"kind": "frontend"},
+            "web": {"kind": "frontend", "replicas": 3},
             "sim": {"kind": "worker", "model": "m", "engine": "mocker", "engine_args_file": "args.json"},
             "py": {"kind": "worker", "model": "m", "engine": "my_engine.py", "replicas": 0,
                    "gpus": {"per_replica": 2, "tensor_parallel_size": 2}},
@@ -120,6 +120,11 @@ def test_workers_get_files_models_and_in_cluster_planes(tmp_path: Path) -> None:
     assert files == {"sim.json": '{"speedup_ratio": 5.0}\n', "py.py": "ENGINE = 1\n"}
     py = objects["Deployment", "files-graph-py"]
     assert py["spec"]["replicas"] == 0
+    web = objects["Deployment", "files-graph-web"]  # a frontend's replicas are pods, each alone
+    assert web["spec"]["replicas"] == 3
+    assert "DYN_FRONTEND_GROUP" not in {
+        e["name"] for e in web["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     pod = py["spec"]["template"]["spec"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["serviceAccountName"] == "dyngraph"
     assert {"name": "models", "hostPath": {"path": "/data/models", "type": "Directory"}} in pod["volumes"]

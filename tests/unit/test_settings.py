@@ -278,6 +278,8 @@ FCFS_QUEUE = ["--router-mode", "kv", "--router-queue-threshold", "0", "--router-
         (["--router-mode", "random", "--router-session-affinity-mode", "hard"], "not --router-mode random"),
         (["--use-kv-events", "maybe"], "--use-kv-events takes true or false"),
         (["--http-port", "70000"], "--http-port must be at most 65535"),
+        (["--http-port", "0", "--http-processes", "2"], "--http-processes needs a fixed --http-port"),
+        (["--http-processes", "0"], "--http-processes must be at least 1"),
         (["--max-concurrent-requests", "-1"], "--max-concurrent-requests must be at least 0"),
         (["--request-timeout-s", "0"], "--request-timeout-s must be above 0"),
         (["--num-nodes", "2"], "--num-nodes > 1 needs --leader-addr"),
@@ -290,6 +292,13 @@ FCFS_QUEUE = ["--router-mode", "kv", "--router-queue-threshold", "0", "--router-
 def test_bad_flags_are_named(flags: list[str], message: str) -> None:
     with pytest.raises(RunConfigError, match=message):
         parse_run_config(["in=http", "out=auto", *flags])
+
+
+def test_frontend_processes_need_workers_to_share() -> None:
+    """Processes of one port serve the same discovered workers; an in-process engine would be copied."""
+    with pytest.raises(RunConfigError, match=r"--http-processes 2 runs that many frontends .* out=echo_core"):
+        parse_run_config(["in=http", "out=echo_core", "/m", "--http-processes", "2"])
+    assert parse_run_config(["in=http", "out=auto", "--http-processes", "2"]).http.processes == 2
 
 
 def test_a_worker_ignores_router_rules_but_not_router_bounds() -> None:

@@ -203,11 +203,19 @@ tests:
 
 def test_a_fault_on_a_replica_that_does_not_run_stops_only_dyngraph_test(tmp_path: Path) -> None:
     """`up` and `bench --sweep` may run fewer replicas than the checks were written for."""
-    path = write(tmp_path, "tests:\n  - fault: {kill: backend, replica: 2}\n")
+    path = write(
+        tmp_path, "tests:\n  - fault: {kill: backend, replica: 2}\n  - fault: {kill: frontend, replica: 1}\n"
+    )
     build(path)  # valid for up, render and bench
     out = io.StringIO()
     result = check_graph(path, [], Console(file=out, width=200))
-    assert result.problems == [f"{path}:22: tests.0.fault.replica: backend runs 2 replica(s), counted from 0"]
+    assert result.problems == [
+        f"{path}:22: tests.0.fault.replica: backend runs 2 replica(s), counted from 0",
+        f"{path}:23: tests.1.fault.replica: frontend runs 1 replica(s), counted from 0",
+    ]
+    assert check_graph(path, ["+components.frontend.replicas=2"], Console(file=out, width=200)).problems == [
+        f"{path}:22: tests.0.fault.replica: backend runs 2 replica(s), counted from 0"
+    ]
     assert exit_code([result]) == 2
 
 

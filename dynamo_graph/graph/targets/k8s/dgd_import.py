@@ -252,6 +252,8 @@ class _Importer:
         kind = service.get("componentType")
         if kind in ("frontend", "main") or module == "dynamo.frontend":
             comp = self._frontend(where, args, env)
+            if int(service.get("replicas", 1)) != 1:
+                comp["replicas"] = int(service["replicas"])
         elif kind == "worker" or module in {b.module for b in BACKENDS.values()}:
             comp = self._worker(where, service, module, args)
             if container.get("workingDir"):

@@ -297,7 +297,7 @@ def _service(
     service: dict[str, Any] = {
         "dynamoNamespace": graph.namespace,
         "componentType": "frontend" if isinstance(comp, Frontend) else "worker",
-        "replicas": comp.replicas if isinstance(comp, Worker) else 1,
+        "replicas": comp.replicas,
     }
     env = dict(comp.env)
     secrets = comp.api_key_env if isinstance(comp, Frontend) else []

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dynamo_graph.frontend.settings import GROUP_ENV
 from dynamo_graph.graph.compile import compile_graph, local_path
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
@@ -61,6 +62,7 @@ _HOST_ONLY_ENV = {
     "DYN_TCP_ADVERTISE_HOST",
     "DYN_TCP_PORT",
     "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    GROUP_ENV,  # a frontend's replicas are pods here, each alone in its own
 }
 
 
@@ -228,7 +230,7 @@ class _K8s:
             "kind": "Deployment",
             "metadata": metadata(self.graph, name, self.names[key]),
             "spec": {
-                "replicas": comp.replicas if isinstance(comp, Worker) else 1,
+                "replicas": comp.replicas,
                 "selector": {"matchLabels": labels},
                 "template": {"metadata": {"labels": labels}, "spec": pod},
             },

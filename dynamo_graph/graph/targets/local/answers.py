@@ -20,6 +20,7 @@ from dynamo_graph.graph.targets.local.runner import Runner
 from dynamo_graph.runtime.traffic import percentile_ms
 
 INSTANCE_LINE = re.compile(r"instance ([0-9a-f]+) serving")
+SHARED_PORT_TRIES = 16  # connections to a shared port until the wanted process answers
 
 
 @dataclass
@@ -111,16 +112,23 @@ def serving_frontends(runners: Iterable[Runner]) -> list[Runner]:
 
 
 async def health_of(frontend: Runner) -> tuple[int, Any] | None:
-    """A frontend's /health (status, parsed body); None when it cannot be asked."""
+    """A frontend process's /health (status, parsed body); None when it cannot be asked. Its
+    port may be shared (a frontend's replicas, a rollout's old and new run): an answer from
+    another process (its `x-dyngraph-pid`) is asked again, on a new connection, a few times."""
     proc = frontend.proc
     if proc is None:
         return None
-    try:
-        async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
-            status, _, body = await probes.http_get(frontend.spec.readiness.target, proc.open_connection)
-        return status, json.loads(body)
-    except (OSError, TimeoutError, ValueError, IndexError):
-        return None
+    for _ in range(SHARED_PORT_TRIES):
+        try:
+            async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
+                target = frontend.spec.readiness.target
+                status, headers, body = await probes.http_get(target, proc.open_connection)
+            if headers.get(probes.PID_HEADER, str(proc.pid)) != str(proc.pid):
+                continue
+            return status, json.loads(body)
+        except (OSError, TimeoutError, ValueError, IndexError):
+            return None
+    return None
 
 
 async def frontend_answers(frontends: Iterable[Runner]) -> dict[str, Answers]:

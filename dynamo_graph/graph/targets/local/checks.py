@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from dynamo_graph.frontend.settings import GROUP_ENV
 from dynamo_graph.graph.plan import LOCAL, Plan, Probe, ProcessSpec, RestartPolicy
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.ports import free_port, plan_ports
@@ -21,7 +22,8 @@ from dynamo_graph.graph.targets.local.state import StateDir, atomic_write
 
 CHECKS_TIMEOUT_S = 300.0  # the whole run of the checks, the model's listing wait included
 OUTPUT_LINES = 30
-_NO_KEYS = {"DYN_API_KEY": "", "DYN_API_KEY_ENV": ""}  # its own frontend, on 127.0.0.1: no keys
+# Its own frontend, on 127.0.0.1: no API keys, and no member of the graph's frontend group.
+_PRIVATE = {"DYN_API_KEY": "", "DYN_API_KEY_ENV": "", GROUP_ENV: ""}
 
 
 def _model_name(spec: ProcessSpec) -> str | None:
@@ -32,7 +34,7 @@ def _model_name(spec: ProcessSpec) -> str | None:
 def _env(plan: Plan, worker: ProcessSpec) -> dict[str, str]:
     """A frontend's environment as the graph gives it (discovery, planes), else the worker's."""
     frontend = next((p for p in plan.processes if p.shares_ports), worker)
-    return {**frontend.env, **_NO_KEYS}
+    return {**frontend.env, **_PRIVATE}
 
 
 def _spec(name: str, component: str, argv: list[str], env: dict[str, str], workdir: str) -> ProcessSpec:

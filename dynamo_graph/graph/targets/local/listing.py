@@ -49,7 +49,10 @@ def _row(root: Path) -> GraphRow | None:
         status = "running"
     else:
         status = "starting"
-    urls = [url for spec in (plan.processes if plan else []) if (url := frontend_url(spec))]
+    # A frontend's replicas share one URL: listed once.
+    urls = list(
+        dict.fromkeys(url for spec in (plan.processes if plan else []) if (url := frontend_url(spec)))
+    )
     return GraphRow(
         graph=plan.graph if plan else root.name,
         file=plan.graph_file if plan else str(root),
