@@ -4,6 +4,7 @@ an exit code. `logs` needs nothing of its own: the steps write to the state dir'
 `up` writes the sbatch script (script.py) and the placeholder plan to the state dir, submits the
 job, and waits until every process is ready (0) or one failed (1), then writes the plan with
 the nodes' addresses and ports the job picked, so `status` and `logs` show what runs where.
+On a graph whose job runs, `up` rolls the change into it, or refuses it (rollout.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from rich.console import Console
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local.commands import wait_deadline
+from dynamo_graph.graph.targets.local.history import revision_lines
 from dynamo_graph.graph.targets.local.logs import tail_lines
+from dynamo_graph.graph.targets.local.revisions import RevisionStore, origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
-from dynamo_graph.graph.targets.slurm import job
+from dynamo_graph.graph.targets.slurm import job, rollout
 from dynamo_graph.graph.targets.slurm.job import JobRecord, SlurmError, SlurmState
 from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
 from dynamo_graph.graph.validate import locate
@@ -49,7 +52,13 @@ def before_local_up(built: Built) -> None:
         except SlurmError:
             active = False  # no Slurm here (any more): nothing of it can run
         if active:
-            problems.append(Problem("", f"it runs as Slurm job {record.job_id}; `dyngraph down` it first"))
+            problems.append(
+                Problem(
+                    "",
+                    f"it runs as Slurm job {record.job_id}: change it with `dyngraph up --target slurm`, "
+                    "or `dyngraph down` it first",
+                )
+            )
         else:
             slurm_state.job_file.unlink(missing_ok=True)
     if problems:
@@ -68,11 +77,7 @@ def up(built: Built, console: Console) -> int:
         previous = slurm_state.job()
         try:
             if previous is not None and job.job_state(previous.job_id)[0] in job.ACTIVE:
-                console.print(
-                    f"graph {plan.graph} already runs as Slurm job {previous.job_id}; changing a running "
-                    f"job is not supported: `dyngraph down {plan.graph_file}`, then `up` again"
-                )
-                return 1
+                return rollout.roll(built, console, state, previous)
             script = render_slurm(graph, plan)  # GraphError without a `slurm:` section
             placeholders = slurm_plan(graph, plan)
             state.ensure()
@@ -84,9 +89,14 @@ def up(built: Built, console: Console) -> int:
             console.print(f"[bold red]error:[/] {e}", highlight=False)
             return 1
         slurm_state.write_job(JobRecord(job_id, str(slurm_state.script), time.time()))
+        store = RevisionStore(state.revisions)
+        added = [f"+ {p.name}" for p in plan.processes]
+        revision = store.begin(origin_of(plan.graph_file, "up"), plan, added)
     console.print(f"graph {plan.graph}: Slurm job {job_id} ({slurm_state.script})", highlight=False)
     try:
-        return _wait_ready(console, state, placeholders, job_id)
+        code = _wait_ready(console, state, placeholders, job_id)
+        store.finish(revision, "ready" if code == 0 else "failed")
+        return code
     except KeyboardInterrupt:
         console.print(f"job {job_id} goes on; `dyngraph down {plan.graph_file}` cancels it", highlight=False)
         return 130
@@ -175,6 +185,8 @@ def status(state: StateDir, console: Console) -> int:
     active = job_state in job.ACTIVE
     records = job.records(slurm_state, plan, active)
     console.print(status_table(plan, records, None))
+    for line in revision_lines(RevisionStore(state.revisions).all()):
+        console.print(line, highlight=False)
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
     batch_log = slurm_state.root / f"job-{record.job_id}.out"
