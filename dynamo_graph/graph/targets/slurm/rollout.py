@@ -261,7 +261,10 @@ def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> 
     for name in dependency_order(new, changes.changed):
         console.print(f"~ {name}: replacing its step", highlight=False)
         started = time.monotonic()
-        failure = roller.replace(new_specs[name], _launch_of(new_specs[name], new_text[name], new.files))
+        try:
+            failure = roller.replace(new_specs[name], _launch_of(new_specs[name], new_text[name], new.files))
+        except KeyboardInterrupt:  # the job must not be left running a mix that no plan describes
+            failure = "interrupted (Ctrl-C); rolling back"
         if failure is not None:
             message = f"{name} failed ({failure}); last log lines:"
             console.print(f"[bold red]revision {revision.number} failed:[/] {message}", highlight=False)
