@@ -298,13 +298,21 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
         runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
         infra={"etcd": {"managed": True}},
         hosts={"gpu": {}},
-        components=_workers(placement=["gpu"]),
+        components=_workers(placement=["gpu"], env={"ROLL_MARK": "one"}),
     )
     graph.up()
     assert graph.chat()
+    # A change rolls the steps on the second node too (its node and address come from the job).
+    graph.graph["components"]["backend"]["env"]["ROLL_MARK"] = "two"
+    graph.save()
+    rolled = graph.cli("up", "--target", "slurm")
+    assert rolled.returncode == 0 and "2 steps of Slurm job" in rolled.stdout, rolled.stdout + rolled.stderr
+    assert graph.chat()
+    marks = [e for p in _namespace_pids(two_nodes) for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert sorted(marks) == ["ROLL_MARK=two", "ROLL_MARK=two"], marks
     logs = graph.cli("logs", "backend").stdout
     served = [line for line in logs.splitlines() if "serving dyn://sl.backend.generate as instance" in line]
-    assert len(served) == 2, logs
+    assert len(served) == 4, logs  # two runs of each replica
     assert all(f"over {{'tcp': '{second}:" in line for line in served), served  # the second node's address
     assert f"gpu = dg2 ({second})" in graph.cli("status").stdout
     in_namespace = _namespace_commands(two_nodes)
@@ -335,8 +343,11 @@ def _environ(pid: int) -> list[str]:
         return []
 
 
-def _namespace_commands(cluster: SlurmCluster) -> list[str]:
+def _namespace_pids(cluster: SlurmCluster) -> list[int]:
     assert cluster.ns is not None
     argv = ["ip", "netns", "pids", cluster.ns]
-    pids = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
-    return [c for c in map(_cmdline, map(int, pids.split())) if c]
+    return [int(p) for p in subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.split()]
+
+
+def _namespace_commands(cluster: SlurmCluster) -> list[str]:
+    return [c for c in map(_cmdline, _namespace_pids(cluster)) if c]
