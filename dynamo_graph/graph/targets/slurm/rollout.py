@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from dynamo_graph.graph.build import Built
 
 POLL_S = 0.2
+JOB_CHECK_EVERY = 10  # polls between asking Slurm whether the job still runs
 STOP_MARGIN_S = 15.0  # past a process's shutdown grace: srun sees its task end, run_step starts the next
 READY_MARGIN_S = 10.0  # past its readiness timeout: the probe's own `unready` comes first
 FAILURE_LOG_LINES = 20
@@ -150,10 +151,9 @@ def _secrets(spec: ProcessSpec) -> dict[str, str]:
 class Roller:
     """Replaces one step at a time in a running job (see the module docstring)."""
 
-    def __init__(self, slurm_state: SlurmState, job_id: str, console: Console) -> None:
+    def __init__(self, slurm_state: SlurmState, job_id: str) -> None:
         self.slurm_state = slurm_state
         self.job_id = job_id
-        self.console = console
         self.steps = slurm_state.job_dir / "steps"
 
     def replace(self, spec: ProcessSpec, launch: Launch) -> str | None:
@@ -168,29 +168,38 @@ class Roller:
         events = self.slurm_state.events(name)
         running = not events or events[-1][0] != "exit"  # else run_step is between runs: it reads it
         step = job.steps(self.job_id).get(name)
-        if running and step is not None:
-            job.signal_step(step.split()[0], "TERM")
-        return self._await_ready(spec, launch_hash(launch.text), since)
+        step_id = step.split()[0] if running and step is not None else None
+        if step_id is not None:
+            job.signal_step(step_id, "TERM")
+        return self._await_ready(spec, launch_hash(launch.text), since, step_id)
 
-    def _await_ready(self, spec: ProcessSpec, want: str, since: int) -> str | None:
+    def _await_ready(self, spec: ProcessSpec, want: str, since: int, old_step: str | None) -> str | None:
+        """Until the run that started with `want` is ready (None) or failed (why). An old run
+        still there after its shutdown grace is killed (SIGKILL), as the local supervisor does."""
         start_by = time.monotonic() + spec.shutdown_grace_s + spec.restart.backoff_max_s + STOP_MARGIN_S
         ready_by: float | None = None
+        polls = 0
         while True:
             events = self.slurm_state.events(spec.name)[since:]
             starts = [i for i, e in enumerate(events) if e[0] == "start" and e[3:4] == [want]]
             if starts:
                 ready_by = ready_by or time.monotonic() + spec.readiness.timeout_s + READY_MARGIN_S
-                run = [e[0] for e in events[starts[-1] + 1 :]]
-                if "ready" in run:
+                run = events[starts[-1] + 1 :]
+                kinds = [e[0] for e in run]
+                if "ready" in kinds:
                     return None
-                if "exit" in run:
-                    rc = next(e[1] for e in events[starts[-1] + 1 :] if e[0] == "exit")
+                if "exit" in kinds:
+                    rc = next(e[1] for e in run if e[0] == "exit")
                     return f"its new run ended with exit {rc} before it was ready"
-                if "unready" in run or time.monotonic() > ready_by:
+                if "unready" in kinds or time.monotonic() > ready_by:
                     return f"its new run was not ready in {spec.readiness.timeout_s:g} s"
             elif time.monotonic() > start_by:
-                return "its old run did not end, or the new one did not start, in time"
-            if job.job_state(self.job_id)[0] not in job.ACTIVE:
+                if old_step is None:
+                    return "its old run did not end, or the new one did not start, in time"
+                job.signal_step(old_step, "KILL")
+                old_step, start_by = None, time.monotonic() + STOP_MARGIN_S
+            polls += 1
+            if polls % JOB_CHECK_EVERY == 0 and job.job_state(self.job_id)[0] not in job.ACTIVE:
                 return f"job {self.job_id} ended"
             time.sleep(POLL_S)
 
@@ -255,7 +264,7 @@ def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> 
         return 0
     store = RevisionStore(state.revisions)
     revision = store.begin(origin_of(graph_file, "up"), built.plan, changes.lines())
-    roller = Roller(slurm_state, record.job_id, console)
+    roller = Roller(slurm_state, record.job_id)
     new_specs = {p.name: p for p in new.processes}
     done: list[str] = []
     for name in dependency_order(new, changes.changed):
