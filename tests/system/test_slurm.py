@@ -228,6 +228,12 @@ def test_a_change_within_the_allocation_rolls_the_steps_one_by_one_under_load(
     status = graph.cli("status").stdout
     assert status.count("ready") >= 3 and "revision 2 serving" in status, status
     assert "restarted" not in status, status  # a replaced run is not a crash
+    revisions = {
+        row.split()[1]: row.split()[-2]
+        for row in status.splitlines()
+        if "│ backend-" in row or "│ frontend-" in row
+    }
+    assert revisions == {"backend-0": "2", "backend-1": "2", "frontend-0": "1"}, status
     assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs the file
     assert "ROLL_MARK=two" in graph.script().read_text()
 

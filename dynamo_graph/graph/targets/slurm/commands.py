@@ -21,7 +21,7 @@ from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local.commands import wait_deadline
 from dynamo_graph.graph.targets.local.history import revision_lines
 from dynamo_graph.graph.targets.local.logs import tail_lines
-from dynamo_graph.graph.targets.local.revisions import RevisionStore, origin_of
+from dynamo_graph.graph.targets.local.revisions import Revision, RevisionStore, origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
 from dynamo_graph.graph.targets.slurm import job, rollout
@@ -184,8 +184,12 @@ def status(state: StateDir, console: Console) -> int:
         return 1
     active = job_state in job.ACTIVE
     records = job.records(slurm_state, plan, active)
+    revisions = RevisionStore(state.revisions).all()
+    for name, number in _revisions_of(revisions).items():
+        if name in records:
+            records[name].revision = number
     console.print(status_table(plan, records, None))
-    for line in revision_lines(RevisionStore(state.revisions).all()):
+    for line in revision_lines(revisions):
         console.print(line, highlight=False)
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
@@ -198,6 +202,17 @@ def status(state: StateDir, console: Console) -> int:
         if step or rec.message:
             console.print(f"  {name}: {'step ' + step if step else 'no step running'}; {rec.message or 'ok'}")
     return 0
+
+
+def _revisions_of(revisions: list[Revision]) -> dict[str, int]:
+    """Process name -> the revision its run belongs to: the newest applied one that started or
+    changed it (a rolled-back revision gave it its previous launch back; one in progress counts
+    once it is done)."""
+    out: dict[str, int] = {}
+    for revision in revisions:
+        if revision.outcome != "rolling" and not revision.rolled_back:
+            out |= {line.split()[1]: revision.number for line in revision.changes if line[:2] in ("+ ", "~ ")}
+    return out
 
 
 def down(state: StateDir, console: Console) -> int:
