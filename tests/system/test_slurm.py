@@ -284,7 +284,7 @@ def test_a_new_launch_that_cannot_load_is_rolled_back_and_named(
     assert "backend-0 failed (its new run ended with exit" in out, out
     assert "speedup_ratio must be a number" in out, out  # the failing process's own log lines
     assert "serving model" not in out  # ... of its failed run only
-    assert "rolled back: backend-0 run their previous launch again" in out, out
+    assert "rolled back: backend-0 on the previous launch again" in out, out
     assert "backend-1" not in out  # never touched
     after = graph.steps()
     assert after["backend-1"] == before["backend-1"] and after["backend-0"] != before["backend-0"]

@@ -254,12 +254,8 @@ def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> 
             f"unchanged; `dyngraph down {graph_file}`, then `up` again"
         )
         return 1
-    for name, text in new_text.items():  # a probe's change only: taken at the step's next start
-        if name not in changes.changed and old_text[name] != text:
-            atomic_write(slurm_state.job_dir / "steps" / f"{name}.cmd", text + "\n")
     if not changes.changed:
-        state.write_plan(new)
-        slurm_state.write_script(new_script)
+        _adopt(state, new, new_script, new_text, old_text)
         console.print(f"graph {new.graph}: Slurm job {record.job_id} runs this already; nothing to roll")
         return 0
     store = RevisionStore(state.revisions)
@@ -286,12 +282,24 @@ def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> 
         store.progress(revision, f"{name} replaced")
         console.print(f"  {name} ready in {time.monotonic() - started:.1f} s", highlight=False)
         done.append(name)
-    state.write_plan(new)
-    slurm_state.write_script(new_script)
+    _adopt(state, new, new_script, new_text, old_text)
     store.finish(revision, "ready")
     rolled = f"{len(done)} steps of Slurm job {record.job_id} rolled"
     console.print(f"graph {new.graph}: revision {revision.number}, {rolled}", highlight=False)
     return 0
+
+
+def _adopt(
+    state: StateDir, new: Plan, script: str, new_text: Mapping[str, str], old_text: Mapping[str, str]
+) -> None:
+    """The new plan is the job's: `status`, `logs`, `down` and the next `up` read it. A launch
+    that differs in its probe only is written too, for the step's next start."""
+    slurm_state = SlurmState(state)
+    for name, text in new_text.items():
+        if old_text[name] != text:
+            atomic_write(slurm_state.job_dir / "steps" / f"{name}.cmd", text + "\n")
+    state.write_plan(new)
+    slurm_state.write_script(script)
 
 
 def _roll_back(
@@ -310,5 +318,5 @@ def _roll_back(
             console.print(f"[bold red]rolling back {name} failed too:[/] {failure}", highlight=False)
             ok = False
     if ok:
-        console.print(f"rolled back: {', '.join(reversed(names))} run their previous launch again")
+        console.print(f"rolled back: {', '.join(reversed(names))} on the previous launch again")
     return ok
