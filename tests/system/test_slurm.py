@@ -266,6 +266,26 @@ def test_a_change_that_needs_a_new_allocation_is_refused_and_the_job_left_alone(
     assert graph.chat()
 
 
+def test_a_frontend_setting_rolls_the_frontend_step_alone(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers())
+    graph.up()
+    before = graph.steps()
+    graph.graph["components"]["frontend"]["limits"] = {"model_wait_s": 12.0}
+    graph.save()
+    done = graph.cli("up", "--target", "slurm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "~ frontend-0: replacing its step" in done.stdout and "1 steps of Slurm job" in done.stdout
+    after = graph.steps()
+    assert after["frontend-0"] != before["frontend-0"]
+    assert (after["backend-0"], after["backend-1"]) == (before["backend-0"], before["backend-1"])
+    commands = [_cmdline(p) for p in one_node.processes()]
+    frontends = [c for c in commands if c.startswith(sys.executable) and "in=http" in c]
+    assert len(frontends) == 1 and "--model-wait-s 12" in frontends[0], frontends
+    assert graph.chat()  # ready meant its new run answers
+
+
 def test_a_new_launch_that_cannot_load_is_rolled_back_and_named(
     one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
 ) -> None:
