@@ -212,20 +212,18 @@ def test_a_change_within_the_allocation_rolls_the_steps_one_by_one_under_load(
         load.wait_for_requests(20)
         done = graph.cli("up", "--target", "slurm")
         load.wait_for_requests(20)
+        status = graph.cli("status").stdout
+        back = graph.cli("rollback")  # to revision 1: its recorded launches, not the file's
+        load.wait_for_requests(20)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert back.returncode == 0, back.stdout + back.stderr
     assert not load.result.failures, load.result.failures[:5]
-    assert load.result.ok >= 40
+    assert load.result.ok >= 60
     # One step at a time, in order, each ready before the next is replaced.
     out = done.stdout
     assert out.index("~ backend-0: replacing its step") < out.index("backend-0 ready in")
     assert out.index("backend-0 ready in") < out.index("~ backend-1: replacing its step"), out
     assert "2 steps of Slurm job" in out and "rolled" in out, out
-    after = graph.steps()
-    assert after["frontend-0"] == before["frontend-0"]  # unchanged: left alone
-    assert after["backend-0"] != before["backend-0"] and after["backend-1"] != before["backend-1"]
-    marks = [e for p in one_node.processes() for e in _environ(p) if e.startswith("ROLL_MARK=")]
-    assert sorted(marks) == ["ROLL_MARK=two", "ROLL_MARK=two"], marks
-    status = graph.cli("status").stdout
     assert status.count("ready") >= 3 and "revision 2 serving" in status, status
     assert "restarted" not in status, status  # a replaced run is not a crash
     revisions = {
@@ -234,8 +232,17 @@ def test_a_change_within_the_allocation_rolls_the_steps_one_by_one_under_load(
         if "│ backend-" in row or "│ frontend-" in row
     }
     assert revisions == {"backend-0": "2", "backend-1": "2", "frontend-0": "1"}, status
-    assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs the file
-    assert "ROLL_MARK=two" in graph.script().read_text()
+    assert "rolling back to revision 1" in back.stdout and "revision 3, 2 steps" in back.stdout, back.stdout
+    after = graph.steps()
+    assert after["frontend-0"] == before["frontend-0"]  # unchanged: left alone
+    assert after["backend-0"] != before["backend-0"] and after["backend-1"] != before["backend-1"]
+    marks = [e for p in one_node.processes() for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert sorted(marks) == ["ROLL_MARK=one", "ROLL_MARK=one"], marks
+    assert "rollback 1" in graph.cli("history").stdout
+    graph.graph["components"]["backend"]["env"]["ROLL_MARK"] = "one"
+    graph.save()
+    assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs revision 1's
+    assert "ROLL_MARK=one" in graph.script().read_text()
 
 
 def test_a_change_that_needs_a_new_allocation_is_refused_and_the_job_left_alone(

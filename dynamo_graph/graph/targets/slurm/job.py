@@ -97,6 +97,16 @@ class SlurmState:
         except FileNotFoundError:
             return None
 
+    def write_launch(self, revision: int, encoded: bytes) -> None:
+        """A revision's JobLaunch (rollout.py), for `rollback`."""
+        atomic_write(self.root / "revisions" / f"{revision:06d}.json", encoded)
+
+    def read_launch(self, revision: int) -> bytes | None:
+        try:
+            return (self.root / "revisions" / f"{revision:06d}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+
     def finished(self, name: str) -> bool:
         """The script is done with the process (no more restarts)."""
         return (self.job_dir / "steps" / f"{name}.done").exists()

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 from rich.console import Console
 
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.targets.local.changes import PlanChanges, plan_changes
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.process import START_MARKER
-from dynamo_graph.graph.targets.local.revisions import RevisionStore, origin_of
+from dynamo_graph.graph.targets.local.revisions import Origin, RevisionStore
 from dynamo_graph.graph.targets.local.rollout import dependency_order
 from dynamo_graph.graph.targets.local.state import StateDir, atomic_write
 from dynamo_graph.graph.targets.slurm import job
@@ -210,19 +211,37 @@ class Roller:
         return [f"  {name} | {line}" for line in lines[starts[-1] if starts else 0 :]]
 
 
-def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> int:
-    """Apply `built` to the running job `record`: 0 rolled (or nothing to do), 1 refused or
-    rolled back. The caller holds the state dir's lock."""
-    slurm_state = SlurmState(state)
-    graph_file = built.plan.graph_file
-    new_script = render_slurm(built.graph, built.plan)  # GraphError without a `slurm:` section
+class JobLaunch(msgspec.Struct):
+    """What a revision runs as in a job: its plan compiled for Slurm (placeholders), the sbatch
+    script and each process's launch. Kept per revision (SlurmState.write_launch), so that
+    `rollback` applies a revision's own launches without the graph file it came from."""
+
+    plan: Plan
+    script: str
+    launches: dict[str, str]
+
+
+def job_launch(built: Built) -> JobLaunch:
+    """The launch of a compiled graph. Raises GraphError without a `slurm:` section."""
+    script = render_slurm(built.graph, built.plan)
     placeholders = slurm_plan(built.graph, built.plan)
-    new_text = launches(built.graph, placeholders)
+    return JobLaunch(placeholders, script, launches(built.graph, placeholders))
+
+
+def roll(
+    target: JobLaunch, compiled: Plan, origin: Origin, console: Console, state: StateDir, record: JobRecord
+) -> int:
+    """Apply `target` (of the plan `compiled`, as `history` records it) to the running job
+    `record`: 0 rolled (or nothing to do), 1 refused or rolled back. The caller holds the state
+    dir's lock."""
+    slurm_state = SlurmState(state)
+    graph_file = compiled.graph_file
+    placeholders, new_script, new_text = target.plan, target.script, target.launches
     job_state, _ = job.job_state(record.job_id)
     running_plan, resolved = state.read_plan(), slurm_state.resolved()
     if job_state != "RUNNING" or running_plan is None or resolved is None:
         console.print(
-            f"[bold red]error:[/] graph {built.plan.graph} is Slurm job {record.job_id}, "
+            f"[bold red]error:[/] graph {compiled.graph} is Slurm job {record.job_id}, "
             f"{job_state or 'gone'} and not yet running its steps: nothing to roll; "
             f"`dyngraph down {graph_file}`, then `up` again"
         )
@@ -259,7 +278,8 @@ def roll(built: Built, console: Console, state: StateDir, record: JobRecord) -> 
         console.print(f"graph {new.graph}: Slurm job {record.job_id} runs this already; nothing to roll")
         return 0
     store = RevisionStore(state.revisions)
-    revision = store.begin(origin_of(graph_file, "up"), built.plan, changes.lines())
+    revision = store.begin(origin, compiled, changes.lines())
+    slurm_state.write_launch(revision.number, msgspec.json.encode(target))
     roller = Roller(slurm_state, record.job_id)
     new_specs = {p.name: p for p in new.processes}
     done: list[str] = []
