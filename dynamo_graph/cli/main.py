@@ -234,9 +234,12 @@ def rollback_command(
     graph_file: GraphFile,
     revision: Annotated[int | None, typer.Argument(help="revision number (`dyngraph history`)")] = None,
 ) -> None:
+    from dynamo_graph.graph.targets.dispatch import SLURM
     from dynamo_graph.graph.targets.local.commands import rollback
     from dynamo_graph.graph.targets.local.state import StateDir
 
+    if SLURM.has_record(graph_file):  # the graph runs (ran) as a Slurm job: roll its steps
+        raise _target_exit(lambda: SLURM.rollback(graph_file, Console(soft_wrap=True), revision))
     raise typer.Exit(rollback(StateDir.of(graph_file), Console(soft_wrap=True), revision))
 
 

@@ -21,6 +21,7 @@ import yaml
 from openai import OpenAI
 
 from tests.support.processes import free_port, run_cli
+from tests.support.rolling_load import StreamingLoad
 from tests.support.slurm_cluster import SlurmCluster, missing_requirements
 from tests.support.waiting import wait_for
 
@@ -65,7 +66,12 @@ class SlurmGraph:
             **graph,
         }
         graph["components"]["frontend"] = {"kind": "frontend", "http": {"port": self.port}}
-        self.file.write_text(yaml.safe_dump(graph, sort_keys=False))
+        self.graph = graph
+        self.save()
+
+    def save(self) -> None:
+        """Write `self.graph` (after a test changed it) to the graph file."""
+        self.file.write_text(yaml.safe_dump(self.graph, sort_keys=False))
 
     def cli(self, *args: str, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         env = {"SLURM_CONF": str(self.cluster.conf)}
@@ -194,6 +200,128 @@ def test_a_killed_step_restarts_by_its_policy(
     assert graph.chat()
 
 
+def test_a_change_within_the_allocation_rolls_the_steps_one_by_one_under_load(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers(env={"ROLL_MARK": "one"}))
+    graph.up()
+    before = graph.steps()
+    graph.graph["components"]["backend"]["env"]["ROLL_MARK"] = "two"
+    graph.save()
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as load:
+        load.wait_for_requests(20)
+        done = graph.cli("up", "--target", "slurm")
+        load.wait_for_requests(20)
+        status = graph.cli("status").stdout
+        back = graph.cli("rollback")  # to revision 1: its recorded launches, not the file's
+        load.wait_for_requests(20)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert not load.result.failures, load.result.failures[:5]
+    assert load.result.ok >= 60
+    # One step at a time, in order, each ready before the next is replaced.
+    out = done.stdout
+    assert out.index("~ backend-0: replacing its step") < out.index("backend-0 ready in")
+    assert out.index("backend-0 ready in") < out.index("~ backend-1: replacing its step"), out
+    assert "2 steps of Slurm job" in out and "rolled" in out, out
+    assert status.count("ready") >= 3 and "revision 2 serving" in status, status
+    assert "restarted" not in status, status  # a replaced run is not a crash
+    revisions = {
+        row.split()[1]: row.split()[-2]
+        for row in status.splitlines()
+        if "│ backend-" in row or "│ frontend-" in row
+    }
+    assert revisions == {"backend-0": "2", "backend-1": "2", "frontend-0": "1"}, status
+    assert "rolling back to revision 1" in back.stdout and "revision 3, 2 steps" in back.stdout, back.stdout
+    after = graph.steps()
+    assert after["frontend-0"] == before["frontend-0"]  # unchanged: left alone
+    assert after["backend-0"] != before["backend-0"] and after["backend-1"] != before["backend-1"]
+    marks = [e for p in one_node.processes() for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert sorted(marks) == ["ROLL_MARK=one", "ROLL_MARK=one"], marks
+    assert "rollback 1" in graph.cli("history").stdout
+    graph.graph["components"]["backend"]["env"]["ROLL_MARK"] = "one"
+    graph.save()
+    assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs revision 1's
+    assert "ROLL_MARK=one" in graph.script().read_text()
+
+
+def test_a_change_that_needs_a_new_allocation_is_refused_and_the_job_left_alone(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers())
+    graph.up()
+    before, script = graph.steps(), graph.script().read_text()
+    graph.graph["components"]["backend"]["replicas"] = 3
+    graph.graph["slurm"]["time"] = "45:00"
+    graph.save()
+    done = graph.cli("up", "--target", "slurm")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "this change needs a new allocation" in done.stdout, done.stdout
+    assert "backend-2: new processes need tasks the job was not given" in done.stdout, done.stdout
+    assert "allocation changes: --ntasks-per-node 3 -> 4, --time 30:00 -> 45:00" in done.stdout, done.stdout
+    assert "the job is unchanged" in done.stdout
+    assert graph.steps() == before and graph.script().read_text() == script
+    port = free_port()
+    graph.graph["components"]["backend"]["replicas"] = 2
+    graph.graph["slurm"]["time"] = "30:00"
+    graph.graph["components"]["frontend"]["http"]["port"] = port
+    graph.save()
+    moved = graph.cli("up", "--target", "slurm")
+    assert moved.returncode == 1
+    assert f"frontend-0: its ports change (http {graph.port} -> http {port})" in moved.stdout, moved.stdout
+    assert graph.steps() == before
+    assert graph.chat()
+
+
+def test_a_frontend_setting_rolls_the_frontend_step_alone(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers())
+    graph.up()
+    before = graph.steps()
+    graph.graph["components"]["frontend"]["limits"] = {"model_wait_s": 12.0}
+    graph.save()
+    done = graph.cli("up", "--target", "slurm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "~ frontend-0: replacing its step" in done.stdout and "1 steps of Slurm job" in done.stdout
+    after = graph.steps()
+    assert after["frontend-0"] != before["frontend-0"]
+    assert (after["backend-0"], after["backend-1"]) == (before["backend-0"], before["backend-1"])
+    commands = [_cmdline(p) for p in one_node.processes()]
+    frontends = [c for c in commands if c.startswith(sys.executable) and "in=http" in c]
+    assert len(frontends) == 1 and "--model-wait-s 12" in frontends[0], frontends
+    assert graph.chat()  # ready meant its new run answers
+
+
+def test_a_new_launch_that_cannot_load_is_rolled_back_and_named(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    graph = make_graph(one_node, components=_workers(engine_args={"speedup_ratio": 20.0}))
+    graph.up()
+    before = graph.steps()
+    graph.graph["components"]["backend"]["engine_args"]["speedup_ratio"] = "not a number"
+    graph.save()
+    with StreamingLoad(f"http://127.0.0.1:{graph.port}/v1", "tiny-model") as load:
+        load.wait_for_requests(20)
+        done = graph.cli("up", "--target", "slurm")
+        load.wait_for_requests(20)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert not load.result.failures, load.result.failures[:5]
+    out = done.stdout
+    assert "backend-0 failed (its new run ended with exit" in out, out
+    assert "speedup_ratio must be a number" in out, out  # the failing process's own log lines
+    assert "serving model" not in out  # ... of its failed run only
+    assert "rolled back: backend-0 on the previous launch again" in out, out
+    assert "backend-1" not in out  # never touched
+    after = graph.steps()
+    assert after["backend-1"] == before["backend-1"] and after["backend-0"] != before["backend-0"]
+    status = graph.cli("status").stdout
+    assert status.count("ready") >= 3 and "revision 2 failed" in status, status
+    graph.graph["components"]["backend"]["engine_args"]["speedup_ratio"] = 20.0
+    graph.save()
+    assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs revision 1
+
+
 def test_two_nodes_workers_on_the_second_serve_at_its_address(
     two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph]
 ) -> None:
@@ -203,13 +331,21 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
         runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
         infra={"etcd": {"managed": True}},
         hosts={"gpu": {}},
-        components=_workers(placement=["gpu"]),
+        components=_workers(placement=["gpu"], env={"ROLL_MARK": "one"}),
     )
     graph.up()
     assert graph.chat()
+    # A change rolls the steps on the second node too (its node and address come from the job).
+    graph.graph["components"]["backend"]["env"]["ROLL_MARK"] = "two"
+    graph.save()
+    rolled = graph.cli("up", "--target", "slurm")
+    assert rolled.returncode == 0 and "2 steps of Slurm job" in rolled.stdout, rolled.stdout + rolled.stderr
+    assert graph.chat()
+    marks = [e for p in _namespace_pids(two_nodes) for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert sorted(marks) == ["ROLL_MARK=two", "ROLL_MARK=two"], marks
     logs = graph.cli("logs", "backend").stdout
     served = [line for line in logs.splitlines() if "serving dyn://sl.backend.generate as instance" in line]
-    assert len(served) == 2, logs
+    assert len(served) == 4, logs  # two runs of each replica
     assert all(f"over {{'tcp': '{second}:" in line for line in served), served  # the second node's address
     assert f"gpu = dg2 ({second})" in graph.cli("status").stdout
     in_namespace = _namespace_commands(two_nodes)
@@ -240,8 +376,11 @@ def _environ(pid: int) -> list[str]:
         return []
 
 
-def _namespace_commands(cluster: SlurmCluster) -> list[str]:
+def _namespace_pids(cluster: SlurmCluster) -> list[int]:
     assert cluster.ns is not None
     argv = ["ip", "netns", "pids", cluster.ns]
-    pids = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
-    return [c for c in map(_cmdline, map(int, pids.split())) if c]
+    return [int(p) for p in subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.split()]
+
+
+def _namespace_commands(cluster: SlurmCluster) -> list[str]:
+    return [c for c in map(_cmdline, _namespace_pids(cluster)) if c]

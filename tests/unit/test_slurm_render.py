@@ -18,9 +18,11 @@ import yaml
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.targets.dispatch import render
+from dynamo_graph.graph.targets.local.changes import plan_changes
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.slurm.job import SlurmState, records
-from dynamo_graph.graph.targets.slurm.script import fill_plan, secret_env, slurm_plan
+from dynamo_graph.graph.targets.slurm.rollout import needs_new_job
+from dynamo_graph.graph.targets.slurm.script import fill_plan, launches, secret_env, slurm_plan
 from tests.support.processes import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,6 +203,57 @@ def test_records_follow_the_step_events(tmp_path: Path) -> None:
     assert got["backend-0"].message == "restarted after exit 137 (SIGKILL)"
     assert got["backend-1"].state == "failed"
     assert records(state, plan, job_active=False)["frontend-0"].state == "stopped"
+
+
+def test_a_replaced_run_starts_its_records_afresh(tmp_path: Path) -> None:
+    """A rollout's replacement (`replace` after the old run's exit) is no restart, nor a crash."""
+    built = build(_write(tmp_path, _graph()))
+    plan = slurm_plan(built.graph, built.plan)
+    state = SlurmState(StateDir(plan.state_dir))
+    steps = state.job_dir / "steps"
+    steps.mkdir(parents=True)
+    (steps / "backend-0").write_text(
+        "start 100 1 a\nready 101\nexit 143 150\nreplace 150\nstart 150 1 b\nready 152\n"
+    )
+    got = records(state, plan, job_active=True)["backend-0"]
+    assert (got.state, got.restarts, got.message, got.started_at) == ("ready", 0, "", 150.0)
+
+
+def test_a_change_needing_another_allocation_names_each_reason(tmp_path: Path) -> None:
+    """GPUs cannot be exercised here (no GPU): the refusal is checked on the plans and scripts."""
+    graph = _graph(hosts={"local": {"gpus": 8}})
+    graph["components"]["backend"]["gpus"] = {"per_replica": 1}
+    old = build(_write(tmp_path, graph))
+    graph["components"]["backend"]["gpus"] = {"per_replica": 2}
+    graph["components"]["backend"]["env"] = {"HF_TOKEN": "another"}
+    new = build(_write(tmp_path, graph))
+    old_plan, new_plan = (slurm_plan(b.graph, b.plan) for b in (old, new))
+    changes = plan_changes({p.name: p for p in old_plan.processes}, old_plan.files, new_plan, set())
+    reasons = needs_new_job(
+        old_plan,
+        new_plan,
+        launches(old.graph, old_plan),
+        launches(new.graph, new_plan),
+        render(old.graph, old.plan, "slurm"),
+        render(new.graph, new.plan, "slurm"),
+        changes,
+    )
+    assert reasons[0] == "the job's allocation changes: --gres gpu:2 -> gpu:4", reasons
+    assert reasons[1] == (
+        "backend-0: its step's GPUs change (--gres=gpu:1 -> --gres=gpu:2); a secret env value changes "
+        "(the job has them from its environment at submission)"
+    ), reasons
+    assert len(reasons) == 3 and reasons[2].startswith("backend-1: "), reasons
+    same = needs_new_job(
+        old_plan,
+        old_plan,
+        launches(old.graph, old_plan),
+        launches(old.graph, old_plan),
+        render(old.graph, old.plan, "slurm"),
+        render(old.graph, old.plan, "slurm"),
+        plan_changes({p.name: p for p in old_plan.processes}, old_plan.files, old_plan, set()),
+    )
+    assert same == []
 
 
 def test_fill_plan_puts_the_job_addresses_and_ports_in(tmp_path: Path) -> None:

@@ -4,26 +4,31 @@ an exit code. `logs` needs nothing of its own: the steps write to the state dir'
 `up` writes the sbatch script (script.py) and the placeholder plan to the state dir, submits the
 job, and waits until every process is ready (0) or one failed (1), then writes the plan with
 the nodes' addresses and ports the job picked, so `status` and `logs` show what runs where.
+On a graph whose job runs, `up` rolls the change into it, or refuses it (rollout.py).
 """
 
 from __future__ import annotations
 
+import getpass
 import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 from rich.console import Console
 
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local.commands import wait_deadline
+from dynamo_graph.graph.targets.local.history import revision_lines, when
 from dynamo_graph.graph.targets.local.logs import tail_lines
+from dynamo_graph.graph.targets.local.revisions import Revision, RevisionStore, origin_of, rollback_target
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
-from dynamo_graph.graph.targets.slurm import job
+from dynamo_graph.graph.targets.slurm import job, rollout
 from dynamo_graph.graph.targets.slurm.job import JobRecord, SlurmError, SlurmState
-from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, render_slurm, secret_env, slurm_plan
+from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, secret_env
 from dynamo_graph.graph.validate import locate
 
 if TYPE_CHECKING:
@@ -49,7 +54,13 @@ def before_local_up(built: Built) -> None:
         except SlurmError:
             active = False  # no Slurm here (any more): nothing of it can run
         if active:
-            problems.append(Problem("", f"it runs as Slurm job {record.job_id}; `dyngraph down` it first"))
+            problems.append(
+                Problem(
+                    "",
+                    f"it runs as Slurm job {record.job_id}: change it with `dyngraph up --target slurm`, "
+                    "or `dyngraph down` it first",
+                )
+            )
         else:
             slurm_state.job_file.unlink(missing_ok=True)
     if problems:
@@ -58,7 +69,7 @@ def before_local_up(built: Built) -> None:
 
 
 def up(built: Built, console: Console) -> int:
-    plan, graph = built.plan, built.graph
+    plan = built.plan
     state = StateDir(plan.state_dir)
     slurm_state = SlurmState(state)
     with state.lock():
@@ -67,26 +78,29 @@ def up(built: Built, console: Console) -> int:
             return 1
         previous = slurm_state.job()
         try:
+            launch = rollout.job_launch(built)  # GraphError without a `slurm:` section
             if previous is not None and job.job_state(previous.job_id)[0] in job.ACTIVE:
-                console.print(
-                    f"graph {plan.graph} already runs as Slurm job {previous.job_id}; changing a running "
-                    f"job is not supported: `dyngraph down {plan.graph_file}`, then `up` again"
-                )
-                return 1
-            script = render_slurm(graph, plan)  # GraphError without a `slurm:` section
-            placeholders = slurm_plan(graph, plan)
+                origin = origin_of(plan.graph_file, "up")
+                return rollout.roll(launch, plan, origin, console, state, previous)
+            placeholders = launch.plan
             state.ensure()
             state.write_plan(placeholders)
-            slurm_state.write_script(script)
+            slurm_state.write_script(launch.script)
             _clear(slurm_state)
             job_id = job.submit(slurm_state.script, secret_env(placeholders))
         except SlurmError as e:
             console.print(f"[bold red]error:[/] {e}", highlight=False)
             return 1
         slurm_state.write_job(JobRecord(job_id, str(slurm_state.script), time.time()))
+        store = RevisionStore(state.revisions)
+        added = [f"+ {p.name}" for p in plan.processes]
+        revision = store.begin(origin_of(plan.graph_file, "up"), plan, added)
+        slurm_state.write_launch(revision.number, msgspec.json.encode(launch))
     console.print(f"graph {plan.graph}: Slurm job {job_id} ({slurm_state.script})", highlight=False)
     try:
-        return _wait_ready(console, state, placeholders, job_id)
+        code = _wait_ready(console, state, placeholders, job_id)
+        store.finish(revision, "ready" if code == 0 else "failed")
+        return code
     except KeyboardInterrupt:
         console.print(f"job {job_id} goes on; `dyngraph down {plan.graph_file}` cancels it", highlight=False)
         return 130
@@ -174,7 +188,13 @@ def status(state: StateDir, console: Console) -> int:
         return 1
     active = job_state in job.ACTIVE
     records = job.records(slurm_state, plan, active)
+    revisions = RevisionStore(state.revisions).all()
+    for name, number in _revisions_of(revisions).items():
+        if name in records:
+            records[name].revision = number
     console.print(status_table(plan, records, None))
+    for line in revision_lines(revisions):
+        console.print(line, highlight=False)
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
     batch_log = slurm_state.root / f"job-{record.job_id}.out"
@@ -186,6 +206,54 @@ def status(state: StateDir, console: Console) -> int:
         if step or rec.message:
             console.print(f"  {name}: {'step ' + step if step else 'no step running'}; {rec.message or 'ok'}")
     return 0
+
+
+def rollback(state: StateDir, console: Console, number: int | None) -> int:
+    """`dyngraph rollback` of a graph that runs as a Slurm job: a recorded revision's launches
+    (not the graph file's) rolled into the job as `up` rolls a change; 2 when there is nothing
+    to roll back to."""
+    slurm_state = SlurmState(state)
+    record = slurm_state.job()
+    assert record is not None, "SlurmTarget.has_record() said so"
+    with state.lock():
+        try:
+            if job.job_state(record.job_id)[0] not in job.ACTIVE:
+                console.print(
+                    f"[bold red]error:[/] Slurm job {record.job_id} is not running; `dyngraph up` it first"
+                )
+                return 2
+            target = rollback_target(RevisionStore(state.revisions).all(), number)
+        except (LookupError, SlurmError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 2 if isinstance(e, LookupError) else 1
+        stored = slurm_state.read_launch(target.number)
+        if stored is None:
+            console.print(
+                f"[bold red]error:[/] revision {target.number} did not run as a Slurm job: nothing to roll"
+            )
+            return 2
+        applied = when(target.started_at)
+        console.print(f"rolling back to revision {target.number} (git {target.git_short}, applied {applied})")
+        origin = msgspec.structs.replace(
+            target.origin, command=f"rollback {target.number}", user=getpass.getuser()
+        )
+        launch = msgspec.json.decode(stored, type=rollout.JobLaunch)
+        try:
+            return rollout.roll(launch, target.plan, origin, console, state, record)
+        except SlurmError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return 1
+
+
+def _revisions_of(revisions: list[Revision]) -> dict[str, int]:
+    """Process name -> the revision its run belongs to: the newest applied one that started or
+    changed it (a rolled-back revision gave it its previous launch back; one in progress counts
+    once it is done)."""
+    out: dict[str, int] = {}
+    for revision in revisions:
+        if revision.outcome != "rolling" and not revision.rolled_back:
+            out |= {line.split()[1]: revision.number for line in revision.changes if line[:2] in ("+ ", "~ ")}
+    return out
 
 
 def down(state: StateDir, console: Console) -> int:

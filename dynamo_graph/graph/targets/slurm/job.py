@@ -90,6 +90,23 @@ class SlurmState:
         except FileNotFoundError:
             return []
 
+    def launch(self, name: str) -> str | None:
+        """The launch a process's next run takes (`steps/<name>.cmd`, script.py)."""
+        try:
+            return (self.job_dir / "steps" / f"{name}.cmd").read_text().rstrip("\n")
+        except FileNotFoundError:
+            return None
+
+    def write_launch(self, revision: int, encoded: bytes) -> None:
+        """A revision's JobLaunch (rollout.py), for `rollback`."""
+        atomic_write(self.root / "revisions" / f"{revision:06d}.json", encoded)
+
+    def read_launch(self, revision: int) -> bytes | None:
+        try:
+            return (self.root / "revisions" / f"{revision:06d}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+
     def finished(self, name: str) -> bool:
         """The script is done with the process (no more restarts)."""
         return (self.job_dir / "steps" / f"{name}.done").exists()
@@ -128,6 +145,11 @@ def cancel(job_id: str) -> None:
     slurm("scancel", job_id)
 
 
+def signal_step(step_id: str, signal_name: str) -> None:
+    """Signal one step's tasks (not the job's other steps); a step that just ended is no error."""
+    slurm("scancel", f"--signal={signal_name}", step_id, check=False)
+
+
 def wait_ended(job_id: str, timeout_s: float) -> bool:
     """True once the job is no longer active (or unknown), within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -146,6 +168,8 @@ def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, 
     for proc in plan.processes:
         record = ProcessRecord(proc.name, proc.component, proc.replica, proc.host)
         events = slurm_state.events(proc.name)
+        replaced = [i for i, e in enumerate(events) if e[0] == "replace"]
+        events = events[replaced[-1] + 1 :] if replaced else events  # a rollout's new run starts afresh
         starts = [i for i, e in enumerate(events) if e[0] == "start"]
         exits = [e for e in events if e[0] == "exit"]
         record.restarts = max(len(starts) - 1, 0)

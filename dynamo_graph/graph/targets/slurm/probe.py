@@ -20,9 +20,14 @@ from dynamo_graph.graph.targets.local.process import START_MARKER
 POLL_S = 0.1
 
 
-def _run_ended(events: Path) -> bool:
+def _event_count(events: Path) -> int:
+    return len(events.read_text().splitlines()) if events.exists() else 0
+
+
+def _run_ended(events: Path, since: int) -> bool:
+    """An `exit` after line `since` (this run's `start`): a later run's events are not this one's."""
     lines = events.read_text().splitlines() if events.exists() else []
-    return bool(lines) and lines[-1].startswith("exit ")
+    return any(line.startswith("exit ") for line in lines[since:])
 
 
 def _current_run(log: Path) -> probes.LogWatch:
@@ -35,11 +40,12 @@ def _current_run(log: Path) -> probes.LogWatch:
 async def watch(events: Path, log: Path, probe: Probe) -> str:
     """`ready`, `unready` (timed out) or `ended` (the run ended before it was ready)."""
     watch_log = _current_run(log)
+    since = _event_count(events)  # the script writes this run's `start` before it starts the probe
     deadline = time.monotonic() + probe.timeout_s
     while time.monotonic() < deadline:
         if await probes.check(probe, watch_log):
             return "ready"
-        if _run_ended(events):
+        if _run_ended(events, since):
             return "ended"
         await asyncio.sleep(POLL_S)
     return "unready"

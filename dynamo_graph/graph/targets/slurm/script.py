@@ -10,8 +10,11 @@ nodes must share (as Slurm's own `--output` files are usually shared):
 
     logs/<process>.log         each step's output (appended across restarts, with start markers)
     slurm/job/resolved.env     the nodes, their addresses and the ports picked (shell words)
-    slurm/job/steps/<process>  one event a line: `start TS RUN`, `ready TS`, `unready TS`,
-                               `exit RC TS`, `crashloop TS`, `blocked TS DEPENDENCY`
+    slurm/job/steps/<process>  one event a line: `start TS RUN LAUNCH`, `ready TS`, `unready TS`,
+                               `exit RC TS`, `crashloop TS`, `blocked TS DEPENDENCY`, `replace TS`
+                               (LAUNCH: the md5 prefix of the `.cmd` the run started with)
+    slurm/job/steps/<process>.cmd  the process's launch, read at each (re)start: `up` rolls a
+                               step by rewriting it and stopping the run (rollout.py)
 
 The text is a pure function of the graph and where its file lives (snapshot-tested). No secret
 is written into it: an env value whose name looks secret is read from a variable of the job's
@@ -42,20 +45,39 @@ _LOOPBACK = re.compile(r"(//|^)(127\.0\.0\.1|localhost|0\.0\.0\.0)(?=:)")  # in 
 _FUNCTIONS = r"""
 node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
 
-# run_step NAME POLICY MAX_RESTARTS BACKOFF_S BACKOFF_MAX_S PROBE_KIND PROBE_TARGET PROBE_TIMEOUT_S
-#          SRUN_OPTIONS... COMMAND...: one process as a step, restarted by its policy.
+# run_step NAME POLICY MAX_RESTARTS BACKOFF_S BACKOFF_MAX_S: one process as a step, restarted by
+# its policy. Each run reads its launch from $JOB/steps/NAME.cmd (shell words: PROBE_KIND
+# PROBE_TARGET PROBE_TIMEOUT_S SRUN_OPTIONS... COMMAND...), which `up` rewrites to roll the step:
+# it touches NAME.replace, then stops the run; the next run starts at once, whatever the policy.
+# A replacement that ends before it was ready waits (up to 30 s) for `up` to put the previous
+# launch back and ask again, rather than being given up by its policy.
 run_step() {
-  local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 kind=$6 target=$7 timeout=$8 run=0 rc
-  shift 8
-  local events=$JOB/steps/$name log=$STATE/logs/$name.log
+  local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 run=0 rc trial=0 waited launch
+  local events=$JOB/steps/$name log=$STATE/logs/$name.log replace=$JOB/steps/$name.replace
+  local -a words
   while :; do
     run=$((run + 1))
+    rm -f "$replace"  # this run takes the launch as it is now
+    launch=$(< "$JOB/steps/$name.cmd")
+    eval "words=($launch)"
     echo "--- dyngraph: started $name (run $run) at $(date) ---" >> "$log"
-    echo "start $(date +%s) $run" >> "$events"
-    "$PY" -m dynamo_graph.graph.targets.slurm.probe "$events" "$log" "$kind" "$target" "$timeout" &
-    srun --nodes=1 --ntasks=1 --exact --job-name="$name" --output="$log" --open-mode=append "$@"
+    echo "start $(date +%s) $run $(printf '%s' "$launch" | md5sum | cut -c1-12)" >> "$events"
+    "$PY" -m dynamo_graph.graph.targets.slurm.probe "$events" "$log" "${words[@]:0:3}" &
+    srun --nodes=1 --ntasks=1 --exact --job-name="$name" --output="$log" --open-mode=append "${words[@]:3}"
     rc=$?
     echo "exit $rc $(date +%s)" >> "$events"
+    waited=0
+    while [ "$trial" = 1 ] && [ ! -e "$replace" ] && [ "$waited" -lt 300 ] \
+        && ! awk '$1 == "start" { r = 0 } $1 == "ready" { r = 1 } END { exit !r }' "$events"; do
+      sleep 0.1
+      waited=$((waited + 1))
+    done
+    if [ -e "$replace" ]; then
+      echo "replace $(date +%s)" >> "$events"
+      run=0 delay=$4 trial=1
+      continue
+    fi
+    trial=0
     if [ "$policy" = never ] || { [ "$policy" = on-failure ] && [ "$rc" = 0 ]; }; then return; fi
     if [ "$run" -gt "$max" ]; then echo "crashloop $(date +%s)" >> "$events"; return; fi
     sleep "$delay"
@@ -202,7 +224,9 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
     return lines
 
 
-def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str], slurm: Slurm) -> str:
+def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
+    """A process's `NAME.cmd`: its probe, srun options and command as shell words, which each run
+    of the step reads (so `up` can roll it by rewriting the file). Secret values are not in it."""
     i = lay.node(proc.host)
     probe = proc.readiness
     target = probe.target
@@ -212,37 +236,47 @@ def _step(graph: Graph, proc: ProcessSpec, lay: Layout, secrets: dict[str, str],
     if lay.gpus_per_node:  # a step has only the GPUs it asks for
         gpus = lay.gpus[proc.name]
         srun.append(f"--gres={slurm.gres}:{gpus}" if gpus else "--gres=none")
-    env, exports = ["PYTHONUNBUFFERED=1"], []
+    env = ["PYTHONUNBUFFERED=1"]
     for key, value in proc.env.items():
-        if key == "CUDA_VISIBLE_DEVICES":
-            continue  # Slurm binds the step's GPUs and sets it
-        if is_secret_name(key) and value:  # srun passes its environment on: no secret in any argv
-            var = next(v for v, s in secrets.items() if s == value)
-            exports.append(f'{key}="${var}"')
-        else:
-            env.append(f"{key}={_word(value)}")
+        if key == "CUDA_VISIBLE_DEVICES" or (is_secret_name(key) and value):
+            continue  # Slurm binds the step's GPUs and sets it; a secret comes from the job's environment
+        env.append(f"{key}={_word(value)}")
     argv = proc.argv
     command = (
         [f'"$PY_{i}"', "-m", "dynamo_graph", *map(_word, argv[1:])]
         if argv[0] == "dyngraph"
         else [*map(_word, argv)]
     )
-    r = proc.restart
-    head = [
-        "run_step",
-        proc.name,
-        r.policy,
-        str(r.max_restarts),
-        f"{r.backoff_s:g}",
-        f"{r.backoff_max_s:g}",
-        probe.kind,
-        _word(target),
-        f"{probe.timeout_s:g}",
+    probe_words = f"{probe.kind} {_word(target)} {probe.timeout_s:g}"
+    return " \\\n  ".join([probe_words, " ".join(srun), "env " + " ".join(env), " ".join(command)])
+
+
+def launches(graph: Graph, plan: Plan) -> dict[str, str]:
+    """Process name -> its `NAME.cmd` text, for the plan compiled for Slurm (slurm_plan)."""
+    assert graph.slurm is not None, "render_slurm refuses a graph without `slurm:`"
+    lay = layout(graph, plan)
+    return {p.name: _launch(p, lay, graph.slurm) for p in plan.processes}
+
+
+def secret_exports(proc: ProcessSpec, secrets: dict[str, str]) -> list[str]:
+    """`KEY="$DYNGRAPH_SECRET_<n>"` for each secret env value of a process: srun passes its
+    environment on, so no secret is in any argv or file."""
+    return [
+        f'{key}="${next(v for v, s in secrets.items() if s == value)}"'
+        for key, value in proc.env.items()
+        if is_secret_name(key) and value
     ]
-    body = " \\\n    ".join([" ".join(head), " ".join(srun), "env " + " ".join(env), " ".join(command)])
+
+
+def _step(proc: ProcessSpec, launch: str, secrets: dict[str, str]) -> str:
+    r = proc.restart
+    head = ["run_step", proc.name, r.policy, str(r.max_restarts), f"{r.backoff_s:g}", f"{r.backoff_max_s:g}"]
     waits = f"await_ready {proc.name} {' '.join(proc.depends_on)} && " if proc.depends_on else ""
+    exports = secret_exports(proc, secrets)
     export = f"export {' '.join(exports)}; " if exports else ""  # in this process's subshell only
-    return f'{{ {export}{waits}{body}; touch "$JOB/steps/{proc.name}.done"; }} &'
+    cmd_file = f'"$JOB/steps/{proc.name}.cmd"'
+    run = f'{{ {export}{waits}{" ".join(head)}; touch "$JOB/steps/{proc.name}.done"; }} &'
+    return f"cat > {cmd_file} <<'EOF'\n{launch}\nEOF\n{run}"
 
 
 def render_slurm(graph: Graph, plan: Plan) -> str:
@@ -284,10 +318,10 @@ def render_slurm(graph: Graph, plan: Plan) -> str:
     for path, text in plan.files.items():
         lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
         lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
-    for proc in plan.processes:
+    for proc, launch in zip(plan.processes, launches(graph, plan).values(), strict=True):
         lines.append("")
         lines.append(f"# {proc.name} on {proc.host} (node {lay.node(proc.host)})")
-        lines.append(_step(graph, proc, lay, secrets, slurm))
+        lines.append(_step(proc, launch, secrets))
     lines += ["", "wait"]
     return "\n".join(lines) + "\n"
 

@@ -46,6 +46,10 @@ class SlurmTarget(Target):
     def down(self, graph_file: Path, console: Console) -> int:
         return commands.down(StateDir.of(graph_file), console)
 
+    def rollback(self, graph_file: Path, console: Console, revision: int | None) -> int:
+        """`dyngraph rollback` of a graph that runs as a job (the local target's is its supervisor's)."""
+        return commands.rollback(StateDir.of(graph_file), console, revision)
+
     def has_record(self, graph_file: Path) -> bool:
         """Whether the graph's last `up` was `--target slurm` (so status / down ask Slurm)."""
         return SlurmState(StateDir.of(graph_file)).job() is not None
