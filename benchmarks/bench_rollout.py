@@ -22,7 +22,14 @@ CLI's (start, load, validate, compile) on a machine the load keeps busy, as `unc
 
     python benchmarks/bench_rollout.py [--model .cache/tiny-model] [--replicas 2] [--clients 8]
         [--rounds 3] [--steady 15] [--settle 3] [--out benchmarks/results/rollout.json]
-Results: benchmarks/results/rollout.json
+        [--hosts HOSTS.yaml | --netns-hosts N]
+Results: benchmarks/results/rollout.json (rollout_ssh.json on ssh hosts)
+
+On ssh hosts the workers are placed round-robin over them (the frontend, managed etcd and
+nats-server stay here; etcd discovery, nats events): `--hosts` takes a YAML file holding a
+graph's `hosts:` section (your machines), `--netns-hosts N` makes N sshd hosts in network
+namespaces on this machine, as tests/system/test_remote_hosts.py does (root, iproute2,
+openssh-server: `make services`).
 """
 
 from __future__ import annotations
@@ -70,7 +77,9 @@ def free_port() -> int:
 class Graph:
     """The mocker graph in a temp dir (its state dir beside it), written anew before each `up`."""
 
-    def __init__(self, folder: Path, model: Path, replicas: int, speedup: float) -> None:
+    def __init__(
+        self, folder: Path, model: Path, replicas: int, speedup: float, hosts: dict | None = None
+    ) -> None:
         self.file = folder / "graph.yaml"
         self.port = free_port()
         self.graph: dict = {
@@ -92,6 +101,11 @@ class Graph:
                 },
             },
         }
+        if hosts:
+            self.graph["hosts"] = hosts
+            self.graph["runtime"] = {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats"}
+            self.graph["infra"] = {"etcd": {"managed": True}, "nats": {"managed": True}}
+            self.graph["components"]["backend"]["placement"] = [k for k in hosts if k != "local"]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -308,16 +322,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="changes per strategy, in turns")
     parser.add_argument("--steady", type=float, default=15.0, help="seconds of the steady window")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds of load after each change")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rollout.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default benchmarks/results/rollout[_ssh].json"
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", type=Path, help="YAML of a graph's `hosts:` section: workers go there")
+    where.add_argument("--netns-hosts", type=int, default=0, help="N sshd hosts in network namespaces here")
     args = parser.parse_args()
+    results = ROOT / "benchmarks" / "results"
+    args.out = args.out or results / (
+        "rollout_ssh.json" if args.hosts or args.netns_hosts else "rollout.json"
+    )
     model = args.model.resolve()
     if not (model / "config.json").exists():
         raise SystemExit(f"no model at {model} (set DYNGRAPH_TINY_MODEL or --model)")
     baseline_policy = {"max_surge": 0, "max_unavailable": args.replicas}
     rows: dict[str, list[dict]] = {"rolling": [], "baseline": []}
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        graph = Graph(Path(tmp), model, args.replicas, args.speedup)
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp, contextlib.ExitStack() as stack:
+        hosts = yaml.safe_load(args.hosts.read_text()) if args.hosts else None
+        if args.netns_hosts:
+            sys.path.insert(0, str(ROOT))
+            from tests.support.ssh_hosts import SshHosts, missing_requirements
+
+            if why := missing_requirements():
+                raise SystemExit(f"--netns-hosts: {why}")
+            (Path(tmp) / "ssh").mkdir()
+            made = SshHosts(Path(tmp) / "ssh", count=args.netns_hosts)
+            stack.callback(made.stop)
+            hosts = made.graph_hosts(Path(sys.executable).parent.parent)
+        graph = Graph(Path(tmp), model, args.replicas, args.speedup, hosts)
         load = Load(graph.port, args.clients, args.max_tokens)
         try:
             graph.up()
@@ -352,7 +386,13 @@ def main() -> None:
         **provenance(),
         "source": git_of(Path(__file__)),
         "config": {
-            "graph": "frontend (router round-robin) + mocker workers; file discovery, tcp request plane",
+            "graph": "frontend (router round-robin) + mocker workers; "
+            + (
+                f"workers on ssh hosts {graph.graph['components']['backend']['placement']}, etcd discovery, "
+                "nats events, tcp request plane"
+                if "hosts" in graph.graph
+                else "file discovery, tcp request plane"
+            ),
             "replicas": args.replicas,
             "clients": args.clients,
             "max_tokens": args.max_tokens,
