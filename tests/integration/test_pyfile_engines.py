@@ -271,7 +271,7 @@ def test_pystr_through_http(tmp_path: Path) -> None:
         )
         assert reply.choices[0].message.content == "MAKE SOME NOISE"
         assert reply.usage.completion_tokens == 3
-        with pytest.raises(openai.BadRequestError):  # a pystr engine serves chat only
+        with pytest.raises(openai.NotFoundError, match="serves chat"):  # a pystr engine serves chat only
             client.completions.create(model="shout", prompt="hi")
     finally:
         proc.stop()
