@@ -13,9 +13,10 @@ time to first response and between responses (TTFT and ITL, one token per respon
   replicas came. Intervals with fewer than MIN_ANSWERS answers say nothing about latency.
 - **demand** — the arrival rate, plus its trend over the last TREND_INTERVALS intervals when it
   rises, so a ramp is met ahead rather than behind (as Dynamo's SLA planner predicts load).
-- **desired** = ceil(demand / capacity), at least one more than now while the target is
-  missed, within `min_replicas`..`max_replicas` (what fits: plan.py's
-  AutoscalePolicy). With no capacity known yet, only the target decides: missed, one more.
+- **desired** = ceil(demand / capacity), and while the target is missed by a factor m at
+  least ceil(replicas x m) (Kubernetes' HPA rule) and one more than now, within
+  `min_replicas`..`max_replicas` (what fits: plan.py's AutoscalePolicy). With no capacity
+  known yet, only the target decides.
 - Up at once; down only once fewer replicas would have done for `scale_down_delay_s` without a
   break, to the most any interval of that stretch wanted — so a load swinging around the target
   changes the pool at most once per delay downwards, and never down right after a miss.
@@ -125,8 +126,9 @@ class PoolPlanner:
         else:
             wanted = seen.ready
             why = "no capacity measured yet"
-        if over is not None and wanted <= seen.ready:
-            wanted = seen.ready + 1
+        floor = max(seen.ready + 1, math.ceil(seen.ready * over)) if over is not None else 0
+        if wanted < floor:  # as Kubernetes' HPA: replicas x measured / target
+            wanted = floor
             why = f"target missed by {over:.2f}x"
         wanted = min(max(wanted, policy.min_replicas), policy.max_replicas)
         desired, why = self._stabilized(policy, seen.ready, wanted, why, now, over is not None)
