@@ -75,6 +75,7 @@ def graph(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, int]]:
         run_cli(["down", str(file)], timeout=120)
 
 
+@pytest.mark.slow  # a minute of load; the planner's rules run in the default set (tests/unit/test_planner.py)
 def test_the_pool_grows_under_load_holds_its_target_and_shrinks_back_losing_nothing(
     graph: tuple[Path, int],
 ) -> None:
