@@ -31,7 +31,7 @@ from dynamo_graph.runtime.errors import Overloaded, RequestError, ShuttingDown
 from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
 from dynamo_graph.runtime.names import EndpointName, instance_id_from_key
 from dynamo_graph.runtime.pickers import InstancePicker
-from dynamo_graph.runtime.traffic import AnswerStats, TrafficSplit, traffic_key
+from dynamo_graph.runtime.traffic import AnswerStats, TrafficSplit, TrafficSplits
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
 
 if TYPE_CHECKING:
@@ -79,14 +79,13 @@ class Client:
         self._random = InstancePicker("random")
         self._round_robin = InstancePicker("round-robin")
         self._record_decoder = msgspec.json.Decoder(InstanceRecord)
-        self._split_decoder = msgspec.json.Decoder(TrafficSplit)
         self.instances: dict[int, InstanceRecord] = {}
         # When set, only these instances are routed to (e.g. those whose model card was accepted).
         self.allowed: set[int] | None = None
         # Requests sent to each instance (for /health and for checking how load spreads).
         self.sent: dict[int, int] = {}
         self.answers: dict[int, AnswerStats] = {}  # how each instance answered them
-        self.split: TrafficSplit | None = None  # the component's traffic split, while one is set
+        self._splits: TrafficSplits | None = None  # the components' splits, once started
         # Instances that failed us, left out of routing until this (monotonic) time.
         self._down_until: dict[int, float] = {}
         self._down_since: dict[int, tuple[float, str]] = {}  # (wall clock, why), for /health
@@ -97,7 +96,6 @@ class Client:
         # Health-check state (runtime/health.py); unhealthy instances are left out of routing.
         self.health = HealthTable(on_change=self._changed.set, name=str(name))
         self._watch_task: asyncio.Task[None] | None = None
-        self._split_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         discovery = self.runtime.discovery
@@ -106,7 +104,7 @@ class Client:
                 f"{self.name}: a static runtime has no discovery; use a static endpoint address"
             )
         self._watch_task = asyncio.create_task(self._watch(), name=f"watch {self.name}")
-        self._split_task = asyncio.create_task(self._watch_split(), name=f"traffic of {self.name}")
+        self._splits = self.runtime.traffic()
 
     def add_static(self, record: InstanceRecord) -> None:
         """Route to a known address with no discovery (static mode)."""
@@ -124,21 +122,11 @@ class Client:
             else:
                 self._drop(instance_id)
 
-    async def _watch_split(self) -> None:
-        assert self.runtime.discovery is not None
-        key = traffic_key(self.name.namespace, self.name.component)
-        async for event in self.runtime.discovery.watch_prefix(key):
-            if event.key != key:
-                continue  # another component whose name starts with this one's
-            split = None
-            if event.kind == "put" and event.value is not None:
-                try:
-                    split = self._split_decoder.decode(event.value)
-                except msgspec.DecodeError as err:
-                    log.warning("ignoring malformed traffic split %s: %s", key, err)
-            if split != self.split:
-                log.info("%s: traffic split %s", self.name, split or "lifted")
-            self.split = split
+    @property
+    def split(self) -> TrafficSplit | None:
+        """The component's traffic split, while one is set."""
+        splits = self._splits
+        return None if splits is None else splits.get(self.name.namespace, self.name.component)
 
     def _set(self, instance_id: int, record: InstanceRecord) -> None:
         self.instances[instance_id] = record
@@ -419,8 +407,7 @@ class Client:
         return self.generate(request, instance_id=instance_id, context=context)
 
     async def close(self) -> None:
-        for task in (self._watch_task, self._split_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task

@@ -11,6 +11,7 @@ msgspec Structs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -22,7 +23,7 @@ import msgspec
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.discovery import Discovery, create_discovery
 from dynamo_graph.runtime.names import EndpointName, new_instance_id
-from dynamo_graph.runtime.traffic import labels_from_env
+from dynamo_graph.runtime.traffic import TrafficSplits, labels_from_env
 from dynamo_graph.runtime.transport import create_client, create_server
 from dynamo_graph.runtime.transport.base import RequestPlaneClient, RequestPlaneServer
 
@@ -66,6 +67,18 @@ class DistributedRuntime:
         self._shutdown = asyncio.Event()
         self._served: list[Endpoint] = []
         self._closed = False
+        self._traffic: TrafficSplits | None = None
+        self._traffic_task: asyncio.Task[None] | None = None
+
+    def traffic(self) -> TrafficSplits:
+        """The components' traffic splits, followed by one watch started on first use."""
+        if self._traffic is None:
+            self._traffic = TrafficSplits()
+            if self.discovery is not None:
+                self._traffic_task = asyncio.create_task(
+                    self._traffic.follow(self.discovery), name="traffic splits"
+                )
+        return self._traffic
 
     @classmethod
     async def create(
@@ -121,6 +134,10 @@ class DistributedRuntime:
             await self._server.stop(grace_s)
         for client in self._clients.values():
             await client.close()
+        if self._traffic_task is not None:
+            self._traffic_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._traffic_task
         if self.discovery is not None:
             await self.discovery.close()
 

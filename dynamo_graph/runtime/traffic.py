@@ -18,12 +18,16 @@ knowing what a token is (an engine streaming a token per response makes them TTF
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from dynamo_graph.runtime.discovery import Discovery
+
+log = logging.getLogger(__name__)
 TRAFFIC_ROOT = "v1/traffic"
 LABELS_ENV = "DYN_INSTANCE_LABELS"
 # Upper bounds (ms) of the time-to-first-response buckets: 1 ms to ~5 min, 12% apart, so a
@@ -72,6 +76,33 @@ class TrafficSplit(msgspec.Struct, frozen=True):
             return chosen
         picked = set(chosen)
         return [i for i in ids if i not in picked]
+
+
+class TrafficSplits:
+    """Every component's split, from one watch of `v1/traffic/` per process (the runtime's),
+    however many clients read it: `get` is a dict lookup on each request's path."""
+
+    def __init__(self) -> None:
+        self._splits: dict[str, TrafficSplit] = {}
+        self._decode = msgspec.json.Decoder(TrafficSplit)
+
+    def get(self, namespace: str, component: str) -> TrafficSplit | None:
+        return self._splits.get(traffic_key(namespace, component))
+
+    async def follow(self, discovery: Discovery) -> None:
+        async for event in discovery.watch_prefix(TRAFFIC_ROOT + "/"):
+            split = None
+            if event.kind == "put" and event.value is not None:
+                try:
+                    split = self._decode.decode(event.value)
+                except msgspec.DecodeError as err:
+                    log.warning("ignoring malformed traffic split %s: %s", event.key, err)
+            if split != self._splits.get(event.key):
+                log.info("traffic split of %s: %s", event.key, split or "lifted")
+            if split is None:
+                self._splits.pop(event.key, None)
+            else:
+                self._splits[event.key] = split
 
 
 class AnswerStats:

@@ -71,8 +71,8 @@ class TrafficSplit:
     same backend, folder or endpoints the graph's processes use, from their environment)."""
 
     def __init__(self, spec: ProcessSpec, revision: int) -> None:
-        env = spec.env
-        self.key = traffic_key(endpoint_of(spec).namespace, endpoint_of(spec).component)
+        env, endpoint = spec.env, endpoint_of(spec)
+        self.key = traffic_key(endpoint.namespace, endpoint.component)
         self.labels = {"revision": str(revision)}
         self.discovery: Discovery = create_discovery(
             env.get("DYN_DISCOVERY_BACKEND") or "file",

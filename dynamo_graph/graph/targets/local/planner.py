@@ -179,18 +179,23 @@ class Autoscaler:
         while not self.sup.stopping:
             plan = self.sup.full_plan
             now = time.monotonic()
-            for pool, policy in (plan.autoscale if plan else {}).items():
-                due = self.last.get(pool, (0.0, {}))[0] + policy.interval_s
-                if now >= due and not self.sup.scaling and self.sup.rolling is None:
-                    await self._tick(pool, policy)
+            due = [
+                (pool, policy)
+                for pool, policy in (plan.autoscale if plan else {}).items()
+                if now >= self.last.get(pool, (0.0, {}))[0] + policy.interval_s
+            ]
+            if due and not self.sup.scaling and self.sup.rolling is None:
+                # One look at every frontend serves every pool due now.
+                tally = await frontend_answers(serving_frontends(self.sup.runners.values()))
+                for pool, policy in due:
+                    await self._tick(pool, policy, tally)
             await asyncio.sleep(TICK_S)
 
-    async def _tick(self, pool: str, policy: AutoscalePolicy) -> None:
+    async def _tick(self, pool: str, policy: AutoscalePolicy, tally: dict[str, Answers]) -> None:
         sup = self.sup
         runners = [r for r in sup.runners.values() if r.spec.component == pool]
         ready = [r for r in runners if r.ready.is_set()]
         ids = {i for r in ready if (i := instance_of(r))}
-        tally = await frontend_answers(serving_frontends(sup.runners.values()))
         now = time.monotonic()
         previous = self.last.get(pool)
         self.last[pool] = (now, tally)
