@@ -766,3 +766,36 @@ def test_the_autoscaler_adds_a_replica_on_the_second_host_and_retires_it_losing_
         time.sleep(0.25)
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
     assert graph.chat()
+
+
+def test_a_broken_revision_is_refused_and_a_scale_down_retires_the_remote_replica_failing_nothing(
+    make_graph: Callable[..., RemoteGraph],
+) -> None:
+    """On the ssh hosts, under streamed load with no retries: a revision whose engine cannot
+    load is rolled back while the running workers serve on, then scaling 2 -> 1 retires the
+    replica on h1 (its streams finish); no request fails."""
+    graph = make_graph()
+    assert graph.cli("up", "-d").returncode == 0
+    before = {n: r["pid"] for n, r in graph.processes().items()}
+    with StreamingLoad(f"{graph.base_url}/v1", "tiny-model", clients=3) as load:
+        load.wait_for_requests(20)
+        make_graph(
+            **{
+                "components.backend.engine": "mocker",
+                "components.backend.engine_args": {"speedup_ratio": "not a number"},
+                "components.frontend.http.port": graph.port,
+            }
+        )
+        broken = graph.cli("up", "-d", timeout=180)
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert "failed" in broken.stdout and "rolled back" in broken.stdout, broken.stdout
+        assert {n: r["pid"] for n, r in graph.processes().items() if not r.get("retiring")} == before
+        load.wait_for_requests(20)
+        make_graph(**{"components.backend.replicas": 1, "components.frontend.http.port": graph.port})
+        down = graph.cli("up", "-d", timeout=180)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "- backend-1" in down.stdout
+        load.wait_for_requests(20)
+    result = load.result
+    assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
+    assert "backend-1" not in graph.processes()
