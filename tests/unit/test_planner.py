@@ -91,3 +91,12 @@ def test_a_pool_at_its_gpu_cap_says_so() -> None:
     capped = AutoscalePolicy(1, 2, 4, "host 'local' has 2 GPU(s) and 1 per replica", 500.0, None, 5.0, 30.0)
     decision = PoolPlanner("p").decide(capped, seen(2, 10.0, 2000.0), now=0.0)
     assert decision.desired == 2 and "has 2 GPU(s)" in decision.capped
+
+
+def test_a_pool_well_within_its_target_is_not_grown_on_its_capacity_estimate() -> None:
+    planner = PoolPlanner("p")
+    planner.decide(POLICY, seen(1, 4.0, 100.0), now=0.0)  # 4 req/s a replica shown, 0.2 of target
+    decision = planner.decide(POLICY, seen(1, 8.0, 150.0), now=5.0)  # rising, still far within
+    assert decision.desired == 1 and "0.30 of its target" in decision.reason, decision
+    decision = planner.decide(POLICY, seen(1, 9.0, 450.0), now=10.0)  # near it: sized ahead
+    assert decision.desired == 2, decision

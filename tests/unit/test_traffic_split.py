@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from dynamo_graph.graph.plan import RolloutPolicy
-from dynamo_graph.graph.targets.local.answers import Answers, side, tally
+from dynamo_graph.graph.targets.local.answers import Answers, answers_of, side, tally
 from dynamo_graph.graph.targets.local.canary import judge
 from dynamo_graph.runtime.traffic import AnswerStats, TrafficSplit, labels_from_env, percentile_ms
 
@@ -87,3 +87,18 @@ def test_too_few_requests_are_judged_on_errors_alone() -> None:
     old = Answers(100, 0, Counter({"10.0": 100}))
     verdict = judge(Answers(5, 0, Counter({"90.0": 5})), old, POLICY)
     assert verdict.ok and "too few requests" in verdict.why
+
+
+def test_a_disaggregated_models_prefill_instances_are_counted_too() -> None:
+    entry = {"requests": 3, "errors": 1, "first_response_ms": {"100": 3}}
+    health = {
+        "details": {
+            "m": {
+                "instances": [{"instance_id": "a", **entry}],
+                "prefill_instances": [{"instance_id": "b", **entry}],
+                "prefill_unavailable": [{"instance_id": "c", **entry}],
+            }
+        }
+    }
+    counted = answers_of(health)
+    assert sorted(counted) == ["a", "b", "c"] and counted["b"].requests == 3

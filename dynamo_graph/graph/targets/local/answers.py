@@ -57,8 +57,9 @@ class Answers:
 
 
 def answers_of(health: Any) -> dict[str, Answers]:
-    """Per instance id (hex), what one frontend's /health document says it answered. An
-    instance listed under several models (LoRA adapters share a client) is counted once."""
+    """Per instance id (hex), what one frontend's /health document says it answered, for the
+    decode (or aggregated) pool and the prefill pool of every model. An instance listed under
+    several models (LoRA adapters share a client) is counted once."""
     out: dict[str, Answers] = {}
     details = health.get("details") if isinstance(health, dict) else None
     if not isinstance(details, dict):
@@ -66,7 +67,8 @@ def answers_of(health: Any) -> dict[str, Answers]:
     for model in details.values():
         if not isinstance(model, dict):
             continue
-        for entry in [*(model.get("instances") or []), *(model.get("unavailable") or [])]:
+        listed = ("instances", "unavailable", "prefill_instances", "prefill_unavailable")
+        for entry in [e for key in listed for e in model.get(key) or []]:
             if not isinstance(entry, dict) or entry.get("instance_id") in out:
                 continue
             out[str(entry.get("instance_id"))] = Answers(

@@ -13,8 +13,12 @@ time to first response and between responses (TTFT and ITL, one token per respon
   replicas came. Intervals with fewer than MIN_ANSWERS answers say nothing about latency.
 - **demand** — the arrival rate, plus its trend over the last TREND_INTERVALS intervals when it
   rises, so a ramp is met ahead rather than behind (as Dynamo's SLA planner predicts load).
-- **desired** = ceil(demand / capacity), and while the target is missed by a factor m at
-  least ceil(replicas x m) (Kubernetes' HPA rule) and one more than now, within
+- **desired** = ceil(demand / capacity) — but a pool below NEAR_TARGET of its target is not
+  grown on that estimate: a capacity in requests/s holds for one mix of requests only (a
+  prefill pool that learned it on long prompts serves far more short ones, and a decode pool
+  sees no time between tokens in a burst of two-token answers), so the estimate sizes a rise
+  ahead only once latency confirms the pool is near its limit — and while the target is
+  missed by a factor m at least ceil(replicas x m) (Kubernetes' HPA rule) and one more than now, within
   `min_replicas`..`max_replicas` (what fits: plan.py's AutoscalePolicy). With no capacity
   known yet, only the target decides.
 - Up at once; down only once fewer replicas would have done for `scale_down_delay_s` without a
@@ -49,6 +53,7 @@ MIN_ANSWERS = 5  # answers an interval needs before its latency counts
 SETTLE_INTERVALS = 2  # after the pool changed size, misses do not lower the capacity this long
 TREND_INTERVALS = 3
 TICK_S = 0.5  # how often the loop looks whether a pool is due
+NEAR_TARGET = 0.8  # below this share of its target, the capacity estimate grows nothing
 
 
 @dataclass
@@ -76,9 +81,9 @@ class Decision:
     capped: str = ""  # why the pool cannot grow past max_replicas ("" when it is not at the cap)
 
 
-def missed(policy: AutoscalePolicy, seen: Measured) -> float | None:
-    """How far over its target the pool was (measured / target, > 1), or None when within it
-    or when the interval had too few answers to say."""
+def load_ratio(policy: AutoscalePolicy, seen: Measured) -> float | None:
+    """The pool's worst measured / target over its targets (above 1: missed), or None when the
+    interval had too few answers to say."""
     if seen.answers < MIN_ANSWERS:
         return None
     ratios = [
@@ -89,8 +94,14 @@ def missed(policy: AutoscalePolicy, seen: Measured) -> float | None:
         )
         if measured is not None and target is not None
     ]
-    worst = max(ratios, default=0.0)
-    return worst if worst > 1.0 else None
+    return max(ratios, default=None)
+
+
+def missed(policy: AutoscalePolicy, seen: Measured) -> float | None:
+    """How far over its target the pool was (measured / target, > 1), or None when within it
+    or when the interval had too few answers to say."""
+    ratio = load_ratio(policy, seen)
+    return ratio if ratio is not None and ratio > 1.0 else None
 
 
 @dataclass
@@ -111,7 +122,8 @@ class PoolPlanner:
         if seen.ready != self.ready_was:
             self.ready_was, self.resized_at = seen.ready, now
         settled = now - self.resized_at >= SETTLE_INTERVALS * policy.interval_s
-        if seen.answers >= MIN_ANSWERS and seen.ready:
+        ratio = load_ratio(policy, seen)
+        if ratio is not None and seen.ready:  # the interval measured what the targets name
             if over is None and per_replica > 0:
                 self.capacity = max(self.capacity or 0.0, per_replica)
             elif over is not None and (settled or self.capacity is None):
@@ -123,6 +135,10 @@ class PoolPlanner:
         if self.capacity:
             wanted = math.ceil(demand / self.capacity)
             why = f"{demand:.1f} req/s wanted at {self.capacity:.1f} req/s a replica"
+            if wanted > seen.ready and (ratio is None or ratio < NEAR_TARGET):
+                wanted = seen.ready  # headroom left: the estimate may be another mix's
+                at = "an unmeasured share" if ratio is None else f"{ratio:.2f}"
+                why = f"{why}, but the pool is at {at} of its target"
         else:
             wanted = seen.ready
             why = "no capacity measured yet"
