@@ -48,7 +48,7 @@ def pid_alive(pid: int) -> bool:
     """The process runs: it exists and is not a zombie waiting for its parent."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read (ESRCH)
         return False
     return stat[stat.rindex(")") + 2] != "Z"
 
