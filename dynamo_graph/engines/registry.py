@@ -119,11 +119,6 @@ ENGINES: dict[str, EngineSpec] = {
             package="sglang",
             kv_events=True,
             kv_connector=("disaggregation_transfer_backend", "nixl (or mooncake)"),
-            kv_connector_unserved=(
-                "SGLang's prefill sends its first token with the KV to the decode engine, while dyngraph's "
-                "frontend waits for the prefill worker's first token before it picks a decode worker "
-                "(docs/engines/sglang.md); SGLang cannot serve disaggregated here yet: use role agg"
-            ),
             capabilities=GUIDED,
         ),
         EngineSpec(
