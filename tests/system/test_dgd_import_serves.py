@@ -21,7 +21,10 @@ DEFAULT = {"examples/sglang-disagg.yaml", "upstream/examples/backends/trtllm/dep
 
 @pytest.mark.parametrize(
     "dgd",
-    [pytest.param(p, id=dgd_id(p), marks=() if dgd_id(p) in DEFAULT else pytest.mark.slow) for p in DGD_FILES],
+    [
+        pytest.param(p, id=dgd_id(p), marks=() if dgd_id(p) in DEFAULT else pytest.mark.slow)
+        for p in DGD_FILES
+    ],
 )
 def test_imported_dgd_passes_dyngraph_test(dgd: Path, tmp_path: Path, tiny_model: Path) -> None:
     graph_file = tmp_path / dgd.name

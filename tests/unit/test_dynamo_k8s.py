@@ -24,8 +24,8 @@ from dynamo_graph.graph.targets.k8s.dgd_import import (
     parse_flags,
 )
 from dynamo_graph.graph.targets.k8s.dynamo_k8s import ROLE_FLAGS, build_dgd, render_dynamo_k8s
-from tests.support.kube_schemas import dgd_errors
 from tests.support.dgd import DGD_FILES, EXAMPLES, UPSTREAM, dgd_id, mocker_overrides
+from tests.support.kube_schemas import dgd_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -169,7 +169,9 @@ def _gpus_per_replica(service: dict) -> int:
 
 
 @pytest.mark.parametrize("dgd", DGD_FILES, ids=[dgd_id(p) for p in DGD_FILES])
-def test_dynamo_deployments_import_validate_and_render_back_to_the_same_services(dgd: Path, tmp_path: Path) -> None:
+def test_dynamo_deployments_import_validate_and_render_back_to_the_same_services(
+    dgd: Path, tmp_path: Path
+) -> None:
     original = yaml.safe_load(dgd.read_text())
     assert dgd_errors(original) == []
     out = tmp_path / "graph.yaml"
@@ -217,9 +219,13 @@ def test_import_makes_dynamos_kv_transfer_defaults_explicit(tmp_path: Path) -> N
     assert decode["cache_transceiver_config"] == {"backend": "UCX", "max_tokens_in_buffer": 16384}
     assert "extra_engine_args" not in prefill
     # Rendered back, the engine config's settings ride in Dynamo's --override-engine-args.
-    args = _dgd(tmp_path / "t.yaml")["spec"]["services"]["TRTLLMPrefillWorker"]["extraPodSpec"]["mainContainer"]["args"]
+    args = _dgd(tmp_path / "t.yaml")["spec"]["services"]["TRTLLMPrefillWorker"]["extraPodSpec"][
+        "mainContainer"
+    ]["args"]
     override = json.loads(args[args.index("--override-engine-args") + 1])
-    assert override["cache_transceiver_config"] == {"backend": "DEFAULT"} and override["max_num_tokens"] == 8192
+    assert (
+        override["cache_transceiver_config"] == {"backend": "DEFAULT"} and override["max_num_tokens"] == 8192
+    )
     # A config file that is not next to the DGD: said in the notes, the path kept.
     doc = yaml.safe_load((UPSTREAM / "examples/backends/trtllm/deploy/disagg.yaml").read_text())
     alone = import_dgd(doc)
@@ -229,7 +235,10 @@ def test_import_makes_dynamos_kv_transfer_defaults_explicit(tmp_path: Path) -> N
     assert any("cache_transceiver_config) unknown here" in n for n in alone.notes)
     (tmp_path / "alone.yaml").write_text(yaml.safe_dump(doc))
     unreadable = import_dgd_file(tmp_path / "alone.yaml", tmp_path / "a.yaml")
-    assert any(n.startswith("not runnable with our engines") and "cache_transceiver_config" in n for n in unreadable.notes)
+    assert any(
+        n.startswith("not runnable with our engines") and "cache_transceiver_config" in n
+        for n in unreadable.notes
+    )
 
 
 def test_multinode_is_read_as_gpus_per_node_times_nodes_and_said_untranslated(tmp_path: Path) -> None:

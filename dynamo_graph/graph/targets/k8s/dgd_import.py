@@ -237,7 +237,6 @@ class _Importer:
         self._differing("dynamoNamespace", self.namespaces)
         self._differing("envFromSecret", self.env_secrets)
         self._differing("workingDir", self.working_dirs)
-        pd = sorted(k for k, c in self.components.items() if c.get("role", "agg") != "agg")
         # Locally the supervisor starts a frontend after the workers that serve its requests, as
         # the shipped templates do (Kubernetes starts everything at once, so the DGD has no order).
         serving = sorted(k for k, c in self.components.items() if c.get("role") in ("agg", "decode"))
@@ -360,7 +359,9 @@ class _Importer:
         if role != "agg":
             self._implicit_kv_transfer(where, engine, settings)
         elif settings.connector is not None:
-            self.notes.append(f"{where}: --connector {settings.connector} not imported (an aggregated worker)")
+            self.notes.append(
+                f"{where}: --connector {settings.connector} not imported (an aggregated worker)"
+            )
         model = self._model(where, settings)
         comp: dict[str, Any] = {
             "kind": "worker",
@@ -403,8 +404,8 @@ class _Importer:
             if found is None:
                 self.notes.append(
                     f"{where}: engine config {path} (in the container's {workdir or '/'}) not found next "
-                    "to the DGD; kept as engine_args.extra_engine_args, its settings (cache_transceiver_config) "
-                    "unknown here"
+                    "to the DGD; kept as engine_args.extra_engine_args, its settings "
+                    "(cache_transceiver_config) unknown here"
                 )
             flags.engine_args["extra_engine_args"] = path
             return
@@ -423,11 +424,14 @@ class _Importer:
             if flags.connector in (None, "nixl"):
                 args["kv_transfer_config"] = dict(VLLM_DEFAULT_CONNECTOR)
                 self.notes.append(
-                    f"{where}: made explicit: engine_args.kv_transfer_config {json.dumps(VLLM_DEFAULT_CONNECTOR)}"
-                    " (Dynamo's vLLM worker uses NIXL when its DGD names no connector)"
+                    f"{where}: made explicit: engine_args.kv_transfer_config "
+                    f"{json.dumps(VLLM_DEFAULT_CONNECTOR)} (Dynamo's vLLM worker uses NIXL when its DGD "
+                    "names no connector)"
                 )
             else:
-                self.notes.append(f"{where}: --connector {flags.connector}: no KV connector for a {engine} worker")
+                self.notes.append(
+                    f"{where}: --connector {flags.connector}: no KV connector for a {engine} worker"
+                )
         elif engine == "sglang" and "disaggregation_transfer_backend" not in args:
             args["disaggregation_transfer_backend"] = SGLANG_DEFAULT_TRANSFER_BACKEND
             self.notes.append(

@@ -118,7 +118,13 @@ BACKENDS: dict[str, Backend] = {
         # JSON over the engine config; these are Dynamo's worker's own flags.
         override_flag="--override-engine-args",
         worker_flags=frozenset(
-            {"extra_engine_args", "publish_events_and_metrics", "modality", "endpoint", "disaggregation_strategy"}
+            {
+                "extra_engine_args",
+                "publish_events_and_metrics",
+                "modality",
+                "endpoint",
+                "disaggregation_strategy",
+            }
         ),
     ),
     "mocker": Backend(
@@ -197,7 +203,9 @@ def _role_args(role_args: list[str], given: set[str]) -> list[str]:
     out: list[str] = []
     for i, word in enumerate(role_args):
         if word.startswith("--"):
-            j = next((k for k in range(i + 1, len(role_args)) if role_args[k].startswith("--")), len(role_args))
+            j = next(
+                (k for k in range(i + 1, len(role_args)) if role_args[k].startswith("--")), len(role_args)
+            )
             if word not in given:
                 out += role_args[i:j]
     return out
