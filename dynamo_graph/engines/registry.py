@@ -37,8 +37,6 @@ class EngineSpec:
     kv_transfer: bool = False
     # Or moves it by its own connector, configured by this engine argument (with an example).
     kv_connector: tuple[str, str] | None = None
-    # Why the connector does not fit the frontend's prefill -> decode flow yet; None: it does.
-    kv_connector_unserved: str | None = None
     # Loads LoRA adapters (`load_lora`).
     lora: bool = False
     # The request features its card advertises (LOGPROBS, GUIDED): the frontend refuses others.
@@ -169,7 +167,4 @@ ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.
 KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
 KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
 KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}
-KV_CONNECTOR_UNSERVED = {
-    name: spec.kv_connector_unserved for name, spec in ENGINES.items() if spec.kv_connector_unserved
-}
 EMBEDDING_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.embedding_target)

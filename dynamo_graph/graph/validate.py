@@ -23,7 +23,6 @@ from pydantic_core import ErrorDetails
 
 from dynamo_graph.engines.registry import (
     KV_CONNECTOR_ENGINES,
-    KV_CONNECTOR_UNSERVED,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
 )
@@ -515,7 +514,7 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
 def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     """A worker of an engine with its own KV connector, as prefill/decode: a Problem unless its
     engine args configure the connector (an engine_args_file is not read here: the worker checks
-    it when it starts) and the engine's connector fits the frontend's flow."""
+    it when it starts)."""
     if worker.engine_args_file is not None:
         return None
     setting, example = KV_CONNECTOR_ENGINES[worker.engine]
@@ -530,10 +529,7 @@ def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     else:
         configured = bool(value)
     if configured:
-        unserved = KV_CONNECTOR_UNSERVED.get(worker.engine)
-        return (
-            None if unserved is None else Problem(f"components.{key}.role", f"role {worker.role}: {unserved}")
-        )
+        return None
     what = f"{setting} with a kv_connector" if worker.engine == "vllm" else setting
     return Problem(
         f"components.{key}.engine_args",

@@ -67,9 +67,12 @@ def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
         "num_nodes": ("--num-nodes", "nnodes"),
         "node_rank": ("--node-rank", "node_rank"),
         "leader_addr": ("--leader-addr", "dist_init_addr"),
+        "disaggregation_bootstrap_port": ("--disaggregation-bootstrap-port", "disaggregation_bootstrap_port"),
     }
     if cfg.context_length is not None:
         kwargs["context_length"] = cfg.context_length
+    if cfg.disaggregation_bootstrap_port is not None:
+        kwargs["disaggregation_bootstrap_port"] = cfg.disaggregation_bootstrap_port
     if cfg.num_nodes > 1 or cfg.leader_addr:
         kwargs["nnodes"] = cfg.num_nodes
         kwargs["node_rank"] = cfg.node_rank
