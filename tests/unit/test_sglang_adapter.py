@@ -534,14 +534,17 @@ def pd_engine(mode: str, **server_args: Any) -> FakeSglangEngine:
 
 async def test_a_prefill_engine_reports_its_bootstrap_address_for_its_card() -> None:
     prefiller = pd_engine("prefill", dist_init_addr="10.1.2.3:5000", disaggregation_bootstrap_port=9000)
-    config = await prefiller.start()
-    assert (config.bootstrap_host, config.bootstrap_port) == ("10.1.2.3", 9000)
-    assert bootstrap_address(runtime_config(config)) == ("10.1.2.3", 9000)
     decoder = pd_engine("decode")
-    assert bootstrap_address(runtime_config(await decoder.start())) is None
-    for engine in (prefiller, decoder):  # neither half serves a request without its room
+    configs = [await prefiller.start(), await decoder.start()]
+    assert (configs[0].bootstrap_host, configs[0].bootstrap_port) == ("10.1.2.3", 9000)
+    assert [bootstrap_address(runtime_config(c)) for c in configs] == [("10.1.2.3", 9000), None]
+    for engine, config in zip((prefiller, decoder), configs, strict=True):
+        # Neither half serves a request without its room ...
         with pytest.raises(EngineError, match="only serves requests paired by a bootstrap room"):
             engine.generate(request(5), Context())
+        # ... but its health check runs alone, under SGLang's fake bootstrap host (its warmup).
+        probe = msgspec.convert(engine.health_check_request(config), PreprocessedRequest)
+        assert probe.bootstrap_info is not None and probe.bootstrap_info.host == "2.2.2.2"
         await engine.cleanup()
 
 

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # ServerArgs.disaggregation_bootstrap_port's default
+# sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST: a request under it runs one half alone,
+# on fake KV (SGLang's warmup), as our health checks of prefill and decode engines do.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 KV_TOPIC = "kv-events"
 
 
@@ -102,6 +105,15 @@ class SglangEngine(LibraryEngine):
         if addr:
             return str(addr).rsplit(":", 1)[0].strip("[]"), port
         return os.environ.get("SGLANG_HOST_IP") or socket.gethostbyname(socket.gethostname()), port
+
+    def health_check_request(self, config: EngineConfig) -> dict[str, Any] | None:
+        """A PD engine serves only paired requests: its health check is paired with nothing,
+        under SGLang's fake bootstrap host."""
+        payload = super().health_check_request(config)
+        if self.kv_transfer and payload is not None:
+            alone = {"host": FAKE_BOOTSTRAP_HOST, "port": DEFAULT_BOOTSTRAP_PORT, "room": 0}
+            payload["bootstrap_info"] = alone
+        return payload
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
