@@ -420,7 +420,12 @@ class _Importer:
     def _implicit_kv_transfer(self, where: str, engine: str, flags: _WorkerFlags) -> None:
         """What moves a prefill/decode worker's KV when its DGD does not say: Dynamo's defaults."""
         args = flags.engine_args
-        if engine == "vllm" and "kv_transfer_config" not in args:
+        if engine == "vllm" and "kv_transfer_config" in args and flags.connector is not None:
+            self.notes.append(
+                f"{where}: --connector {flags.connector} not imported "
+                "(its --kv-transfer-config names the connector)"
+            )
+        elif engine == "vllm" and "kv_transfer_config" not in args:
             if flags.connector in (None, "nixl"):
                 args["kv_transfer_config"] = dict(VLLM_DEFAULT_CONNECTOR)
                 self.notes.append(
