@@ -79,13 +79,11 @@ class PrefillPool(Protocol):
     """The prefill workers' router: a routed backend that can say where a request goes."""
 
     def generate(
-        self,
-        request: PreprocessedRequest,
-        context: Context,
-        *,
-        exclude: set[int] | None = None,
-        on_route: OnRoute | None = None,
-    ) -> AsyncIterator[LLMEngineOutput]: ...
+        self, request: PreprocessedRequest, context: Context, **routing: Any
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """As RoutedBackend's, whose `exclude` it takes, and `on_route`: an OnRoute called with
+        the instance the request goes to and the request, just before it is sent there."""
+        ...
 
     def instance_ids(self) -> list[int]: ...
 

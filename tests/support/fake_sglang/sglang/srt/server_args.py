@@ -1,23 +1,12 @@
-"""The ServerArgs fields our adapter passes (it checks its keys against these)."""
+"""The ServerArgs fields our adapter passes (it checks its keys against the dataclass's fields)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import make_dataclass
+from typing import Any
 
+_FIELDS = """model_path skip_tokenizer_init tp_size base_gpu_id page_size context_length nnodes node_rank
+dist_init_addr kv_events_config incremental_streaming_output disaggregation_mode
+disaggregation_transfer_backend disaggregation_bootstrap_port"""
 
-@dataclass
-class ServerArgs:
-    model_path: str = ""
-    skip_tokenizer_init: bool = False
-    tp_size: int = 1
-    base_gpu_id: int = 0
-    page_size: int = 1
-    context_length: int | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    kv_events_config: str | None = None
-    incremental_streaming_output: bool = False
-    disaggregation_mode: str = "null"
-    disaggregation_transfer_backend: str = "mooncake"
-    disaggregation_bootstrap_port: int = 8998
+ServerArgs = make_dataclass("ServerArgs", [(name, Any, None) for name in _FIELDS.split()])
