@@ -228,3 +228,33 @@ def test_lora_adapters_are_found_on_the_models_volume(tmp_path: Path) -> None:
     assert command[command.index("--model-path") + 1] == f"{mount}/base-model"
     assert command[command.index("--lora-modules") + 1] == f"sql={mount}/sql-adapter"
     assert str(tmp_path) not in yaml.safe_dump(pod)
+
+
+def test_sglang_prefill_pods_serve_their_bootstrap_on_their_own_ip(tmp_path: Path) -> None:
+    """Locally each SGLang prefill process gets a port of its own (`{port:...}`); a pod has its
+    network to itself, so it keeps SGLang's default port and publishes its pod IP."""
+    pd = {
+        "kind": "worker",
+        "model": "m",
+        "engine": "sglang",
+        "engine_args": {"disaggregation_transfer_backend": "nixl"},
+    }
+    graph = {
+        "name": "pd",
+        "models": {"m": {"path": "org/m"}},
+        "components": {
+            "web": {"kind": "frontend"},
+            "pre": {**pd, "role": "prefill", "replicas": 2},
+            "dec": {**pd, "role": "decode"},
+        },
+    }
+    docs = _docs(_write(tmp_path, graph))
+    assert [e for d in docs for e in k8s_errors(d)] == []
+    assert "{port:" not in yaml.safe_dump_all(docs)
+    objects = _by_kind(docs)
+    pre = objects["Deployment", "pd-pre"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--disaggregation-bootstrap-port" not in pre["command"]
+    host = next(e for e in pre["env"] if e["name"] == "SGLANG_HOST_IP")
+    assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    dec = objects["Deployment", "pd-dec"]["spec"]["template"]["spec"]["containers"][0]
+    assert "SGLANG_HOST_IP" not in {e["name"] for e in dec["env"]}

@@ -502,7 +502,9 @@ async def test_cleanup_is_idempotent_and_safe_before_start() -> None:
 # ---- disaggregated prefill/decode -----------------------------------------------------------
 
 
-def test_disaggregation_mode_needs_a_transfer_backend(model: LocalModel, tmp_path: Path) -> None:
+def test_disaggregation_mode_needs_a_transfer_backend(
+    model: LocalModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for mode in ("prefill", "decode"):
         with pytest.raises(SglangError, match=f"{mode}: .* add disaggregation_transfer_backend"):
             server_args_from_settings(EngineSettings(disaggregation_mode=mode), model)
@@ -516,6 +518,10 @@ def test_disaggregation_mode_needs_a_transfer_backend(model: LocalModel, tmp_pat
     )
     assert (args["disaggregation_mode"], args["disaggregation_transfer_backend"]) == ("prefill", "nixl")
     assert args["disaggregation_bootstrap_port"] == 9123  # the port the graph compiler gave this worker
+    assert "host" not in args
+    monkeypatch.setenv("SGLANG_HOST_IP", "10.0.0.7")  # the host's address, by the graph compiler
+    prefill = EngineSettings(disaggregation_mode="prefill", extra_engine_args=extra)
+    assert server_args_from_settings(prefill, model)["host"] == "10.0.0.7"  # the bootstrap server binds there
     assert SglangEngine(args).kv_transfer
     extra.write_text(json.dumps({"disaggregation_mode": "prefill"}))
     with pytest.raises(

@@ -4,6 +4,7 @@ sampling_params dict (the mapping tables: docs/engines/sglang.md)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,8 @@ def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
                 f"disaggregation_transfer_backend to {SOURCE} (a graph's engine_args), e.g. nixl or mooncake"
             )
         kwargs["disaggregation_mode"] = mode
+    if mode == "prefill" and os.environ.get("SGLANG_HOST_IP") and "host" not in extra:
+        kwargs["host"] = os.environ["SGLANG_HOST_IP"]  # its bootstrap server listens where it is advertised
     kv_config = extra.get("kv_events_config")
     if isinstance(kv_config, Mapping):  # ServerArgs takes it as a JSON string
         extra = {**extra, "kv_events_config": json.dumps(dict(kv_config))}

@@ -1,9 +1,11 @@
-"""A fake `sglang` (see README.md): `Engine(**server_args)` with `async_generate`, `tokenizer_manager.
-abort_request`, `get_server_info` and `shutdown`, and SGLang's PD pairing. A prefill engine listens
-on its bootstrap port (at SGLANG_HOST_IP); a decode request connects to the bootstrap host and port
-it was given and names its room; the prefill request of that room "sends the KV" (a line back), or
-fails to when FAKE_SGLANG_TRANSFER_FAILS is set; only then does the decode request stream. Every
-request is logged as a JSON line to $FAKE_SGLANG_LOG, for the test to read."""
+"""A fake `sglang` (see README.md): `Engine(**server_args)` with `async_generate`,
+`tokenizer_manager.abort_request`, `get_server_info` and `shutdown`, and SGLang's PD pairing. A
+prefill engine listens on its bootstrap port (at ServerArgs' host, as SGLang's bootstrap server);
+a decode request connects to the bootstrap host and port it was given and names its room; the
+prefill request of that room "sends the KV" (a line back), or fails to when
+FAKE_SGLANG_TRANSFER_FAILS is set; only then does the decode request stream. A request under
+SGLang's fake bootstrap host runs alone (its warmup, our health checks). Every request is logged
+as a JSON line to $FAKE_SGLANG_LOG, for the test to read."""
 
 from __future__ import annotations
 
@@ -34,12 +36,11 @@ class Engine:
         self.rooms: dict[int, asyncio.Future[asyncio.StreamWriter]] = {}
         self.server: asyncio.AbstractServer | None = None
         if self.mode == "prefill":  # SGLang's bootstrap server: bound now, served on the loop
-            sock = socket.create_server(
-                (
-                    os.environ.get("SGLANG_HOST_IP", "127.0.0.1"),
-                    int(server_args["disaggregation_bootstrap_port"]),
-                )
+            address = (
+                server_args.get("host") or "127.0.0.1",
+                int(server_args["disaggregation_bootstrap_port"]),
             )
+            sock = socket.create_server(address)
             self._serving = asyncio.get_event_loop().create_task(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
