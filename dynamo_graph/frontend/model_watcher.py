@@ -20,7 +20,9 @@ Disaggregated models: cards whose model type is `prefill` (workers started with
 routing, its own KV router fed by the prefill workers' events — under the same checksum rule.
 Every tokens-input model's router sits inside a `DisaggRouter` (router/disagg.py) that sends
 prompts to that pool once it exists; until then requests pass straight through. A prefill pool
-may appear before the model's decode workers do: it waits, unserved, until they register.
+may appear before the model's decode workers do: it waits, unserved, until they register. A
+prefill worker whose card's runtime_config names a bootstrap server (SGLang) is kept with its
+address in the pool's `bootstraps`, which the DisaggRouter pairs requests by.
 
 LoRA adapters: a worker serving an adapter publishes its card (the base card under the
 adapter's name, `lora` naming the base model) one key below its own; the adapter becomes a model

@@ -94,7 +94,9 @@ class KvRoutedTokensBackend:
 
     With the router's queue on, a request first waits for its turn (`admit`: priority from its
     routing hints) while every worker is saturated, or is refused (`QueueFull`: 529) past the
-    queue's bound; its session id (routing hints) lets session affinity pick its worker."""
+    queue's bound; its session id (routing hints) lets session affinity pick its worker.
+    `on_route(instance, request)` hears each worker chosen, just before the request goes there
+    (a paired prefill's bootstrap address, router/disagg.py)."""
 
     def __init__(self, client: Client, router: KvRouter) -> None:
         self.client = client
