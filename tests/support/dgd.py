@@ -9,7 +9,7 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo"
 EXAMPLES = sorted((FIXTURES / "examples").glob("*.yaml"))
 UPSTREAM = FIXTURES / "upstream"
-DGD_FILES = EXAMPLES + sorted(UPSTREAM.rglob("deploy/*.yaml"))
+DGD_FILES = EXAMPLES + sorted(p for p in UPSTREAM.rglob("*.yaml") if "engine_configs" not in p.parts)
 """tests/fixtures/dynamo/README.md and upstream/README.md say where each comes from."""
 
 

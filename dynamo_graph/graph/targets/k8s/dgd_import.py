@@ -71,7 +71,7 @@ _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replic
 # none (its `--connector` defaults to nixl: NixlConnector in role kv_both).
 VLLM_DEFAULT_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 SGLANG_DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
-_CONTAINER_KEYS = {"image", "command", "args", "workingDir"}
+_CONTAINER_KEYS = {"image", "command", "args", "workingDir", "env"}
 
 
 class DgdError(ValueError):
@@ -278,7 +278,11 @@ class _Importer:
             self.namespaces[service["dynamoNamespace"]] += 1
         if service.get("envFromSecret"):
             self.env_secrets[service["envFromSecret"]] += 1
-        env = {**self.graph_env, **self._env(f"{where}.envs", service.get("envs") or [])}
+        env = {
+            **self.graph_env,
+            **self._env(f"{where}.envs", service.get("envs") or []),
+            **self._env(f"{where}.extraPodSpec.mainContainer.env", container.get("env") or []),
+        }
         module, args = command_line(container)
         kind = service.get("componentType")
         if kind in ("frontend", "main") or module == "dynamo.frontend":
