@@ -37,6 +37,9 @@ class EngineSpec:
     kv_transfer: bool = False
     # Or moves it by its own connector, configured by this engine argument (with an example).
     kv_connector: tuple[str, str] | None = None
+    # As a decode worker, it can also prefill a request itself (conditional disaggregation, a
+    # failed prefill); SGLang's decode engine cannot.
+    decode_prefills: bool = True
     # Loads LoRA adapters (`load_lora`).
     lora: bool = False
     # The request features its card advertises (LOGPROBS, GUIDED): the frontend refuses others.
@@ -117,6 +120,7 @@ ENGINES: dict[str, EngineSpec] = {
             package="sglang",
             kv_events=True,
             kv_connector=("disaggregation_transfer_backend", "nixl (or mooncake)"),
+            decode_prefills=False,
             capabilities=GUIDED,
         ),
         EngineSpec(
@@ -167,4 +171,5 @@ ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.
 KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
 KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
 KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}
+DECODE_ONLY_ENGINES = frozenset(name for name, spec in ENGINES.items() if not spec.decode_prefills)
 EMBEDDING_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.embedding_target)

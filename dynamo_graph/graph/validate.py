@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from dynamo_graph.engines.registry import (
+    DECODE_ONLY_ENGINES,
     KV_CONNECTOR_ENGINES,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
@@ -509,6 +510,17 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
             f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
             f"decode workers ({', '.join(able)}); {worker.engine} cannot",
         )
+    decode_only = sorted(
+        k for k, w in graph.workers().items() if w.role == "decode" and w.engine in DECODE_ONLY_ENGINES
+    )
+    for key, frontend in graph.frontends().items():
+        if decode_only and frontend.disagg.conditional:
+            yield Problem(
+                f"components.{key}.disagg.conditional",
+                f"conditional disaggregation prefills short prompts on the decode workers, and "
+                f"{', '.join(decode_only)} cannot ({graph.workers()[decode_only[0]].engine}'s decode "
+                "engine only continues from a prefill worker's KV)",
+            )
 
 
 def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:

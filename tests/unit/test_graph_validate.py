@@ -216,6 +216,17 @@ components:
         "sglang moves the KV cache with its own connector; add disaggregation_transfer_backend",
     ),
     (
+        "conditional-disagg-on-sglang-decode",
+        HEAD
+        + "components:\n  front: {kind: frontend, disagg: {conditional: true}}\n"
+        + "  prefill: {kind: worker, model: tiny, engine: sglang, role: prefill,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n"
+        + "  decode: {kind: worker, model: tiny, engine: sglang, role: decode,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n",
+        "components.front.disagg.conditional",
+        "and decode cannot (sglang's decode engine only continues from a prefill worker's KV)",
+    ),
+    (
         "kv-router-without-events",
         MINIMAL.replace("kind: frontend", "kind: frontend\n    router: {mode: kv}"),
         "components.frontend.router.mode",
