@@ -16,18 +16,13 @@ from pathlib import Path
 
 import yaml
 
+from tests.support.engine_adapters import sglang_pd_worker
 from tests.support.processes import free_port, run_cli
 
 FAKE_SGLANG = Path(__file__).resolve().parents[1] / "support" / "fake_sglang"
 
 
 def test_sglang_prefill_and_decode_pair_by_bootstrap_room(tmp_path: Path, tiny_model: Path) -> None:
-    pd = {
-        "engine": "sglang",
-        "kind": "worker",
-        "model": "tiny",
-        "engine_args": {"disaggregation_transfer_backend": "nixl"},
-    }
     graph = {
         "name": "sglang-pd",
         "models": {"tiny": {"path": str(tiny_model)}},
@@ -38,8 +33,8 @@ def test_sglang_prefill_and_decode_pair_by_bootstrap_room(tmp_path: Path, tiny_m
                 "disagg": {"enforce": True},
                 "depends_on": ["decode", "prefill"],
             },
-            "prefill": {**pd, "role": "prefill", "replicas": 2},
-            "decode": {**pd, "role": "decode"},
+            "prefill": sglang_pd_worker("tiny", "prefill", replicas=2),
+            "decode": sglang_pd_worker("tiny", "decode"),
         },
     }
     graph_file = tmp_path / "sglang-pd.yaml"

@@ -14,6 +14,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.targets.dispatch import render
+from tests.support.engine_adapters import sglang_pd_worker
 from tests.support.kube_schemas import k8s_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,19 +234,13 @@ def test_lora_adapters_are_found_on_the_models_volume(tmp_path: Path) -> None:
 def test_sglang_prefill_pods_serve_their_bootstrap_on_their_own_ip(tmp_path: Path) -> None:
     """Locally each SGLang prefill process gets a port of its own (`{port:...}`); a pod has its
     network to itself, so it keeps SGLang's default port and publishes its pod IP."""
-    pd = {
-        "kind": "worker",
-        "model": "m",
-        "engine": "sglang",
-        "engine_args": {"disaggregation_transfer_backend": "nixl"},
-    }
     graph = {
         "name": "pd",
         "models": {"m": {"path": "org/m"}},
         "components": {
             "web": {"kind": "frontend"},
-            "pre": {**pd, "role": "prefill", "replicas": 2},
-            "dec": {**pd, "role": "decode"},
+            "pre": sglang_pd_worker("m", "prefill", replicas=2),
+            "dec": sglang_pd_worker("m", "decode"),
         },
     }
     docs = _docs(_write(tmp_path, graph))
