@@ -212,6 +212,12 @@ def test_import_makes_dynamos_kv_transfer_defaults_explicit(tmp_path: Path) -> N
         args = vllm.graph["components"][key]["engine_args"]
         assert args["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     assert sum("made explicit: engine_args.kv_transfer_config" in n for n in vllm.notes) == 2
+    given = import_dgd_file(
+        UPSTREAM / "examples/backends/vllm/deploy/disagg-multinode.yaml", tmp_path / "m.yaml"
+    )
+    decode = given.graph["components"]["decode"]["engine_args"]["kv_transfer_config"]
+    assert decode["kv_connector"] == "NixlConnector" and decode["engine_id"].startswith("vllm-disagg-decode")
+    assert sum("--connector none not imported" in n for n in given.notes) == 2
     trt = import_dgd_file(UPSTREAM / "examples/backends/trtllm/deploy/disagg.yaml", tmp_path / "t.yaml")
     prefill = trt.graph["components"]["TRTLLMPrefillWorker"]["engine_args"]
     decode = trt.graph["components"]["TRTLLMDecodeWorker"]["engine_args"]
