@@ -97,6 +97,11 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     # Optional request features the engine honours (llm/openai.py CAPABILITIES); the card carries
     # them and the frontend refuses (400) a request needing one the engine lacks.
     capabilities: list[str] | None = None
+    # A prefill engine that pairs with decode engines by a bootstrap room (SGLang): where its
+    # bootstrap server listens. The card publishes it; the frontend then sends each request to
+    # a prefill and a decode worker at once (router/disagg.py), not prefill first.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
 
 
 class LLMEngine(abc.ABC):
@@ -106,6 +111,8 @@ class LLMEngine(abc.ABC):
     kv_event_sink: KvEventSink | None = None
     # Engines that can hand a prompt's KV cache over (disaggregated prefill/decode) implement
     # `prefill` and `generate_from_kv` and say so; only they run as prefill or decode workers.
+    # Or they pair the halves themselves: the prefill engine reports its bootstrap address
+    # (EngineConfig) and both take requests with `bootstrap_info` in `generate`.
     kv_transfer: bool = False
 
     @classmethod

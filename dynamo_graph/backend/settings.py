@@ -57,6 +57,11 @@ class EngineSettings:
     )
     """The worker's part: agg (whole requests) | prefill (prompts; hands the KV over) | decode.
     Engines with a native KV connector configure its role from it."""
+    disaggregation_bootstrap_port: int | None = setting(
+        None, flag="--disaggregation-bootstrap-port", ge=1, le=65535, in_graph=False
+    )
+    """Where a prefill engine that pairs with decode engines by bootstrap room (SGLang) serves
+    its bootstrap server; the graph compiler gives each prefill worker its own."""
     lora_modules: str | None = setting(None, flag="--lora-modules", in_graph=False)
     """LoRA adapters to serve beside the model: NAME=PATH[,NAME=PATH] (engines that must be
     told at start, like vLLM's enable_lora, see them here)."""

@@ -114,7 +114,7 @@ def make_card(
             kv_cache_block_size=cfg.engine.kv_cache_block_size or config.kv_cache_block_size or 16,
             migration_limit=cfg.worker.migration_limit,
         )
-        card.runtime_config = _runtime_config(config)
+        card.runtime_config = runtime_config(config)
     if config.model_type:
         card.model_type = list(config.model_type)  # type: ignore[arg-type]
     card.tool_call_parser = cfg.worker.dyn_tool_call_parser
@@ -124,13 +124,16 @@ def make_card(
     return card
 
 
-def _runtime_config(config: EngineConfig) -> dict[str, int] | None:
-    """What routers want to know of this worker's capacity (may differ between workers)."""
+def runtime_config(config: EngineConfig) -> dict[str, int | str] | None:
+    """What routers want to know of this worker (may differ between workers): its capacity, and
+    a prefill engine's bootstrap address (router/disagg.py `bootstrap_address` reads it)."""
     fields = {
         "total_kv_blocks": config.total_kv_blocks,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "data_parallel_size": config.data_parallel_size,
+        "bootstrap_host": config.bootstrap_host,
+        "bootstrap_port": config.bootstrap_port,
     }
     return {k: v for k, v in fields.items() if v is not None} or None
 
@@ -217,7 +220,7 @@ async def serve_engine(
             await endpoint.start_serving(
                 embedding_handler(engine, closing, cap), request_type=PreprocessedEmbeddingRequest
             )
-        elif mode == "prefill":
+        elif mode == "prefill" and started.config.bootstrap_port is None:
             store = KvStore()
             kv_endpoint = runtime.namespace(name.namespace).component(name.component)
             kv_endpoint = kv_endpoint.endpoint(KV_FETCH_ENDPOINT)
@@ -230,6 +233,8 @@ async def serve_engine(
                 fetcher = KvFetcher(runtime)
             handler = tokens_handler(engine, closing, cap, fetcher)
             await endpoint.start_serving(handler, request_type=PreprocessedRequest)
+            if mode == "prefill":  # pairs with decode engines by bootstrap room: streams as any
+                card.model_type = ["prefill"]
         else:
             await endpoint.start_serving(text_handler(engine, closing, cap))
         await publish_card(endpoint, card)

@@ -37,8 +37,9 @@ class EngineSpec:
     kv_transfer: bool = False
     # Or moves it by its own connector, configured by this engine argument (with an example).
     kv_connector: tuple[str, str] | None = None
-    # Why the connector does not fit the frontend's prefill -> decode flow yet; None: it does.
-    kv_connector_unserved: str | None = None
+    # As a decode worker, it can also prefill a request itself (conditional disaggregation, a
+    # failed prefill); SGLang's decode engine cannot.
+    decode_prefills: bool = True
     # Loads LoRA adapters (`load_lora`).
     lora: bool = False
     # The request features its card advertises (LOGPROBS, GUIDED): the frontend refuses others.
@@ -119,11 +120,7 @@ ENGINES: dict[str, EngineSpec] = {
             package="sglang",
             kv_events=True,
             kv_connector=("disaggregation_transfer_backend", "nixl (or mooncake)"),
-            kv_connector_unserved=(
-                "SGLang's prefill sends its first token with the KV to the decode engine, while dyngraph's "
-                "frontend waits for the prefill worker's first token before it picks a decode worker "
-                "(docs/engines/sglang.md); SGLang cannot serve disaggregated here yet: use role agg"
-            ),
+            decode_prefills=False,
             capabilities=GUIDED,
         ),
         EngineSpec(
@@ -174,7 +171,5 @@ ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.
 KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
 KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
 KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}
-KV_CONNECTOR_UNSERVED = {
-    name: spec.kv_connector_unserved for name, spec in ENGINES.items() if spec.kv_connector_unserved
-}
+DECODE_ONLY_ENGINES = frozenset(name for name, spec in ENGINES.items() if not spec.decode_prefills)
 EMBEDDING_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.embedding_target)

@@ -20,7 +20,9 @@ Disaggregated models: cards whose model type is `prefill` (workers started with
 routing, its own KV router fed by the prefill workers' events — under the same checksum rule.
 Every tokens-input model's router sits inside a `DisaggRouter` (router/disagg.py) that sends
 prompts to that pool once it exists; until then requests pass straight through. A prefill pool
-may appear before the model's decode workers do: it waits, unserved, until they register.
+may appear before the model's decode workers do: it waits, unserved, until they register. A
+prefill worker whose card's runtime_config names a bootstrap server (SGLang) is kept with its
+address in the pool's `bootstraps`, which the DisaggRouter pairs requests by.
 
 LoRA adapters: a worker serving an adapter publishes its card (the base card under the
 adapter's name, `lora` naming the base model) one key below its own; the adapter becomes a model
@@ -63,9 +65,9 @@ from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
-from dynamo_graph.router.disagg import DisaggRouter, UncachedTokens
+from dynamo_graph.router.disagg import DisaggRouter, PrefillPool, UncachedTokens, bootstrap_address
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.migration import Migration, RoutedBackend
+from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
@@ -92,7 +94,9 @@ class _Model:
     card_keys: set[str] = field(default_factory=set)
     # The decode pool's disaggregation router (tokens-input models), which a prefill pool joins.
     disagg: DisaggRouter | None = None
-    routed: RoutedBackend | None = None
+    routed: PrefillPool | None = None
+    # A prefill pool's instances -> their bootstrap servers (engines that pair by room).
+    bootstraps: dict[int, tuple[str, int]] = field(default_factory=dict)
     card: ModelDeploymentCard | None = None  # the first accepted card
     # Its last card went: the task that removes it after --model-wait-s unless one comes back.
     expiry: asyncio.Task[None] | None = None
@@ -113,7 +117,7 @@ def migration_limit_for(card: ModelDeploymentCard, frontend_limit: int | None) -
     return card.migration_limit if frontend_limit is None else frontend_limit
 
 
-def routed_backend(client: Client, router: KvRouter | None) -> RoutedBackend:
+def routed_backend(client: Client, router: KvRouter | None) -> RemoteTokensBackend | KvRoutedTokensBackend:
     return RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
 
 
@@ -280,6 +284,9 @@ class ModelWatcher:
         self._model_of_key[key] = (name, prefill)
         if model.router is not None:
             model.router.add_worker(instance_id, card.runtime_config)
+        address = bootstrap_address(card.runtime_config) if prefill else None
+        if address is not None:
+            model.bootstraps[instance_id] = address
         if model.checker is not None:
             model.checker.payloads[instance_id] = _health_payload(card)
         assert model.client.allowed is not None
@@ -346,7 +353,7 @@ class ModelWatcher:
         model.disagg = disagg
         prefill = self._prefill.get(name)
         if disagg is not None and prefill is not None:
-            disagg.prefill = prefill.routed
+            disagg.prefill, disagg.bootstraps = prefill.routed, prefill.bootstraps
         self.registry.add(
             pipeline,
             instances=lambda: self._health_report(name, client),
@@ -397,7 +404,7 @@ class ModelWatcher:
         pool = await self._started_pool(card, endpoint, client, router)
         pool.routed = routed_backend(client, router)
         if main is not None and main.disagg is not None:
-            main.disagg.prefill = pool.routed
+            main.disagg.prefill, main.disagg.bootstraps = pool.routed, pool.bootstraps
         log.info("model %r: prefill pool added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
         return pool
 
@@ -439,6 +446,7 @@ class ModelWatcher:
             model.checker.forget(instance_id)
         if model.router is not None:
             model.router.remove_worker(instance_id)
+        model.bootstraps.pop(instance_id, None)
         if prefill or model.card_keys:
             # A prefill pool stays when empty: its router then counts the local prefills.
             return

@@ -27,6 +27,7 @@ from dynamo_graph.llm.protocol import (
     PreprocessedEmbeddingRequest,
     PreprocessedRequest,
 )
+from dynamo_graph.router.disagg import OnRoute
 from dynamo_graph.router.migration import MIGRATABLE, MigrationHook, failed_instance
 from dynamo_graph.runtime.client import Client, NoInstances
 from dynamo_graph.runtime.context import Context
@@ -64,9 +65,20 @@ class RemoteTokensBackend:
         self.client = client
 
     def generate(
-        self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
+        self,
+        request: PreprocessedRequest,
+        context: Context,
+        *,
+        exclude: set[int] | None = None,
+        on_route: OnRoute | None = None,
     ) -> AsyncIterator[LLMEngineOutput]:
-        return send_tokens(self.client, request, context, exclude=exclude)
+        """`on_route(instance, request)` hears where the request goes before it is sent (a
+        paired prefill's bootstrap address, router/disagg.py); the instance is the picker's."""
+        if on_route is None:
+            return send_tokens(self.client, request, context, exclude=exclude)
+        instance = self.client.pick(exclude)
+        on_route(instance, request)
+        return send_tokens(self.client, request, context, instance_id=instance)
 
     def instance_ids(self) -> list[int]:
         return self.client.instance_ids()
@@ -82,7 +94,9 @@ class KvRoutedTokensBackend:
 
     With the router's queue on, a request first waits for its turn (`admit`: priority from its
     routing hints) while every worker is saturated, or is refused (`QueueFull`: 529) past the
-    queue's bound; its session id (routing hints) lets session affinity pick its worker."""
+    queue's bound; its session id (routing hints) lets session affinity pick its worker.
+    `on_route(instance, request)` hears each worker chosen, just before the request goes there
+    (a paired prefill's bootstrap address, router/disagg.py)."""
 
     def __init__(self, client: Client, router: KvRouter) -> None:
         self.client = client
@@ -92,7 +106,12 @@ class KvRoutedTokensBackend:
         return self.client.instance_ids()
 
     async def generate(
-        self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
+        self,
+        request: PreprocessedRequest,
+        context: Context,
+        *,
+        exclude: set[int] | None = None,
+        on_route: OnRoute | None = None,
     ) -> AsyncIterator[LLMEngineOutput]:
         router = self.router
         request_id = context.id
@@ -122,6 +141,8 @@ class KvRoutedTokensBackend:
             worker_id, request.dp_rank = choice.key
             started = False
             try:
+                if on_route is not None:
+                    on_route(worker_id, request)
                 async for out in send_tokens(self.client, request, context, instance_id=worker_id):
                     if not started:
                         started = True

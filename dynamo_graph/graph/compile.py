@@ -130,23 +130,34 @@ class _Compiler:
             env |= {"DYN_TCP_HOST": address, "DYN_TCP_ADVERTISE_HOST": address}
         return env
 
-    def _side_channels(self, worker: Worker, process: str, host: str) -> tuple[dict[str, str], list[str]]:
-        """Ports an engine opens beside our planes, one per process (env, port names): vLLM's NIXL
-        handshake listener (of a worker with a KV connector), bound on its host's address. A
-        variable the graph sets (the host's or the component's `env`) pins it instead.
-        (SGLang's prefill bootstrap server would be the next: validation refuses SGLang P/D.)"""
-        nixl = worker.role != "agg" or "kv_transfer_config" in (worker.engine_args or {})
-        if worker.engine != "vllm" or not nixl:
-            return {}, []
+    def _side_channels(
+        self, worker: Worker, process: str, host: str
+    ) -> tuple[dict[str, str], list[str], list[str]]:
+        """Ports an engine opens beside our planes, one per process (env, port names, args), bound
+        on its host's address: vLLM's NIXL handshake listener (of a worker with a KV connector),
+        and an SGLang prefill worker's bootstrap server, where decode engines fetch its KV (its
+        address goes in its card). A variable the graph sets (the host's or the component's
+        `env`), or the port in engine_args, pins it instead."""
         pinned = {*worker.env, *self.graph.host(host).env}
         env: dict[str, str] = {}
         ports: list[str] = []
+        args: list[str] = []
+        if worker.engine == "sglang" and worker.role == "prefill":
+            if "disaggregation_bootstrap_port" not in (worker.engine_args or {}):
+                ports.append(f"{process}.bootstrap")
+                args += ["--disaggregation-bootstrap-port", port_placeholder(ports[-1])]
+            if "SGLANG_HOST_IP" not in pinned:  # the host the worker advertises (SGLang's get_ip)
+                env["SGLANG_HOST_IP"] = self._address(host) or "127.0.0.1"
+            return env, ports, args
+        nixl = worker.role != "agg" or "kv_transfer_config" in (worker.engine_args or {})
+        if worker.engine != "vllm" or not nixl:
+            return env, ports, args
         if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in pinned:
             ports.append(f"{process}.nixl")
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = port_placeholder(ports[-1])
         if "VLLM_NIXL_SIDE_CHANNEL_HOST" not in pinned:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._address(host) or "127.0.0.1"
-        return env, ports
+        return env, ports, args
 
     # ---- runtime planes and infra ----------------------------------------------------------
 
@@ -533,7 +544,7 @@ class _Compiler:
                 "DYN_SHUTDOWN_GRACE_S": _inner_grace(worker.shutdown_grace_s),
                 **dict(sorted(worker.env.items())),
             }
-            side_env, side_ports = self._side_channels(worker, f"{name}-{replica}", host)
+            side_env, side_ports, side_args = self._side_channels(worker, f"{name}-{replica}", host)
             env = {**side_env, **env}  # the graph's own `env` (above) wins
             ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
             if worker.static:
@@ -547,7 +558,7 @@ class _Compiler:
                     component=name,
                     replica=replica,
                     host=host,
-                    argv=list(argv),
+                    argv=[*argv, *side_args],
                     env=env,
                     workdir=self._workdir(host),
                     ports=ports,

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from dynamo_graph.engines.registry import (
+    DECODE_ONLY_ENGINES,
     KV_CONNECTOR_ENGINES,
-    KV_CONNECTOR_UNSERVED,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
 )
@@ -510,12 +510,23 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
             f"role {worker.role} needs an engine that hands the prompt's KV cache from prefill to "
             f"decode workers ({', '.join(able)}); {worker.engine} cannot",
         )
+    decode_only = sorted(
+        k for k, w in graph.workers().items() if w.role == "decode" and w.engine in DECODE_ONLY_ENGINES
+    )
+    for key, frontend in graph.frontends().items():
+        if decode_only and frontend.disagg.conditional:
+            yield Problem(
+                f"components.{key}.disagg.conditional",
+                f"conditional disaggregation prefills short prompts on the decode workers, and "
+                f"{', '.join(decode_only)} cannot ({graph.workers()[decode_only[0]].engine}'s decode "
+                "engine only continues from a prefill worker's KV)",
+            )
 
 
 def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     """A worker of an engine with its own KV connector, as prefill/decode: a Problem unless its
     engine args configure the connector (an engine_args_file is not read here: the worker checks
-    it when it starts) and the engine's connector fits the frontend's flow."""
+    it when it starts)."""
     if worker.engine_args_file is not None:
         return None
     setting, example = KV_CONNECTOR_ENGINES[worker.engine]
@@ -530,10 +541,7 @@ def _missing_kv_connector(key: str, worker: Worker) -> Problem | None:
     else:
         configured = bool(value)
     if configured:
-        unserved = KV_CONNECTOR_UNSERVED.get(worker.engine)
-        return (
-            None if unserved is None else Problem(f"components.{key}.role", f"role {worker.role}: {unserved}")
-        )
+        return None
     what = f"{setting} with a kv_connector" if worker.engine == "vllm" else setting
     return Problem(
         f"components.{key}.engine_args",

@@ -68,6 +68,16 @@ class KvTransferParams(msgspec.Struct, omit_defaults=True):
     nbytes: int = 0
 
 
+class BootstrapInfo(msgspec.Struct):
+    """Where an engine that pairs the two halves of a request itself (SGLang) meets them: the
+    prefill worker's bootstrap server and a room that names this request; the frontend sends
+    the prompt to the prefill and the decode worker at once, both with it (router/disagg.py)."""
+
+    host: str
+    port: int
+    room: int
+
+
 class KvImportReport(msgspec.Struct, omit_defaults=True):
     """What a decode worker did with a request's KV transfer, on its first chunk: the bytes and
     seconds of a fetch that worked, or why it prefilled locally instead (`error`)."""
@@ -105,6 +115,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     extra: dict[str, Any] | None = None
     # Disaggregated serving: the prompt's KV was computed by a prefill worker; fetch it there.
     kv_transfer_params: KvTransferParams | None = None
+    # Or the KV moves between engines that pair up by a bootstrap room: both halves carry it.
+    bootstrap_info: BootstrapInfo | None = None
     # Session and priority for the frontend's router; engines schedule by the priority too.
     routing: RoutingHints | None = None
 

@@ -17,21 +17,35 @@ or aggregated ones) and, once a prefill worker has registered, the prefill pool.
    worker itself and generates the rest. Its first chunk says how the import went
    (`kv_import`), which is counted and not passed on.
 
+Engines that pair the two halves of a request themselves (SGLang: its prefill engine sends the
+KV and the first token to the decode engine that joins the same bootstrap room) publish the
+prefill worker's bootstrap address in its card (`bootstrap_address`), and step 2 goes as Dynamo
+does it with SGLang: the prefill pool's router picks a prefill worker, the frontend draws a room,
+and the prompt goes to that worker and to the decode pool at once, both with the worker's
+bootstrap host, port and the room (`BootstrapInfo`). The decode worker streams the whole answer;
+the prefill worker's own stream is drained in the background.
+
 A prefill that fails (the worker died, was overloaded or unreachable) is not the request's end:
-the next prefill worker is tried under `enforce`, else the decode pool prefills locally. A
-decode worker that fails mid-stream is migration's business: the tokens so far go back through
-this router, prefill included. Everything counted goes to `DisaggHooks` (the frontend's metrics).
+the next prefill worker is tried under `enforce`, else the decode pool prefills locally. With
+bootstrap rooms, a prefill that fails before the decode worker's first token abandons that decode
+request too, and the pair is tried again with another prefill worker while one is left (a decode
+engine of that kind cannot prefill locally), then as above. A decode worker that fails mid-stream
+is migration's business: the tokens so far go back through this router, prefill included.
+Everything counted goes to `DisaggHooks` (the frontend's metrics).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+import secrets
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 
-from dynamo_graph.llm.protocol import KvImportReport, LLMEngineOutput, PreprocessedRequest
+from dynamo_graph.llm.protocol import BootstrapInfo, KvImportReport, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.router.config import DisaggConfig
 from dynamo_graph.router.migration import RoutedBackend, continuation
 from dynamo_graph.runtime.client import NoInstances
@@ -57,6 +71,28 @@ class DisaggHooks(Protocol):
 
 # Uncached prompt tokens on the decode pool's best worker; None: not known (no KV routing there).
 UncachedTokens = Callable[[PreprocessedRequest, list[int]], int | None]
+# Called with the instance a prefill pool routes a request to, just before it is sent there.
+OnRoute = Callable[[int, PreprocessedRequest], None]
+
+
+class PrefillPool(Protocol):
+    """The prefill workers' router: a routed backend that can say where a request goes."""
+
+    def generate(
+        self, request: PreprocessedRequest, context: Context, **routing: Any
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """As RoutedBackend's, whose `exclude` it takes, and `on_route`: an OnRoute called with
+        the instance the request goes to and the request, just before it is sent there."""
+        ...
+
+    def instance_ids(self) -> list[int]: ...
+
+
+def bootstrap_address(runtime_config: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """A prefill worker's bootstrap server, from its card's runtime_config (backend/worker.py)."""
+    config = runtime_config or {}
+    host, port = config.get("bootstrap_host"), config.get("bootstrap_port")
+    return (str(host), int(port)) if host and port else None
 
 
 class DisaggRouter:
@@ -77,7 +113,11 @@ class DisaggRouter:
         self.hooks = hooks
         self.decode_uncached = decode_uncached
         # Set when the model's first prefill worker registers; its instances come and go.
-        self.prefill: RoutedBackend | None = None
+        self.prefill: PrefillPool | None = None
+        # Prefill instances -> their bootstrap servers (engines that pair by room), kept by the
+        # model watcher from their cards.
+        self.bootstraps: Mapping[int, tuple[str, int]] = {}
+        self._prefills: set[asyncio.Task[None]] = set()  # paired prefills still draining
 
     def instance_ids(self) -> list[int]:
         """The decode pool's: it is what must be up for a request to be served at all."""
@@ -88,7 +128,17 @@ class DisaggRouter:
     ) -> AsyncIterator[LLMEngineOutput]:
         reason = self._local_reason(request, exclude)
         first: LLMEngineOutput | None = None
-        if reason is None:
+        if reason is None and self.bootstraps:
+            paired = self._paired(request, context, exclude)
+            try:
+                async for out in paired:
+                    yield out
+                return
+            except _PrefillFailed:
+                reason = "prefill_failed"
+            finally:
+                await paired.aclose()
+        elif reason is None:
             first, reason = await self._remote_prefill(request, context, exclude)
         if first is None:
             self._count("local", reason)
@@ -113,6 +163,117 @@ class DisaggRouter:
                 out.kv_import = None
             out.cached_tokens = None  # the prefill worker's prefix hit is the request's
             yield out
+
+    async def _paired(
+        self, request: PreprocessedRequest, context: Context, exclude: set[int] | None
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The request on a prefill and a decode worker at once, paired by a bootstrap room; a
+        prefill that fails before the decode's first output is tried on the next prefill worker
+        (`_PrefillFailed` once none is left and not `enforce`: the caller prefills locally)."""
+        failed: set[int] = set(exclude or ())
+        while True:
+            try:
+                first, decode, prefill = await self._pair_once(request, context, failed, exclude)
+            except _PrefillError as failure:
+                err, instance = failure.error, failure.instance
+                if isinstance(err, InvalidArgument) or context.is_stopped():
+                    raise err from None
+                log.warning("request %s: paired prefill failed (%s: %s)", context.id, type(err).__name__, err)
+                if instance is not None:
+                    failed.add(instance)
+                if instance is None or not self._prefill_instances(failed):
+                    if self.config.enforce:
+                        raise NoPrefillWorkers(
+                            f"every prefill worker of {self.model!r} failed the request "
+                            f"(--enforce-disagg): {err}"
+                        ) from err
+                    raise _PrefillFailed from err
+                continue
+            break
+        self._count("remote", "prefill_worker")
+        ended = False
+        try:
+            if first is not None:
+                yield first
+                async for out in decode:
+                    yield out
+            ended = True
+        finally:
+            if not ended:  # the decode failed or the caller left: the prefill goes too
+                prefill.cancel()
+            self._prefills.add(prefill)
+            prefill.add_done_callback(self._prefill_done)
+            await decode.aclose()  # type: ignore[attr-defined]
+
+    def _prefill_done(self, task: asyncio.Task[None]) -> None:
+        self._prefills.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a paired prefill failed after its decode had started: %s", task.exception())
+
+    async def _pair_once(
+        self, request: PreprocessedRequest, context: Context, failed: set[int], exclude: set[int] | None
+    ) -> tuple[LLMEngineOutput | None, AsyncIterator[LLMEngineOutput], asyncio.Task[None]]:
+        """One pairing: the decode worker's first output (None: it ended without one), its
+        stream, and the prefill's task. A prefill error before that first output is raised as
+        `_PrefillError` and the decode request abandoned; a decode error is raised as it is."""
+        assert self.prefill is not None
+        room = secrets.randbits(63)
+        routed: asyncio.Future[tuple[int, BootstrapInfo]] = asyncio.get_running_loop().create_future()
+
+        def on_route(instance_id: int, sent: PreprocessedRequest) -> None:
+            if routed.done():  # the paired worker was unreachable: the pair cannot change now
+                err = RequestError(f"prefill worker {routed.result()[0]:x} could not be reached")
+                err.instance_id = routed.result()[0]  # type: ignore[attr-defined]
+                raise err
+            address = self.bootstraps.get(instance_id)
+            if address is None:
+                raise RequestError(f"prefill worker {instance_id:x} published no bootstrap address")
+            sent.bootstrap_info = BootstrapInfo(host=address[0], port=address[1], room=room)
+            routed.set_result((instance_id, sent.bootstrap_info))
+
+        # The prompt alone and one token: SGLang sends that token on with the KV.
+        stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+        half = msgspec.structs.replace(request, stop_conditions=stop)
+        prefill = asyncio.create_task(self._drain(half, context, failed, on_route))
+        decode: AsyncIterator[LLMEngineOutput] | None = None
+        first: asyncio.Future[LLMEngineOutput] | None = None
+        try:
+            await asyncio.wait({routed, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if not routed.done():  # sent nowhere: why
+                raise _PrefillError.of(prefill.exception(), None)
+            instance, info = routed.result()
+            decode = self.decode.generate(
+                msgspec.structs.replace(request, bootstrap_info=info), context, exclude=exclude
+            )
+            first = asyncio.ensure_future(anext(decode))
+            await asyncio.wait({first, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and prefill.exception() is not None:
+                raise _PrefillError.of(prefill.exception(), instance)
+            try:
+                return await first, decode, prefill
+            except StopAsyncIteration:
+                return None, decode, prefill
+        except BaseException:
+            prefill.cancel()
+            if first is not None and not first.done():
+                first.cancel()  # the decode waits for KV that will not come
+                with contextlib.suppress(BaseException):
+                    await first
+            if decode is not None:
+                await decode.aclose()  # type: ignore[attr-defined]
+            raise
+
+    async def _drain(
+        self, request: PreprocessedRequest, context: Context, failed: set[int], on_route: OnRoute
+    ) -> None:
+        """The prefill worker's half of a paired request: its answer is the decode worker's."""
+        assert self.prefill is not None
+        stream = self.prefill.generate(request, context, exclude=failed or None, on_route=on_route)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     def _local_reason(self, request: PreprocessedRequest, exclude: set[int] | None) -> str | None:
         """Why this request is prefilled by the decode pool, or None to prefill remotely."""
@@ -187,6 +348,28 @@ class DisaggRouter:
     def _count(self, where: str, reason: str) -> None:
         if self.hooks is not None:
             self.hooks.prefill(self.model, where, reason)
+
+
+class _PrefillFailed(Exception):
+    """Every paired prefill failed: prefill locally."""
+
+
+class _PrefillError(Exception):
+    """A paired prefill failed before its decode's first output (on `instance`, when known)."""
+
+    def __init__(self, error: RequestError, instance: int | None) -> None:
+        super().__init__(str(error))
+        self.error, self.instance = error, instance
+
+    @classmethod
+    def of(cls, error: BaseException | None, instance: int | None) -> _PrefillError:
+        """A request-plane error as such (tagged with the instance it came from, if any); any
+        other error is a bug and goes on as it is."""
+        if error is None:
+            error = RequestError("the prefill pool routed the request nowhere")
+        if not isinstance(error, RequestError):
+            raise error
+        return cls(error, getattr(error, "instance_id", None) or instance)
 
 
 def _merged(a: LLMEngineOutput, b: LLMEngineOutput) -> LLMEngineOutput:

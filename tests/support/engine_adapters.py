@@ -60,3 +60,9 @@ async def collect(engine: Any, req: PreprocessedRequest, ctx: Context | None = N
 
 def tokens(outs: list[LLMEngineOutput]) -> list[int]:
     return [t for out in outs for t in out.token_ids]
+
+
+def sglang_pd_worker(model: str, role: str, **fields: Any) -> dict[str, Any]:
+    """A graph's SGLang worker of one half of prefill/decode, its transfer backend configured."""
+    args = {"disaggregation_transfer_backend": "nixl"}
+    return {"kind": "worker", "model": model, "engine": "sglang", "role": role, "engine_args": args, **fields}

@@ -6,6 +6,7 @@ operator does not know is an error, as `kubectl apply --validate=strict` makes i
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,12 +23,12 @@ from dynamo_graph.graph.targets.k8s.dgd_import import (
     import_dgd_file,
     parse_flags,
 )
-from dynamo_graph.graph.targets.k8s.dynamo_k8s import build_dgd, render_dynamo_k8s
+from dynamo_graph.graph.targets.k8s.dynamo_k8s import ROLE_FLAGS, build_dgd, render_dynamo_k8s
+from tests.support.dgd import DGD_FILES, EXAMPLES, UPSTREAM, dgd_id, mocker_overrides
 from tests.support.kube_schemas import dgd_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
-EXAMPLES = sorted((FIXTURES / "dynamo" / "examples").glob("*.yaml"))
 SNAPSHOTS = FIXTURES / "snapshots"
 SHIPPED = sorted(p for p in (ROOT / "graphs").rglob("*.yaml") if ".dyngraph" not in p.parts)
 ECHO = {"hello.yaml", "echo.yaml", "echo-etcd-nats.yaml", "echo-tools.yaml", "agg-from-template.yaml"}
@@ -47,9 +48,19 @@ def _dgd(path: Path, overrides: list[str] = ()) -> dict:
     return build_dgd(built.graph, built.plan)
 
 
+def _role(service: dict) -> str | None:
+    """The service's prefill/decode part: its subComponentType, or its worker's flags."""
+    for flag, value in parse_flags(service["extraPodSpec"]["mainContainer"].get("args", [])):
+        if flag == "--disaggregation-mode" and value != "agg":
+            return value
+        if flag in ROLE_FLAGS:
+            return ROLE_FLAGS[flag]
+    return service.get("subComponentType")
+
+
 def _shape(dgd: dict) -> dict[str, tuple]:
     return {
-        name: (s["componentType"], s.get("subComponentType"), s.get("replicas", 1))
+        name: (s["componentType"], s.get("subComponentType") or _role(s), s.get("replicas", 1))
         for name, s in dgd["spec"]["services"].items()
     }
 
@@ -152,12 +163,21 @@ def test_worker_flags_per_backend(tmp_path: Path) -> None:
 # ---- import -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_examples_import_validate_and_render_back_to_the_same_services(example: Path, tmp_path: Path) -> None:
-    original = yaml.safe_load(example.read_text())
+def _gpus_per_replica(service: dict) -> int:
+    gpus = int(service.get("resources", {}).get("limits", {}).get("gpu", 0))
+    return gpus * int(service.get("multinode", {}).get("nodeCount", 1))
+
+
+@pytest.mark.parametrize("dgd", DGD_FILES, ids=[dgd_id(p) for p in DGD_FILES])
+def test_dynamo_deployments_import_validate_and_render_back_to_the_same_services(
+    dgd: Path, tmp_path: Path
+) -> None:
+    original = yaml.safe_load(dgd.read_text())
     assert dgd_errors(original) == []
     out = tmp_path / "graph.yaml"
-    import_dgd_file(example, out)
+    imported = import_dgd_file(dgd, out)
+    build(out)  # valid for our engines too: Dynamo's implicit defaults are explicit now
+    assert not [n for n in imported.notes if n.startswith("not runnable")]
     back = _dgd(out)
     assert dgd_errors(back) == []
     assert _shape(back) == _shape(original)
@@ -167,26 +187,85 @@ def test_examples_import_validate_and_render_back_to_the_same_services(example: 
         assert ours["extraPodSpec"]["mainContainer"]["command"] == theirs.get(
             "command", ["python3", "-m", "dynamo.frontend"]
         )
-        assert ours.get("resources", {}).get("limits") == service.get("resources", {}).get("limits")
-        # Every flag comes back (ours may add the served model name Dynamo defaults to).
+        assert _gpus_per_replica(ours) == _gpus_per_replica(service)
+        if "multinode" in service:  # no multi-node replicas in a graph yet: said, not dropped
+            assert any(n.startswith(f"services.{name}.multinode.nodeCount") for n in imported.notes)
+    assert all(f"#   {n}" in out.read_text() for n in imported.notes)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_flag_of_the_examples_comes_back(example: Path, tmp_path: Path) -> None:
+    original = yaml.safe_load(example.read_text())
+    out = tmp_path / "graph.yaml"
+    import_dgd_file(example, out)
+    back = _dgd(out)
+    for name, service in original["spec"]["services"].items():
+        theirs, ours = service["extraPodSpec"]["mainContainer"], back["spec"]["services"][name]
+        # Ours may add the served model name Dynamo defaults to, and the defaults made explicit.
         their_flags = set(parse_flags(theirs.get("args", [])))
         assert their_flags <= set(parse_flags(ours["extraPodSpec"]["mainContainer"]["args"]))
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_imported_examples_compile_on_the_mocker_with_the_tiny_model(
-    example: Path, tmp_path: Path, tiny_model: Path
+def test_import_makes_dynamos_kv_transfer_defaults_explicit(tmp_path: Path) -> None:
+    vllm = import_dgd_file(UPSTREAM / "examples/backends/vllm/deploy/disagg_router.yaml", tmp_path / "v.yaml")
+    for key in ("VllmPrefillWorker", "VllmDecodeWorker"):
+        args = vllm.graph["components"][key]["engine_args"]
+        assert args["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert sum("made explicit: engine_args.kv_transfer_config" in n for n in vllm.notes) == 2
+    given = import_dgd_file(
+        UPSTREAM / "examples/backends/vllm/deploy/disagg-multinode.yaml", tmp_path / "m.yaml"
+    )
+    decode = given.graph["components"]["decode"]["engine_args"]["kv_transfer_config"]
+    assert decode["kv_connector"] == "NixlConnector" and decode["engine_id"].startswith("vllm-disagg-decode")
+    assert sum("--connector none not imported" in n for n in given.notes) == 2
+    trt = import_dgd_file(UPSTREAM / "examples/backends/trtllm/deploy/disagg.yaml", tmp_path / "t.yaml")
+    prefill = trt.graph["components"]["TRTLLMPrefillWorker"]["engine_args"]
+    decode = trt.graph["components"]["TRTLLMDecodeWorker"]["engine_args"]
+    assert prefill["cache_transceiver_config"] == {"backend": "DEFAULT"}
+    assert decode["cache_transceiver_config"] == {"backend": "UCX", "max_tokens_in_buffer": 16384}
+    assert "extra_engine_args" not in prefill
+    # Rendered back, the engine config's settings ride in Dynamo's --override-engine-args.
+    args = _dgd(tmp_path / "t.yaml")["spec"]["services"]["TRTLLMPrefillWorker"]["extraPodSpec"][
+        "mainContainer"
+    ]["args"]
+    override = json.loads(args[args.index("--override-engine-args") + 1])
+    assert (
+        override["cache_transceiver_config"] == {"backend": "DEFAULT"} and override["max_num_tokens"] == 8192
+    )
+    # A config file that is not next to the DGD: said in the notes, the path kept.
+    doc = yaml.safe_load((UPSTREAM / "examples/backends/trtllm/deploy/disagg.yaml").read_text())
+    alone = import_dgd(doc)
+    assert alone.graph["components"]["TRTLLMPrefillWorker"]["engine_args"] == {
+        "extra_engine_args": "./examples/backends/trtllm/engine_configs/qwen3/prefill.yaml"
+    }
+    assert any("cache_transceiver_config) unknown here" in n for n in alone.notes)
+    (tmp_path / "alone.yaml").write_text(yaml.safe_dump(doc))
+    unreadable = import_dgd_file(tmp_path / "alone.yaml", tmp_path / "a.yaml")
+    assert any(
+        n.startswith("not runnable with our engines") and "cache_transceiver_config" in n
+        for n in unreadable.notes
+    )
+
+
+def test_multinode_is_read_as_gpus_per_node_times_nodes_and_said_untranslated(tmp_path: Path) -> None:
+    dgd = UPSTREAM / "examples/backends/sglang/deploy/disagg-multinode.yaml"
+    imported = import_dgd_file(dgd, tmp_path / "g.yaml")
+    for key in ("prefill", "decode"):
+        comp = imported.graph["components"][key]
+        assert comp["gpus"] == {"per_replica": 8, "tensor_parallel_size": 8}
+        assert comp["engine_args"]["disaggregation_transfer_backend"] == "nixl"
+    notes = [n for n in imported.notes if "multinode.nodeCount: 2 not translated" in n]
+    assert len(notes) == 2 and "4 per node x 2 = 8" in notes[0]
+
+
+@pytest.mark.parametrize("dgd", DGD_FILES, ids=[dgd_id(p) for p in DGD_FILES])
+def test_imported_deployments_compile_on_the_mocker_with_the_tiny_model(
+    dgd: Path, tmp_path: Path, tiny_model: Path
 ) -> None:
     out = tmp_path / "graph.yaml"
-    imported = import_dgd_file(example, out)
+    imported = import_dgd_file(dgd, out)
     graph = yaml.safe_load(out.read_text())
-    overrides = [f"models.{key}.path={tiny_model}" for key in graph["models"]]
-    for key, comp in graph["components"].items():
-        if comp["kind"] == "worker":
-            overrides.append(f"components.{key}.engine=mocker")
-            if "engine_args" in comp:
-                overrides.append(f"~components.{key}.engine_args")
-    built = build(out, overrides)  # our engines: the mocker hands KV from prefill to decode
+    built = build(out, mocker_overrides(graph, tiny_model))  # our engines: the mocker hands KV over
     workers = [p for p in built.plan.processes if p.argv[3] == "out=mocker"]
     assert len(workers) == sum(c.get("replicas", 1) for c in graph["components"].values() if "engine" in c)
     assert all(str(tiny_model) in p.argv for p in workers)

@@ -207,13 +207,24 @@ components:
         "add cache_transceiver_config to engine_args",
     ),
     (
-        "disagg-sglang-not-served-yet",
+        "disagg-sglang-without-transfer-backend",
         HEAD
-        + "components:\n  prefill: {kind: worker, model: tiny, engine: mocker, role: prefill}\n"
+        + "components:\n  prefill: {kind: worker, model: tiny, engine: sglang, role: prefill,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n"
+        + "  decode: {kind: worker, model: tiny, engine: sglang, role: decode}\n",
+        "components.decode.engine_args",
+        "sglang moves the KV cache with its own connector; add disaggregation_transfer_backend",
+    ),
+    (
+        "conditional-disagg-on-sglang-decode",
+        HEAD
+        + "components:\n  front: {kind: frontend, disagg: {conditional: true}}\n"
+        + "  prefill: {kind: worker, model: tiny, engine: sglang, role: prefill,"
+        + " engine_args: {disaggregation_transfer_backend: nixl}}\n"
         + "  decode: {kind: worker, model: tiny, engine: sglang, role: decode,"
         + " engine_args: {disaggregation_transfer_backend: nixl}}\n",
-        "components.decode.role",
-        "SGLang cannot serve disaggregated here yet",
+        "components.front.disagg.conditional",
+        "and decode cannot (sglang's decode engine only continues from a prefill worker's KV)",
     ),
     (
         "kv-router-without-events",
@@ -477,6 +488,7 @@ def test_workers_only_graph_is_valid() -> None:
         ("vllm", "{kv_transfer_config: {kv_connector: NixlConnector}}"),
         ("vllm", """{kv_transfer_config: '{"kv_connector": "ExampleConnector"}'}"""),
         ("trtllm", "{cache_transceiver_config: {backend: DEFAULT}}"),
+        ("sglang", "{disaggregation_transfer_backend: nixl}"),
     ],
 )
 def test_engines_with_a_configured_kv_connector_can_disaggregate(engine: str, args: str) -> None:

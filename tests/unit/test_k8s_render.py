@@ -14,6 +14,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.targets.dispatch import render
+from tests.support.engine_adapters import sglang_pd_worker
 from tests.support.kube_schemas import k8s_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,3 +229,27 @@ def test_lora_adapters_are_found_on_the_models_volume(tmp_path: Path) -> None:
     assert command[command.index("--model-path") + 1] == f"{mount}/base-model"
     assert command[command.index("--lora-modules") + 1] == f"sql={mount}/sql-adapter"
     assert str(tmp_path) not in yaml.safe_dump(pod)
+
+
+def test_sglang_prefill_pods_serve_their_bootstrap_on_their_own_ip(tmp_path: Path) -> None:
+    """Locally each SGLang prefill process gets a port of its own (`{port:...}`); a pod has its
+    network to itself, so it keeps SGLang's default port and publishes its pod IP."""
+    graph = {
+        "name": "pd",
+        "models": {"m": {"path": "org/m"}},
+        "components": {
+            "web": {"kind": "frontend"},
+            "pre": sglang_pd_worker("m", "prefill", replicas=2),
+            "dec": sglang_pd_worker("m", "decode"),
+        },
+    }
+    docs = _docs(_write(tmp_path, graph))
+    assert [e for d in docs for e in k8s_errors(d)] == []
+    assert "{port:" not in yaml.safe_dump_all(docs)
+    objects = _by_kind(docs)
+    pre = objects["Deployment", "pd-pre"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--disaggregation-bootstrap-port" not in pre["command"]
+    host = next(e for e in pre["env"] if e["name"] == "SGLANG_HOST_IP")
+    assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    dec = objects["Deployment", "pd-dec"]["spec"]["template"]["spec"]["containers"][0]
+    assert "SGLANG_HOST_IP" not in {e["name"] for e in dec["env"]}

@@ -241,3 +241,44 @@ def test_shell_render_asks_a_remote_host_for_its_auto_ports(tmp_path: Path) -> N
         "'python3 -m dynamo_graph.graph.targets.local.remote.agent ports 1' | tr -d '[]')" in lines
     )
     assert "PORT_NATS_CLIENT=$(free_port)" in lines
+
+
+SGLANG_PD = (
+    "components.prefill.engine=sglang",
+    "components.decode.engine=sglang",
+    "+components.prefill.engine_args={disaggregation_transfer_backend: nixl}",
+    "+components.decode.engine_args={disaggregation_transfer_backend: nixl}",
+)
+
+
+def test_each_sglang_prefill_worker_gets_its_bootstrap_port_on_its_host_s_address(tmp_path: Path) -> None:
+    """SGLang's prefill bootstrap server (`--disaggregation-bootstrap-port`, SGLANG_HOST_IP as the
+    address it advertises in its card): a port per prefill process, free on its host at `up`;
+    decode workers open none. A port in engine_args pins it."""
+    plan = _build(tmp_path, GRAPH, *SGLANG_PD).plan
+    procs = {p.name: p for p in plan.processes}
+    prefills = [n for n in procs if n.startswith("prefill")]
+    assert {n: procs[n].ports for n in prefills} == {n: {f"{n}.bootstrap": "auto"} for n in prefills}
+    assert {n: procs[n].argv[-2:] for n in prefills} == {
+        n: ["--disaggregation-bootstrap-port", f"{{port:{n}.bootstrap}}"] for n in prefills
+    }
+    assert {n: procs[n].env["SGLANG_HOST_IP"] for n in prefills} == {
+        "prefill-0": "10.0.0.2",
+        "prefill-1": "10.0.0.3",
+        "prefill-2": "10.0.0.2",
+    }
+    decodes = [p for p in plan.processes if p.component == "decode"]
+    assert all(not p.ports and "--disaggregation-bootstrap-port" not in p.argv for p in decodes)
+    filled = fill_plan(plan, ports := {})
+    bound = {p.argv[-1] for p in filled.processes if p.name in prefills}
+    assert len(bound) == 3 and {int(b) for b in bound} == {ports[f"{n}.bootstrap"] for n in prefills}
+
+    plan = _build(
+        tmp_path,
+        GRAPH,
+        *SGLANG_PD[:3],
+        "+components.decode.engine_args={disaggregation_transfer_backend: nixl}",
+        "+components.prefill.engine_args.disaggregation_bootstrap_port=30001",
+    ).plan
+    pinned = next(p for p in plan.processes if p.name == "prefill-0")
+    assert not pinned.ports and "--disaggregation-bootstrap-port" not in pinned.argv

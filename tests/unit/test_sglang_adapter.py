@@ -7,7 +7,12 @@ ids, as SGLang's `incremental_streaming_output` / `stream_output` setting decide
 `tokenizer_manager.abort_request(rid=..., abort_all=False)`, `get_server_info()` and `shutdown()`;
 its KV events over a real ZMQ socket: tests/integration/test_sglang_kv_events.py. In PD mode
 (`disaggregation_mode`), a prefill request waits for a decode request to join its `bootstrap_room`
-before it computes its one token, as SGLang's prefill waits for the decode engine's allocation.
+before it computes its one token, as SGLang's prefill waits for the decode engine's allocation,
+and the decode request streams only once that prefill has sent the KV (a prefill that fails
+leaves it waiting, as SGLang's decode waits for a transfer that does not come).
+
+Disaggregated serving runs the frontend's real DisaggRouter over these engines behind the real
+worker handler (`tokens_handler`), the requests crossing as msgpack, as on the request plane.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import msgspec
 import pytest
 
 from dynamo_graph.backend.conformance import conformance_tests
-from dynamo_graph.backend.engine import KvImportError
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
+from dynamo_graph.backend.handlers import tokens_handler
 from dynamo_graph.backend.protocol import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
+from dynamo_graph.backend.worker import runtime_config
 from dynamo_graph.engines import create_engine
 from dynamo_graph.engines.sglang.args import (
     DEFAULT_PAGE_SIZE,
@@ -42,9 +48,13 @@ from dynamo_graph.engines.sglang.args import (
 from dynamo_graph.engines.sglang.engine import SglangEngine
 from dynamo_graph.engines.sglang.kv_events import SglangKvEventBridge
 from dynamo_graph.llm.model_source import LocalModel
+from dynamo_graph.router.config import DisaggConfig
+from dynamo_graph.router.disagg import DisaggRouter, NoPrefillWorkers, bootstrap_address
 from dynamo_graph.router.kv.hashing import local_block_hashes
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.errors import RequestError
+from dynamo_graph.runtime.transport.base import CannotConnect
 from tests.support.engine_adapters import EOS, RecordingSink, collect, request, tiny_local_model, tokens
 
 FIELDS = {
@@ -66,8 +76,10 @@ FIELDS = {
     "disaggregation_transfer_backend",
     "disaggregation_bootstrap_port",
 }
-# Bootstrap rooms joined by decode requests (SGLang pairs a prefill and a decode request by room).
+# Bootstrap rooms joined by decode requests, and those whose KV the prefill sent (SGLang pairs a
+# prefill and a decode request by room).
 ROOMS: dict[int, asyncio.Event] = {}
+SENT: dict[int, asyncio.Event] = {}
 
 
 @pytest.fixture
@@ -105,12 +117,14 @@ class FakeSglang:
         self.shutdowns = 0
         self.per_step = 1  # tokens per streamed chunk
         self.abort_status: int | None = None  # make the engine refuse the request itself
+        self.transfer_fails = False  # a prefill whose KV transfer fails once the decode joined
 
     def get_server_info(self) -> dict[str, Any]:
         return {"max_total_num_tokens": 8192, "max_running_requests": 48}
 
     async def async_generate(self, **kwargs: Any) -> Any:
         self.calls.append(kwargs)
+        self.abort_flags.discard(kwargs["rid"])  # an id is aborted until a request takes it again
         return self._stream(**kwargs)
 
     async def _stream(self, input_ids, sampling_params, stream, rid, bootstrap_room=None, **_: Any):
@@ -120,9 +134,17 @@ class FakeSglang:
         mode = self.server_args.get("disaggregation_mode")
         if mode == "prefill":  # computes the first token once a decode request joined the room
             await ROOMS.setdefault(bootstrap_room, asyncio.Event()).wait()
+            if self.transfer_fails:
+                raise RuntimeError(f"KVTransferError(bootstrap_room={bootstrap_room}): connection refused")
+            SENT.setdefault(bootstrap_room, asyncio.Event()).set()
             limit = 1
-        elif mode == "decode":
+        elif mode == "decode":  # streams once the prefill engine sent the KV
             ROOMS.setdefault(bootstrap_room, asyncio.Event()).set()
+            while not SENT.setdefault(bootstrap_room, asyncio.Event()).is_set():
+                await asyncio.sleep(0.001)
+                if rid in self.abort_flags:
+                    yield {"output_ids": [], "meta_info": {"id": rid, "finish_reason": {"type": "abort"}}}
+                    return
         output: list[int] = []  # SGLang's state.output_ids: one list, appended to in place
         sent = 0
 
@@ -480,17 +502,27 @@ async def test_cleanup_is_idempotent_and_safe_before_start() -> None:
 # ---- disaggregated prefill/decode -----------------------------------------------------------
 
 
-def test_disaggregation_mode_needs_a_transfer_backend(model: LocalModel, tmp_path: Path) -> None:
+def test_disaggregation_mode_needs_a_transfer_backend(
+    model: LocalModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for mode in ("prefill", "decode"):
         with pytest.raises(SglangError, match=f"{mode}: .* add disaggregation_transfer_backend"):
             server_args_from_settings(EngineSettings(disaggregation_mode=mode), model)
     extra = tmp_path / "args.json"
     extra.write_text(json.dumps({"disaggregation_transfer_backend": "nixl"}))
     args = server_args_from_settings(
-        EngineSettings(disaggregation_mode="decode", extra_engine_args=extra), model
+        EngineSettings(
+            disaggregation_mode="prefill", extra_engine_args=extra, disaggregation_bootstrap_port=9123
+        ),
+        model,
     )
-    assert (args["disaggregation_mode"], args["disaggregation_transfer_backend"]) == ("decode", "nixl")
-    assert SglangEngine(args).kv_transfer and SglangEngine(args).kv_format == "sglang-connector/1:nixl"
+    assert (args["disaggregation_mode"], args["disaggregation_transfer_backend"]) == ("prefill", "nixl")
+    assert args["disaggregation_bootstrap_port"] == 9123  # the port the graph compiler gave this worker
+    assert "host" not in args
+    monkeypatch.setenv("SGLANG_HOST_IP", "10.0.0.7")  # the host's address, by the graph compiler
+    prefill = EngineSettings(disaggregation_mode="prefill", extra_engine_args=extra)
+    assert server_args_from_settings(prefill, model)["host"] == "10.0.0.7"  # the bootstrap server binds there
+    assert SglangEngine(args).kv_transfer
     extra.write_text(json.dumps({"disaggregation_mode": "prefill"}))
     with pytest.raises(
         SglangError, match="--disaggregation-mode agg conflicts with disaggregation_mode='prefill'"
@@ -499,39 +531,178 @@ def test_disaggregation_mode_needs_a_transfer_backend(model: LocalModel, tmp_pat
     assert not SglangEngine(server_args_from_settings(EngineSettings(), model)).kv_transfer
 
 
-async def test_prefill_and_decode_pair_by_bootstrap_room() -> None:
-    pd = {"disaggregation_transfer_backend": "nixl", "disaggregation_bootstrap_port": 9000}
-    prefiller = make_engine(disaggregation_mode="prefill", dist_init_addr="10.1.2.3:5000", **pd)
-    decoder = make_engine(disaggregation_mode="decode", **pd)
-    await prefiller.start()
-    await decoder.start()
-    first, handoff = await prefiller.prefill(request(5), Context())
-    assert first.token_ids == [] and first.finish_reason is None  # SGLang sends it to the decode engine
-    assert handoff is not None and handoff.format == "sglang-connector/1:nixl" and handoff.num_tokens == 4
-    bootstrap = json.loads(handoff.data)["params"]
-    assert (bootstrap["bootstrap_host"], bootstrap["bootstrap_port"]) == ("10.1.2.3", 9000)
-    assert 0 <= bootstrap["bootstrap_room"] < 2**63
+PD = {"disaggregation_transfer_backend": "nixl"}
 
-    outs = [out async for out in decoder.generate_from_kv(request(5), handoff, Context())]
+
+def pd_engine(mode: str, **server_args: Any) -> FakeSglangEngine:
+    return make_engine(disaggregation_mode=mode, **PD, **server_args)
+
+
+async def test_a_prefill_engine_reports_its_bootstrap_address_for_its_card() -> None:
+    prefiller = pd_engine("prefill", dist_init_addr="10.1.2.3:5000", disaggregation_bootstrap_port=9000)
+    decoder = pd_engine("decode")
+    configs = [await prefiller.start(), await decoder.start()]
+    assert (configs[0].bootstrap_host, configs[0].bootstrap_port) == ("10.1.2.3", 9000)
+    assert [bootstrap_address(runtime_config(c)) for c in configs] == [("10.1.2.3", 9000), None]
+    for engine, config in zip((prefiller, decoder), configs, strict=True):
+        # Neither half serves a request without its room ...
+        with pytest.raises(EngineError, match="only serves requests paired by a bootstrap room"):
+            engine.generate(request(5), Context())
+        # ... but its health check runs alone, under SGLang's fake bootstrap host (its warmup).
+        probe = msgspec.convert(engine.health_check_request(config), PreprocessedRequest)
+        assert probe.bootstrap_info is not None and probe.bootstrap_info.host == "2.2.2.2"
+        await engine.cleanup()
+
+
+class Pool:
+    """Workers as the frontend's router sees them: each behind the worker's request handler, the
+    request crossing as msgpack (as on the request plane), errors tagged with the instance."""
+
+    def __init__(self, engines: dict[int, SglangEngine]) -> None:
+        self.engines = engines
+        self.handlers = {i: tokens_handler(e) for i, e in engines.items()}
+        self.sent: list[tuple[int, PreprocessedRequest]] = []
+        self.down: set[int] = set()  # instances that cannot be reached
+
+    def instance_ids(self) -> list[int]:
+        return list(self.handlers)
+
+    async def generate(
+        self, request: PreprocessedRequest, context: Context, *, exclude=None, on_route=None
+    ) -> Any:
+        instance = next(i for i in self.handlers if not exclude or i not in exclude)
+        if instance in self.down:
+            err = CannotConnect(f"instance {instance:x} is down")
+            err.instance_id = instance  # type: ignore[attr-defined]
+            raise err
+        if on_route is not None:
+            on_route(instance, request)
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=PreprocessedRequest)
+        self.sent.append((instance, wire))
+        try:
+            async for out in self.handlers[instance](wire, context):
+                yield out
+        except RequestError as err:
+            err.instance_id = instance  # type: ignore[attr-defined]
+            raise
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.prefills: list[tuple[str, str]] = []
+
+    def prefill(self, model: str, where: str, reason: str) -> None:
+        self.prefills.append((where, reason))
+
+    def kv_import(self, model: str, report: Any) -> None:
+        raise AssertionError("paired requests import no KV through the frontend")
+
+
+async def disagg(prefill: dict[int, SglangEngine], decode: dict[int, SglangEngine], **config: Any) -> Any:
+    """The frontend's DisaggRouter over started engines, the prefill workers' bootstrap addresses
+    read from their cards' runtime_config as the model watcher reads them."""
+    router = DisaggRouter(Pool(decode), DisaggConfig(**config), model="tiny", hooks=Counts())
+    router.prefill = Pool(prefill)
+    bootstraps = {}
+    for instance, engine in {**prefill, **decode}.items():
+        address = bootstrap_address(runtime_config(await engine.start()))
+        if address is not None:
+            bootstraps[instance] = address
+    router.bootstraps = bootstraps
+    return router
+
+
+async def test_disaggregated_sglang_sends_both_halves_at_once_with_the_prefill_workers_bootstrap() -> None:
+    prefiller = pd_engine("prefill", dist_init_addr="10.1.2.3:5000", disaggregation_bootstrap_port=9000)
+    decoder = pd_engine("decode")
+    router = await disagg({0xA: prefiller}, {0xD: decoder})
+    outs = [out async for out in router.generate(request(5), Context())]
     assert tokens(outs) == [100, 101, 102, 103, 104] and outs[-1].finish_reason == "length"
-    for fake in (prefiller.fake, decoder.fake):  # both halves went to SGLang with the same triple
-        assert {k: fake.calls[0][k] for k in bootstrap} == bootstrap
-    await asyncio.wait_for(asyncio.gather(*prefiller._prefills), 5)  # the prefill ended once paired
+    (instance, to_prefill), (_, to_decode) = router.prefill.sent[0], router.decode.sent[0]
+    assert instance == 0xA and to_prefill.bootstrap_info == to_decode.bootstrap_info
+    info = to_decode.bootstrap_info
+    assert (info.host, info.port) == ("10.1.2.3", 9000) and 0 <= info.room < 2**63
+    assert to_prefill.stop_conditions.max_tokens == 1 and to_decode.stop_conditions.max_tokens == 5
+    assert to_decode.token_ids == to_prefill.token_ids == request(5).token_ids  # the prompt alone
+    # SGLang got both halves with the same bootstrap triple and paired them.
+    triple = {"bootstrap_host": "10.1.2.3", "bootstrap_port": 9000, "bootstrap_room": info.room}
+    for fake in (prefiller.fake, decoder.fake):
+        assert {k: fake.calls[0][k] for k in triple} == triple
+    assert prefiller.fake.calls[0]["sampling_params"]["max_new_tokens"] == 1
+    assert router.hooks.prefills == [("remote", "prefill_worker")]
+    await asyncio.wait_for(asyncio.gather(*router._prefills), 5)  # the prefill's stream ended too
+    # A second request draws another room.
+    await anext(router.generate(request(2), Context()))
+    assert router.decode.sent[1][1].bootstrap_info.room != info.room
+    for engine in (prefiller, decoder):
+        await engine.cleanup()
 
-    with pytest.raises(KvImportError, match="prompt alone"):  # our frontend's continuation
-        await anext(
-            decoder.generate_from_kv(
-                msgspec.structs.replace(request(4), token_ids=[0, 10, 11, 12, 100]), handoff, Context()
-            )
-        )
+
+async def test_a_failed_prefill_abandons_its_decode_and_the_pair_is_tried_on_the_next_prefill_worker() -> (
+    None
+):
+    broken = pd_engine("prefill", dist_init_addr="10.0.0.1:5000", disaggregation_bootstrap_port=9001)
+    good = pd_engine("prefill", dist_init_addr="10.0.0.2:5000", disaggregation_bootstrap_port=9002)
+    decoder = pd_engine("decode")
+    router = await disagg({0xA: broken, 0xB: good}, {0xD: decoder})
+    broken.fake.transfer_fails = True
+    outs = [out async for out in router.generate(request(4), Context())]
+    assert tokens(outs) == [100, 101, 102, 103]
+    assert [i for i, _ in router.prefill.sent] == [0xA, 0xB]
+    first, second = (r.bootstrap_info for _, r in router.decode.sent)
+    assert (first.port, second.port) == (9001, 9002) and first.room != second.room
+    # The decode request that waited for the broken prefill's KV was aborted in SGLang.
+    assert decoder.fake.tokenizer_manager.aborted == [decoder.fake.calls[0]["rid"]]
+    assert router.hooks.prefills == [("remote", "prefill_worker")]
+    for engine in (broken, good, decoder):
+        await engine.cleanup()
+
+
+async def test_when_no_prefill_worker_can_be_reached_the_decode_pool_prefills_or_enforce_refuses() -> None:
+    down = pd_engine("prefill", dist_init_addr="10.0.0.1:5000", disaggregation_bootstrap_port=9001)
+    aggregated = make_engine()  # a decode pool that can prefill: as for other engines, it does
+    router = await disagg({0xA: down}, {0xC: aggregated})
+    router.prefill.down.add(0xA)
+    outs = [out async for out in router.generate(request(3), Context())]
+    assert tokens(outs) == [100, 101, 102]
+    assert router.hooks.prefills == [("local", "prefill_failed")]
+    assert [r.bootstrap_info for _, r in router.decode.sent] == [None]  # an ordinary request
+    enforced = await disagg({0xA: down}, {0xC: aggregated}, enforce=True)
+    enforced.prefill.down.add(0xA)
+    with pytest.raises(NoPrefillWorkers, match="every prefill worker of 'tiny' failed"):
+        [out async for out in enforced.generate(request(3), Context())]
+    assert enforced.decode.sent == []
+    # An SGLang decode engine cannot prefill locally: with its paired prefill failing and no
+    # other prefill worker, the request fails with that engine's error.
+    broken = pd_engine("prefill", dist_init_addr="10.0.0.1:5000", disaggregation_bootstrap_port=9001)
+    decoder = pd_engine("decode")
+    alone = await disagg({0xA: broken}, {0xD: decoder})
+    broken.fake.transfer_fails = True
     with pytest.raises(EngineError, match="cannot prefill locally"):
-        decoder.generate(request(5), Context())
-    # A prefill whose decode engine never comes is cancelled at cleanup.
-    await prefiller.prefill(request(5), Context())
-    assert len(prefiller._prefills) == 1
-    await prefiller.cleanup()
-    assert not prefiller._prefills and prefiller.fake.shutdowns == 1
-    await decoder.cleanup()
+        [out async for out in alone.generate(request(3), Context())]
+    assert alone.hooks.prefills == [("local", "prefill_failed")]
+    for engine in (down, aggregated, broken, decoder):
+        await engine.cleanup()
+
+
+async def test_a_client_that_leaves_aborts_the_decode_in_sglang() -> None:
+    prefiller = pd_engine("prefill", dist_init_addr="10.1.2.3:5000", disaggregation_bootstrap_port=9000)
+    decoder = pd_engine("decode")
+    router = await disagg({0xA: prefiller}, {0xD: decoder})
+    decoder.fake.delay = 0.01
+    context = Context()
+    stream = router.generate(request(50), context)
+    await anext(stream)
+    context.stop_generating()
+    await stream.aclose()
+    for _ in range(100):  # the handler's abort watcher runs on its own task
+        if decoder.fake.tokenizer_manager.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert decoder.fake.tokenizer_manager.aborted == [decoder.fake.calls[0]["rid"]]
+    assert not router._prefills  # nothing of the request is left behind
+    for engine in (prefiller, decoder):
+        await engine.cleanup()
 
 
 def test_kv_bridge_converts_sglang_batches() -> None:

@@ -4,6 +4,7 @@ sampling_params dict (the mapping tables: docs/engines/sglang.md)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -67,9 +68,12 @@ def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
         "num_nodes": ("--num-nodes", "nnodes"),
         "node_rank": ("--node-rank", "node_rank"),
         "leader_addr": ("--leader-addr", "dist_init_addr"),
+        "disaggregation_bootstrap_port": ("--disaggregation-bootstrap-port", "disaggregation_bootstrap_port"),
     }
     if cfg.context_length is not None:
         kwargs["context_length"] = cfg.context_length
+    if cfg.disaggregation_bootstrap_port is not None:
+        kwargs["disaggregation_bootstrap_port"] = cfg.disaggregation_bootstrap_port
     if cfg.num_nodes > 1 or cfg.leader_addr:
         kwargs["nnodes"] = cfg.num_nodes
         kwargs["node_rank"] = cfg.node_rank
@@ -90,6 +94,8 @@ def server_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> 
                 f"disaggregation_transfer_backend to {SOURCE} (a graph's engine_args), e.g. nixl or mooncake"
             )
         kwargs["disaggregation_mode"] = mode
+    if mode == "prefill" and os.environ.get("SGLANG_HOST_IP") and "host" not in extra:
+        kwargs["host"] = os.environ["SGLANG_HOST_IP"]  # its bootstrap server listens where it is advertised
     kv_config = extra.get("kv_events_config")
     if isinstance(kv_config, Mapping):  # ServerArgs takes it as a JSON string
         extra = {**extra, "kv_events_config": json.dumps(dict(kv_config))}

@@ -13,25 +13,21 @@ says how SGLang takes a request, what its outputs mean, and how it aborts and sh
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import json
 import logging
 import os
-import secrets
 import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dynamo_graph.backend.engine import EngineConfig, KvImportError
+from dynamo_graph.backend.engine import EngineConfig
 from dynamo_graph.backend.errors import EngineError, InvalidArgument
-from dynamo_graph.backend.kv_transfer import KvHandoff
 from dynamo_graph.backend.protocol import FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
-from dynamo_graph.engines.inflight import ActiveRequest, checked_prompt
+from dynamo_graph.engines.inflight import ActiveRequest
 from dynamo_graph.engines.kv_events_zmq import ZmqKvSubscriber
-from dynamo_graph.engines.kv_handoff import connector_format, connector_handoff, connector_params
 from dynamo_graph.engines.library import LibraryEngine, Parsed, Submission
 from dynamo_graph.engines.sglang.args import (
     INSTALL_HINT,
@@ -53,8 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # ServerArgs.disaggregation_bootstrap_port's default
-DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
-BOOTSTRAP_KEYS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room"})
+# sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST: a request under it runs one half alone,
+# on fake KV (SGLang's warmup), as our health checks of prefill and decode engines do.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 KV_TOPIC = "kv-events"
 
 
@@ -71,7 +68,6 @@ class SglangEngine(LibraryEngine):
         # SGLang's PD mode: a prefill or decode engine serves only requests paired by a bootstrap.
         self.pd_mode = self.server_args.get("disaggregation_mode")
         self.kv_transfer = self.pd_mode in ("prefill", "decode")
-        self._prefills: set[asyncio.Task[None]] = set()
         # What the engine was started with (after our additions), for logs and tests.
         self.launched_args: dict[str, Any] | None = None
         self.incremental = False
@@ -109,6 +105,15 @@ class SglangEngine(LibraryEngine):
         if addr:
             return str(addr).rsplit(":", 1)[0].strip("[]"), port
         return os.environ.get("SGLANG_HOST_IP") or socket.gethostbyname(socket.gethostname()), port
+
+    def health_check_request(self, config: EngineConfig) -> dict[str, Any] | None:
+        """A PD engine serves only paired requests: its health check is paired with nothing,
+        under SGLang's fake bootstrap host."""
+        payload = super().health_check_request(config)
+        if self.kv_transfer and payload is not None:
+            alone = {"host": FAKE_BOOTSTRAP_HOST, "port": DEFAULT_BOOTSTRAP_PORT, "room": 0}
+            payload["bootstrap_info"] = alone
+        return payload
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -151,6 +156,7 @@ class SglangEngine(LibraryEngine):
                 info = dict(get_info() or {})
             except Exception as err:  # informational only
                 log.debug("sglang: get_server_info failed: %s", err)
+        host, port = self._bootstrap_address() if self.pd_mode == "prefill" else (None, None)
         page = int(kwargs.get("page_size") or 1)
         context = getattr(getattr(self._backend, "tokenizer_manager", None), "context_len", None)
         context = context or kwargs.get("context_length") or self.default_context_length
@@ -164,6 +170,8 @@ class SglangEngine(LibraryEngine):
             max_num_seqs=info.get("max_running_requests") or kwargs.get("max_running_requests"),
             data_parallel_size=dp,
             capabilities=list(GUIDED_DECODING),  # json_schema / regex / ebnf (above)
+            bootstrap_host=host,
+            bootstrap_port=port,
         )
 
     def _local_ranks(self, kwargs: Mapping[str, Any]) -> list[int]:
@@ -212,9 +220,6 @@ class SglangEngine(LibraryEngine):
             await kv.close()
 
     async def _shutdown(self) -> None:
-        for task in list(self._prefills):
-            task.cancel()
-        await asyncio.gather(*self._prefills, return_exceptions=True)
         await self._close_kv()
         backend, self._backend = self._backend, None
         if backend is not None:
@@ -238,12 +243,17 @@ class SglangEngine(LibraryEngine):
     def generate(
         self, request: PreprocessedRequest | AnyRequest, context: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        if self.kv_transfer:
+        if not self.kv_transfer:
+            return self._stream(request, context)
+        info = request.bootstrap_info if isinstance(request, PreprocessedRequest) else None
+        if info is None:
             raise EngineError(
                 f"sglang: an engine in disaggregation_mode {self.pd_mode} only serves requests paired by a "
                 "bootstrap room (a decode engine cannot prefill locally)"
             )
-        return self._stream(request, context)
+        # Both halves name the prefill engine's bootstrap server and the room: SGLang pairs them.
+        bootstrap = {"bootstrap_host": info.host, "bootstrap_port": info.port, "bootstrap_room": info.room}
+        return self._stream(request, context, bootstrap)
 
     def _params(self, request: PreprocessedRequest, transfer: Any) -> dict[str, Any]:
         return sampling_params(request, context_length=self.context_length)
@@ -285,49 +295,3 @@ class SglangEngine(LibraryEngine):
                 raise InvalidArgument(text)
             raise EngineError(text)
         return super()._finish_reason(kind)
-
-    # ---- disaggregated prefill/decode (docs/engines/sglang.md) ------------------------------
-
-    @property
-    def kv_format(self) -> str:
-        backend = self.server_args.get("disaggregation_transfer_backend") or DEFAULT_TRANSFER_BACKEND
-        return connector_format("sglang", str(backend))
-
-    async def prefill(
-        self, request: PreprocessedRequest, context: Context
-    ) -> tuple[LLMEngineOutput, KvHandoff | None]:
-        """SGLang's prefill of the prompt started under a fresh bootstrap room; the answer has no
-        token (SGLang sends the first token with the KV to the decode engine)."""
-        if self.pd_mode != "prefill":
-            raise EngineError("sglang: prefill needs an engine started with disaggregation_mode prefill")
-        checked_prompt(request, "sglang", closed=self._closed, started=self._backend is not None)
-        sampling_params(request, context_length=self.context_length)  # refuse a bad request here, not later
-        host, port = self._bootstrap_address()
-        bootstrap = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": secrets.randbits(63)}
-        task = asyncio.create_task(self._run_prefill(self._stream(request, context, bootstrap), context))
-        self._prefills.add(task)
-        task.add_done_callback(self._prefills.discard)
-        return LLMEngineOutput(), connector_handoff(self.kv_format, request.token_ids, bootstrap)
-
-    async def _run_prefill(self, stream: AsyncIterator[LLMEngineOutput], context: Context) -> None:
-        try:
-            async for _ in stream:
-                pass
-        except Exception as err:  # the decode engine's own request fails with SGLang's error
-            log.warning("sglang: prefill of request %s failed: %s", context.id, err)
-
-    async def generate_from_kv(  # type: ignore[override]
-        self, request: PreprocessedRequest, handoff: KvHandoff, context: Context
-    ) -> AsyncIterator[LLMEngineOutput]:
-        """The prompt under the prefill's bootstrap room: SGLang pulls its KV and first token."""
-        if self.pd_mode != "decode":
-            raise KvImportError("sglang: this engine was not started with disaggregation_mode decode")
-        bootstrap = connector_params(handoff, self.kv_format, request.token_ids)
-        if not bootstrap or set(bootstrap) != BOOTSTRAP_KEYS:
-            raise KvImportError(f"sglang: the handoff holds no bootstrap address and room: {bootstrap!r}")
-        if len(request.token_ids) != handoff.num_tokens:
-            raise KvImportError(
-                "sglang: the decode engine takes the prefill's prompt alone, not a continuation"
-            )
-        async for out in self._stream(request, context, bootstrap):
-            yield out

@@ -7,14 +7,25 @@ DYN_ROUTER_MODE), workers with the engine of `python3 -m dynamo.<backend>` and i
 through `dynamo_k8s.BACKENDS`, the table the renderer writes them with, so importing and
 rendering back keeps services, replicas and component types.
 
+Dynamo's implicit defaults are made explicit, so the graph says what the deployment runs and
+validates for our engines too: the NIXL connector Dynamo's vLLM worker gives a prefill or decode
+worker when the DGD names none, SGLang's default transfer backend, and the settings of the
+TensorRT-LLM engine config file a worker's `--extra-engine-args` names (its
+`cache_transceiver_config` above all), read from where the DGD's container path leads next to the
+DGD file (a checkout of Dynamo's repository, say), or a note that it cannot be read.
+`multinode.nodeCount` is read as GPUs per node x nodes; the graph has no multi-node replicas yet,
+which a note says.
+
 Nothing is dropped silently. A worker flag with no graph setting stays in `engine_args` (the
 renderer writes it back as the same flag); anything else without an equivalent (a frontend flag
 we lack, a CPU request, a probe, an env from a Secret) is listed in the notes, which the CLI
-prints and the graph file keeps in its header comment.
+prints and the graph file keeps in its header comment. Where the graph validates for Dynamo's
+operator but not for our engines, the reasons are notes too.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections import Counter
@@ -25,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from dynamo_graph.engines.registry import KV_TRANSFER_ENGINES
 from dynamo_graph.graph.build import build
+from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.targets.k8s.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAGS, Backend
 from dynamo_graph.options import options
 from dynamo_graph.router.config import RouterConfig
@@ -56,7 +67,11 @@ _ROUTER_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 _ROUTER_FLAGS.update({old: _ROUTER_FLAGS[new] for old, new in _OLD_DYNAMO_FLAGS.items()})
 _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replicas", "envFromSecret", "envs"}
-_CONTAINER_KEYS = {"image", "command", "args", "workingDir"}
+# The KV connector Dynamo's vLLM worker configures for a prefill or decode worker whose DGD names
+# none (its `--connector` defaults to nixl: NixlConnector in role kv_both).
+VLLM_DEFAULT_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+SGLANG_DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
+_CONTAINER_KEYS = {"image", "command", "args", "workingDir", "env"}
 
 
 class DgdError(ValueError):
@@ -79,20 +94,28 @@ class Imported:
 
 
 def import_dgd_file(source: Path, output: Path) -> Imported:
-    """Read a DGD, write its graph to `output` and validate it there (as rendered for Dynamo's
-    engines: a vLLM P/D pair is valid for the operator though our vLLM adapter transfers no KV).
-    Raises DgdError for an unreadable DGD and GraphError when the graph does not validate."""
+    """Read a DGD, write its graph to `output` and validate it there: for Dynamo's operator (a
+    GraphError when that fails), then for our engines, whose problems (an engine config file
+    that could not be read, say) become notes. Files the DGD names are looked for next to it.
+    Raises DgdError for an unreadable DGD."""
     try:
         doc = yaml.safe_load(source.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise DgdError(str(e)) from None
-    imported = import_dgd(doc)
+    imported = import_dgd(doc, source.resolve().parent)
     output.write_text(imported.text(source.name))
     build(output, engines="dynamo")
+    try:
+        build(output)
+    except GraphError as e:
+        imported.notes += [f"not runnable with our engines as imported: {p}" for p in e.problems]
+        output.write_text(imported.text(source.name))
     return imported
 
 
-def import_dgd(doc: Any) -> Imported:
+def import_dgd(doc: Any, files: Path | None = None) -> Imported:
+    """The graph of a DGD; `files`: where the container paths it names (engine config files) are
+    looked for, in it or a folder above it (None: nowhere)."""
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise DgdError(f"expected kind: {KIND}")
     if doc.get("apiVersion") != API_VERSION:
@@ -100,7 +123,22 @@ def import_dgd(doc: Any) -> Imported:
     services = (doc.get("spec") or {}).get("services")
     if not isinstance(services, dict) or not services:
         raise DgdError("spec.services is empty")
-    return _Importer(doc).run()
+    return _Importer(doc, files).run()
+
+
+def find_local_file(container_path: str, working_dir: str | None, near: Path | None) -> Path | None:
+    """The local copy of a file a container names (relative to its working dir): the longest
+    tail of its path, of two parts at least, found in `near` or a folder above it."""
+    if near is None:
+        return None
+    full = Path(working_dir or "/") / container_path
+    parts = [p for p in full.parts if p not in ("/", ".")]
+    for start in range(len(parts) - 1):
+        tail = Path(*parts[start:])
+        for folder in (near, *near.parents):
+            if (folder / tail).is_file():
+                return folder / tail
+    return None
 
 
 def _name(text: str) -> str:
@@ -144,19 +182,20 @@ def parse_flags(args: list[str]) -> list[tuple[str, str | None]]:
 def command_line(container: dict[str, Any]) -> tuple[str | None, list[str]]:
     """(module, its args) of `python3 -m MODULE ARGS`, whether command and args are lists or one
     shell string (`args: ["python3 -m dynamo.frontend --http-port 8000"]`, `sh -c "..."`)."""
-    words: list[str] = []
-    for part in [*(container.get("command") or []), *(container.get("args") or [])]:
-        words += shlex.split(part) if " " in str(part) else [str(part)]
-    if len(words) >= 2 and words[0].endswith(("sh", "bash")) and words[1] == "-c":
-        words = words[2:]
+    words = [str(part) for part in [*(container.get("command") or []), *(container.get("args") or [])]]
+    if len(words) >= 3 and words[0].endswith(("sh", "bash")) and words[1] == "-c":
+        words = shlex.split(" ".join(words[2:]))
+    elif words and " " in words[0] and not words[0].startswith(("{", "[")):
+        words = shlex.split(words[0]) + words[1:]  # a command line in one string
     if len(words) >= 3 and Path(words[0]).name.startswith("python") and words[1] == "-m":
         return words[2], words[3:]
     return None, words
 
 
 class _Importer:
-    def __init__(self, doc: dict[str, Any]) -> None:
+    def __init__(self, doc: dict[str, Any], files: Path | None = None) -> None:
         self.doc = doc
+        self.files = files
         self.notes: list[str] = []
         self.models: dict[str, dict[str, Any]] = {}
         self.components: dict[str, dict[str, Any]] = {}
@@ -198,20 +237,12 @@ class _Importer:
         self._differing("dynamoNamespace", self.namespaces)
         self._differing("envFromSecret", self.env_secrets)
         self._differing("workingDir", self.working_dirs)
-        pd = sorted(k for k, c in self.components.items() if c.get("role", "agg") != "agg")
         # Locally the supervisor starts a frontend after the workers that serve its requests, as
         # the shipped templates do (Kubernetes starts everything at once, so the DGD has no order).
         serving = sorted(k for k, c in self.components.items() if c.get("role") in ("agg", "decode"))
         for comp in self.components.values():
             if comp["kind"] == "frontend" and serving:
                 comp["depends_on"] = serving
-        engines = sorted({self.components[k]["engine"] for k in pd} - KV_TRANSFER_ENGINES)
-        if engines:
-            self.notes.append(
-                f"{', '.join(pd)}: our {'/'.join(engines)} adapter hands no KV cache between "
-                "workers; run the graph locally with the mocker "
-                f"({' '.join(f'components.{k}.engine=mocker' for k in pd)})"
-            )
         return Imported(name, graph, self.notes)
 
     def _differing(self, what: str, seen: Counter[str]) -> None:
@@ -233,7 +264,7 @@ class _Importer:
     def _service(self, name: str, service: dict[str, Any]) -> None:
         where = f"services.{name}"
         key = _name(name)
-        for extra in sorted(set(service) - _SERVICE_KEYS - {"resources", "extraPodSpec"}):
+        for extra in sorted(set(service) - _SERVICE_KEYS - {"resources", "extraPodSpec", "multinode"}):
             self.notes.append(f"{where}.{extra}: not imported")
         pod = service.get("extraPodSpec") or {}
         for extra in sorted(set(pod) - {"mainContainer"}):
@@ -247,7 +278,11 @@ class _Importer:
             self.namespaces[service["dynamoNamespace"]] += 1
         if service.get("envFromSecret"):
             self.env_secrets[service["envFromSecret"]] += 1
-        env = {**self.graph_env, **self._env(f"{where}.envs", service.get("envs") or [])}
+        env = {
+            **self.graph_env,
+            **self._env(f"{where}.envs", service.get("envs") or []),
+            **self._env(f"{where}.extraPodSpec.mainContainer.env", container.get("env") or []),
+        }
         module, args = command_line(container)
         kind = service.get("componentType")
         if kind in ("frontend", "main") or module == "dynamo.frontend":
@@ -255,7 +290,7 @@ class _Importer:
             if int(service.get("replicas", 1)) != 1:
                 comp["replicas"] = int(service["replicas"])
         elif kind == "worker" or module in {b.module for b in BACKENDS.values()}:
-            comp = self._worker(where, service, module, args)
+            comp = self._worker(where, service, module, args, container.get("workingDir"))
             if container.get("workingDir"):
                 self.working_dirs[container["workingDir"]] += 1
         else:
@@ -308,7 +343,7 @@ class _Importer:
         return comp
 
     def _worker(
-        self, where: str, service: dict[str, Any], module: str | None, args: list[str]
+        self, where: str, service: dict[str, Any], module: str | None, args: list[str], workdir: str | None
     ) -> dict[str, Any]:
         engine = next((name for name, b in BACKENDS.items() if b.module == module), None)
         if engine is None:
@@ -323,6 +358,14 @@ class _Importer:
         role = service.get("subComponentType") or settings.role or "agg"
         if settings.role and service.get("subComponentType") and settings.role != role:
             self.notes.append(f"{where}: subComponentType {role} wins over the flags' {settings.role}")
+        if settings.config_file is not None:
+            self._engine_config(where, settings, workdir)
+        if role != "agg":
+            self._implicit_kv_transfer(where, engine, settings)
+        elif settings.connector is not None:
+            self.notes.append(
+                f"{where}: --connector {settings.connector} not imported (an aggregated worker)"
+            )
         model = self._model(where, settings)
         comp: dict[str, Any] = {
             "kind": "worker",
@@ -332,6 +375,14 @@ class _Importer:
             "replicas": int(service.get("replicas", 1)),
         }
         gpus = _gpus(service.get("resources") or {}, where, self.notes)
+        nodes = int((service.get("multinode") or {}).get("nodeCount", 1))
+        if nodes > 1:
+            self.notes.append(
+                f"{where}.multinode.nodeCount: {nodes} not translated: a graph has no multi-node "
+                f"replicas yet (no `nodes` setting); gpus.per_replica is the replica's GPUs on all "
+                f"its nodes ({gpus} per node x {nodes} = {gpus * nodes}), as if one host had them"
+            )
+            gpus *= nodes
         if gpus or settings.tensor_parallel > 1:
             comp["gpus"] = {"per_replica": gpus, "tensor_parallel_size": settings.tensor_parallel}
         if settings.migration_limit:
@@ -339,6 +390,63 @@ class _Importer:
         if settings.engine_args:
             comp["engine_args"] = dict(sorted(settings.engine_args.items()))
         return comp
+
+    def _engine_config(self, where: str, flags: _WorkerFlags, workdir: str | None) -> None:
+        """TensorRT-LLM's `--extra-engine-args FILE`: its settings (LLM API arguments, the
+        cache_transceiver_config a prefill/decode worker needs) read into engine_args, which the
+        renderer writes back as `--override-engine-args`; unreadable, the path is kept."""
+        path = flags.config_file
+        assert path is not None
+        found = find_local_file(path, workdir, self.files)
+        loaded: Any = None
+        if found is not None:
+            try:
+                loaded = yaml.safe_load(found.read_text())
+            except (OSError, yaml.YAMLError) as err:
+                self.notes.append(f"{where}: engine config {path}: cannot read {found}: {err}")
+        if not isinstance(loaded, dict):
+            if found is None:
+                self.notes.append(
+                    f"{where}: engine config {path} (in the container's {workdir or '/'}) not found next "
+                    "to the DGD; kept as engine_args.extra_engine_args, its settings "
+                    "(cache_transceiver_config) unknown here"
+                )
+            flags.engine_args["extra_engine_args"] = path
+            return
+        for key, value in loaded.items():
+            flags.engine_args.setdefault(key, value)  # flags given beside the file win
+        transceiver = loaded.get("cache_transceiver_config")
+        self.notes.append(
+            f"{where}: engine config {path} read from {found.name} into engine_args"
+            + (f" (cache_transceiver_config: {json.dumps(transceiver)})" if transceiver else "")
+        )
+
+    def _implicit_kv_transfer(self, where: str, engine: str, flags: _WorkerFlags) -> None:
+        """What moves a prefill/decode worker's KV when its DGD does not say: Dynamo's defaults."""
+        args = flags.engine_args
+        if engine == "vllm" and "kv_transfer_config" in args and flags.connector is not None:
+            self.notes.append(
+                f"{where}: --connector {flags.connector} not imported "
+                "(its --kv-transfer-config names the connector)"
+            )
+        elif engine == "vllm" and "kv_transfer_config" not in args:
+            if flags.connector in (None, "nixl"):
+                args["kv_transfer_config"] = dict(VLLM_DEFAULT_CONNECTOR)
+                self.notes.append(
+                    f"{where}: made explicit: engine_args.kv_transfer_config "
+                    f"{json.dumps(VLLM_DEFAULT_CONNECTOR)} (Dynamo's vLLM worker uses NIXL when its DGD "
+                    "names no connector)"
+                )
+            else:
+                self.notes.append(
+                    f"{where}: --connector {flags.connector}: no KV connector for a {engine} worker"
+                )
+        elif engine == "sglang" and "disaggregation_transfer_backend" not in args:
+            args["disaggregation_transfer_backend"] = SGLANG_DEFAULT_TRANSFER_BACKEND
+            self.notes.append(
+                f"{where}: made explicit: engine_args.disaggregation_transfer_backend "
+                f"{SGLANG_DEFAULT_TRANSFER_BACKEND} (SGLang's default)"
+            )
 
     def _model(self, where: str, flags: _WorkerFlags) -> str:
         """The key of the worker's model; workers of one model share its entry."""
@@ -384,12 +492,10 @@ class _WorkerFlags:
         self.tensor_parallel = 1
         self.migration_limit = 0
         self.role: str | None = None
+        self.connector: str | None = None  # Dynamo's vLLM `--connector`
+        self.config_file: str | None = None  # TensorRT-LLM's `--extra-engine-args`
         self.engine_args: dict[str, Any] = {}
         self.by_flag = {flag: key for key, flag in backend.engine_arg_flags.items()}
-        # Flags our P/D roles imply for this backend besides the mode (SGLang's transfer backend).
-        self.role_implied = {
-            pair for role_args in backend.role_args.values() for pair in parse_flags(role_args)
-        } - {("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode")}
 
     def take(self, flag: str, value: str | None) -> None:
         b = self.backend
@@ -409,8 +515,18 @@ class _WorkerFlags:
             self.role = ROLE_FLAGS[flag]
         elif flag == "--disaggregation-mode" and value in ("agg", "prefill", "decode"):
             self.role = value
-        elif (flag in b.implied and value is None) or (flag, value) in self.role_implied:
+        elif flag in b.implied and value is None:
             pass  # what our workers do anyway
+        elif flag == "--connector" and b.module == "dynamo.vllm" and value in ("nixl", "none"):
+            self.connector = value
+        elif flag == "--extra-engine-args" and b.override_flag and value is not None:
+            self.config_file = value
+        elif flag == b.override_flag and value is not None:
+            overrides = _scalar(value)
+            if isinstance(overrides, dict):
+                self.engine_args.update(overrides)
+            else:
+                self._engine_arg(flag, value)
         elif not flag:
             self.notes.append(f"{self.where}: positional argument {value!r} not imported")
         else:

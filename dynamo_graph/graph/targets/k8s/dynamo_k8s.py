@@ -52,8 +52,10 @@ DYNAMO_VERSION = "1.6.1"
 @dataclass(frozen=True)
 class Backend:
     """How one `python3 -m dynamo.<backend>` spells our engine settings. `role_args` are the
-    disaggregation flags per role; `implied` flags Dynamo's own deployments always pass and that
-    our workers behave as if given; `aliases` are other spellings `import` accepts."""
+    disaggregation flags per role (an engine arg of the same flag replaces its default there);
+    `implied` flags Dynamo's own deployments always pass and that our workers behave as if given;
+    `aliases` are other spellings `import` accepts. With `override_flag`, engine args are the
+    engine's own settings, written as that one JSON flag, except the worker's `worker_flags`."""
 
     module: str
     framework: str | None  # the DGD's backendFramework, or None (the mocker)
@@ -67,6 +69,8 @@ class Backend:
     engine_arg_flags: dict[str, str] = field(default_factory=dict)
     migration_limit: bool = True
     aliases: dict[str, str] = field(default_factory=dict)
+    override_flag: str | None = None
+    worker_flags: frozenset[str] = frozenset()
 
 
 _PD = {"prefill": ["--disaggregation-mode", "prefill"], "decode": ["--disaggregation-mode", "decode"]}
@@ -110,6 +114,18 @@ BACKENDS: dict[str, Backend] = {
         tensor_parallel="--tensor-parallel-size",
         role_args=_PD,
         aliases={"--model": "--model-path", "-tp": "--tensor-parallel-size"},
+        # TensorRT-LLM's LLM API arguments (what our adapter takes as engine_args) ride in one
+        # JSON over the engine config; these are Dynamo's worker's own flags.
+        override_flag="--override-engine-args",
+        worker_flags=frozenset(
+            {
+                "extra_engine_args",
+                "publish_events_and_metrics",
+                "modality",
+                "endpoint",
+                "disaggregation_strategy",
+            }
+        ),
     ),
     "mocker": Backend(
         module="dynamo.mocker",
@@ -130,9 +146,14 @@ ROLE_FLAGS = {"--is-prefill-worker": "prefill", "--is-decode-worker": "decode"}
 
 def engine_arg_flags(backend: Backend, args: dict[str, Any]) -> list[str]:
     """Engine args as the backend's command line: `key_name: v` -> `--key-name v`, true -> the bare
-    flag, false -> `--no-key-name`, lists and maps as JSON (TensorRT-LLM's engine settings go in
-    `override_engine_args: {...}`, which is its `--override-engine-args JSON`)."""
+    flag, false -> `--no-key-name`, lists and maps as JSON; for a backend with an `override_flag`
+    (TensorRT-LLM) the engine's own settings as that flag's one JSON object."""
     out: list[str] = []
+    if backend.override_flag:
+        own = {k: v for k, v in args.items() if k not in backend.worker_flags and v is not None}
+        args = {k: v for k, v in args.items() if k in backend.worker_flags}
+        if own:
+            out += [backend.override_flag, json.dumps(own, sort_keys=True)]
     for key in sorted(args):
         value = args[key]
         flag = backend.engine_arg_flags.get(key, "--" + key.replace("_", "-"))
@@ -172,9 +193,22 @@ def worker_args(graph: Graph, plan: Plan, worker: Worker) -> list[str]:
     if backend.migration_limit and worker.migration_limit:
         args += ["--migration-limit", str(worker.migration_limit)]
     args += backend.implied
-    args += backend.role_args.get(worker.role, [])
-    args += engine_arg_flags(backend, _engine_args(worker, Path(plan.graph_file).parent))
-    return args
+    engine = engine_arg_flags(backend, _engine_args(worker, Path(plan.graph_file).parent))
+    args += _role_args(backend.role_args.get(worker.role, []), set(engine))
+    return args + engine
+
+
+def _role_args(role_args: list[str], given: set[str]) -> list[str]:
+    """A role's flags (each with the values after it) less those the engine args give."""
+    out: list[str] = []
+    for i, word in enumerate(role_args):
+        if word.startswith("--"):
+            j = next(
+                (k for k in range(i + 1, len(role_args)) if role_args[k].startswith("--")), len(role_args)
+            )
+            if word not in given:
+                out += role_args[i:j]
+    return out
 
 
 # Our router queue orders -> Dynamo's --router-queue-policy (fcfs | wspt). Dynamo's fcfs orders

@@ -62,6 +62,7 @@ _HOST_ONLY_ENV = {
     "DYN_TCP_ADVERTISE_HOST",
     "DYN_TCP_PORT",
     "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "SGLANG_HOST_IP",
     GROUP_ENV,  # a frontend's replicas are pods here, each alone in its own
 }
 
@@ -138,6 +139,10 @@ class _K8s:
             argv[at] = ",".join(f"{name}={self.paths.get(path, path)}" for name, _, path in pairs)
         if "--http-host" in argv:  # the Service reaches the pod on its own IP
             argv[argv.index("--http-host") + 1] = "0.0.0.0"
+        if "--disaggregation-bootstrap-port" in argv:  # a pod has SGLang's default port to itself
+            at = argv.index("--disaggregation-bootstrap-port")
+            if "{port:" in argv[at + 1]:
+                del argv[at : at + 2]
         return argv
 
     # ---- environment -------------------------------------------------------------------------
@@ -161,6 +166,8 @@ class _K8s:
             out += [{"name": "DYN_TCP_ADVERTISE_HOST", **pod_ip}, {"name": "DYN_TCP_HOST", **pod_ip}]
             if "VLLM_NIXL_SIDE_CHANNEL_HOST" in proc.env:  # where decode pods reach this one's NIXL
                 out.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", **pod_ip})
+            if "SGLANG_HOST_IP" in proc.env:  # the bootstrap address an SGLang prefill pod publishes
+                out.append({"name": "SGLANG_HOST_IP", **pod_ip})
         return sorted(out, key=lambda e: e["name"])
 
     # ---- objects -----------------------------------------------------------------------------
