@@ -236,6 +236,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
     from dynamo_graph.frontend.router_metrics import ROUTERS
     from dynamo_graph.llm.pipeline import tokens_pipeline
+    from dynamo_graph.router.decisions import DecisionLog
     from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.router.migration import Migration
     from dynamo_graph.runtime.client import Client
@@ -263,12 +264,14 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
             )
         )
     registry = ModelRegistry()
-    backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client)
+    decision_log = DecisionLog.open(cfg.router)
+    decisions = None if decision_log is None else decision_log.pool(card.display_name, False, kv)
+    backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client, decisions)
     if kv:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
         router = KvRouter(card.kv_cache_block_size, replace(cfg.router, use_kv_events=False))
         ROUTERS.add(card.display_name, "decode", router)
-        backend = KvRoutedTokensBackend(client, router)
+        backend = KvRoutedTokensBackend(client, router, decisions)
     migrating = Migration(
         backend, cfg.worker.migration_limit, model=card.display_name, on_migrate=count_migration
     )
@@ -288,6 +291,8 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     finally:
         await checker.close()
         await runtime.close()
+        if decision_log is not None:
+            decision_log.close()
 
 
 async def _run_frontend(cfg: RunConfig) -> int:
