@@ -138,6 +138,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.auth import ApiKeys, keys_from_settings
     from dynamo_graph.frontend.limits import FrontendLimits
+    from dynamo_graph.frontend.record import Recorder
 
     limits = FrontendLimits.from_settings(
         body_limit_mb=cfg.limits.body_limit_mb,
@@ -149,7 +150,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))
     except ValueError as err:
         raise RunConfigError(str(err)) from None
-    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora)
+    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora, recorder=Recorder.open(cfg.record))
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
@@ -175,9 +176,13 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
         )
-    async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
-        app.metrics.group = group
-        await server.serve(sockets)
+    try:
+        async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
+            app.metrics.group = group
+            await server.serve(sockets)
+    finally:
+        if app.recorder is not None:
+            app.recorder.close()
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:

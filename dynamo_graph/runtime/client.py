@@ -308,8 +308,9 @@ class Client:
         """Send `request` to one instance (the picker's choice among those not in `exclude`, or
         `instance_id`) and stream its responses; `on_pick` hears each choice the picker makes.
         An instance that cannot be reached leaves routing; if the picker chose it, the request
-        goes to another instance (nothing was generated yet, so that is always safe). So does one that answers `overloaded` before
-        any response (no cool-off: it is only busy); asked by id, that raises
+        goes to another instance (nothing was generated yet, so that is always safe). So does
+        one that answers `overloaded` before any response (no cool-off: it is only busy); asked
+        by id, that raises
         InstanceOverloaded (a CannotConnect). When every instance was overloaded the last
         Overloaded is raised (503). A stream that breaks midway raises StreamBroken:
         resuming it is request migration's job. Errors raised from an instance's stream carry

@@ -1,0 +1,118 @@
+"""Seeing a running graph work (issue 30): the router's decision log, the frontend's recording
+replayed by `dyngraph bench`, and `dyngraph top`. One graph for the module: the CI graph
+mocker-kv.yaml (two mocker workers, kv routing) under `dyngraph up`, its frontend writing a
+decision log and a recording; the official `openai` client sends a few requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.local_graph import Graph
+from tests.support.processes import run_cli
+from tests.support.routing import opening_messages, served_by
+from tests.support.waiting import wait_for
+
+MODEL = "tiny-model"
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Graph]:
+    tmp = tmp_path_factory.mktemp("observe")
+    graph = Graph("mocker-kv.yaml", tmp, tiny_model)
+    try:
+        up = graph.up(
+            f"+components.frontend.router.decision_log={tmp / 'decisions.jsonl'}",
+            f"+components.frontend.record.path={tmp / 'recorded.jsonl'}",
+        )
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield graph
+    finally:
+        graph.cli("down", timeout=90)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _client(graph: Graph) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{graph.port}/v1", api_key="none", max_retries=0, timeout=30
+    )
+
+
+def test_each_request_has_one_decision_naming_the_worker_that_served_it(graph: Graph) -> None:
+    log = graph.file.parent / "decisions.jsonl"
+    client = _client(graph)
+    before = len(_lines(log))
+    served = []
+    for conv in range(4):  # two conversations, each asked twice: kv routing keeps them home
+        messages = opening_messages(conv % 2)
+
+        def send(m: list[dict] = messages) -> dict:
+            return client.chat.completions.create(model=MODEL, messages=m, max_tokens=4).model_dump()
+
+        worker, _ = served_by(graph, MODEL, send)  # type: ignore[arg-type]
+        served.append(worker)
+    wait_for(lambda: len(_lines(log)) >= before + 4, 10, "the decision log's lines")
+    decisions = _lines(log)[before:]
+    assert len(decisions) == 4
+    assert [d["chosen"] for d in decisions] == served
+    assert len({d["request_id"] for d in decisions}) == 4
+    for d in decisions:
+        assert d["model"] == MODEL and d["pool"] == "agg" and d["mode"] == "kv" and d["migrations"] == 0
+        assert len(d["candidates"]) == 2 and d["chosen"] in {c["worker"] for c in d["candidates"]}
+        assert {"overlap_blocks", "new_tokens", "queued_tokens", "decode_blocks", "cost"} <= set(
+            d["candidates"][0]
+        )
+    # The repeated conversations found their prefix cached where they went.
+    repeat = max(c["overlap_blocks"] for c in decisions[2]["candidates"])
+    assert repeat >= 3 and decisions[2]["chosen"] == decisions[0]["chosen"]
+
+
+def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph, tiny_model: Path) -> None:
+    recorded = graph.file.parent / "recorded.jsonl"
+    client = _client(graph)
+    before = len(_lines(recorded))
+    for i in range(3):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Request {i}: " + "tell me more " * (20 * i + 1)}],
+            max_tokens=3 + i,
+            extra_body={"nvext": {"ignore_eos": True}},
+        )
+        client.completions.create(model=MODEL, prompt=f"Once upon a time {i}", max_tokens=5)
+    wait_for(lambda: len(_lines(recorded)) >= before + 6, 10, "the recording's lines")
+    rows = _lines(recorded)[before:]
+    assert len(rows) == 6 and {r["api"] for r in rows} == {"chat_completions", "completions"}
+    assert all(r["model"] == MODEL and "messages" not in r and "prompt" not in r for r in rows)
+    assert [r["output_length"] for r in rows] == [3, 5, 4, 5, 5, 5]
+    trace = graph.file.parent / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = graph.file.parent / "replay"
+    done = run_cli(
+        [
+            "bench",
+            "--url",
+            f"http://127.0.0.1:{graph.port}",
+            "--trace",
+            str(trace),
+            "--tokenizer",
+            str(tiny_model),
+            "--trace-speedup",
+            "10",
+            "-o",
+            str(out),
+            "--no-plots",
+        ],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(next(out.glob("*.json")).read_text())["points"][0]["summary"]
+    assert summary["ok"] == summary["requests"] == 6
+    assert summary["prompt_tokens"] == sum(r["input_length"] for r in rows)
+    assert summary["output_tokens"] == sum(r["output_length"] for r in rows)
