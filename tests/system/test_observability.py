@@ -6,6 +6,12 @@ decision log and a recording; the official `openai` client sends a few requests.
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +19,7 @@ import openai
 import pytest
 
 from tests.support.local_graph import Graph
-from tests.support.processes import run_cli
+from tests.support.processes import DYNGRAPH, run_cli
 from tests.support.routing import opening_messages, served_by
 from tests.support.waiting import wait_for
 
@@ -116,3 +122,96 @@ def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph
     assert summary["ok"] == summary["requests"] == 6
     assert summary["prompt_tokens"] == sum(r["input_length"] for r in rows)
     assert summary["output_tokens"] == sum(r["output_length"] for r in rows)
+
+
+class _Load:
+    """Streamed chat requests one after another from a thread, until stopped (at most 60 s)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.client = _client(graph)
+        self.stop = threading.Event()
+        self.sent = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            stream = self.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=32, stream=True
+            )
+            for _ in stream:
+                pass
+            self.sent += 1
+
+    def __enter__(self) -> _Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def test_top_once_json_has_a_row_per_process_with_live_rates(graph: Graph) -> None:
+    with _Load(graph):
+        done = run_cli(["top", str(graph.file), "--once", "--json", "--interval", "1"], timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    view = json.loads(done.stdout)
+    rows = {r["name"]: r for r in view["processes"]}
+    assert set(rows) == set(graph.processes())
+    assert all(r["state"] == "ready" for r in rows.values())
+    assert rows["frontend-0"]["requests_per_s"] > 0 and rows["frontend-0"]["tokens_per_s"] > 0
+    workers = [rows["backend-0"], rows["backend-1"]]
+    assert all(w["instance"] for w in workers)
+    assert sum(w["requests_per_s"] or 0 for w in workers) > 0
+    (model,) = view["models"]
+    assert model["model"] == MODEL and model["requests_per_s"] > 0 and model["ttft_p90_ms"] is not None
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_top_in_tmux_moves_under_load_sorts_filters_and_quits_on_q(graph: Graph) -> None:
+    session = f"dyngraph-top-{os.getpid()}"
+    command = shlex.join([*DYNGRAPH, "top", str(graph.file)])
+    tmux = ["tmux", "-L", session]  # a server of its own: nothing else's sessions are touched
+    subprocess.run(
+        [
+            *tmux,
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "150",
+            "-y",
+            "40",
+            f"{command}; echo TOP-EXITED $?; sleep 30",
+        ],
+        check=True,
+        env={**os.environ, "TERM": "xterm-256color"},
+    )
+
+    def screen() -> str:
+        return subprocess.run(
+            [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
+        ).stdout
+
+    def keys(*words: str) -> None:
+        subprocess.run([*tmux, "send-keys", "-t", session, *words], check=True)
+
+    try:
+        wait_for(lambda: "frontend-0" in screen(), 30, "top's table")
+        with _Load(graph):
+            frames = []
+            for _ in range(3):
+                time.sleep(1.2)
+                frames.append(next(line for line in screen().splitlines() if "frontend-0" in line))
+        assert all(name in screen() for name in graph.processes())
+        assert len(set(frames)) > 1, frames  # its numbers moved
+        keys("/")
+        keys("-l", "backend")
+        keys("Enter")
+        wait_for(lambda: "filter: backend" in screen() and "frontend-0" not in screen(), 5, "the filter")
+        keys("q")
+        wait_for(lambda: "TOP-EXITED 0" in screen(), 10, "top to quit on q")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
