@@ -15,11 +15,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+import yaml
 
 from tests.support.local_graph import Graph
-from tests.support.processes import DYNGRAPH, run_cli
+from tests.support.processes import DYNGRAPH, free_port, run_cli
 from tests.support.routing import opening_messages, served_by
 from tests.support.waiting import wait_for
 
@@ -215,3 +217,52 @@ def test_top_in_tmux_moves_under_load_sorts_filters_and_quits_on_q(graph: Graph)
         wait_for(lambda: "TOP-EXITED 0" in screen(), 10, "top to quit on q")
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Prometheus (Debian's prometheus)")
+def test_prometheus_scrapes_every_target_and_every_dashboard_expression_has_data(graph: Graph) -> None:
+    folder = graph.file.parent / "prometheus"
+    folder.mkdir()
+    rendered = run_cli(["render", str(graph.file), "-f", "prometheus", *graph.overrides])
+    assert rendered.returncode == 0, rendered.stderr
+    config = yaml.safe_load(rendered.stdout)
+    config["global"]["scrape_interval"] = "1s"  # the rendered 5 s, shortened for the test
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    check = subprocess.run(
+        ["promtool", "check", "config", str(folder / "prometheus.yml")], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    dashboard = run_cli(["render", str(graph.file), "-f", "grafana", *graph.overrides])
+    assert dashboard.returncode == 0, dashboard.stderr
+    exprs = [t["expr"] for p in json.loads(dashboard.stdout)["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(folder / "prometheus.log").open("wb"),
+    )
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=5)
+
+    def targets_up() -> bool:
+        try:
+            active = api.get("/targets").json()["data"]["activeTargets"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def empty() -> list[str]:
+        return [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]
+
+    try:
+        wait_for(targets_up, 30, "every scrape target up")
+        with _Load(graph):
+            wait_for(lambda: not empty(), 30, "data for every dashboard expression")
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
