@@ -130,18 +130,16 @@ def main() -> int:
             argv = [*run, "in=http", "out=auto", "--http-port", str(port), "--router-mode", "kv", *extra]
             frontends[name] = (start(argv, port, 0, env), port)
         names = list(frontends)
+        load = {
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "keep_alive": True,
+            "max_seconds": 60,
+        }
         for round_ in range(args.rounds):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 proc, port = frontends[name]
-                point = measure(
-                    proc.pid,
-                    port,
-                    body,
-                    concurrency=args.concurrency,
-                    requests=args.requests,
-                    keep_alive=True,
-                    max_seconds=60,
-                )
+                point = measure(proc.pid, port, body, **load)
                 assert point["ok"] == point["requests"], point
                 cpu[name].append(point["server_cpu_ms_per_request"])
                 ms = point["server_cpu_ms_per_request"]

@@ -102,23 +102,11 @@ def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph
     trace = graph.file.parent / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = graph.file.parent / "replay"
-    done = run_cli(
-        [
-            "bench",
-            "--url",
-            f"http://127.0.0.1:{graph.port}",
-            "--trace",
-            str(trace),
-            "--tokenizer",
-            str(tiny_model),
-            "--trace-speedup",
-            "10",
-            "-o",
-            str(out),
-            "--no-plots",
-        ],
-        timeout=120,
+    url = f"http://127.0.0.1:{graph.port}"
+    words = (
+        f"bench --url {url} --trace {trace} --tokenizer {tiny_model} --trace-speedup 10 -o {out} --no-plots"
     )
+    done = run_cli(words.split(), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(next(out.glob("*.json")).read_text())["points"][0]["summary"]
     assert summary["ok"] == summary["requests"] == 6
