@@ -13,6 +13,7 @@ import yaml
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.targets.dispatch import render
+from dynamo_graph.graph.targets.local.monitoring import frontend_endpoints
 
 GRAPH = """
 name: demo
@@ -75,3 +76,27 @@ def test_dashboard_panels_follow_the_router(tmp_path: Path):
     assert "Router queue" not in kv
     queued = _exprs(tmp_path, "{mode: kv, queue_threshold: 0.5}")
     assert "dynamo_frontend_router_queue_depth" in queued["Router queue"]
+
+
+REMOTE = """
+name: remote
+runtime: {discovery: etcd, request_plane: tcp, event_plane: nats}
+infra: {etcd: {managed: true}, nats: {managed: true}}
+hosts:
+  local: {advertise_host: 10.0.0.1}
+  gpu1:
+    ssh: {address: 10.0.0.5, host_key: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"}
+models:
+  m: {path: /models/llama}
+components:
+  frontend: {kind: frontend, host: gpu1, http: {port: 18555, host: BIND}}
+  backend: {kind: worker, model: m, engine: mocker}
+"""
+
+
+def test_a_frontend_on_an_ssh_host_is_scraped_at_the_host_unless_it_listens_on_loopback(tmp_path: Path):
+    path = tmp_path / "graph.yaml"
+    for bind, expected in (("0.0.0.0", ("10.0.0.5:18555", False)), ("127.0.0.1", ("127.0.0.1:18555", True))):
+        path.write_text(REMOTE.replace("BIND", bind))
+        (endpoint,) = frontend_endpoints(build(path).plan)
+        assert (endpoint.host, endpoint.address, endpoint.loopback_remote) == ("gpu1", *expected)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,45 +38,54 @@ FRONTEND = "dynamo_frontend"
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
 
-def _frontend_targets(graph: Graph, plan: Plan) -> dict[str, tuple[str, str]]:
-    """Per frontend component, (host key, HOST:PORT of its /metrics)."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a frontend component's /health and /metrics answer."""
+
+    component: str
+    host: str  # the host key (`local` or one of `hosts`)
+    address: str | None  # HOST:PORT; None: its port is `auto` and not allocated yet
+    loopback_remote: bool  # on an ssh host, listening on loopback only: not reachable from here
+
+
+def frontend_endpoints(plan: Plan) -> list[Endpoint]:
+    """Each frontend component's endpoint (its replicas share it), from the plan's readiness
+    probes; `auto` ports from the running graph's ports.json."""
     ports_file = Path(plan.state_dir) / "ports.json"
     auto = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-    frontends = graph.frontends()
-    out: dict[str, tuple[str, str]] = {}
-    problems = []
+    out: dict[str, Endpoint] = {}
     for spec in plan.processes:
-        if spec.component not in frontends or spec.component in out:
+        target = spec.readiness.target
+        if not (spec.shares_ports and spec.readiness.kind == "http" and target.endswith("/health")):
             continue
-        url = spec.readiness.target
-        for name in _PLACEHOLDER.findall(url):
-            if name not in auto:
-                problems.append(
-                    Problem(
-                        f"components.{spec.component}.http.port",
-                        "is `auto`: Prometheus needs the port; render after `dyngraph up`, or fix the port",
-                    )
-                )
-                break
-            url = url.replace("{port:" + name + "}", str(auto[name]))
-        else:
-            parts = urlsplit(url)
-            host = parts.hostname or "127.0.0.1"
-            if spec.host in plan.hosts and host in ("127.0.0.1", "localhost", "::1"):
-                bind = frontends[spec.component].http.host
-                host = (
-                    plan.hosts[spec.host].address if bind not in ("127.0.0.1", "localhost", "::1") else host
-                )
-            out[spec.component] = (spec.host, f"{host}:{parts.port}")
-    if problems:
-        raise GraphError(problems)
-    return out
+        if spec.component in out:
+            continue
+        url = _PLACEHOLDER.sub(lambda m: str(auto.get(m.group(1), m.group(0))), target)
+        parts = urlsplit(url)
+        host = parts.hostname or "127.0.0.1"
+        loopback_remote = False
+        if spec.host in plan.hosts and host in LOOPBACK:
+            bind = spec.argv[spec.argv.index("--http-host") + 1] if "--http-host" in spec.argv else host
+            loopback_remote = bind in LOOPBACK
+            host = host if loopback_remote else plan.hosts[spec.host].address
+        address = None if _PLACEHOLDER.search(url) else f"{host}:{parts.port}"
+        out[spec.component] = Endpoint(spec.component, spec.host, address, loopback_remote)
+    return list(out.values())
 
 
 def render_prometheus(graph: Graph, plan: Plan) -> str:
     """A Prometheus scrape configuration for the graph's metrics endpoints."""
+    endpoints = frontend_endpoints(plan)
+    auto = [e for e in endpoints if e.address is None]
+    if auto:
+        why = "is `auto`: Prometheus needs the port; render after `dyngraph up`, or fix the port"
+        raise GraphError([Problem(f"components.{e.component}.http.port", why) for e in auto])
     jobs = []
-    for component, (host, target) in _frontend_targets(graph, plan).items():
+    for e in endpoints:
+        component, host, target = e.component, e.host, e.address
         jobs.append(
             {
                 "job_name": f"{plan.graph}-{component}",

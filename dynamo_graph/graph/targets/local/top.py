@@ -33,6 +33,7 @@ from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import probes
 from dynamo_graph.graph.targets.local.answers import INSTANCE_LINE, Answers, side, tally
 from dynamo_graph.graph.targets.local.history import autoscale_decisions, autoscale_lines
+from dynamo_graph.graph.targets.local.monitoring import frontend_endpoints
 from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir
 from dynamo_graph.runtime.traffic import percentile_ms
 
@@ -190,14 +191,13 @@ async def _get(url: str) -> bytes | None:
     return body if status == 200 else None
 
 
-def _frontend_urls(plan: Plan) -> dict[str, str]:
-    """Per frontend component, its /health URL (one per component: its replicas share it)."""
-    urls = {}
-    for spec in plan.processes:
-        target = spec.readiness.target
-        if spec.shares_ports and spec.readiness.kind == "http" and target.endswith("/health"):
-            urls.setdefault(spec.component, target)
-    return urls
+def _frontend_urls(plan: Plan) -> dict[str, str | None]:
+    """Per frontend component, the base URL of its /health and /metrics (its replicas share
+    it); None where this machine cannot ask it (see monitoring.frontend_endpoints)."""
+    return {
+        e.component: None if e.address is None or e.loopback_remote else f"http://{e.address}"
+        for e in frontend_endpoints(plan)
+    }
 
 
 async def sample(state: StateDir) -> Sample | None:
@@ -206,10 +206,10 @@ async def sample(state: StateDir) -> Sample | None:
     if plan is None:
         return None
     records = [r for r in state.read_processes() if not r.retiring]
-    urls = _frontend_urls(plan)
+    urls = {component: url for component, url in _frontend_urls(plan).items() if url is not None}
     bodies = await asyncio.gather(
-        *(_get(url) for url in urls.values()),
-        *(_get(url.removesuffix("/health") + "/metrics") for url in urls.values()),
+        *(_get(f"{url}/health") for url in urls.values()),
+        *(_get(f"{url}/metrics") for url in urls.values()),
     )
     healths, metrics = bodies[: len(urls)], bodies[len(urls) :]
     documents = []
