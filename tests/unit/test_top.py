@@ -4,14 +4,15 @@ interval, gauges as they are, sorting, filtering and the keys; and the rendering
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 from rich.console import Console
 
 from dynamo_graph.graph.plan import Plan, Probe, ProcessSpec, RestartPolicy
 from dynamo_graph.graph.targets.local.answers import Answers
-from dynamo_graph.graph.targets.local.state import ProcessRecord
+from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir
 from dynamo_graph.graph.targets.local.top import Sample, arrange, parse_metrics, table
-from dynamo_graph.graph.targets.local.top_view import View, render
+from dynamo_graph.graph.targets.local.top_view import View, render, top
 
 RESTART = RestartPolicy("on-failure", 5, 1.0, 10.0)
 
@@ -158,3 +159,10 @@ def test_rendering_shows_every_process_and_the_model():
     text = console.export_text()
     for name in ("frontend-0", "backend-0", "backend-1", "etcd", "25%", "10.0"):
         assert name in text
+
+
+def test_a_graph_that_never_ran_is_an_error(tmp_path: Path):
+    console = Console(record=True, width=200)
+    state = StateDir.of(tmp_path / "graph.yaml")
+    assert top(state, console, once=True, as_json=True, interval_s=0.2, view=View()) == 2
+    assert "has never run" in console.export_text()
