@@ -18,7 +18,6 @@ every token; fewer when an engine batches tokens into one response).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 import time
@@ -31,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import probes
-from dynamo_graph.graph.targets.local.answers import INSTANCE_LINE, Answers, side, tally
+from dynamo_graph.graph.targets.local.answers import INSTANCE_LINE, Answers, health_at, side, tally
 from dynamo_graph.graph.targets.local.history import autoscale_decisions, autoscale_lines
 from dynamo_graph.graph.targets.local.monitoring import frontend_endpoints
 from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir
@@ -42,7 +41,7 @@ ROUTER = f"{FRONTEND}_router"
 SCRAPE_TIMEOUT_S = 2.0
 LOG_TAIL_BYTES = 1 << 20  # where a worker's latest "instance ... serving" line is looked for
 
-# (histogram name, le bound) -> cumulative count, per model
+# per model: a histogram's upper bound (le) -> its cumulative count
 Buckets = dict[str, Counter[float]]
 
 
@@ -207,21 +206,18 @@ async def sample(state: StateDir) -> Sample | None:
         return None
     records = [r for r in state.read_processes() if not r.retiring]
     urls = {component: url for component, url in _frontend_urls(plan).items() if url is not None}
-    bodies = await asyncio.gather(
-        *(_get(f"{url}/health") for url in urls.values()),
-        *(_get(f"{url}/metrics") for url in urls.values()),
+    # Each frontend process's own /health (its client counted what it sent each worker), and
+    # each component's /metrics (which answers for all its replicas).
+    serving = [r for r in records if r.component in urls and r.state == "ready"]
+    healths = asyncio.gather(
+        *(health_at(f"{urls[r.component]}/health", asyncio.open_connection, r.pid) for r in serving)
     )
-    healths, metrics = bodies[: len(urls)], bodies[len(urls) :]
-    documents = []
-    for body in healths:
-        if body is not None:
-            try:
-                documents.append(json.loads(body))
-            except ValueError:
-                continue
+    metrics = asyncio.gather(*(_get(f"{url}/metrics") for url in urls.values()))
+    answered, metrics_bodies = await asyncio.gather(healths, metrics)
+    documents = [document for _, document in filter(None, answered)]
     frontends = {
         component: parse_metrics(body.decode(errors="replace"))
-        for component, body in zip(urls, metrics, strict=True)
+        for component, body in zip(urls, metrics_bodies, strict=True)
         if body is not None
     }
     workers = {s.name for s in plan.processes if s.component in plan_workers(plan)}
