@@ -44,7 +44,9 @@ def graph(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The whole lines written so far (a line being appended right now is left for later)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]
 
 
 def _client(graph: Graph) -> openai.OpenAI:
@@ -56,7 +58,7 @@ def _client(graph: Graph) -> openai.OpenAI:
 def test_each_request_has_one_decision_naming_the_worker_that_served_it(graph: Graph) -> None:
     log = graph.file.parent / "decisions.jsonl"
     client = _client(graph)
-    before = len(_lines(log))
+    start = time.time()  # lines of earlier tests' requests may still be on their way
     served = []
     for conv in range(4):  # two conversations, each asked twice: kv routing keeps them home
         messages = opening_messages(conv % 2)
@@ -66,8 +68,12 @@ def test_each_request_has_one_decision_naming_the_worker_that_served_it(graph: G
 
         worker, _ = served_by(graph, MODEL, send)  # type: ignore[arg-type]
         served.append(worker)
-    wait_for(lambda: len(_lines(log)) >= before + 4, 10, "the decision log's lines")
-    decisions = _lines(log)[before:]
+
+    def mine() -> list[dict]:
+        return [d for d in _lines(log) if d["ts"] >= start]
+
+    wait_for(lambda: len(mine()) >= 4, 10, "the decision log's lines")
+    decisions = mine()
     assert len(decisions) == 4
     assert [d["chosen"] for d in decisions] == served
     assert len({d["request_id"] for d in decisions}) == 4
@@ -85,7 +91,7 @@ def test_each_request_has_one_decision_naming_the_worker_that_served_it(graph: G
 def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph, tiny_model: Path) -> None:
     recorded = graph.file.parent / "recorded.jsonl"
     client = _client(graph)
-    before = len(_lines(recorded))
+    start_ms = time.time() * 1000
     for i in range(3):
         client.chat.completions.create(
             model=MODEL,
@@ -94,8 +100,12 @@ def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph
             extra_body={"nvext": {"ignore_eos": True}},
         )
         client.completions.create(model=MODEL, prompt=f"Once upon a time {i}", max_tokens=5)
-    wait_for(lambda: len(_lines(recorded)) >= before + 6, 10, "the recording's lines")
-    rows = _lines(recorded)[before:]
+
+    def mine() -> list[dict]:
+        return [r for r in _lines(recorded) if r["timestamp"] >= start_ms]
+
+    wait_for(lambda: len(mine()) >= 6, 10, "the recording's lines")
+    rows = mine()
     assert len(rows) == 6 and {r["api"] for r in rows} == {"chat_completions", "completions"}
     assert all(r["model"] == MODEL and "messages" not in r and "prompt" not in r for r in rows)
     assert [r["output_length"] for r in rows] == [3, 5, 4, 5, 5, 5]
