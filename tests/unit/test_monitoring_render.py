@@ -78,19 +78,18 @@ def test_dashboard_panels_follow_the_router(tmp_path: Path):
     assert "dynamo_frontend_router_queue_depth" in queued["Router queue"]
 
 
-REMOTE = """
-name: remote
-runtime: {discovery: etcd, request_plane: tcp, event_plane: nats}
-infra: {etcd: {managed: true}, nats: {managed: true}}
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"
+REMOTE = f"""
+name: edge
 hosts:
-  local: {advertise_host: 10.0.0.1}
-  gpu1:
-    ssh: {address: 10.0.0.5, host_key: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"}
-models:
-  m: {path: /models/llama}
+  local: {{advertise_host: 10.0.0.1}}
+  gpu1: {{ssh: {{address: 10.0.0.5, host_key: "{KEY}"}}}}
+runtime: {{discovery: etcd, request_plane: tcp, event_plane: nats}}
+infra: {{etcd: {{managed: true}}, nats: {{managed: true}}}}
+models: {{m: {{path: /models/llama}}}}
 components:
-  frontend: {kind: frontend, host: gpu1, http: {port: 18555, host: BIND}}
-  backend: {kind: worker, model: m, engine: mocker}
+  frontend: {{kind: frontend, host: gpu1, http: {{port: 18555, host: BIND}}}}
+  backend: {{kind: worker, model: m, engine: mocker}}
 """
 
 
