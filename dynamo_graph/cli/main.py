@@ -221,6 +221,42 @@ def status_command(
     raise _target_exit(lambda: target_of(graph_file).status(graph_file, out, as_json=as_json))
 
 
+@app.command("top", help="A live view of a running graph: per process and model, rates, latencies, KV use.")
+def top_command(
+    graph_file: GraphFile,
+    once: Annotated[
+        bool, typer.Option("--once", help="print one table (rates over --interval) and exit")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="with --once: print JSON, for scripts")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="seconds between refreshes")] = 1.0,
+    sort: Annotated[
+        str,
+        typer.Option("--sort", help="column to sort by: name, requests_per_s, ttft_p90_ms, kv_usage, ..."),
+    ] = "name",
+    filter_: Annotated[str, typer.Option("--filter", help="show the processes matching this regex")] = "",
+) -> None:
+    from dynamo_graph.graph.targets.dispatch import target_of
+    from dynamo_graph.graph.targets.local.state import StateDir
+    from dynamo_graph.graph.targets.local.top import SORT_KEYS, descending_by_default
+    from dynamo_graph.graph.targets.local.top_view import View, top
+
+    if sort not in SORT_KEYS:
+        raise typer.BadParameter(f"one of {', '.join(SORT_KEYS)}, not {sort!r}", param_hint="--sort")
+    if as_json and not once:
+        raise typer.BadParameter("--json prints one table: give --once too", param_hint="--json")
+    target = target_of(graph_file)
+    if target.name != "local":
+        raise _fail(
+            f"`dyngraph top` reads the supervisor of the local and ssh targets; this graph runs on "
+            f"{target.name}: use `dyngraph status {graph_file}` (and the frontend's /metrics)"
+        )
+    view = View(sort=sort, descending=descending_by_default(sort), pattern=filter_)
+    out = Console(soft_wrap=True)
+    raise typer.Exit(
+        top(StateDir.of(graph_file), out, once=once, as_json=as_json, interval_s=interval, view=view)
+    )
+
+
 @app.command("history", help="List the revisions `up` and `rollback` applied, with their git commits.")
 def history_command(graph_file: GraphFile) -> None:
     from dynamo_graph.graph.targets.local.history import history

@@ -32,6 +32,7 @@ from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_f
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import PID_HEADER, Receive, Scope, Send
+from dynamo_graph.frontend.record import Recorder
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -156,12 +157,15 @@ class FrontendApp:
         limits: FrontendLimits | None = None,
         api_keys: ApiKeys | None = None,
         lora: AdapterAdmin | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
-        """`lora`: serve the LoRA adapter routes (frontend/lora.py) through it."""
+        """`lora`: serve the LoRA adapter routes (frontend/lora.py) through it; `recorder`:
+        record the requests served (frontend/record.py)."""
         if limits is None:
             limits = FrontendLimits(body_limit=body_limit_from_env() if body_limit is None else body_limit)
         self.models = models
         self.limits = limits
+        self.recorder = recorder
         self.api_keys = api_keys if api_keys else None
         self.metrics = FrontendMetrics()
         self.admission = Admission(limits)
@@ -169,7 +173,7 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            route.path: route.handler(models, self.metrics, limits, self.admission)
+            route.path: route.handler(models, self.metrics, limits, self.admission, recorder)
             for surface in SURFACES
             for route in surface.routes
         }

@@ -65,9 +65,10 @@ from dynamo_graph.llm.model_source import ModelResolutionError, resolve_model
 from dynamo_graph.llm.pipeline import ModelPipeline, TextPipeline, tokens_pipeline
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.router.decisions import DecisionLog, PoolDecisions
 from dynamo_graph.router.disagg import DisaggRouter, PrefillPool, UncachedTokens, bootstrap_address
 from dynamo_graph.router.kv.router import KvRouter
-from dynamo_graph.router.migration import Migration
+from dynamo_graph.router.migration import Migration, RoutedBackend
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.health import HealthChecker, HealthSettings, default_payload
 from dynamo_graph.runtime.names import MDC_ROOT, EndpointName, endpoint_from_key, instance_id_from_key
@@ -117,8 +118,12 @@ def migration_limit_for(card: ModelDeploymentCard, frontend_limit: int | None) -
     return card.migration_limit if frontend_limit is None else frontend_limit
 
 
-def routed_backend(client: Client, router: KvRouter | None) -> RemoteTokensBackend | KvRoutedTokensBackend:
-    return RemoteTokensBackend(client) if router is None else KvRoutedTokensBackend(client, router)
+def routed_backend(
+    client: Client, router: KvRouter | None, decisions: PoolDecisions | None = None
+) -> RoutedBackend:
+    if router is None:
+        return RemoteTokensBackend(client, decisions)
+    return KvRoutedTokensBackend(client, router, decisions)
 
 
 def build_remote_pipeline(
@@ -128,6 +133,7 @@ def build_remote_pipeline(
     *,
     migration_limit: int | None = None,
     disagg: DisaggConfig | None = None,
+    decisions: PoolDecisions | None = None,
 ) -> tuple[ModelPipeline | EmbeddingPipeline, DisaggRouter | None]:
     """The model's pipeline, and for a tokens-input model the disaggregation router inside it.
     `migration_limit`: the frontend's, or None to take the card's. Embedding models are routed
@@ -157,7 +163,7 @@ def build_remote_pipeline(
             return kv_router.uncached_tokens(request.token_ids, instance_ids, prefixes)
 
     disagg_router = DisaggRouter(
-        routed_backend(client, router),
+        routed_backend(client, router, decisions),
         disagg,
         model=card.display_name,
         hooks=DISAGG,
@@ -199,6 +205,7 @@ class ModelWatcher:
         self._refused: dict[str, tuple[str, bool, bytes]] = {}  # card key -> (model, prefill?, card)
         labels = kv_config.instance_labels if kv_config is not None else None
         self.labels = parse_labels(labels, "--router-instance-labels") if labels else {}
+        self.decisions = DecisionLog.open(kv_config)
         self._handled: set[str] = set()  # card keys whose latest event was taken in (`settled`)
         self._took_one = asyncio.Event()
 
@@ -341,7 +348,12 @@ class ModelWatcher:
         client, router = self._client_and_router(card, endpoint, kv)
         try:
             pipeline, disagg = build_remote_pipeline(
-                card, client, router, migration_limit=self.migration_limit, disagg=self.disagg
+                card,
+                client,
+                router,
+                migration_limit=self.migration_limit,
+                disagg=self.disagg,
+                decisions=self._pool_decisions(name, False, router),
             )
         except (ModelResolutionError, CardMismatch, OSError) as err:
             log.error("cannot serve model %r from worker %x: %s", name, instance_id, err)
@@ -402,11 +414,16 @@ class ModelWatcher:
             return None
         client, router = self._client_and_router(card, endpoint, self.router_mode == "kv")
         pool = await self._started_pool(card, endpoint, client, router)
-        pool.routed = routed_backend(client, router)
+        pool.routed = routed_backend(client, router, self._pool_decisions(name, True, router))
         if main is not None and main.disagg is not None:
             main.disagg.prefill, main.disagg.bootstraps = pool.routed, pool.bootstraps
         log.info("model %r: prefill pool added (endpoint %s, %s routing)", name, endpoint, self.router_mode)
         return pool
+
+    def _pool_decisions(self, name: str, prefill: bool, router: KvRouter | None) -> PoolDecisions | None:
+        if self.decisions is None:
+            return None
+        return self.decisions.pool(name, prefill, kv=router is not None)
 
     async def _labelled(self, endpoint: EndpointName, instance_id: int) -> bool:
         """Whether the instance carries the labels this frontend routes to. A worker publishes
@@ -499,6 +516,8 @@ class ModelWatcher:
             await model.close()
         self._models.clear()
         self._prefill.clear()
+        if self.decisions is not None:
+            self.decisions.close()
 
 
 def _health_payload(card: ModelDeploymentCard) -> dict[str, Any]:

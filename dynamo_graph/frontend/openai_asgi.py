@@ -35,6 +35,7 @@ from dynamo_graph.frontend.errors import (
 from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
+from dynamo_graph.frontend.record import Recorder
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
 from dynamo_graph.llm.openai import MAX_CHOICES, AnyRequest, requested_max_tokens
@@ -174,9 +175,16 @@ class OpenAIHandler:
     param_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
-        self, models: ModelRegistry, metrics: FrontendMetrics, limits: FrontendLimits, admission: Admission
+        self,
+        models: ModelRegistry,
+        metrics: FrontendMetrics,
+        limits: FrontendLimits,
+        admission: Admission,
+        recorder: Recorder | None = None,
     ) -> None:
+        """`recorder`: where the requests served are recorded as a trace (frontend/record.py)."""
         self.models = models
+        self.recorder = recorder
         self.metrics = metrics
         self.limits = limits
         self.body_limit = limits.body_limit
@@ -366,6 +374,7 @@ class OpenAIHandler:
         context = Context()
         watcher = asyncio.create_task(watch_disconnect(receive, context))
         metrics.inflight += 1
+        arrival = time.time()
         start = time.perf_counter()
         request_type = "stream" if request.stream else "unary"
         status: str | None = "error"
@@ -390,6 +399,8 @@ class OpenAIHandler:
                 metrics.count_request(self.endpoint, request_type, status)
                 metrics.duration.observe(time.perf_counter() - start)
                 self._count_tokens(metrics, prepared)
+            if status == "success" and self.recorder is not None:
+                self.recorder.record(arrival, self.endpoint, prepared, request)
 
     def _left(self, err: Exception, pipeline: ModelPipeline, retry: bool) -> bool:
         """Whether a request that failed before its first byte should be accepted again: the

@@ -14,6 +14,7 @@ through `send_tokens`, which leaves out what only the frontend's router reads.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +30,13 @@ from dynamo_graph.llm.protocol import (
 )
 from dynamo_graph.router.disagg import OnRoute
 from dynamo_graph.router.migration import MIGRATABLE, MigrationHook, failed_instance
-from dynamo_graph.runtime.client import Client, NoInstances
+from dynamo_graph.runtime.client import Client, NoInstances, PickHook
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
 from dynamo_graph.runtime.transport.base import CannotConnect
 
 if TYPE_CHECKING:
+    from dynamo_graph.router.decisions import PoolDecisions
     from dynamo_graph.router.kv.router import KvRouter
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ def send_tokens(
     *,
     instance_id: int | None = None,
     exclude: set[int] | None = None,
+    on_pick: PickHook | None = None,
 ) -> AsyncIterator[LLMEngineOutput]:
     """A tokens request to a worker. The routing hints' `prefixes` (keys of cached prompt
     segments, for the frontend's block hashing) stay here: no engine reads them, and a long
@@ -56,13 +59,22 @@ def send_tokens(
     if hints is not None and hints.prefixes is not None:
         request = msgspec.structs.replace(request, routing=msgspec.structs.replace(hints, prefixes=None))
     return client.generate(
-        request, instance_id=instance_id, context=context, response_type=LLMEngineOutput, exclude=exclude
+        request,
+        instance_id=instance_id,
+        context=context,
+        response_type=LLMEngineOutput,
+        exclude=exclude,
+        on_pick=on_pick,
     )
 
 
 class RemoteTokensBackend:
-    def __init__(self, client: Client) -> None:
+    """Tokens-input workers chosen by the client's picker (round-robin, random); `decisions`:
+    where its choices are logged."""
+
+    def __init__(self, client: Client, decisions: PoolDecisions | None = None) -> None:
         self.client = client
+        self.decisions = decisions
 
     def generate(
         self,
@@ -74,9 +86,10 @@ class RemoteTokensBackend:
     ) -> AsyncIterator[LLMEngineOutput]:
         """`on_route(instance, request)` hears where the request goes before it is sent (a
         paired prefill's bootstrap address, router/disagg.py); the instance is the picker's."""
+        hook = None if self.decisions is None else self.decisions.picked(context, request, exclude)
         if on_route is None:
-            return send_tokens(self.client, request, context, exclude=exclude)
-        instance = self.client.pick(exclude)
+            return send_tokens(self.client, request, context, exclude=exclude, on_pick=hook)
+        instance = self.client.pick(exclude, on_pick=hook)
         on_route(instance, request)
         return send_tokens(self.client, request, context, instance_id=instance)
 
@@ -96,11 +109,13 @@ class KvRoutedTokensBackend:
     routing hints) while every worker is saturated, or is refused (`QueueFull`: 529) past the
     queue's bound; its session id (routing hints) lets session affinity pick its worker.
     `on_route(instance, request)` hears each worker chosen, just before the request goes there
-    (a paired prefill's bootstrap address, router/disagg.py)."""
+    (a paired prefill's bootstrap address, router/disagg.py). `decisions`: where each choice is
+    logged, with every candidate's cost terms."""
 
-    def __init__(self, client: Client, router: KvRouter) -> None:
+    def __init__(self, client: Client, router: KvRouter, decisions: PoolDecisions | None = None) -> None:
         self.client = client
         self.router = router
+        self.decisions = decisions
 
     def instance_ids(self) -> list[int]:
         return self.client.instance_ids()
@@ -120,25 +135,46 @@ class KvRoutedTokensBackend:
         session = hints.session_id if hints is not None else None
         prefixes = hints.prefixes if hints is not None else None
         admitted = False
+        decisions = self.decisions
+        queue_wait: float | None = None
         if router.queue is not None:
             priority = hints.priority if hints is not None and hints.priority is not None else 0
             instance_ids = self.client.instance_ids()
+            queued_at = time.monotonic()
             if not await router.admit(priority, context, instance_ids, request.token_ids, prefixes):
                 return  # the client went away while the request waited
+            queue_wait = time.monotonic() - queued_at
             admitted = True
         while True:
+            terms: list[dict[str, Any]] | None = None if decisions is None else []
             try:
                 instances = self.client.candidates(unreachable)
                 if not instances:
                     raise NoInstances(f"no instances of {self.client.name} are available")
                 choice = router.route(
-                    request_id, request.token_ids, instances, session_id=session, prefixes=prefixes
+                    request_id,
+                    request.token_ids,
+                    instances,
+                    session_id=session,
+                    prefixes=prefixes,
+                    explain=terms,
                 )
             finally:
                 if admitted:
                     admitted = False
                     router.dispatched()
             worker_id, request.dp_rank = choice.key
+            if decisions is not None:
+                assert terms is not None
+                decisions.record(
+                    context,
+                    request,
+                    terms,
+                    worker_id,
+                    request.dp_rank,
+                    queue_wait_s=queue_wait,
+                    excluded=unreachable,
+                )
             started = False
             try:
                 if on_route is not None:

@@ -60,6 +60,7 @@ class RouterMetrics:
         reported_waiting = gauge("reported_waiting_requests", "Requests waiting, as the rank reported")
         reported_running = gauge("reported_running_requests", "Requests running, as the rank reported")
         report_age = gauge("load_report_age_seconds", "Age of the rank's last load report (stale past 5 s)")
+        capacity = gauge("kv_capacity_blocks", "KV cache blocks of the rank (its card's total_kv_blocks)")
         router_labels = ["model", "pool"]
         queued = gauge("queue_depth", "Requests held while every worker is saturated", router_labels)
         queued_total = CounterMetricFamily(
@@ -101,6 +102,9 @@ class RouterMetrics:
                 counted.add_metric(labels, router.prefill_tokens(key))
                 if router.queue is not None:
                     busy.add_metric(labels, router.busy_limit(key))
+                total = router.kv_blocks.get(key[0])
+                if total is not None:
+                    capacity.add_metric(labels, total)
                 age = reported.age_s(key)
                 if age is not None:
                     report_age.add_metric(labels, age)
@@ -121,6 +125,7 @@ class RouterMetrics:
             indexed.add_metric([model, pool], router.indexer.entries)
         yield from (fixed, per_token, per_block, observed, backlog, tokens, blocks, counted, busy)
         yield from (reported_tokens, reported_blocks, reported_waiting, reported_running, report_age)
+        yield capacity
         yield from (queued, queued_total, rejected, sessions, routed, overlap, indexed)
 
 

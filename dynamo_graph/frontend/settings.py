@@ -1,6 +1,7 @@
 """The frontend's settings, declared once (dynamo_graph/options.py derives the rest from them):
-where it listens, its API keys, and what it lets requests use. A graph frontend's `http:` and
-`limits:` sections are built from the same fields (graph/sections.py)."""
+where it listens, its API keys, what it lets requests use, and what it records. A graph
+frontend's `http:`, `limits:` and `record:` sections are built from the same fields
+(graph/sections.py)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ class LimitSettings:
     """A served model whose workers are all gone (being replaced, restarting) stays listed this
     long: its requests wait for a worker, then get 503 with `Retry-After`, never 404 (0 = drop it
     at once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSettings:
+    """Recording the requests a frontend serves as a trace `dyngraph bench --trace` replays."""
+
+    path: str | None = setting(None, flag="--record")
+    """Append each request served to this file, one mooncake-format line (timestamp, input and
+    output lengths, prefix block hash ids) plus model and session (docs/observability.md)."""
+    record_text: bool = setting(False, flag="--record-text")
+    """Also record the request's messages or prompt (user data: off by default)."""
+    block_size: int = setting(512, flag="--record-block-size", ge=1)
+    """Prompt tokens per hash id (the mooncake traces' 512; replay with the same
+    `--trace-block-size`)."""
+
+    def check(self, given: set[str], spell: Spell) -> None:
+        extra = [spell(name) for name in ("record_text", "block_size") if name in given]
+        if extra and self.path is None:
+            raise SettingError(f"{', '.join(extra)}: shape the recording, which needs {spell('path')}")

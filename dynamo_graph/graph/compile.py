@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
-from dynamo_graph.frontend.settings import GROUP_ENV, LimitSettings
+from dynamo_graph.frontend.settings import GROUP_ENV, LimitSettings, RecordSettings
 from dynamo_graph.graph.plan import (
     AutoscalePolicy,
     Plan,
@@ -355,6 +355,7 @@ class _Compiler:
             *to_argv(RouterConfig(**comp.router.model_dump())),
             *to_argv(DisaggConfig(**comp.disagg.model_dump())),
             *to_argv(LimitSettings(**comp.limits.model_dump())),
+            *to_argv(RecordSettings(**comp.record.model_dump())),
         ]
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from dynamo_graph.engines import registry
-from dynamo_graph.frontend.settings import HttpSettings, LimitSettings
+from dynamo_graph.frontend.settings import HttpSettings, LimitSettings, RecordSettings
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.graph.sections import section
@@ -428,6 +428,7 @@ Http = section("Http", _Model, HttpSettings, overrides={"port": (AutoPort, 8080,
 Router = section("Router", _Model, RouterConfig)
 Disagg = section("Disagg", _Model, DisaggConfig)
 Limits = section("Limits", _Model, LimitSettings)
+Record = section("Record", _Model, RecordSettings)
 
 
 class Frontend(_Component):
@@ -453,6 +454,9 @@ class Frontend(_Component):
     """Concurrency, time and body-size limits of the HTTP frontend."""
     disagg: Disagg = Disagg()
     """Disaggregated prefill/decode: when prompts stay on the decode worker."""
+    record: Record = Record()
+    """Recording the requests served as a trace `dyngraph bench --trace` replays (a path is
+    relative to the frontend's working directory: the graph's folder, or its host's `workdir`)."""
     api_key_env: list[Annotated[str, AfterValidator(_api_key_env_name)]] = []
     """Names of environment variables holding accepted API keys (never the keys themselves); set
     them in the environment `dyngraph up` runs in. With any, every /v1 route needs

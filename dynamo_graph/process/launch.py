@@ -138,6 +138,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.auth import ApiKeys, keys_from_settings
     from dynamo_graph.frontend.limits import FrontendLimits
+    from dynamo_graph.frontend.record import Recorder
 
     limits = FrontendLimits.from_settings(
         body_limit_mb=cfg.limits.body_limit_mb,
@@ -149,7 +150,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))
     except ValueError as err:
         raise RunConfigError(str(err)) from None
-    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora)
+    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora, recorder=Recorder.open(cfg.record))
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
@@ -175,9 +176,13 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
         )
-    async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
-        app.metrics.group = group
-        await server.serve(sockets)
+    try:
+        async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
+            app.metrics.group = group
+            await server.serve(sockets)
+    finally:
+        if app.recorder is not None:
+            app.recorder.close()
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:
@@ -236,6 +241,7 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     from dynamo_graph.frontend.remote import KvRoutedTokensBackend, RemoteTokensBackend
     from dynamo_graph.frontend.router_metrics import ROUTERS
     from dynamo_graph.llm.pipeline import tokens_pipeline
+    from dynamo_graph.router.decisions import DecisionLog
     from dynamo_graph.router.kv.router import KvRouter
     from dynamo_graph.router.migration import Migration
     from dynamo_graph.runtime.client import Client
@@ -263,12 +269,14 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
             )
         )
     registry = ModelRegistry()
-    backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client)
+    decision_log = DecisionLog.open(cfg.router)
+    decisions = None if decision_log is None else decision_log.pool(card.display_name, False, kv)
+    backend: RemoteTokensBackend | KvRoutedTokensBackend = RemoteTokensBackend(client, decisions)
     if kv:
         # No discovery, so no event plane to hear KV events on: the router predicts caches.
         router = KvRouter(card.kv_cache_block_size, replace(cfg.router, use_kv_events=False))
         ROUTERS.add(card.display_name, "decode", router)
-        backend = KvRoutedTokensBackend(client, router)
+        backend = KvRoutedTokensBackend(client, router, decisions)
     migrating = Migration(
         backend, cfg.worker.migration_limit, model=card.display_name, on_migrate=count_migration
     )
@@ -288,6 +296,8 @@ async def _static_frontend(cfg: RunConfig, name: EndpointName) -> int:
     finally:
         await checker.close()
         await runtime.close()
+        if decision_log is not None:
+            decision_log.close()
 
 
 async def _run_frontend(cfg: RunConfig) -> int:

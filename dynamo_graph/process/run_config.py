@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from dynamo_graph.backend.command_line import WorkerConfig, apply_planes, worker_settings
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError, WorkerSettings
-from dynamo_graph.frontend.settings import HttpSettings, LimitSettings
+from dynamo_graph.frontend.settings import HttpSettings, LimitSettings, RecordSettings
 from dynamo_graph.options import (
     SettingError,
     check_values,
@@ -33,6 +33,7 @@ RUN_SETTINGS = (
     EngineSettings,
     HttpSettings,
     LimitSettings,
+    RecordSettings,
     RouterConfig,
     DisaggConfig,
     WorkerSettings,
@@ -49,6 +50,7 @@ class RunConfig:
     planes: PlaneSettings
     http: HttpSettings = field(default_factory=HttpSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    record: RecordSettings = field(default_factory=RecordSettings)
     router: RouterConfig = field(default_factory=RouterConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     input: InputKind = "text"
@@ -128,6 +130,7 @@ def run_config_from_args(
             planes=planes,
             http=from_params(HttpSettings, params),
             limits=from_params(LimitSettings, params),
+            record=from_params(RecordSettings, params),
             router=from_params(RouterConfig, params),
             disagg=from_params(DisaggConfig, params),
             input=input_kind,
@@ -138,6 +141,7 @@ def run_config_from_args(
         )
         for settings in (cfg.http, cfg.limits, cfg.disagg):
             validate(settings, flag_speller(type(settings)))
+        validate(cfg.record, flag_speller(RecordSettings), given=given_fields(RecordSettings, explicit))
         if input_kind == "dyn":  # a worker has no router: its router flags are reported unused
             check_values(cfg.router, flag_speller(RouterConfig))
         else:

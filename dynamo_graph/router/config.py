@@ -79,6 +79,14 @@ class RouterConfig:
     """Route only to worker instances labelled so (`key=value[,key=value]`, from the workers'
     DYN_INSTANCE_LABELS; every worker of a graph carries `revision=N`): a frontend of its own
     for one pool or one revision, as a rollout's `checks` use."""
+    decision_log: str | None = setting(None, flag="--router-decision-log")
+    """Write one JSON line per routing decision to this file (any mode): the request, its model
+    and pool, every candidate worker with its cached-block overlap and cost terms, the chosen
+    worker, queue wait and migrations (docs/observability.md). Written off the hot path."""
+    decision_log_max_mb: float = setting(100.0, flag="--router-decision-log-max-mb", gt=0)
+    """Rotate the decision log past this size in MiB."""
+    decision_log_keep: int = setting(3, flag="--router-decision-log-keep", ge=0)
+    """Rotated decision logs kept (`PATH.1` newest); 0: the log starts over when full."""
     # The approximate indexer's (without KV events), as Dynamo's defaults; not user settings.
     ttl_s: float = 120.0
     max_tree_size: int = 2**20
@@ -91,6 +99,11 @@ class RouterConfig:
                 parse_labels(self.instance_labels, spell("instance_labels"))
             except ValueError as err:
                 raise SettingError(str(err)) from None
+        sizing = [spell(name) for name in ("decision_log_max_mb", "decision_log_keep") if name in given]
+        if sizing and self.decision_log is None:
+            raise SettingError(
+                f"{', '.join(sizing)}: size the decision log, which needs {spell('decision_log')}"
+            )
         kv_only = [spell(name) for name in KV_ONLY if name in given]
         if kv_only and self.mode != "kv":
             raise SettingError(

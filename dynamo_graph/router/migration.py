@@ -151,6 +151,7 @@ class Migration:
                 kind = "ongoing_request" if generated else "new_request"
                 retries_left -= 1
                 attempt += 1
+                context.migrations = attempt
                 log.warning(
                     "request %s: %s from instance %s after %d tokens; migrating (%d retries left)",
                     context.id,

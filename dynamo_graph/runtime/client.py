@@ -43,6 +43,10 @@ _encode = msgspec.msgpack.encode
 _decode_any = msgspec.msgpack.Decoder()
 
 
+PickHook = Callable[[list[int], int], None]
+"""Called as (candidates, chosen) on each choice a client's picker makes (the decision log)."""
+
+
 @functools.cache
 def _decoder(response_type: type | None) -> Callable[[bytes], Any]:
     """One msgpack decoder per response type, built once (it is on every request's path)."""
@@ -276,11 +280,19 @@ class Client:
             ids = [i for i in self.instance_ids() if not exclude or i not in exclude]
         return ids
 
-    def pick(self, exclude: set[int] | None = None, picker: InstancePicker | None = None) -> int:
+    def pick(
+        self,
+        exclude: set[int] | None = None,
+        picker: InstancePicker | None = None,
+        on_pick: PickHook | None = None,
+    ) -> int:
         candidates = self.candidates(exclude)
         if not candidates:
             raise NoInstances(f"no instances of {self.name} are available")
-        return (picker or self.picker).pick(candidates)
+        target = (picker or self.picker).pick(candidates)
+        if on_pick is not None:
+            on_pick(candidates, target)
+        return target
 
     async def generate(
         self,
@@ -291,12 +303,14 @@ class Client:
         response_type: type | None = None,
         timeout_s: float | None = None,
         exclude: set[int] | None = None,
+        on_pick: PickHook | None = None,
     ) -> AsyncIterator[Any]:
         """Send `request` to one instance (the picker's choice among those not in `exclude`, or
-        `instance_id`) and stream its responses. An instance that cannot be reached leaves
-        routing; if the picker chose it, the request goes to another instance (nothing was
-        generated yet, so that is always safe). So does one that answers `overloaded` before
-        any response (no cool-off: it is only busy); asked by id, that raises
+        `instance_id`) and stream its responses; `on_pick` hears each choice the picker makes.
+        An instance that cannot be reached leaves routing; if the picker chose it, the request
+        goes to another instance (nothing was generated yet, so that is always safe). So does
+        one that answers `overloaded` before any response (no cool-off: it is only busy); asked
+        by id, that raises
         InstanceOverloaded (a CannotConnect). When every instance was overloaded the last
         Overloaded is raised (503). A stream that breaks midway raises StreamBroken:
         resuming it is request migration's job. Errors raised from an instance's stream carry
@@ -312,7 +326,7 @@ class Client:
         while True:
             if instance_id is None:
                 try:
-                    target = self.pick(exclude=tried)
+                    target = self.pick(exclude=tried, on_pick=on_pick)
                 except NoInstances:
                     if overloaded is not None:
                         raise overloaded from None

@@ -12,13 +12,15 @@ import uuid
 
 
 class Context:
-    __slots__ = ("_event", "_killed", "_stopped", "id")
+    __slots__ = ("_event", "_killed", "_stopped", "id", "migrations")
 
     def __init__(self, request_id: str | None = None) -> None:
         self.id = request_id or uuid.uuid4().hex
         self._stopped = False
         self._killed = False
         self._event: asyncio.Event | None = None
+        # Times request migration moved the request to another worker (the decision log says).
+        self.migrations = 0
 
     def stop_generating(self) -> None:
         """Ask the producer to end the stream gracefully (it may send a final chunk)."""

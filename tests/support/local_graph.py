@@ -28,6 +28,11 @@ class Graph:
         ]
         self.state = tmp_path / ".dyngraph" / self.file.stem
 
+    @property
+    def base_url(self) -> str:
+        """The frontend's (as tests/support/routing.py reads a frontend's /health)."""
+        return f"http://127.0.0.1:{self.port}"
+
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
 

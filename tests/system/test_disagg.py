@@ -5,6 +5,7 @@ decode workers that fetch it from them (worker to worker) and generate the rest.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ def changed(before: dict[str, int], after: dict[str, int]) -> list[str]:
     return [i for i in after if after[i] != before.get(i, 0)]
 
 
-def test_prompts_go_to_the_prefill_pool_by_kv_and_decode_fetches_their_kv(clusters) -> None:
-    cluster = clusters(prefill=2, decode=2)
+def test_prompts_go_to_the_prefill_pool_by_kv_and_decode_fetches_their_kv(clusters, tmp_path: Path) -> None:
+    decisions = tmp_path / "decisions.jsonl"
+    cluster = clusters(prefill=2, decode=2, frontend_args=("--router-decision-log", str(decisions)))
     base = cluster.frontend.base_url
     # A long prompt is prefilled remotely; the same prefix again lands on the prefill worker
     # that holds it (its KV events told the prefill pool's router).
@@ -61,6 +63,15 @@ def test_prompts_go_to_the_prefill_pool_by_kv_and_decode_fetches_their_kv(cluste
     assert cluster.metric("dynamo_frontend_kv_transfer_failures_total") == 0
     # Usage is the request's own: every completion token, the first (prefill's) included.
     assert first.usage is not None and first.usage["completion_tokens"] == 12
+    # The decision log: each request routed twice, its prefill (to the holder, after the first)
+    # and its continuation on the decode pool.
+    wait_for(lambda: decisions.exists() and len(decisions.read_text().splitlines()) >= 8, 10, "8 decisions")
+    lines = [json.loads(line) for line in decisions.read_text().splitlines()]
+    pools: dict[str, list[str]] = {}
+    for line in lines:
+        pools.setdefault(line["request_id"], []).append(line["pool"])
+    assert len(pools) == 4 and all(p == ["prefill", "decode"] for p in pools.values()), pools
+    assert [line["chosen"] for line in lines if line["pool"] == "prefill"][1:] == [holder] * 3
 
 
 def test_conditional_disagg_keeps_what_the_decode_pool_has_cached_local(clusters) -> None:

@@ -267,7 +267,7 @@ class FakeClient:
     def candidates(self, exclude: set[int] | None = None) -> list[int]:
         return [i for i in self.instance_ids() if not exclude or i not in exclude]
 
-    async def generate(self, request, *, instance_id, context, response_type, exclude=None):  # type: ignore[no-untyped-def]
+    async def generate(self, request, *, instance_id, context, response_type, exclude=None, on_pick=None):  # type: ignore[no-untyped-def]
         self.sent.append(instance_id)
         yield LLMEngineOutput(token_ids=[42])
         if instance_id in self.fail:
@@ -283,7 +283,14 @@ class FakeKvRouter:
         self.routed: list[list[int]] = []
 
     def route(  # type: ignore[no-untyped-def]
-        self, request_id: str, token_ids: list[int], instances: list[int], *, session_id=None, prefixes=None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        instances: list[int],
+        *,
+        session_id=None,
+        prefixes=None,
+        explain=None,
     ):
         self.routed.append(sorted(instances))
         assert request_id not in self.booked, "booked twice: the failed attempt was not freed"

@@ -34,7 +34,8 @@ def _never_built() -> Any:
 
 
 def test_every_format_has_one_renderer_in_the_order_the_cli_lists_them() -> None:
-    assert FORMATS == ("yaml", "json", "shell", "mermaid", "k8s", "dynamo-k8s", "slurm")
+    expected = ("yaml", "json", "shell", "prometheus", "grafana", "mermaid", "k8s", "dynamo-k8s", "slurm")
+    assert expected == FORMATS
     owned = [fmt for target in TARGETS.values() for fmt in target.renderers]
     assert sorted(owned) == sorted(set(owned)) == sorted(set(FORMATS) - {"yaml", "json", "mermaid"})
     assert ENGINES_OF_FORMAT == {"dynamo-k8s": "dynamo"}

@@ -222,9 +222,11 @@ class KvRouter:
         *,
         session_id: str | None = None,
         prefixes: Sequence[tuple[int, bytes]] | None = None,
+        explain: list[dict[str, Any]] | None = None,
     ) -> Choice:
         """Pick a worker rank for the request and book it there. `prefixes`: the prompt's
-        leading prefixes named by the segment tokenizer, whose block hashes may be reused."""
+        leading prefixes named by the segment tokenizer, whose block hashes may be reused.
+        `explain`: a list to append every candidate's cost terms to (the decision log)."""
         candidates = self._candidates = self.targets(instance_ids)
         if not candidates:
             raise NoWorkers("no worker instances to route to")
@@ -260,6 +262,8 @@ class KvRouter:
                 choice = select(choices, config.temperature, self._rng, self.indexer.tree_size)
         if affinity is not None and session_id:
             affinity.bind(session_id, choice.key)
+        if explain is not None:
+            explain += self._terms(choices, predictive)
         key = choice.key
         if predictive:
             load = self.sequences.loads.get(key)
@@ -285,6 +289,32 @@ class KvRouter:
                 ", ".join(f"{c.key[0]:x}.{c.key[1]}={c.logit:.4g}/{c.overlap_blocks}" for c in choices),
             )
         return choice
+
+    def _terms(self, choices: Sequence[Choice], predictive: bool) -> list[dict[str, Any]]:
+        """Each candidate's cost terms as the cost saw them (before the request is booked):
+        cached-prefix overlap, tokens it would compute, prompt tokens queued there, KV blocks
+        its running requests hold, and the cost (predictive: seconds; dynamo: blocks)."""
+        loads = self.sequences.loads
+        model = self.model
+        terms = []
+        for c in choices:
+            load = loads.get(c.key)
+            queued = load.prefill_tokens if load is not None else 0
+            held = len(load.blocks) if load is not None else 0
+            if predictive:
+                queued, held = model.queued_tokens(c.key, queued), model.decode_blocks(c.key, held)
+            terms.append(
+                {
+                    "worker": f"{c.key[0]:x}",
+                    "dp_rank": c.key[1],
+                    "overlap_blocks": c.overlap_blocks,
+                    "new_tokens": c.prefill_tokens,
+                    "queued_tokens": queued,
+                    "decode_blocks": held,
+                    "cost": round(c.logit, 6),
+                }
+            )
+        return terms
 
     def uncached_tokens(
         self,

@@ -114,18 +114,23 @@ def serving_frontends(runners: Iterable[Runner]) -> list[Runner]:
 
 
 async def health_of(frontend: Runner) -> tuple[int, Any] | None:
-    """A frontend process's /health (status, parsed body); None when it cannot be asked. Its
-    port may be shared (a frontend's replicas, a rollout's old and new run): an answer from
-    another process (its `x-dyngraph-pid`) is asked again, on a new connection, a few times."""
+    """A frontend process's /health (status, parsed body); None when it cannot be asked."""
     proc = frontend.proc
     if proc is None:
         return None
+    return await health_at(frontend.spec.readiness.target, proc.open_connection, proc.pid)
+
+
+async def health_at(url: str, connect: probes.Connect, pid: int | None) -> tuple[int, Any] | None:
+    """The /health at `url` of the frontend process `pid` (None: whichever answers); None when
+    it cannot be asked. Its port may be shared (a frontend's replicas, a rollout's old and new
+    run): an answer from another process (its `x-dyngraph-pid`) is asked again, on a new
+    connection, a few times."""
     for _ in range(SHARED_PORT_TRIES):
         try:
             async with asyncio.timeout(probes.ATTEMPT_TIMEOUT_S):
-                target = frontend.spec.readiness.target
-                status, headers, body = await probes.http_get(target, proc.open_connection)
-            if headers.get(probes.PID_HEADER, str(proc.pid)) != str(proc.pid):
+                status, headers, body = await probes.http_get(url, connect)
+            if pid is not None and headers.get(probes.PID_HEADER, str(pid)) != str(pid):
                 continue
             return status, json.loads(body)
         except (OSError, TimeoutError, ValueError, IndexError):

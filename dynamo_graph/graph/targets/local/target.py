@@ -11,6 +11,7 @@ from rich.console import Console
 from dynamo_graph.graph.targets.base import Renderer, Target
 from dynamo_graph.graph.targets.local import commands
 from dynamo_graph.graph.targets.local.diff import print_diff
+from dynamo_graph.graph.targets.local.monitoring import render_grafana, render_prometheus
 from dynamo_graph.graph.targets.local.shell import render_shell
 from dynamo_graph.graph.targets.local.state import StateDir
 
@@ -23,7 +24,11 @@ class LocalTarget(Target):
     asked before the graph starts here."""
 
     name = "local"
-    renderers: ClassVar[Mapping[str, Renderer]] = {"shell": render_shell}
+    renderers: ClassVar[Mapping[str, Renderer]] = {
+        "shell": render_shell,
+        "prometheus": render_prometheus,
+        "grafana": render_grafana,
+    }
 
     def __init__(self, others: Sequence[Target] = ()) -> None:
         self.others = others

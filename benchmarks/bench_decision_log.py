@@ -1,0 +1,174 @@
+"""What the routing decision log (and the request recording) cost the frontend: CPU-ms per
+request with them on against off, in one run.
+
+Two mocker workers (speedup 10000, KV events on zmq) and three kv-routing frontends in front of
+them: one plain, one with `--router-decision-log`, one with that and `--record`. The same
+streamed chat load (64 tokens, keep-alive, concurrency 8) goes to each in turn, `--rounds` times
+in alternation so that the shared machine's drift falls on all three; each frontend's CPU comes
+from /proc (bench_frontend.measure), each round starting with the next variant. Reported: the
+median CPU-ms per request of each, and the ratio of the logging ones to the plain one. /proc
+counts CPU in 10 ms ticks and the machine is shared, so the ratio moves by several percent
+between runs; the same script also times the router's part in-process (a kv decision on two
+workers with and without its explanation, and handing the line to the writer, whose encoding
+and writing run on its own thread), which does not.
+
+    python benchmarks/bench_decision_log.py --model .cache/tiny-model
+Results: benchmarks/results/decision_log.json (with the commit and the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_frontend import STREAM_BODY, free_port, measure, start
+
+from dynamo_graph.bench.provenance import provenance
+from dynamo_graph.bench.report import write_json
+from dynamo_graph.llm.protocol import PreprocessedRequest
+from dynamo_graph.router.config import RouterConfig
+from dynamo_graph.router.decisions import DecisionLog
+from dynamo_graph.router.kv.router import KvRouter
+from dynamo_graph.runtime.context import Context
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_decisions(path: Path, n: int = 30000) -> dict[str, float]:
+    """Microseconds of a kv routing decision (two workers, a 70-token prompt) without and with
+    its explanation, of recording the line (the caller's part), interleaved, and of encoding
+    it (the writer thread's part)."""
+    config = RouterConfig(mode="kv", decision_log=str(path))
+    log = DecisionLog(config)
+    pool = log.pool("bench", prefill=False, kv=True)
+    router = KvRouter(16, config, seed=0)
+    prompt = list(range(70))
+    request = PreprocessedRequest("bench", prompt)
+    context = Context("bench")
+    plain = explained = recorded = 0.0
+    clock = time.perf_counter
+    for _ in range(n):
+        start = clock()
+        router.route("a", prompt, [1, 2])
+        router.free("a")
+        plain += clock() - start
+        start = clock()
+        terms: list[dict] = []
+        choice = router.route("b", prompt, [1, 2], explain=terms)
+        router.free("b")
+        explained += clock() - start
+        start = clock()
+        pool.record(context, request, terms, *choice.key)
+        recorded += clock() - start
+    log.close()
+    line = json.loads(path.read_text().splitlines()[0])
+    encode = msgspec.json.Encoder().encode
+    start = clock()
+    for _ in range(n):
+        encode(line)
+    return {
+        "route": round(plain / n * 1e6, 2),
+        "route_explained": round(explained / n * 1e6, 2),
+        "record": round(recorded / n * 1e6, 2),
+        "writer_encode": round((clock() - start) / n * 1e6, 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--requests", type=int, default=300, help="per load point")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decision_log.json")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-decisions-"))
+    env = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(scratch / "discovery"),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "PYTHONHASHSEED": "0",
+    }
+    engine_args = scratch / "mocker.json"
+    engine_args.write_text(json.dumps({"speedup_ratio": 10000, "block_size": 16, "num_gpu_blocks": 65536}))
+    run = [sys.executable, "-m", "dynamo_graph", "run"]
+    worker_argv = [*run, "in=dyn://bench.mocker.generate", "out=mocker", args.model]
+    worker_argv += ["--model-name", "bench", "--extra-engine-args", str(engine_args)]
+    workers = [
+        subprocess.Popen(worker_argv, env={**os.environ, **env, "DYN_LOG": "warn"}, stdout=subprocess.DEVNULL)
+        for _ in range(2)
+    ]
+    variants = {
+        "off": [],
+        "decision_log": ["--router-decision-log", str(scratch / "decisions.jsonl")],
+        "decision_log_and_record": [
+            "--router-decision-log",
+            str(scratch / "decisions2.jsonl"),
+            "--record",
+            str(scratch / "recorded.jsonl"),
+        ],
+    }
+    frontends: dict[str, tuple[subprocess.Popen, int]] = {}
+    body = STREAM_BODY
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for name, extra in variants.items():
+            port = free_port()
+            argv = [*run, "in=http", "out=auto", "--http-port", str(port), "--router-mode", "kv", *extra]
+            frontends[name] = (start(argv, port, 0, env), port)
+        names = list(frontends)
+        load = {
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "keep_alive": True,
+            "max_seconds": 60,
+        }
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                proc, port = frontends[name]
+                point = measure(proc.pid, port, body, **load)
+                assert point["ok"] == point["requests"], point
+                cpu[name].append(point["server_cpu_ms_per_request"])
+                ms = point["server_cpu_ms_per_request"]
+                print(f"{name:>24}: {ms:.3f} CPU-ms/request, {point['rps']} req/s")
+    finally:
+        for proc, _ in frontends.values():
+            proc.terminate()
+        for worker in workers:
+            worker.terminate()
+        for proc in [*(p for p, _ in frontends.values()), *workers]:
+            proc.wait(30)
+    logged = sum(1 for _ in (scratch / "decisions.jsonl").open())
+    in_process = time_decisions(scratch / "micro.jsonl")
+    print(json.dumps(in_process))
+    median = {name: statistics.median(values) for name, values in cpu.items()}
+    result = {
+        "benchmark": "decision_log_frontend_cpu",
+        "provenance": provenance(),
+        "load": {"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds},
+        "cpu_ms_per_request": cpu,
+        "median_cpu_ms_per_request": median,
+        "ratio_to_off": {name: round(value / median["off"], 3) for name, value in median.items()},
+        "decision_lines_written": logged,
+        "in_process_us_per_decision": in_process,
+    }
+    print(json.dumps(result["ratio_to_off"]), f"({logged} decision lines)")
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
