@@ -38,12 +38,15 @@ llamacpp: setup
 
 # etcd and nats-server back the distributed tests; openssh-server (+ iproute2 for `ip netns`) the
 # remote-host tests, which run sshd in network namespaces; slurm-wlm + munge the Slurm tests, which
-# start their own cluster (Debian packages; CI runs as root).
-SERVICE_PACKAGES := etcd-server nats-server openssh-server openssh-client iproute2 slurm-wlm munge
+# start their own cluster; prometheus (+ promtool) scrapes a running graph and tmux drives
+# `dyngraph top` in the observability tests (Debian packages; CI runs as root).
+SERVICE_PACKAGES := etcd-server nats-server openssh-server openssh-client iproute2 slurm-wlm munge \
+  prometheus tmux
 services:
 	@if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null || [ ! -x /usr/sbin/sshd ] \
 	    || ! command -v ssh-keygen >/dev/null || ! command -v ip >/dev/null \
-	    || [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; then \
+	    || [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ] \
+	    || ! command -v promtool >/dev/null || ! command -v tmux >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PACKAGES); fi; \
 	fi
