@@ -620,7 +620,12 @@ class _Compiler:
             graph_json=self.graph.model_dump_json(exclude_unset=True) if checked else "",
             autoscale=self.autoscale,
             standby=self.standby,
+            supervisor_metrics=self._supervisor_metrics(),
         )
+
+    def _supervisor_metrics(self) -> tuple[str, int] | None:
+        endpoint = self.graph.supervisor
+        return None if endpoint.metrics_port is None else (endpoint.metrics_host, endpoint.metrics_port)
 
 
 def _hosts_of(comp: Frontend | Worker) -> list[str]:

@@ -115,6 +115,8 @@ class Plan(msgspec.Struct, frozen=True):
     # the most that fit: the supervisor starts them as its planner asks (`processes` has the rest).
     autoscale: dict[str, AutoscalePolicy] = {}
     standby: list[ProcessSpec] = []
+    # Where the supervisor serves its own /metrics (host, port); None: nowhere.
+    supervisor_metrics: tuple[str, int] | None = None
 
 
 def port_placeholder(name: str) -> str:

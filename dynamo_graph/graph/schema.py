@@ -931,6 +931,16 @@ class SmokeCheck(_Model):
 # ---------------------------------------------------------------------------------------------
 
 
+class SupervisorEndpoint(_Model):
+    """The supervisor's own endpoint (docs/observability.md)."""
+
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the supervisor's `/metrics`: replicas by state, restarts, revisions and the
+    autoscaler's decisions; none: not served."""
+    metrics_host: str = "127.0.0.1"
+    """Address it listens on (the machine `up` runs on)."""
+
+
 class Graph(_Model):
     """A deployment: models, the components that serve them, the hosts they run on and the
     runtime planes between them. Relative paths are relative to the graph file's directory."""
@@ -958,6 +968,8 @@ class Graph(_Model):
     """How a change replaces a component's replicas, for components without their own `rollout`."""
     max_gpus: int | None = Field(None, ge=0)
     """GPUs the graph may use at most, all its replicas together: autoscaled pools stop short of it."""
+    supervisor: SupervisorEndpoint = SupervisorEndpoint()
+    """The supervisor's own metrics endpoint."""
     tests: list[SmokeCheck] | None = None
     """Smoke checks `dyngraph test` runs once the graph is up, in order; default: the models are
     listed, and one chat, one streamed chat and one completion request succeed."""

@@ -11,10 +11,11 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.local_graph import Graph
-from tests.support.processes import DYNGRAPH, pid_alive, port_refuses
+from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses
 from tests.support.waiting import wait_for
 
 
@@ -40,6 +41,8 @@ def assert_all_gone(pids: list[int], ports: list[int]) -> None:
 
 def test_up_status_restart_scale_down(make_graph: Callable[[str], Graph]) -> None:
     graph = make_graph("echo.yaml")
+    metrics_port = free_port()
+    graph.overrides.append(f"supervisor.metrics_port={metrics_port}")
     up = graph.up("components.backend.replicas=1")
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"http://127.0.0.1:{graph.port}/v1" in up.stdout
@@ -64,6 +67,16 @@ def test_up_status_restart_scale_down(make_graph: Callable[[str], Graph]) -> Non
     )
     assert graph.processes()["backend-0"]["restarts"] == 1
     wait_for(lambda: _answers(graph), 15, "the model to answer after the restart")
+    # the supervisor's own /metrics says the same
+    metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    for line in (
+        'dyngraph_process_restarts_total{component="backend",process="backend-0"} 1.0',
+        'dyngraph_replicas{component="backend",state="ready"} 1.0',
+        'dyngraph_desired_replicas{component="frontend"} 1.0',
+        "dyngraph_revision 1.0",
+        "dyngraph_revision_rolling 0.0",
+    ):
+        assert line in metrics.splitlines(), metrics
 
     # replicas 1 -> 3: two added, nothing else restarted
     pids = {name: rec["pid"] for name, rec in graph.processes().items()}
@@ -82,7 +95,7 @@ def test_up_status_restart_scale_down(make_graph: Callable[[str], Graph]) -> Non
     all_pids = [rec["pid"] for rec in graph.processes().values()]
     down = graph.cli("down", timeout=90)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert_all_gone(all_pids, graph.ports())
+    assert_all_gone(all_pids, [*graph.ports(), metrics_port])
     assert not (graph.state / "supervisor.pid").exists()
     assert (graph.state / "logs" / "backend-0.log").exists()
 

@@ -99,3 +99,18 @@ def test_a_frontend_on_an_ssh_host_is_scraped_at_the_host_unless_it_listens_on_l
         path.write_text(REMOTE.replace("BIND", bind))
         (endpoint,) = frontend_endpoints(build(path).plan)
         assert (endpoint.host, endpoint.address, endpoint.loopback_remote) == ("gpu1", *expected)
+
+
+def test_the_supervisors_metrics_are_scraped_and_charted_when_the_graph_serves_them(tmp_path: Path):
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "graph.yaml"
+    path.write_text(
+        GRAPH.format(port="18555", router="{mode: round-robin}") + "supervisor: {metrics_port: 19555}\n"
+    )
+    built = build(path)
+    config = yaml.safe_load(render(built.graph, built.plan, "prometheus"))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["demo-supervisor"]["static_configs"][0]["targets"] == ["127.0.0.1:19555"]
+    panels = json.loads(render(built.graph, built.plan, "grafana"))["panels"]
+    exprs = [panel["targets"][0]["expr"] for panel in panels]
+    assert any(expr.startswith("sum by (component, state) (dyngraph_replicas") for expr in exprs)

@@ -24,6 +24,7 @@ from dynamo_graph.graph.targets.local import control, registry
 from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
+from dynamo_graph.graph.targets.local.sup_metrics import MetricsServer
 from dynamo_graph.graph.targets.local.supervisor import Refused, Report, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
@@ -47,6 +48,8 @@ async def supervise(
     state.write_pid(os.getpid())
     registry.enter(state.root)  # `dyngraph ls` lists it
     sup = Supervisor(state, report)
+    planner = Autoscaler(sup)
+    metrics = MetricsServer(sup, planner)
     shutdown = asyncio.Event()
 
     async def handle(req: control.Request) -> control.Reply:
@@ -58,6 +61,7 @@ async def supervise(
         except Refused as refused:
             return control.Reply(ok=False, error=str(refused))
         report("dyngraph", f"revision {revision}: " + (", ".join(changes) or "no changes"))
+        await metrics.follow(req.plan.supervisor_metrics)
         return control.Reply(ok=True, changes=changes, revision=revision)
 
     server = await control.serve(state.control_socket, handle)
@@ -65,16 +69,18 @@ async def supervise(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
     extra: asyncio.Task[None] | None = None
-    autoscaler = asyncio.create_task(Autoscaler(sup).run(), name="autoscaler")
+    autoscaler = asyncio.create_task(planner.run(), name="autoscaler")
     try:
         if plan is not None:
             await sup.apply(plan, origin_of(plan.graph_file, command))
+            await metrics.follow(plan.supervisor_metrics)
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
             extra.add_done_callback(lambda _: shutdown.set())
         await shutdown.wait()
     finally:
         server.close()
+        await metrics.close()
         report("dyngraph", "stopping")
         autoscaler.cancel()
         with contextlib.suppress(asyncio.CancelledError):

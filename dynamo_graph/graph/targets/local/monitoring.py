@@ -8,8 +8,10 @@ kv routing each worker rank's last load report (KV blocks in use, capacity, requ
 waiting) is on /metrics (frontend/router_metrics.py).
 
 `prometheus` is a scrape configuration with a job per frontend component, labelled with the
-graph, component and host. A port that is `auto` is taken from the running graph's ports.json
-(render after `up`), else it is a problem naming the key. `grafana` is one dashboard: per model
+graph, component and host, and one for the supervisor's own /metrics (replicas, restarts,
+revisions, autoscaling: sup_metrics.py) when the graph sets `supervisor.metrics_port`. A port
+that is `auto` is taken from the running graph's ports.json (render after `up`), else it is a
+problem naming the key. `grafana` is one dashboard: per model
 request rate, errors, TTFT and ITL percentiles, output tokens/s and requests in flight; with kv
 routing, per worker rank KV use, running and waiting requests and routed requests, and the
 router's queue when the graph has one; and whether every target is up. Every expression names
@@ -98,6 +100,16 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
                 ],
             }
         )
+    if plan.supervisor_metrics is not None:
+        host, port = plan.supervisor_metrics
+        labels = {"graph": plan.graph, "component": "supervisor", "host": "local"}
+        jobs.append(
+            {
+                "job_name": f"{plan.graph}-supervisor",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [f"{host}:{port}"], "labels": labels}],
+            }
+        )
     config = {"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": jobs}
     head = (
         f"# Prometheus scrape configuration of graph {plan.graph!r} ({plan.graph_file}), by `dyngraph render "
@@ -165,6 +177,25 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
         ]
         if any(r.mode == "kv" and r.queue_threshold is not None for r in routers):
             queries.append(("Router queue", "short", f"sum by (model) ({router}_queue_depth{{{sel}}})"))
+    if plan.supervisor_metrics is not None:  # the supervisor's own endpoint (sup_metrics.py)
+        queries += [
+            ("Replicas by state", "short", f"sum by (component, state) (dyngraph_replicas{{{sel}}})"),
+            (
+                "Restarts per component",
+                "short",
+                f"sum by (component) (dyngraph_process_restarts_total{{{sel}}})",
+            ),
+            ("Revision", "short", f"dyngraph_revision{{{sel}}}"),
+            ("Revision rolling out", "short", f"dyngraph_revision_rolling{{{sel}}}"),
+        ]
+        if plan.autoscale:
+            queries.append(
+                (
+                    "Autoscaled pools: desired replicas",
+                    "short",
+                    f"dyngraph_autoscale_desired_replicas{{{sel}}}",
+                )
+            )
     return queries
 
 

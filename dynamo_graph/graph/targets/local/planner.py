@@ -35,7 +35,7 @@ import asyncio
 import json
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 from dynamo_graph.graph.plan import AutoscalePolicy
@@ -187,6 +187,7 @@ class Autoscaler:
         self.planners: dict[str, PoolPlanner] = {}
         self.last: dict[str, tuple[float, dict[str, Answers]]] = {}  # pool -> (when, tally)
         self.decisions: dict[str, Decision] = {}
+        self.changes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> times
         self.log = sup.state.root / "autoscale.jsonl"
         self.summary = sup.state.root / "autoscale.json"
         self.summary.unlink(missing_ok=True)  # a previous run's last decisions
@@ -233,6 +234,7 @@ class Autoscaler:
         if decision.desired != current and len(ready) == len(runners):
             lines = await sup.scale(pool, decision.desired)
             if lines:
+                self.changes[(pool, "up" if decision.desired > current else "down")] += 1
                 sup.report(
                     "dyngraph", f"autoscale {pool}: {current} -> {decision.desired} ({decision.reason})"
                 )

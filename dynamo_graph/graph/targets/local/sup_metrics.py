@@ -1,0 +1,177 @@
+"""The supervisor's own `/metrics` (`supervisor: {metrics_port: N}` in the graph): what it runs
+and what it decided, for Prometheus — the frontends' /metrics know requests, not replicas.
+
+Every series is read from the supervisor's state at scrape time, inside its event loop (the
+server is asyncio's, so nothing is shared with another thread):
+
+- `dyngraph_replicas{component, state}`: processes by state (`starting`, `ready`, ...;
+  `retiring` for old runs a rollout or scale-down is draining);
+- `dyngraph_desired_replicas{component}`: what the graph (or its planner) wants;
+- `dyngraph_process_restarts_total{component, process}`;
+- `dyngraph_revision` and `dyngraph_revision_rolling` (1 while a revision rolls out);
+- per autoscaled pool, the planner's last decision: `dyngraph_autoscale_desired_replicas`,
+  `_ready_replicas`, `_arrival_rate` (requests/s), `_capacity` (requests/s a replica, absent
+  until learned), `_ttft_p90_ms`, `_itl_p90_ms` (absent when unmeasured), `_capped` (1 when
+  the pool wants more than fits) and `dyngraph_autoscale_changes_total{pool, direction}`.
+
+`render -f prometheus` scrapes it as the job `<graph>-supervisor`, which adds the `graph` label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from dynamo_graph.graph.targets.local.planner import Autoscaler
+from dynamo_graph.graph.targets.local.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 5.0
+
+
+class SupervisorCollector(Collector):
+    """The series above, from one supervisor and its autoscaler."""
+
+    def __init__(self, sup: Supervisor, autoscaler: Autoscaler) -> None:
+        self.sup = sup
+        self.autoscaler = autoscaler
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.sup
+        replicas = GaugeMetricFamily(
+            "dyngraph_replicas", "Processes of a component by state", labels=["component", "state"]
+        )
+        desired = GaugeMetricFamily(
+            "dyngraph_desired_replicas", "Replicas a component should run", labels=["component"]
+        )
+        restarts = CounterMetricFamily(
+            "dyngraph_process_restarts", "Restarts of a process", labels=["component", "process"]
+        )
+        states: Counter[tuple[str, str]] = Counter()
+        wanted: Counter[str] = Counter()
+        for runner in sup.runners.values():
+            record = runner.record
+            states[(record.component, record.state)] += 1
+            wanted[record.component] += 1
+            restarts.add_metric([record.component, record.name], record.restarts)
+        for runner in sup.retiring:
+            states[(runner.record.component, "retiring")] += 1
+        for (component, state), count in sorted(states.items()):
+            replicas.add_metric([component, state], count)
+        for component, count in {**wanted, **sup.desired}.items():
+            desired.add_metric([component], count)
+        revision = GaugeMetricFamily(
+            "dyngraph_revision", "The graph revision serving or rolling out", labels=[]
+        )
+        rolling = GaugeMetricFamily("dyngraph_revision_rolling", "1 while a revision rolls out", labels=[])
+        revision.add_metric([], sup.revision.number if sup.revision is not None else 0)
+        rolling.add_metric([], 1 if sup.rolling is not None else 0)
+        yield from (replicas, desired, restarts, revision, rolling)
+        yield from self._planner()
+
+    def _planner(self) -> Iterator[Metric]:
+        labels = ["pool"]
+        gauges = {
+            "desired": GaugeMetricFamily(
+                "dyngraph_autoscale_desired_replicas", "Planner: replicas decided", labels=labels
+            ),
+            "ready": GaugeMetricFamily(
+                "dyngraph_autoscale_ready_replicas", "Planner: replicas ready", labels=labels
+            ),
+            "rate": GaugeMetricFamily(
+                "dyngraph_autoscale_arrival_rate", "Planner: requests/s to the pool", labels=labels
+            ),
+            "capacity": GaugeMetricFamily(
+                "dyngraph_autoscale_capacity",
+                "Planner: requests/s one replica serves within target",
+                labels=labels,
+            ),
+            "ttft_p90_ms": GaugeMetricFamily(
+                "dyngraph_autoscale_ttft_p90_ms", "Planner: TTFT p90 measured", labels=labels
+            ),
+            "itl_p90_ms": GaugeMetricFamily(
+                "dyngraph_autoscale_itl_p90_ms", "Planner: ITL p90 measured", labels=labels
+            ),
+        }
+        capped = GaugeMetricFamily(
+            "dyngraph_autoscale_capped", "Planner: 1 when the pool wants more than fits", labels=labels
+        )
+        changes = CounterMetricFamily(
+            "dyngraph_autoscale_changes", "Planner: pool size changes", labels=["pool", "direction"]
+        )
+        for pool, decision in sorted(self.autoscaler.decisions.items()):
+            for key, family in gauges.items():
+                value = getattr(decision, key)
+                if value is not None:
+                    family.add_metric([pool], value)
+            capped.add_metric([pool], 1 if decision.capped else 0)
+        for (pool, direction), count in sorted(self.autoscaler.changes.items()):
+            changes.add_metric([pool, direction], count)
+        yield from (*gauges.values(), capped, changes)
+
+
+class MetricsServer:
+    """`GET /metrics` on the address the plan names, (re)bound when a plan changes it."""
+
+    def __init__(self, sup: Supervisor, autoscaler: Autoscaler) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SupervisorCollector(sup, autoscaler))
+        self.address: tuple[str, int] | None = None
+        self._server: asyncio.Server | None = None
+
+    async def follow(self, address: tuple[str, int] | None) -> None:
+        """Listen on `address` (None: not at all); a bind failure is logged, not fatal: the
+        graph serves without the supervisor's metrics."""
+        if address == self.address:
+            return
+        await self.close()
+        self.address = address
+        if address is None:
+            return
+        try:
+            self._server = await asyncio.start_server(self._handle, *address)
+        except OSError as exc:
+            log.error("supervisor metrics: cannot listen on %s:%d: %s", *address, exc)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
+            while (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)).strip():
+                pass  # headers: nothing in them matters here
+            parts = request.split()
+            path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
+            if parts[:1] != [b"GET"] or path != b"/metrics":
+                status, body, kind = b"404 Not Found", b"only GET /metrics is here\n", b"text/plain"
+            else:
+                status, body, kind = b"200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
+            writer.write(
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + kind
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
