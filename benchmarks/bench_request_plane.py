@@ -131,16 +131,26 @@ def run_topology(
             proc.wait(timeout=15)
 
 
-def main() -> int:
+def load_arguments(
+    description: str | None, *, concurrency: str, requests: int, max_seconds: float, out: str
+) -> argparse.ArgumentParser:
+    """The options of a frontend -> worker load run (this benchmark's and bench_tls.py's)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True)
-    parser.add_argument("--concurrency", default="1,32,128")
-    parser.add_argument("--requests", type=int, default=1500)
-    parser.add_argument("--max-seconds", type=float, default=30.0)
+    parser.add_argument("--concurrency", default=concurrency)
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--max-seconds", type=float, default=max_seconds)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
+    return parser
+
+
+def main() -> int:
+    parser = load_arguments(
+        __doc__, concurrency="1,32,128", requests=1500, max_seconds=30.0, out="request_plane.json"
+    )
     parser.add_argument("--topologies", default="in_process,worker_tcp,worker_nats")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "request_plane.json"))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     body = STREAM_BODY

@@ -179,11 +179,21 @@ def up_command(
 
     def up() -> int:
         chosen = target_named(target)
+        console = Console(soft_wrap=True)
+
+        def built() -> Built:
+            from dynamo_graph.graph.validate import tls_warnings
+
+            result = _build_or_exit(graph_file, overrides)
+            for warning in tls_warnings(result.graph):
+                Console(stderr=True).print(f"[yellow]warning:[/] {warning}", highlight=False)
+            return result
+
         with _graph_problems(graph_file):  # preflight on the graph's hosts, a Slurm job of it
             return chosen.up(
                 graph_file,
-                lambda: _build_or_exit(graph_file, overrides),
-                Console(soft_wrap=True),
+                built,
+                console,
                 detach=detach,
                 dry_run=dry_run,
             )

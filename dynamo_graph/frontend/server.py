@@ -27,6 +27,7 @@ from dynamo_graph.frontend.errors import error_body
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
+    from dynamo_graph.frontend.settings import HttpTlsSettings
 
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests' time to finish once SIGTERM came (DYN_SHUTDOWN_GRACE_S)
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is a 431 and the connection closes
@@ -138,9 +139,11 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def make_server(app: FrontendApp, grace_s: float = SHUTDOWN_GRACE_S) -> uvicorn.Server:
+def make_server(
+    app: FrontendApp, grace_s: float = SHUTDOWN_GRACE_S, tls: HttpTlsSettings | None = None
+) -> uvicorn.Server:
     """The server for `app`, to serve the sockets of `listen`; on SIGTERM in-flight requests
-    get `grace_s` to finish."""
+    get `grace_s` to finish; HTTPS with `tls`'s files."""
     cap = app.limits.max_concurrent
     config = uvicorn.Config(
         app,
@@ -154,5 +157,7 @@ def make_server(app: FrontendApp, grace_s: float = SHUTDOWN_GRACE_S) -> uvicorn.
         # Connections (and tasks) at once: well above the request cap, so excess requests still
         # get the frontend's own 503, while a flood of idle connections stays bounded.
         limit_concurrency=4 * cap + 256 if cap else None,
+        ssl_certfile=tls.cert_file if tls else None,
+        ssl_keyfile=tls.key_file if tls else None,
     )
     return GracefulServer(config)

@@ -82,3 +82,18 @@ class RecordSettings:
         extra = [spell(name) for name in ("record_text", "block_size") if name in given]
         if extra and self.path is None:
             raise SettingError(f"{', '.join(extra)}: shape the recording, which needs {spell('path')}")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpTlsSettings:
+    """HTTPS on the frontend's port (a graph frontend's `http.tls`): both files, or neither for
+    plain HTTP. Paths only: the key stays in its file, out of `ps` and `render`."""
+
+    cert_file: str | None = setting(None, flag="--http-tls-cert-file", dynamo="--tls-cert-path")
+    """PEM file of the server's certificate (its chain after it)."""
+    key_file: str | None = setting(None, flag="--http-tls-key-file", dynamo="--tls-key-path")
+    """PEM file of the certificate's private key."""
+
+    def check(self, given: set[str], spell: Spell) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise SettingError(f"{spell('cert_file')} and {spell('key_file')} go together (HTTPS)")

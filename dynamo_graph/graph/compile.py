@@ -15,6 +15,13 @@ given out per host: explicit ids as written, the rest in graph order from the lo
 component named, so two components on one host never share a GPU (validate.py checks counts).
 Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
 process too, so two replicas on one host never share one.
+
+With `security.tls` on (`required`, or `auto` on several hosts), each process is given the paths
+of the graph's CA and of its own certificate and key (graph/tls.py makes them at `up`; `Plan.tls`
+says which names each certificate holds), for the tcp request plane (DYN_TLS_*) and managed etcd
+(ETCD_AUTH_*) and nats-server (NATS_TLS_*), which then serve TLS only and require a client
+certificate, and the graph's CURVE key for the zmq event plane (DYN_ZMQ_CURVE_KEY_FILE). Paths
+only: no key material is in the plan, so `render` and `status` show none.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
-from dynamo_graph.frontend.settings import GROUP_ENV, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import GROUP_ENV, HttpTlsSettings, LimitSettings, RecordSettings
 from dynamo_graph.graph.plan import (
     AutoscalePolicy,
     Plan,
@@ -36,9 +43,11 @@ from dynamo_graph.graph.plan import (
     RemoteHost,
     RestartPolicy,
     RolloutPolicy,
+    TlsPlan,
     port_placeholder,
 )
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
+from dynamo_graph.graph.tls import ca_file, cert_files, curve_file, tls_dir
 from dynamo_graph.options import to_argv
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 
@@ -104,6 +113,9 @@ class _Compiler:
         self.standby: list[ProcessSpec] = []  # autoscaled replicas beyond `replicas` (Plan.standby)
         self.autoscale = self._autoscale_policies()
         self.multi_host = any(host != LOCAL for comp in graph.components.values() for host in _hosts_of(comp))
+        self.tls = tls_on(graph, self.multi_host)
+        self.tls_dir = str(tls_dir(self.state_dir))
+        self.tls_names: dict[str, list[str]] = {}  # process -> the names its certificate holds
 
     def _infra_host(self, configured: str | None) -> str:
         """Where managed infra binds: as configured, else where other hosts can reach it."""
@@ -175,17 +187,48 @@ class _Compiler:
         etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
         if etcd is not None:
             if etcd.managed:
+                host = self._infra_host(etcd.host)
                 env["ETCD_ENDPOINTS"] = (
-                    f"http://{self._infra_host(etcd.host)}:{_port(etcd.client_port, 'etcd.client')}"
+                    f"{self._scheme('http')}://{host}:{_port(etcd.client_port, 'etcd.client')}"
                 )
             else:
                 env["ETCD_ENDPOINTS"] = ",".join(etcd.endpoints)
         if nats is not None:
             if nats.managed:
-                env["NATS_SERVER"] = f"nats://{self._infra_host(nats.host)}:{_port(nats.port, 'nats.client')}"
+                host = self._infra_host(nats.host)
+                env["NATS_SERVER"] = (
+                    f"{'tls' if self.tls else 'nats'}://{host}:{_port(nats.port, 'nats.client')}"
+                )
             elif nats.url:
                 env["NATS_SERVER"] = nats.url
         return env
+
+    def _scheme(self, plain: str) -> str:
+        return f"{plain}s" if self.tls else plain
+
+    def _tls_env(self, process: str, host: str, address: str | None) -> tuple[dict[str, str], list[str]]:
+        """The paths of a process's CA, certificate and key, for each plane that uses them (with
+        TLS off: none), and the variables to carry to a remote host; its certificate is issued
+        for `address` (what others dial it at)."""
+        if not self.tls:
+            return {}, []
+        self.tls_names[process] = [address] if address else []
+        ca = ca_file(self.tls_dir)
+        cert, key = cert_files(self.tls_dir, process)
+        env = {"DYN_TLS_CA_FILE": ca, "DYN_TLS_CERT_FILE": cert, "DYN_TLS_KEY_FILE": key}
+        if self.graph.runtime.event_plane == "zmq":
+            env["DYN_ZMQ_CURVE_KEY_FILE"] = curve_file(self.tls_dir)
+        etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
+        if etcd is not None and etcd.managed:
+            env |= {"ETCD_AUTH_CA": ca, "ETCD_AUTH_CLIENT_CERT": cert, "ETCD_AUTH_CLIENT_KEY": key}
+        if nats is not None and nats.managed:
+            env |= {"NATS_TLS_CA": ca, "NATS_TLS_CERT": cert, "NATS_TLS_KEY": key}
+        carry = sorted(env) if host != LOCAL else []
+        if etcd is not None and etcd.managed:
+            env["ETCD_AUTH_SERVER_NAME"] = "etcd"
+        if nats is not None and nats.managed:
+            env["NATS_TLS_SERVER_NAME"] = "nats"
+        return env, carry
 
     def infra_processes(self) -> list[ProcessSpec]:
         procs = []
@@ -193,8 +236,16 @@ class _Compiler:
         never = RestartPolicy("on-failure", 5, 0.5, 5.0)
         if etcd is not None and etcd.managed:
             host = self._infra_host(etcd.host)
-            client = f"http://{host}:{_port(etcd.client_port, 'etcd.client')}"
-            peer = f"http://{host}:{_port(etcd.peer_port, 'etcd.peer')}"
+            client = f"{self._scheme('http')}://{host}:{_port(etcd.client_port, 'etcd.client')}"
+            peer = f"{self._scheme('http')}://{host}:{_port(etcd.peer_port, 'etcd.peer')}"
+            tls_argv: list[str] = []
+            if self.tls:
+                self.tls_names["etcd"] = [host, "etcd"]  # the name its clients expect (graph/tls.py)
+                cert, key = cert_files(self.tls_dir, "etcd")
+                ca = ca_file(self.tls_dir)
+                for side in ("", "peer-"):  # clients and the (one-member) peer port alike
+                    tls_argv += [f"--{side}cert-file", cert, f"--{side}key-file", key]
+                    tls_argv += [f"--{side}trusted-ca-file", ca, f"--{side}client-cert-auth"]
             procs.append(
                 ProcessSpec(
                     name="etcd",
@@ -228,12 +279,16 @@ class _Compiler:
                         "25",
                         "--election-timeout",
                         "250",
+                        *tls_argv,
                     ],
                     env={},
                     workdir=str(self.state_dir),
                     ports={"etcd.client": etcd.client_port, "etcd.peer": etcd.peer_port},
                     depends_on=[],
-                    readiness=Probe("http", f"{client}/health", 30.0),
+                    # /health wants a client certificate under TLS: then the port accepting is the sign.
+                    readiness=Probe("tcp", client.partition("://")[2], 30.0)
+                    if self.tls
+                    else Probe("http", f"{client}/health", 30.0),
                     restart=never,
                     shutdown_grace_s=5.0,
                 )
@@ -243,6 +298,11 @@ class _Compiler:
             argv = ["nats-server", "-a", host, "-p", _port(nats.port, "nats.client")]
             if nats.jetstream:
                 argv += ["-js", "-sd", str(self.state_dir / "nats")]
+            if self.tls:
+                self.tls_names["nats"] = [host, "nats"]
+                cert, key = cert_files(self.tls_dir, "nats")
+                argv += ["--tls", "--tlscert", cert, "--tlskey", key, "--tlscacert", ca_file(self.tls_dir)]
+                argv.append("--tlsverify")  # a client certificate of the graph's CA, or no connection
             procs.append(
                 ProcessSpec(
                     name="nats",
@@ -357,6 +417,9 @@ class _Compiler:
             *to_argv(LimitSettings(**comp.limits.model_dump())),
             *to_argv(RecordSettings(**comp.record.model_dump())),
         ]
+        if (https := comp.http.tls) is not None:
+            files = {key: _file_path(path, self.graph_dir) for key, path in https.model_dump().items()}
+            argv += to_argv(HttpTlsSettings(**files))
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]
         # Keys reach the frontend only through its environment: the plan names the variables.
@@ -365,7 +428,11 @@ class _Compiler:
         probe_host = "127.0.0.1" if comp.http.host in ("0.0.0.0", "::") else comp.http.host
         # /health answers 200 once a model is listed, so "ready" means "serving", while frontend
         # and workers start in parallel; a frontend with no workers in the graph is ready when live.
-        probe_url = f"http://{probe_host}:{http_port}{'/health' if serves_workers else '/live'}"
+        scheme = "https" if comp.http.tls is not None else "http"
+        probe_url = f"{scheme}://{probe_host}:{http_port}{'/health' if serves_workers else '/live'}"
+        probe = Probe("http", probe_url, comp.readiness.timeout_s)
+        if scheme == "https" and comp.host != LOCAL:  # a probe through ssh speaks no TLS: the port it is
+            probe = Probe("tcp", f"{probe_host}:{http_port}", comp.readiness.timeout_s)
         env = {
             **self.planes_env(),
             **self._host_env(comp.host),
@@ -377,6 +444,10 @@ class _Compiler:
         }
         if comp.replicas > 1:  # replicas answer /metrics for each other (frontend/group.py)
             env[GROUP_ENV] = f"{self.graph.namespace}.{name}"
+        tls = [
+            self._tls_env(f"{name}-{replica}", comp.host, self._address(comp.host))
+            for replica in range(comp.replicas)
+        ]
         return [
             ProcessSpec(
                 name=f"{name}-{replica}",
@@ -384,11 +455,12 @@ class _Compiler:
                 replica=replica,
                 host=comp.host,
                 argv=list(argv),
-                env=dict(env),
+                env={**env, **tls[replica][0]},
+                carry=tls[replica][1],
                 workdir=self._workdir(comp.host),
                 ports={port_name: comp.http.port},
                 depends_on=depends_on,
-                readiness=Probe("http", probe_url, comp.readiness.timeout_s),
+                readiness=probe,
                 restart=restart,
                 shutdown_grace_s=comp.shutdown_grace_s,
                 rollout=self._rollout(name),
@@ -546,7 +618,8 @@ class _Compiler:
                 **dict(sorted(worker.env.items())),
             }
             side_env, side_ports, side_args = self._side_channels(worker, f"{name}-{replica}", host)
-            env = {**side_env, **env}  # the graph's own `env` (above) wins
+            tls_env, carry = self._tls_env(f"{name}-{replica}", host, self._address(host))
+            env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
             ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
@@ -571,6 +644,7 @@ class _Compiler:
                     rollout=self._rollout(name),
                     rolls=not worker.static,  # a static worker's fixed address is taken until it stops
                     pairing=pairing,
+                    carry=carry,
                 )
             )
         return procs
@@ -621,11 +695,18 @@ class _Compiler:
             autoscale=self.autoscale,
             standby=self.standby,
             supervisor_metrics=self._supervisor_metrics(),
+            tls=TlsPlan(self.tls_dir, dict(sorted(self.tls_names.items()))) if self.tls else None,
         )
 
     def _supervisor_metrics(self) -> tuple[str, int] | None:
         endpoint = self.graph.supervisor
         return None if endpoint.metrics_port is None else (endpoint.metrics_host, endpoint.metrics_port)
+
+
+def tls_on(graph: Graph, multi_host: bool) -> bool:
+    """Whether `security.tls` turns TLS on for this graph (`auto`: when it spans hosts)."""
+    mode = graph.security.tls
+    return mode == "required" or (mode == "auto" and multi_host)
 
 
 def _hosts_of(comp: Frontend | Worker) -> list[str]:

@@ -59,6 +59,14 @@ class AutoscalePolicy(msgspec.Struct, frozen=True):
     scale_down_delay_s: float
 
 
+class TlsPlan(msgspec.Struct, frozen=True):
+    """`security.tls` on: the folder of the graph's CA and certificates (graph/tls.py), and the
+    names each process's certificate is valid for (its host's address), by process."""
+
+    dir: str
+    names: dict[str, list[str]]
+
+
 class ProcessSpec(msgspec.Struct, frozen=True):
     name: str  # unique in the plan: "<component>-<replica>", "etcd", "nats"
     component: str
@@ -83,6 +91,10 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     # A prefill or decode worker's "MODEL@hash" of what its model's prefill and decode workers
     # must share for KV to move between them (model files, block size, engine, connector); "".
     pairing: str = ""
+    # Variables of `env` that name a file the process needs where it runs (its TLS key and
+    # certificates): on a remote host the ssh launcher carries the file's contents over the
+    # channel, and the agent points the variable at its private copy there.
+    carry: list[str] = []
 
 
 class RemoteHost(msgspec.Struct, frozen=True):
@@ -117,6 +129,7 @@ class Plan(msgspec.Struct, frozen=True):
     standby: list[ProcessSpec] = []
     # Where the supervisor serves its own /metrics (host, port); None: nowhere.
     supervisor_metrics: tuple[str, int] | None = None
+    tls: TlsPlan | None = None  # None: the graph's processes talk plain TCP
 
 
 def port_placeholder(name: str) -> str:

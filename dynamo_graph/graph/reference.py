@@ -5,6 +5,10 @@ settings classes (dynamo_graph/options.py), so it cannot go stale:
 
 from __future__ import annotations
 
+import typing
+
+from pydantic import BaseModel
+
 from dynamo_graph.graph.schema import Frontend
 from dynamo_graph.options import Option, field_docs, format_value, options
 from dynamo_graph.process.run_config import RUN_SETTINGS
@@ -18,12 +22,16 @@ the default and the text below all come from that field.
 """
 
 
-def _graph_keys() -> dict[type, str]:
-    """Settings class -> the frontend key whose section is built from it."""
+def _graph_keys(model: type[BaseModel] = Frontend, prefix: str = "") -> dict[type, str]:
+    """Settings class -> the frontend key whose section is built from it (`http.tls` for one
+    inside another)."""
     keys: dict[type, str] = {}
-    for key, info in Frontend.model_fields.items():
-        for cls in getattr(info.annotation, "__settings__", ()):
-            keys[cls] = key
+    for key, info in model.model_fields.items():
+        for section in (info.annotation, *typing.get_args(info.annotation)):
+            for cls in getattr(section, "__settings__", ()):
+                keys[cls] = f"{prefix}{key}"
+            if section is not model and isinstance(section, type) and hasattr(section, "__settings__"):
+                keys |= _graph_keys(section, f"{prefix}{key}.")
     return keys
 
 

@@ -34,10 +34,11 @@ def redact_argv(argv: list[str]) -> list[str]:
     out: list[str] = []
     secret_next = False
     for arg in argv:
-        if secret_next:
+        if secret_next and not arg.startswith("--"):  # a flag next: the secret-named one takes no value
             out.append(REDACTED)
             secret_next = False
             continue
+        secret_next = False
         flag, sep, _ = arg.partition("=")
         if arg.startswith("--") and is_secret_name(flag):
             if sep:

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from dynamo_graph.engines import registry
-from dynamo_graph.frontend.settings import HttpSettings, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import HttpSettings, HttpTlsSettings, LimitSettings, RecordSettings
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.graph.sections import section
@@ -424,7 +424,16 @@ _AUTO_PORT = (
     "Or `auto`: one that is free on the frontend's host at `up` (kept for the life of the "
     "supervisor; `up` prints it)."
 )
-Http = section("Http", _Model, HttpSettings, overrides={"port": (AutoPort, 8080, _AUTO_PORT)})
+HttpTls = section("HttpTls", _Model, HttpTlsSettings)
+
+
+class _HttpBase(_Model):
+    tls: HttpTls | None = None  # type: ignore[valid-type]
+    """HTTPS: `{cert_file, key_file}` (paths relative to the graph file); without it the port is
+    plain HTTP, whatever `security.tls` says (that is between the graph's processes)."""
+
+
+Http = section("Http", _HttpBase, HttpSettings, overrides={"port": (AutoPort, 8080, _AUTO_PORT)})
 Router = section("Router", _Model, RouterConfig)
 Disagg = section("Disagg", _Model, DisaggConfig)
 Limits = section("Limits", _Model, LimitSettings)
@@ -926,6 +935,21 @@ class SmokeCheck(_Model):
         return next(k for k in _CHECK_KINDS if getattr(self, k) is not None)
 
 
+def _yaml_off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+
+class Security(_Model):
+    """How the graph's processes talk to each other (docs/security.md)."""
+
+    tls: Annotated[Literal["auto", "required", "off"], BeforeValidator(_yaml_off)] = "auto"
+    """Mutual TLS between the graph's processes, with a CA and certificates that `up` makes in the
+    state dir: the tcp request plane and its streams, managed etcd and nats-server and their
+    clients; the zmq event plane speaks CURVE. `auto`: on when components run on more than one
+    host; `required`: on everywhere, and a listener that cannot be encrypted (vLLM's NIXL side
+    channel) is an error; `off`: plain TCP (`up` warns about it for a graph on several hosts)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # The graph
 # ---------------------------------------------------------------------------------------------
@@ -954,6 +978,8 @@ class Graph(_Model):
     """Discovery, request plane and event plane."""
     infra: Infra = Infra()
     """etcd and nats-server, managed by dyngraph or external."""
+    security: Security = Security()
+    """Encryption and authentication between the graph's processes."""
     hosts: dict[Name, Host] = {}
     """Machines by name; `local` exists without being declared (declare it to set its `gpus`)."""
     models: dict[Name, Model] = {}

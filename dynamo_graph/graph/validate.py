@@ -637,6 +637,32 @@ def check_slurm(graph: Graph) -> Iterator[Problem]:
             )
 
 
+def check_security(graph: Graph) -> Iterator[Problem]:
+    """`security.tls: required` refuses a listener that would be plain TCP."""
+    if graph.security.tls != "required":
+        return
+    for key, worker in graph.workers().items():
+        if worker.engine == "vllm" and (
+            worker.role != "agg" or "kv_transfer_config" in (worker.engine_args or {})
+        ):
+            yield Problem(
+                f"components.{key}.role",
+                "`security.tls: required` allows no plaintext listener, and vLLM's NIXL side channel "
+                "(its KV transfer) is plain TCP",
+            )
+
+
+def tls_warnings(graph: Graph) -> list[str]:
+    """What `up` warns about: a graph across hosts whose traffic is unencrypted."""
+    remote = sorted(h for h in _hosts_used(graph) if h != LOCAL)
+    if not remote or graph.security.tls != "off":
+        return []
+    return [
+        f"security.tls is off and the graph spans hosts ({', '.join([LOCAL, *remote])}): prompts, "
+        "tokens and KV events cross the network unencrypted"
+    ]
+
+
 def _hosts_used(graph: Graph) -> set[str]:
     used = set()
     for comp in graph.components.values():
@@ -659,6 +685,7 @@ CHECKS: tuple[Callable[[Graph], Iterable[Problem]], ...] = (
     check_kv_transfer,
     check_planes,
     check_multi_host,
+    check_security,
     check_slurm,
     check_tests,
 )

@@ -164,11 +164,12 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     except OSError as err:
         raise RunConfigError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err}") from None
     # In-flight requests get DYN_SHUTDOWN_GRACE_S, as a worker's do, on SIGTERM.
-    server = make_server(app, grace_s=shutdown_grace_from_env(SHUTDOWN_GRACE_S))
+    server = make_server(app, grace_s=shutdown_grace_from_env(SHUTDOWN_GRACE_S), tls=cfg.http_tls)
     names = ", ".join(registry.names()) or "models as workers appear"
     auth = "API key required" if app.api_keys else "no API key"
+    scheme = "https" if cfg.http_tls.cert_file else "http"
     console.print(
-        f"[bold green]dyngraph[/] serving {names} on http://{cfg.http.host}:{cfg.http.port}/v1"
+        f"[bold green]dyngraph[/] serving {names} on {scheme}://{cfg.http.host}:{cfg.http.port}/v1"
         f" ({auth}; Ctrl-C to stop)"
     )
     if not app.api_keys and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from dynamo_graph.backend.command_line import WorkerConfig, apply_planes, worker_settings
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError, WorkerSettings
-from dynamo_graph.frontend.settings import HttpSettings, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import HttpSettings, HttpTlsSettings, LimitSettings, RecordSettings
 from dynamo_graph.options import (
     SettingError,
     check_values,
@@ -32,6 +32,7 @@ InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 RUN_SETTINGS = (
     EngineSettings,
     HttpSettings,
+    HttpTlsSettings,
     LimitSettings,
     RecordSettings,
     RouterConfig,
@@ -49,6 +50,7 @@ class RunConfig:
     worker: WorkerSettings
     planes: PlaneSettings
     http: HttpSettings = field(default_factory=HttpSettings)
+    http_tls: HttpTlsSettings = field(default_factory=HttpTlsSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     record: RecordSettings = field(default_factory=RecordSettings)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -129,6 +131,7 @@ def run_config_from_args(
             worker=worker,
             planes=planes,
             http=from_params(HttpSettings, params),
+            http_tls=from_params(HttpTlsSettings, params),
             limits=from_params(LimitSettings, params),
             record=from_params(RecordSettings, params),
             router=from_params(RouterConfig, params),
@@ -139,7 +142,7 @@ def run_config_from_args(
             verbosity=params.get("verbose", 0),
             explicit=set(explicit),
         )
-        for settings in (cfg.http, cfg.limits, cfg.disagg):
+        for settings in (cfg.http, cfg.http_tls, cfg.limits, cfg.disagg):
             validate(settings, flag_speller(type(settings)))
         validate(cfg.record, flag_speller(RecordSettings), given=given_fields(RecordSettings, explicit))
         if input_kind == "dyn":  # a worker has no router: its router flags are reported unused

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,12 @@ class CredentialsError(ValueError):
     pass
 
 
-def _env(name: str) -> str | None:
-    return (os.environ.get(name) or "").strip() or None
+def _env(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    return ((os.environ if env is None else env).get(name) or "").strip() or None
 
 
-def _file(variable: str) -> Path | None:
-    value = _env(variable)
+def _file(variable: str, env: Mapping[str, str] | None = None) -> Path | None:
+    value = _env(variable, env)
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -70,11 +71,12 @@ class EtcdCredentials:
         return f"EtcdCredentials(username={self.username!r}, tls={bool(self.channel)})"
 
 
-def etcd_credentials() -> EtcdCredentials:
-    username, password = _env("ETCD_AUTH_USERNAME"), _env("ETCD_AUTH_PASSWORD")
+def etcd_credentials(env: Mapping[str, str] | None = None) -> EtcdCredentials:
+    """From `env` (a process's of a graph, for its supervisor), else this process's environment."""
+    username, password = _env("ETCD_AUTH_USERNAME", env), _env("ETCD_AUTH_PASSWORD", env)
     if (username is None) != (password is None):
         raise CredentialsError("ETCD_AUTH_USERNAME and ETCD_AUTH_PASSWORD go together")
-    ca, cert, key = _file("ETCD_AUTH_CA"), _file("ETCD_AUTH_CLIENT_CERT"), _file("ETCD_AUTH_CLIENT_KEY")
+    ca, cert, key = (_file(f"ETCD_AUTH_{name}", env) for name in ("CA", "CLIENT_CERT", "CLIENT_KEY"))
     if (cert is None) != (key is None):
         raise CredentialsError("ETCD_AUTH_CLIENT_CERT and ETCD_AUTH_CLIENT_KEY go together (mutual TLS)")
     if cert is not None and ca is None:
@@ -84,4 +86,4 @@ def etcd_credentials() -> EtcdCredentials:
         channel.append(("ca_cert", ca.read_bytes()))
     if cert is not None and key is not None:
         channel += [("cert_chain", cert.read_bytes()), ("cert_key", key.read_bytes())]
-    return EtcdCredentials(username, password, tuple(channel), _env("ETCD_AUTH_SERVER_NAME"))
+    return EtcdCredentials(username, password, tuple(channel), _env("ETCD_AUTH_SERVER_NAME", env))

@@ -132,6 +132,10 @@ class SshHosts:
             f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
             f"PasswordAuthentication no\nUsePAM no\nStrictModes no\nPidFile {host.dir / 'sshd.pid'}\n"
             "MaxStartups 64\n"  # MaxSessions stays OpenSSH's default (10 per connection)
+            # DYNGRAPH_SSH_PYTHONPATH=<worktree>: the hosts' sessions (agents, workers) run a worktree's
+            # code rather than the venv's install (then every python there finds dyngraph, which the
+            # preflight test's "python without dyngraph" host cannot tell apart).
+            + (f"SetEnv PYTHONPATH={path}\n" if (path := os.environ.get("DYNGRAPH_SSH_PYTHONPATH")) else "")
         )
         _sh(SSHD, "-f", str(config), "-E", str(host.dir / "sshd.log"), ns=host.ns)
         deadline = time.monotonic() + 10

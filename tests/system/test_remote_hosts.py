@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -29,6 +30,7 @@ from dynamo_graph.graph.targets.local.ports import fill_plan
 from dynamo_graph.graph.targets.local.remote.agent import REATTACH_S
 from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
 from dynamo_graph.graph.targets.local.remote.ssh import SshHosts as SshHosts_
+from tests.support.listeners import listening, plain_answer, tls_without_certificate
 from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses, run_cli
 from tests.support.rolling_load import StreamingLoad
 from tests.support.routing import opening_messages, served_by
@@ -799,3 +801,59 @@ def test_a_broken_revision_is_refused_and_a_scale_down_retires_the_remote_replic
     result = load.result
     assert result.failures == [], f"{len(result.failures)} of {result.total} failed: {result.failures[:5]}"
     assert "backend-1" not in graph.processes()
+
+
+PROMPT = "the launch code is tangerine 4711"
+
+
+def test_tls_auto_carries_certificates_over_ssh_refuses_outsiders_and_hides_traffic(
+    make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    """`security.tls: auto` (the default) across the hosts: each remote worker's key and
+    certificates arrive over its ssh channel into the agent's private folder (0600), its ports
+    refuse a client without the graph's certificate, and a capture on the veth shows neither the
+    prompt nor the model's name or endpoint, which a plain request frame carries."""
+    h0, _ = ssh_hosts.hosts
+    capture = tmp_path / "veth.pcap"
+    dump = subprocess.Popen(
+        ["tcpdump", "-i", h0.veth, "-U", "-s", "0", "-w", str(capture), "tcp"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert dump.stderr is not None and b"listening on" in dump.stderr.readline()
+        graph = make_graph()
+        up = graph.cli("up", "-d")
+        assert up.returncode == 0, up.stdout + up.stderr
+        client = OpenAI(base_url=f"{graph.base_url}/v1", api_key="none", max_retries=0, timeout=10)
+        for _ in range(2):  # round robin: one request through each host
+            reply = client.chat.completions.create(
+                model="tiny-model", messages=[{"role": "user", "content": PROMPT}], max_tokens=8
+            )
+            assert reply.choices[0].message.content
+    finally:
+        dump.send_signal(signal.SIGINT)
+        dump.wait(10)
+    wire = capture.read_bytes()
+    assert b"SSH-2.0-" in wire  # the capture saw the graph come up: ssh's greeting is in the clear
+    for text in (PROMPT, "tangerine", "tiny-model", "backend.generate"):
+        assert text.encode() not in wire, f"{text!r} crossed the veth in the clear"
+
+    worker = graph.processes()["backend-0"]
+    environ = dict(
+        var.split(b"=", 1)
+        for var in Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        if b"=" in var
+    )
+    key = Path(environ[b"DYN_TLS_KEY_FILE"].decode())
+    local_key = graph.state / "tls" / "backend-0.key"
+    assert key.parent != local_key.parent and key.read_bytes() == local_key.read_bytes()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+    assert b"PRIVATE KEY" not in Path(f"/proc/{worker['pid']}/cmdline").read_bytes()
+
+    sockets = listening([worker["pid"]])
+    assert sockets, "the worker listens on its request plane"
+    for _, host, port in sockets:
+        assert plain_answer(host, port) == b""
+        refused = tls_without_certificate(host, port)
+        assert isinstance(refused, str) or refused == b"", f"{host}:{port} served TLS without a certificate"

@@ -86,14 +86,15 @@ def test_plan_of_a_multi_host_graph(tmp_path: Path) -> None:
         "prefill-1": ("gpu2", "0"),
         "prefill-2": ("gpu1", "3"),
     }
-    # Remote workers reach managed etcd / nats at the local advertise address and advertise their own.
+    # Remote workers reach managed etcd / nats at the local advertise address and advertise their own;
+    # across hosts `security.tls: auto` is TLS (test_tls_plan.py has the rest).
     worker = procs["prefill-1"]
-    assert worker.env["ETCD_ENDPOINTS"] == "http://10.0.0.1:{port:etcd.client}"
-    assert worker.env["NATS_SERVER"] == "nats://10.0.0.1:{port:nats.client}"
+    assert worker.env["ETCD_ENDPOINTS"] == "https://10.0.0.1:{port:etcd.client}"
+    assert worker.env["NATS_SERVER"] == "tls://10.0.0.1:{port:nats.client}"
     assert worker.env["DYN_TCP_ADVERTISE_HOST"] == worker.env["DYN_TCP_HOST"] == "10.0.0.3"
     assert worker.env["NCCL_DEBUG"] == "INFO" and "NCCL_DEBUG" not in procs["prefill-0"].env
     assert (procs["etcd"].argv[procs["etcd"].argv.index("--listen-client-urls") + 1]).startswith(
-        "http://10.0.0.1:"
+        "https://10.0.0.1:"
     )
     assert procs["nats"].argv[:3] == ["nats-server", "-a", "10.0.0.1"]
     assert worker.workdir == "/srv/dg" and procs["prefill-0"].workdir == "~"

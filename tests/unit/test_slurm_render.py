@@ -105,7 +105,7 @@ def test_allocation_is_sized_from_replicas_gpus_and_placement() -> None:
     assert text.index("# etcd on local (node 0)") < text.index("# decode-0")
     # workers advertise their node's address; managed infra binds the first node's
     assert 'DYN_TCP_ADVERTISE_HOST="$ADDR_GPU"' in decode
-    assert "ETCD_ENDPOINTS='http://'\"$ADDR_LOCAL\"" in decode
+    assert "ETCD_ENDPOINTS='https://'\"$ADDR_LOCAL\"" in decode  # nodes apart: TLS (security.tls auto)
 
 
 def test_no_secret_value_in_the_script() -> None:
@@ -265,7 +265,7 @@ def test_fill_plan_puts_the_job_addresses_and_ports_in(tmp_path: Path) -> None:
     resolved = {"ADDR_LOCAL": "10.0.0.7", "PORT_ETCD_CLIENT": "2379", "PORT_FRONTEND_0_HTTP": "8123"}
     filled = fill_plan(plan, resolved)
     frontend = next(p for p in filled.processes if p.name == "frontend-0")
-    assert frontend.env["ETCD_ENDPOINTS"] == "http://10.0.0.7:2379"
+    assert frontend.env["ETCD_ENDPOINTS"] == "https://10.0.0.7:2379"
     assert frontend.argv[frontend.argv.index("--http-port") + 1] == "8123"
     assert frontend.ports == {"frontend-0.http": 8123}
     backend = next(p for p in filled.processes if p.name == "backend-0")

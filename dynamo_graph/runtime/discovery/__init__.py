@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from dynamo_graph.redact import redact_url
@@ -77,8 +78,10 @@ def create_discovery(
     file_root: str | Path | None = None,
     etcd_endpoints: list[str] | str | None = None,
     ttl_s: float | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Discovery:
-    """A discovery backend, not started yet (call `await d.start()`)."""
+    """A discovery backend, not started yet (call `await d.start()`); etcd's credentials come
+    from `env` when given, else from this process's environment."""
     chosen = _backend(backend)
     ttl = _ttl(ttl_s)
     if chosen == "etcd":
@@ -95,7 +98,7 @@ def create_discovery(
             raise DiscoveryError(f"{source}: {exc}") from None
         if ttl < 1:
             raise DiscoveryError(f"lease TTL {ttl:g} s: etcd leases need at least 1 s")
-        return EtcdDiscovery(endpoints, ttl_s=math.ceil(ttl))
+        return EtcdDiscovery(endpoints, ttl_s=math.ceil(ttl), env=env)
     from dynamo_graph.runtime.discovery.file import FileDiscovery, default_file_root
 
     root = Path(file_root) if file_root is not None else default_file_root()

@@ -26,7 +26,7 @@ import json
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -85,7 +85,11 @@ class EtcdDiscovery(Discovery):
 
     backend = "etcd"
 
-    def __init__(self, endpoints: list[str], *, ttl_s: int = 10) -> None:
+    def __init__(
+        self, endpoints: list[str], *, ttl_s: int = 10, env: Mapping[str, str] | None = None
+    ) -> None:
+        """`env`: where the credentials come from (runtime/credentials.py) when not this process's
+        environment (a supervisor acting for its graph's processes)."""
         if not endpoints:
             raise DiscoveryError("etcd discovery needs at least one endpoint")
         if ttl_s < 1:
@@ -93,6 +97,7 @@ class EtcdDiscovery(Discovery):
         self._endpoints = [parse_endpoint(e) for e in endpoints]
         self._tls = any(e.strip().lower().startswith("https://") for e in endpoints)
         self._ttl_s = int(ttl_s)
+        self._env = env
         self._client: Etcd3Client | None = None
         self._lease: int | None = None
         self._owned: dict[str, bytes] = {}
@@ -124,7 +129,7 @@ class EtcdDiscovery(Discovery):
                 raise DiscoveryError(f"etcd endpoint {host}:{port}: cannot resolve ({exc})") from exc
             targets.append(f"{infos[0][4][0]}:{port}")
         try:
-            creds = etcd_credentials()
+            creds = etcd_credentials(self._env)
         except CredentialsError as exc:
             raise DiscoveryError(str(exc)) from None
         if self._tls and not creds.channel:

@@ -6,6 +6,9 @@ otherwise; never all interfaces) and announces it in discovery under
 attached to its process's lease. A subscriber watches that prefix and connects its SUB socket to
 each publisher as it appears, and disconnects when its key goes (closed, or its process died).
 
+With DYN_ZMQ_CURVE_KEY_FILE set (a graph with `security.tls` on sets it), every socket speaks
+CURVE with the graph's key pair (curve.py): encrypted, and only the graph's processes connect.
+
 Messages are multipart `[topic, publisher_id (u64 BE), seq (u64 BE), payload]`; ZMQ filters by
 topic prefix on the publisher side. `seq` counts per publisher and topic, so a subscriber counts
 what it missed (high-water marks are bounded on both ends and ZMQ drops silently beyond them).
@@ -24,6 +27,7 @@ import zmq.asyncio
 from dynamo_graph.runtime.discovery.base import Discovery, DiscoveryError
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
 from dynamo_graph.runtime.events.common import ALL_INTERFACES, DEFAULT_MAX_PENDING, GapCounter, check_topics
+from dynamo_graph.runtime.events.curve import CurveKeys
 from dynamo_graph.runtime.names import EndpointName, NameError_, instance_id_from_key
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,12 @@ class ZmqEventPublisher(EventPublisher):
         if host in ALL_INTERFACES:
             raise ValueError(f"zmq event publisher: bind one interface, not {host!r} (all interfaces)")
         key = event_channels_prefix(namespace, component) + f"{publisher_id:x}"
-        sock = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        curve = CurveKeys.from_env()
+        context = zmq.asyncio.Context.instance()
+        sock = context.socket(zmq.PUB)
         try:
+            if curve is not None:
+                curve.serve(sock, context)
             sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, 1)
@@ -131,7 +139,10 @@ class ZmqEventSubscriber(EventSubscriber):
         """Connect to the publishers announced now before returning, then follow discovery."""
         prefix = event_channels_prefix(namespace, component)
         topics = check_topics(topics)
+        curve = CurveKeys.from_env()
         sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        if curve is not None:
+            curve.connect_as_member(sock)
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)

@@ -2,7 +2,8 @@
 
 Environment: `DYN_REQUEST_PLANE` (tcp | nats), `NATS_SERVER` (nats://127.0.0.1:4222),
 `DYN_TCP_HOST` (bind address, 127.0.0.1), `DYN_TCP_PORT` (listen port, 0 = any free one; static
-workers need a fixed one) and `DYN_TCP_ADVERTISE_HOST` (the address callers dial).
+workers need a fixed one), `DYN_TCP_ADVERTISE_HOST` (the address callers dial) and, for mutual
+TLS on tcp, `DYN_TLS_CA_FILE` / `DYN_TLS_CERT_FILE` / `DYN_TLS_KEY_FILE` (runtime/tls.py).
 Explicit keyword arguments win over the environment. A caller picks its client by the key of
 the instance's transport record ({"tcp": ...} or {"nats": ...}).
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dynamo_graph.runtime import tls
+from dynamo_graph.runtime.tls import TlsFiles
 from dynamo_graph.runtime.transport.base import (
     CannotConnect,
     Handler,
@@ -58,6 +61,7 @@ def check_settings() -> str:
     """Validate the request-plane settings in the environment now; returns the plane's name."""
     kind = default_kind()
     _tcp_port()
+    tls.check_settings()
     return kind
 
 
@@ -70,7 +74,7 @@ def _tcp_port() -> int:
 
 def create_server(kind: str | None = None, **kw: Any) -> RequestPlaneServer:
     """A worker-side server. tcp: host, port, advertise_host, max_streams_per_connection,
-    cancel_grace_s; nats: url, keepalive_s, cancel_grace_s."""
+    cancel_grace_s, ssl; nats: url, keepalive_s, cancel_grace_s."""
     kind = _check_kind(kind, "request plane kind") if kind else default_kind()
     if kind == "tcp":
         from dynamo_graph.runtime.transport.tcp import TcpRequestPlaneServer
@@ -78,6 +82,8 @@ def create_server(kind: str | None = None, **kw: Any) -> RequestPlaneServer:
         kw.setdefault("host", os.environ.get("DYN_TCP_HOST") or "127.0.0.1")
         kw.setdefault("port", _tcp_port())
         kw.setdefault("advertise_host", os.environ.get("DYN_TCP_ADVERTISE_HOST") or None)
+        if "ssl" not in kw and (files := TlsFiles.from_env()) is not None:
+            kw["ssl"] = files.server_context()
         return TcpRequestPlaneServer(**kw)
     from dynamo_graph.runtime.transport.nats import NatsRequestPlaneServer
 
@@ -86,12 +92,14 @@ def create_server(kind: str | None = None, **kw: Any) -> RequestPlaneServer:
 
 
 def create_client(kind: str | None = None, **kw: Any) -> RequestPlaneClient:
-    """A caller-side client. tcp: connect_timeout_s, stream_buffer; nats: url, ack_timeout_s,
+    """A caller-side client. tcp: connect_timeout_s, stream_buffer, ssl; nats: url, ack_timeout_s,
     silence_s, stream_buffer."""
     kind = _check_kind(kind, "request plane kind") if kind else default_kind()
     if kind == "tcp":
         from dynamo_graph.runtime.transport.tcp import TcpRequestPlaneClient
 
+        if "ssl" not in kw and (files := TlsFiles.from_env()) is not None:
+            kw["ssl"] = files.client_context()
         return TcpRequestPlaneClient(**kw)
     from dynamo_graph.runtime.transport.nats import NatsRequestPlaneClient
 

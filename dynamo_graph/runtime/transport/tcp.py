@@ -14,7 +14,10 @@ consumer stalls the other streams of its connection; callers that stop reading m
 stream (or stop its Context), which releases its frames at once. Writing, both sides: frames
 written in one loop turn leave in one `send`; producers wait while the transport is paused.
 
-Measured numbers: benchmarks/bench_transport.py.
+With an `ssl` context on both sides (runtime/tls.py: a graph's `security.tls`) the same frames
+go over TLS 1.3 and each end must show a certificate of the graph's CA: a peer without one
+fails the handshake and never reaches a handler. Measured numbers: benchmarks/bench_transport.py,
+and TLS against plain TCP: benchmarks/bench_tls.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, cast
 
@@ -54,6 +58,7 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 # Stopping: connections stay open until no request came for LINGER_QUIET_S, at most LINGER_MAX_S.
 LINGER_QUIET_S = 0.3
 LINGER_MAX_S = 2.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer that does not finish its handshake is dropped after this
 
 
 def format_address(host: str, port: int) -> str:
@@ -149,8 +154,10 @@ class TcpRequestPlaneServer(RequestPlaneServer):
         *,
         max_streams_per_connection: int = 4096,
         cancel_grace_s: float = 2.0,
+        ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
+        self.ssl = ssl
         self.port = port
         self.advertise_host = advertise_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host)
         self.max_streams_per_connection = max_streams_per_connection
@@ -170,7 +177,12 @@ class TcpRequestPlaneServer(RequestPlaneServer):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _ServerConnection(self), self.host, self.port, reuse_address=True
+            lambda: _ServerConnection(self),
+            self.host,
+            self.port,
+            reuse_address=True,
+            ssl=self.ssl,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.ssl else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -339,8 +351,11 @@ class _ClientConnection(asyncio.Protocol):
 class TcpRequestPlaneClient(RequestPlaneClient):
     """Streams requests to workers over one shared TCP connection per worker address."""
 
-    def __init__(self, *, connect_timeout_s: float = 5.0, stream_buffer: int = 256) -> None:
+    def __init__(
+        self, *, connect_timeout_s: float = 5.0, stream_buffer: int = 256, ssl: ssl.SSLContext | None = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.ssl = ssl
         self.stream_buffer = stream_buffer
         self._connections: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
@@ -418,8 +433,10 @@ class TcpRequestPlaneClient(RequestPlaneClient):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _ClientConnection(self, address), host, port)
-        except (OSError, TimeoutError) as exc:
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(self, address), host, port, ssl=self.ssl
+                )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError: a refused handshake
             raise CannotConnect(f"cannot connect to {address}: {exc or 'timed out'}") from exc
         finally:
             self._connecting.pop(address, None)

@@ -292,6 +292,8 @@ def not_rendered(graph: Graph) -> list[str]:
                 notes.append(f"components.{key}.gpus.tensor_parallel_size: {comp.engine} has no such flag")
             if comp.static:
                 notes.append(f"components.{key}.static: Dynamo's operator always uses discovery")
+    if graph.security.tls == "required":
+        notes.append("security.tls: required (the graph's CA is dyngraph's: set up Dynamo's own TLS)")
     for key, model in sorted(graph.models.items()):
         if model.lora_adapters:
             names = ", ".join(model.lora_adapters)

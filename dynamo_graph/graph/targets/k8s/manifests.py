@@ -13,6 +13,11 @@ in-cluster etcd/nats, one ConfigMap with the engine-args and engine files, and t
 claim unless the graph names one. Secret values never appear: secret-looking variables and API
 key variables are `secretKeyRef`s into the graph's Secret (common.env_vars).
 
+With `security.tls` on, every pod mounts the Secret `<graph>-tls` (`ca.crt`, `tls.crt`, `tls.key`,
+as a cert-manager Certificate writes it, plus `curve.key` for a zmq event plane): the manifests
+refer to it and never hold key material; the header says what it must contain. etcd and
+nats-server then serve TLS with client certificates, as under `up`.
+
 File discovery (the one-machine default) cannot span pods, so such a graph gets an in-cluster
 etcd; the header comment says so, and lists what else was changed or left out.
 """
@@ -53,6 +58,9 @@ WORKER_PORT = 9345
 """Request-plane port of every worker pod: each pod has its own IP, so one fixed port serves all
 replicas and gives the probes something to check (a worker listens once it serves)."""
 FILES_DIR = "/etc/dyngraph"
+TLS_DIR = "/etc/dyngraph-tls"  # the `<graph>-tls` Secret's mount
+# A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate).
+_TLS_KEYS = {"ca.crt": "ca.crt", "curve.key": "curve.key", ".crt": "tls.crt", ".key": "tls.key"}
 PROBE_PERIOD_S = 5
 # Set per pod from the graph's planes and the pod's own address, never copied from the plan.
 _HOST_ONLY_ENV = {
@@ -79,6 +87,7 @@ class _K8s:
         self.etcd = graph.runtime.discovery == "file" or bool(graph.infra.etcd and graph.infra.etcd.managed)
         self.nats = bool(graph.infra.nats and graph.infra.nats.managed)
         self.volume = uses_models_volume(graph, plan)
+        self.tls = plan.tls is not None
         self._check()
 
     def _check(self) -> None:
@@ -96,6 +105,18 @@ class _K8s:
             )
         if any(w.placement != ["local"] for w in self.graph.workers().values()):
             self.notes.append("hosts and placement: the Kubernetes scheduler places the pods")
+        if self.tls:
+            self.notes.append(
+                f"security.tls: every pod mounts Secret {self.base}-tls, which is not rendered: create "
+                "it (a cert-manager Certificate of the graph's own CA) with ca.crt, tls.crt and tls.key, "
+                f"the certificate naming etcd, nats and the Services ({self.base}-*), for client and "
+                "server auth"
+                + (
+                    ", and curve.key (a zmq CURVE secret key)"
+                    if self.graph.runtime.event_plane == "zmq"
+                    else ""
+                )
+            )
 
     # ---- files and paths ---------------------------------------------------------------------
 
@@ -149,12 +170,14 @@ class _K8s:
 
     def _env(self, proc: ProcessSpec, comp: Frontend | Worker) -> list[dict[str, Any]]:
         # Ports `up` gives out per host ({port:NAME}) are not needed: each pod has its own network.
-        env = {k: v for k, v in proc.env.items() if k not in _HOST_ONLY_ENV and "{port:" not in v}
+        env = {
+            k: self._tls_path(v) for k, v in proc.env.items() if k not in _HOST_ONLY_ENV and "{port:" not in v
+        }
         if self.etcd:
             env["DYN_DISCOVERY_BACKEND"] = "etcd"
-            env["ETCD_ENDPOINTS"] = f"http://{self.base}-etcd:{ETCD_PORT}"
+            env["ETCD_ENDPOINTS"] = f"{'https' if self.tls else 'http'}://{self.base}-etcd:{ETCD_PORT}"
         if self.nats:
-            env["NATS_SERVER"] = f"nats://{self.base}-nats:{NATS_PORT}"
+            env["NATS_SERVER"] = f"{'tls' if self.tls else 'nats'}://{self.base}-nats:{NATS_PORT}"
         if isinstance(comp, Worker):
             env["DYN_TCP_PORT"] = str(WORKER_PORT)
             if self.volume:
@@ -169,6 +192,24 @@ class _K8s:
             if "SGLANG_HOST_IP" in proc.env:  # the bootstrap address an SGLang prefill pod publishes
                 out.append({"name": "SGLANG_HOST_IP", **pod_ip})
         return sorted(out, key=lambda e: e["name"])
+
+    def _tls_path(self, value: str) -> str:
+        """A path into the plan's TLS folder -> the same file in the mounted Secret."""
+        if self.plan.tls is None or not value.startswith(self.plan.tls.dir + "/"):
+            return value
+        name = value.rsplit("/", 1)[1]
+        key = _TLS_KEYS.get(name) or _TLS_KEYS["." + name.rsplit(".", 1)[1]]
+        return f"{TLS_DIR}/{key}"
+
+    def _tls_volume(self) -> list[dict[str, Any]]:
+        return (
+            [{"name": "tls", "secret": {"secretName": f"{self.base}-tls", "defaultMode": 0o400}}]
+            if self.tls
+            else []
+        )
+
+    def _tls_mount(self) -> list[dict[str, Any]]:
+        return [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if self.tls else []
 
     # ---- objects -----------------------------------------------------------------------------
 
@@ -200,7 +241,7 @@ class _K8s:
             "env": self._env(proc, comp),
             **self._probes(comp, proc),
         }
-        mounts = []
+        mounts = self._tls_mount()
         if isinstance(comp, Frontend):
             container["ports"] = [{"name": "http", "containerPort": comp.http.port}]
         else:
@@ -219,7 +260,7 @@ class _K8s:
     def _deployment(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
         name = f"{self.base}-{self.names[key]}"
         labels = {PART_OF: self.base, COMPONENT: self.names[key]}
-        volumes = []
+        volumes = self._tls_volume()
         if isinstance(comp, Worker):
             if self.volume:
                 volumes.append(models_volume(self.graph))
@@ -270,7 +311,7 @@ class _K8s:
             "command": command,
             "ports": [{"name": n, "containerPort": p} for n, p in sorted(ports.items())],
             "readinessProbe": {"tcpSocket": {"port": "client"}, "periodSeconds": 2},
-            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}, *self._tls_mount()],
         }
         return {
             "apiVersion": "apps/v1",
@@ -286,7 +327,7 @@ class _K8s:
                         **pod_defaults(self.graph),
                         "containers": [container],
                         # Leases and subjects live as long as the graph's processes: no claim needed.
-                        "volumes": [{"name": "data", "emptyDir": {}}],
+                        "volumes": [{"name": "data", "emptyDir": {}}, *self._tls_volume()],
                     },
                 },
             },
@@ -294,16 +335,21 @@ class _K8s:
 
     def _infra(self) -> list[dict[str, Any]]:
         docs = []
+        scheme = "https" if self.tls else "http"
+        cert, key, ca = f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt"
         if self.etcd:
-            url = f"http://{self.base}-etcd:{ETCD_PORT}"
-            peer = f"http://{self.base}-etcd-0.{self.base}-etcd:{ETCD_PEER_PORT}"
+            url = f"{scheme}://{self.base}-etcd:{ETCD_PORT}"
+            peer = f"{scheme}://{self.base}-etcd-0.{self.base}-etcd:{ETCD_PEER_PORT}"
             command = [
                 "etcd", "--name", f"{self.base}-etcd-0", "--data-dir", "/data",
-                "--listen-client-urls", f"http://0.0.0.0:{ETCD_PORT}", "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://0.0.0.0:{ETCD_PEER_PORT}",
+                "--listen-client-urls", f"{scheme}://0.0.0.0:{ETCD_PORT}", "--advertise-client-urls", url,
+                "--listen-peer-urls", f"{scheme}://0.0.0.0:{ETCD_PEER_PORT}",
                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"{self.base}-etcd-0={peer}",
                 "--initial-cluster-state", "new",
             ]  # fmt: skip
+            for side in ("", "peer-") if self.tls else ():
+                command += [f"--{side}cert-file", cert, f"--{side}key-file", key]
+                command += [f"--{side}trusted-ca-file", ca, f"--{side}client-cert-auth"]
             ports = {"client": ETCD_PORT, "peer": ETCD_PEER_PORT}
             docs += [
                 self._stateful("etcd", ETCD_IMAGE, command, ports),
@@ -314,6 +360,8 @@ class _K8s:
             command = ["nats-server", "-p", str(NATS_PORT)] + (
                 ["-js", "-sd", "/data"] if nats and nats.jetstream else []
             )
+            if self.tls:
+                command += ["--tls", "--tlscert", cert, "--tlskey", key, "--tlscacert", ca, "--tlsverify"]
             ports = {"client": NATS_PORT}
             docs += [
                 self._stateful("nats", NATS_IMAGE, command, ports),

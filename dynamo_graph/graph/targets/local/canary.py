@@ -68,7 +68,8 @@ def endpoint_of(spec: ProcessSpec) -> EndpointName:
 
 class TrafficSplit:
     """The component's split between revisions, held in discovery while the canary runs (the
-    same backend, folder or endpoints the graph's processes use, from their environment)."""
+    same backend, folder or endpoints the graph's processes use, and with TLS the credentials,
+    from their environment)."""
 
     def __init__(self, spec: ProcessSpec, revision: int) -> None:
         env, endpoint = spec.env, endpoint_of(spec)
@@ -79,6 +80,7 @@ class TrafficSplit:
             file_root=env.get("DYN_FILE_KV"),
             etcd_endpoints=env.get("ETCD_ENDPOINTS"),
             ttl_s=float(env["DYN_LEASE_TTL"]) if env.get("DYN_LEASE_TTL") else None,
+            env=env if "ETCD_AUTH_CA" in env else None,  # with TLS, the certificate of the worker's process
         )
 
     async def __aenter__(self) -> TrafficSplit:

@@ -2,11 +2,15 @@
 
 It starts a remote host's processes as `up` does: `ssh` to the host running dyngraph's agent
 there, which reads the process (argv, env, workdir) from stdin and stops it when stdin closes.
+With `security.tls` on, the script first issues the certificates as `up` does (graph/tls.py) and
+puts the files a remote process needs into its request when it runs (read from the state dir
+then, never written into the script).
 Like every rendering it is deterministic and shows secrets as `***` (graph/render.py).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Callable
@@ -17,6 +21,8 @@ from dynamo_graph.graph.schema import Graph
 from dynamo_graph.graph.targets.local.remote import agent
 
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
+_FILE_MARK = "@@file@@"  # a carried file's path in a request, read into it when the script runs
+_FILE = re.compile(f"{_FILE_MARK}([^@]+){_FILE_MARK}")
 _ADDRESS = re.compile(r"^(?:https?://)?\[?([^\]/]+?)\]?:(\d+|\{port:[^}]+\})")  # host, port of a probe target
 
 
@@ -61,6 +67,19 @@ def render_shell(graph: Graph, plan: Plan) -> str:
     for path, text in plan.files.items():
         lines.append(f"mkdir -p {shlex.quote(str(path).rsplit('/', 1)[0])}")
         lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
+    if plan.tls is not None:
+        names = json.dumps(plan.tls.names, sort_keys=True)
+        issue = [
+            plan.local_python or "python3",
+            "-m",
+            "dynamo_graph.graph.tls",
+            plan.tls.dir,
+            plan.graph,
+            names,
+        ]
+        lines.append(" ".join(shlex.quote(w) for w in issue))
+        if any(p.carry for p in plan.processes):
+            lines.append('pem_json() { awk \'{printf "%s\\\\n", $0}\' "$1"; }  # a PEM file, JSON-escaped')
 
     def sub(text: str) -> str:
         quoted = shlex.quote(text)
@@ -124,8 +143,17 @@ def _remote_command(
     """The agent over ssh, fed the process on stdin and then a heartbeat: when they stop (the
     script is killed), the agent stops the process."""
     words = [*_ssh_words(key, host), shlex.quote(agent.command(host.python, "run"))]
+    files = {var: f"{_FILE_MARK}{proc.env[var]}{_FILE_MARK}" for var in proc.carry}
     request = agent.run_request(
-        proc.argv, proc.env, proc.workdir, f"{tag}/{proc.name}", proc.shutdown_grace_s, agent.HEARTBEAT_S
+        proc.argv,
+        proc.env,
+        proc.workdir,
+        f"{tag}/{proc.name}",
+        proc.shutdown_grace_s,
+        agent.HEARTBEAT_S,
+        0.0,
+        files,
     )
+    quoted = _FILE.sub(lambda m: "'\"$(pem_json " + shlex.quote(m.group(1)) + ")\"'", sub(request.rstrip()))
     pings = f"while sleep {agent.HEARTBEAT_S:g}; do echo ping; done"
-    return f"{{ printf '%s\\n' {sub(request.rstrip())}; {pings}; }} | {' '.join(words)} &"
+    return f"{{ printf '%s\\n' {quoted}; {pings}; }} | {' '.join(words)} &"

@@ -122,11 +122,24 @@ class Supervisor:
         lines, filled, rollout = await self._changes(plan)
         if not lines and self.revision is not None:
             return [], self.revision.number
+        if raw.tls is not None:
+            self._issue(raw)
         revision = self.revisions.begin(origin, raw, lines)
         self.revision = revision
         self.full_plan = raw
         self._start(filled, rollout, revision.number, self._roll(rollout, revision))
         return lines, revision.number
+
+    def _issue(self, plan: Plan) -> None:
+        """New certificates for every process of a new revision (graph/tls.py: rotation); the
+        CA is only replaced while nothing runs that trusts it."""
+        from dynamo_graph.graph.tls import CA_RENEW_DAYS, issue_all
+
+        assert plan.tls is not None
+        ca = issue_all(plan.tls.dir, plan.graph, plan.tls.names, renew=self.plan is None)
+        if ca.days_left() < CA_RENEW_DAYS:
+            days = ca.days_left()
+            self.report("dyngraph", f"the graph's CA expires in {days:.0f} days: `down` and `up` renew it")
 
     async def scale(self, component: str, replicas: int) -> list[str] | None:
         """Run `replicas` of an autoscaled component (the planner's decision) through the same

@@ -73,14 +73,15 @@ def status_table(
 
 
 def frontend_url(spec: ProcessSpec) -> str | None:
-    """`http://host:port/v1` of a frontend process (one run with `in=http`), and its host when
+    """`http(s)://host:port/v1` of a frontend process (one run with `in=http`), and its host when
     that is not this one (the address is as that host sees it)."""
     if "in=http" not in spec.argv:
         return None
     argv = spec.argv
     host = argv[argv.index("--http-host") + 1] if "--http-host" in argv else "127.0.0.1"
     port = argv[argv.index("--http-port") + 1] if "--http-port" in argv else "8080"
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    scheme = "https" if "--http-tls-cert-file" in argv else "http"
+    url = f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
     return url if spec.host == LOCAL else f"{url} on host {spec.host}"
 
 

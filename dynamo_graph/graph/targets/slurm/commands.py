@@ -29,6 +29,7 @@ from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
 from dynamo_graph.graph.targets.slurm import job, rollout
 from dynamo_graph.graph.targets.slurm.job import JobRecord, SlurmError, SlurmState
 from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, secret_env
+from dynamo_graph.graph.tls import issue_all
 from dynamo_graph.graph.validate import locate
 
 if TYPE_CHECKING:
@@ -79,7 +80,11 @@ def up(built: Built, console: Console) -> int:
         previous = slurm_state.job()
         try:
             launch = rollout.job_launch(built)  # GraphError without a `slurm:` section
-            if previous is not None and job.job_state(previous.job_id)[0] in job.ACTIVE:
+            active = previous is not None and job.job_state(previous.job_id)[0] in job.ACTIVE
+            if plan.tls is not None:  # the nodes share this filesystem: the files are where the plan says
+                issue_all(plan.tls.dir, plan.graph, plan.tls.names, renew=not active)
+            if active:
+                assert previous is not None
                 origin = origin_of(plan.graph_file, "up")
                 return rollout.roll(launch, plan, origin, console, state, previous)
             placeholders = launch.plan

@@ -63,12 +63,16 @@ def run_request(
     grace_s: float,
     heartbeat_s: float,
     reattach_s: float = 0.0,
+    files: dict[str, str] | None = None,
 ) -> str:
     """The line `run` reads on stdin; with `heartbeat_s` > 0 the sender must then write a line
     (`ping`) at least that often, or the agent takes it for gone; with `reattach_s` > 0 the
-    process outlives a lost channel that long, for `attach`."""
+    process outlives a lost channel that long, for `attach`. `files` (env variable -> file
+    contents: TLS keys and certificates) are written to files only the user can read on the host,
+    and each variable is pointed at its file."""
     request = {"argv": argv, "env": env, "workdir": workdir, "tag": tag, "grace_s": grace_s}
-    return json.dumps({**request, "heartbeat_s": heartbeat_s, "reattach_s": reattach_s}) + "\n"
+    request |= {"heartbeat_s": heartbeat_s, "reattach_s": reattach_s, "files": files or {}}
+    return json.dumps(request) + "\n"
 
 
 # ---- scan, probe, ports -----------------------------------------------------------------------

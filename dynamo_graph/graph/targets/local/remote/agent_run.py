@@ -29,7 +29,11 @@ that. Should the agent itself be killed with SIGKILL, the process gets SIGKILL f
 
 A re-attach socket lives in `<temp dir>/dyngraph-agents-<uid>/<graph id>/`, folders only the user
 can enter; the last agent of a graph on a host removes its folder, and `scan --kill` clears the
-sockets of agents that were killed.
+sockets of agents that were killed. The files a request carries (`files`: a process's TLS key
+and certificates, which thus travel inside the ssh channel and never on a command line) are
+written beside its socket, in `<socket>.<agent pid>.files/` (0700, files 0600; one per run, as a
+rolling update runs the old and the new side by side), and removed when the process ends (or by
+`scan --kill`, for an agent that was killed).
 """
 
 from __future__ import annotations
@@ -83,9 +87,55 @@ def _private_folder(path: Path) -> None:
             raise PermissionError(f"{folder} is not this user's alone")
 
 
+def _files_folder(tag: str, agent: int) -> Path:
+    """Where the agent with pid `agent` keeps the files of process `tag`: one folder per run, as a
+    rolling update runs a process's old and new run side by side."""
+    sock = socket_path(tag)
+    return sock.with_name(f"{sock.stem}.{agent}.files")
+
+
+def write_files(tag: str, files: dict[str, str], agent: int) -> dict[str, str]:
+    """Write a request's `files` (env variable -> contents) where only the user can read them;
+    returns env variable -> path."""
+    folder = _files_folder(tag, agent)
+    _private_folder(folder.parent)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    paths = {}
+    for variable, text in files.items():
+        path = folder / variable
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        paths[variable] = str(path)
+    return paths
+
+
+def _remove_files(folder: Path) -> None:
+    for path in folder.glob("*"):
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def clear_sockets(prefix: str) -> None:
-    """Remove the sockets of a graph's agents that are gone (nothing listens), and then its folder."""
+    """Remove the sockets of a graph's agents that are gone (nothing listens) and the files of
+    those that are gone, and then its folder."""
     folder = socket_path(f"{prefix.rstrip('/')}/-").parent
+    for files in folder.glob("*.files"):
+        agent = files.name.rsplit(".", 2)[-2]
+        if not agent.isdigit() or not _alive(int(agent)):
+            _remove_files(files)
     for path in folder.glob("*.sock"):
         with socket.socket(socket.AF_UNIX) as probe:
             try:
@@ -348,7 +398,8 @@ def run() -> int:
     if not request:
         return 2  # the supervisor went away before saying what to run
     spec = json.loads(request)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], TAG_ENV: spec["tag"]}
+    carried = write_files(spec["tag"], spec["files"], os.getpid()) if spec.get("files") else {}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec["env"], **carried, TAG_ENV: spec["tag"]}
     read_end, write_end = os.pipe()
     try:
         child = subprocess.Popen(
@@ -376,6 +427,8 @@ def run() -> int:
     threading.Thread(target=agent.watch, daemon=True).start()
     code = child.wait()
     _killpg(child.pid, signal.SIGKILL)  # what it left in its group; its pid is still the group's id
+    if carried:
+        _remove_files(_files_folder(spec["tag"], os.getpid()))
     agent.finish(code, relay)
     return 0
 

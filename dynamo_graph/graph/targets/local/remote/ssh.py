@@ -10,7 +10,8 @@ parsing its stderr to tell a refused key from a dead network. asyncssh reads the
 `~/.ssh/config` and agent as `ssh` does; `render -f shell` still prints plain `ssh` commands.
 
 Each remote process is the agent (agent.py) started over one channel: it gets the process's
-spec as a JSON line on stdin (so env values never reach a command line), answers `pid ...`,
+spec as a JSON line on stdin (so env values never reach a command line) with the contents of the
+files it needs there (`ProcessSpec.carry`: its TLS key and certificates), answers `pid ...`,
 streams the output, which is appended here to the same per-process log as a local process's,
 and ends with `exit CODE`. The agent is the watchdog against orphans: when the channel closes
 (supervisor gone, connection cut) or the supervisor's heartbeat on it stops (a partition), it
@@ -250,7 +251,14 @@ class RemoteProcess:
             proc = self._proc = await self.hosts.session(self.spec.host, agent.command(host.python, "run"))
             s, tag = self.spec, f"{self.tag}/{self.spec.name}"
             request = agent.run_request(
-                s.argv, s.env, s.workdir, tag, s.shutdown_grace_s, agent.HEARTBEAT_S, agent.REATTACH_S
+                s.argv,
+                s.env,
+                s.workdir,
+                tag,
+                s.shutdown_grace_s,
+                agent.HEARTBEAT_S,
+                agent.REATTACH_S,
+                _carried(s),
             )
             proc.stdin.write(request.encode())
             async with asyncio.timeout(AGENT_START_TIMEOUT_S):
@@ -392,6 +400,12 @@ class RemoteProcess:
     def _close(self) -> None:
         if self._proc is not None:
             self._proc.close()
+
+
+def _carried(spec: ProcessSpec) -> dict[str, str]:
+    """The contents of the files the process needs on its host (its TLS key and certificates):
+    they go over the channel, never on a command line."""
+    return {var: Path(spec.env[var]).read_text() for var in spec.carry}
 
 
 async def _pid_line(stderr: asyncssh.SSHReader[bytes]) -> tuple[list[str], bytes]:
