@@ -11,13 +11,13 @@ import argparse
 import json
 import platform
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from dynamo_graph.backend.protocol import LLMEngineOutput, StopConditions
+from dynamo_graph.bench.stats import cpu_us_per_call
 from dynamo_graph.dev.tiny_tokenizer import (
     BOS_ID,
     CHAT_TEMPLATE,
@@ -42,17 +42,6 @@ PROMPT = [
     {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."},
     {"role": "user", "content": "What is the weather like in Paris today, and should I bring an umbrella?"},
 ]
-
-
-def _per_call_us(fn: Callable[[], object], iterations: int) -> float:
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(5):  # best of 5 rounds: the least disturbed by other work on the machine
-        start = time.process_time()
-        for _ in range(iterations):
-            fn()
-        best = min(best, time.process_time() - start)
-    return best / iterations * 1e6
 
 
 def main() -> None:
@@ -96,7 +85,7 @@ def main() -> None:
         "postprocess_2_stop_strings": stream(with_stops),
         "msgpack_decode_and_postprocess": stream(plain, decode_frames=True),
     }.items():
-        results[f"{name}_us_per_token"] = round(_per_call_us(fn, args.iterations) / TOKENS, 3)
+        results[f"{name}_us_per_token"] = round(cpu_us_per_call(fn, args.iterations) / TOKENS, 3)
 
     template = ChatTemplate(CHAT_TEMPLATE, SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOT_ID])
     pre = Preprocessor(tokenizer, template, eos, 4096, "tiny")
@@ -105,7 +94,7 @@ def main() -> None:
     )
     prompt_tokens = len(pre.preprocess_chat(request).token_ids)
     results["preprocess_chat_us_per_request"] = round(
-        _per_call_us(lambda: pre.preprocess_chat(request), args.iterations), 1
+        cpu_us_per_call(lambda: pre.preprocess_chat(request), args.iterations), 1
     )
     results["request_us_total"] = round(
         results["preprocess_chat_us_per_request"] + results["postprocess_us_per_token"] * TOKENS, 1

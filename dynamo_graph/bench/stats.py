@@ -1,8 +1,10 @@
 """From a run's per-request results to the figures users compare: latency percentiles (TTFT,
-ITL, end to end), requests/s and tokens/s, and the same over time for the plots."""
+ITL, end to end), requests/s and tokens/s, and the same over time for the plots; and the CPU
+time of one call, for the micro-benchmarks."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -11,6 +13,19 @@ from dynamo_graph.bench.loadgen import Run
 from dynamo_graph.bench.stream import Result
 
 PERCENTILES = (50, 90, 99)
+
+
+def cpu_us_per_call(fn: Callable[[], object], iterations: int, rounds: int = 5) -> float:
+    """CPU microseconds of one `fn()`: the best of `rounds` rounds of `iterations` calls, the
+    round least disturbed by other work on the machine."""
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(iterations):
+            fn()
+        best = min(best, time.process_time() - start)
+    return best / iterations * 1e6
 
 
 def percentile(values: Sequence[float], q: float) -> float:

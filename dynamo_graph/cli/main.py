@@ -35,6 +35,8 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+keys_app = typer.Typer(help="API keys of a frontend's keys file (docs/security.md).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -375,6 +377,42 @@ def tiny_lora_command(
     from dynamo_graph.dev.tiny_lora import build_tiny_lora
 
     err.print(f"tiny LoRA adapter written to {build_tiny_lora(out_dir, base_model, seed=seed)}")
+
+
+@keys_app.command(
+    "add", help="Make a new API key for tenant NAME: print the key once, and its entry (or add it to --file)."
+)
+def keys_add_command(
+    name: Annotated[str, typer.Argument(help="the tenant (metrics and logs name it)")],
+    file: Annotated[
+        Path | None, typer.Option("--file", help="append the entry to this keys file (a frontend reloads it)")
+    ] = None,
+    model: Annotated[
+        list[str] | None, typer.Option("--model", help="a model the key may use (repeat; default all)")
+    ] = None,
+    cache_group: Annotated[
+        str | None, typer.Option("--cache-group", help="share cached prefixes with this group's tenants")
+    ] = None,
+) -> None:
+    from dynamo_graph.frontend.tenants import KeysFileError, add_entry, entry_yaml, new_key, parse_keys
+
+    key = new_key()
+    entry = entry_yaml(name, key, model, cache_group)
+    try:
+        if file is None:
+            parse_keys("the entry", "keys:\n" + entry)  # the same checks a frontend makes
+        else:
+            add_entry(str(file), name, key, model, cache_group)
+    except KeysFileError as error:
+        raise _fail(str(error)) from None
+    # The key goes to stdout only, once: nothing keeps it but whoever runs this.
+    err.print(f"API key of {name} (shown once; only its sha256 is stored):")
+    print(key)
+    if file is None:
+        err.print("its entry, for the `keys:` list of a keys file:")
+        print(entry, end="")
+    else:
+        err.print(f"added to {file}")
 
 
 @app.command("version", help="Print the version.")

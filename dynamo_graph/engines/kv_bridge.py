@@ -62,11 +62,15 @@ class KvBlockBridge:
         size: int,
         rank: int,
         lora_name: str | None = None,
+        salt: str | None = None,
     ) -> int:
         """Blocks `hashes` (u64s) holding `tokens` in order, `size` tokens each, of the LoRA
         adapter `lora_name` (None: the base model): the full ones go to the sink, the rest are
-        remembered as partial. Returns how many were partial."""
-        locals_ = local_block_hashes(tokens, size, lora_hash_seed(lora_name))
+        remembered as partial. Returns how many were partial. `salt`: the cache salt of a
+        prompt's first block (`parent` None), which seeds its hash as the router seeds it."""
+        locals_ = local_block_hashes(
+            tokens, size, lora_hash_seed(lora_name), salt if parent is None else None
+        )
         blocks = [StoredBlock(h, local) for h, local in zip(hashes, locals_, strict=False)]
         partial = hashes[len(blocks) :]
         for h in partial:

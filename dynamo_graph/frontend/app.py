@@ -26,13 +26,14 @@ from dynamo_graph.frontend import (
     openai_responses,
     openapi,
 )
-from dynamo_graph.frontend.auth import ApiKeys, send_unauthorized
+from dynamo_graph.frontend.auth import ApiKeys, Guard, protected_path, send_unauthorized
 from dynamo_graph.frontend.errors import error_body
 from dynamo_graph.frontend.limits import Admission, FrontendLimits, body_limit_from_env
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_asgi import PID_HEADER, Receive, Scope, Send
 from dynamo_graph.frontend.record import Recorder
+from dynamo_graph.frontend.tenants import TENANT_SCOPE, Tenants
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -81,7 +82,7 @@ def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
 LIVE_BODY = {"status": "live", "message": "Service is live"}
 
 
-def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: ApiKeys | None = None) -> FastAPI:
+def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: Guard | None = None) -> FastAPI:
     """`api_keys`: the keys the dispatcher checks, so the OpenAPI document says which routes need one."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -99,9 +100,16 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: ApiKeys
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         return _error_response(400, str(exc.errors()))
 
-    @api.get("/v1/models", response_model=None)
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": models.list_models()}
+    async def list_models(request: Request) -> dict[str, Any]:
+        listed = models.list_models()
+        tenant = request.scope.get(TENANT_SCOPE)
+        if tenant is not None:  # a tenant sees only the models its key may use
+            listed = [m for m in listed if tenant.tenant.allows(m["id"])]
+        return {"object": "list", "data": listed}
+
+    # FastAPI is imported here, not at module level: give it the class, not the name.
+    list_models.__annotations__["request"] = Request
+    api.get("/v1/models", response_model=None)(list_models)
 
     @api.get("/health", response_model=None)
     async def health() -> JSONResponse:
@@ -156,18 +164,24 @@ class FrontendApp:
         body_limit: int | None = None,
         limits: FrontendLimits | None = None,
         api_keys: ApiKeys | None = None,
+        tenants: Tenants | None = None,
         lora: AdapterAdmin | None = None,
         recorder: Recorder | None = None,
     ) -> None:
-        """`lora`: serve the LoRA adapter routes (frontend/lora.py) through it; `recorder`:
-        record the requests served (frontend/record.py)."""
+        """`tenants`: the keys file's (frontend/tenants.py), beside `api_keys`; `lora`: serve
+        the LoRA adapter routes (frontend/lora.py) through it; `recorder`: record the requests
+        served (frontend/record.py)."""
         if limits is None:
             limits = FrontendLimits(body_limit=body_limit_from_env() if body_limit is None else body_limit)
         self.models = models
         self.limits = limits
         self.recorder = recorder
         self.api_keys = api_keys if api_keys else None
+        self.tenants = tenants
+        self.guarded = self.api_keys is not None or tenants is not None
         self.metrics = FrontendMetrics()
+        if tenants is not None:
+            self.metrics.registry.register(tenants)
         self.admission = Admission(limits)
         self.metrics.registry.register(self.admission)
         self._api: FastAPI | None = None
@@ -187,7 +201,8 @@ class FrontendApp:
 
     def _build_api_soon(self) -> asyncio.Future[FastAPI]:
         if self._api_building is None:
-            building = asyncio.to_thread(build_api, self.models, self.metrics, self.api_keys)
+            guard: Guard | None = self.tenants or self.api_keys
+            building = asyncio.to_thread(build_api, self.models, self.metrics, guard)
             self._api_building = asyncio.ensure_future(building)
         return self._api_building
 
@@ -201,8 +216,7 @@ class FrontendApp:
         if scope["type"] == "http":
             path = scope["path"]
             handler = self.routes.get(path.rstrip("/") or "/")
-            keys = self.api_keys
-            if keys is not None and keys.protects(path) and not keys.check(scope["headers"]):
+            if self.guarded and protected_path(path) and not self._authenticate(scope):
                 self.admission.count("unauthorized")
                 # Never the key or the Authorization header: only that the check failed.
                 log.debug("401 for %s %s from %s", scope["method"], path, scope.get("client"))
@@ -218,3 +232,13 @@ class FrontendApp:
                 await _send_json(send, 200, LIVE_BODY)
                 return
         await (self._api or await self.api())(scope, receive, send)
+
+    def _authenticate(self, scope: Scope) -> bool:
+        """Whether the request presents a key: a tenant's (then in `scope[TENANT_SCOPE]`), or
+        one of `api_keys`."""
+        token = ApiKeys.presented(scope["headers"])
+        tenant = self.tenants.find(token) if self.tenants is not None else None
+        if tenant is not None:
+            scope[TENANT_SCOPE] = tenant
+            return True
+        return self.api_keys is not None and self.api_keys.matches(token)

@@ -7,6 +7,10 @@ command line). With any key set, every `/v1/...` route needs `Authorization: Bea
 `x-api-key: KEY`); `/health`, `/live`, `/metrics` and the API docs stay open. A wrong or missing
 key is a 401 with OpenAI's body (`code: invalid_api_key`).
 
+A keys file of tenants (frontend/tenants.py, `--api-keys-file`) works beside these keys: a key of
+the file authenticates as its tenant, with the tenant's models, limits and cache salt; a key given
+here is no tenant's and has no such limits.
+
 Keys are held only as SHA-256 digests and compared with `hmac.compare_digest` against every key,
 so neither the time taken nor anything logged says which key, or how much of one, matched.
 """
@@ -17,7 +21,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable, Iterable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from dynamo_graph.frontend.errors import HTTPError
 
@@ -26,6 +30,17 @@ API_KEY_ENV_NAMES = "DYN_API_KEY_ENV"
 PROTECTED_PREFIX = ("/v1/", "/inference/")
 
 UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+
+
+class Guard(Protocol):
+    """What the OpenAPI document asks of the keys: which routes need one."""
+
+    def protects(self, path: str) -> bool: ...
+
+
+def protected_path(path: str) -> bool:
+    """The routes a key is needed for: the API's, never the probes, /metrics or the docs."""
+    return path.startswith(PROTECTED_PREFIX) or path == "/v1"
 
 
 def _split(raw: str | None) -> list[str]:
@@ -68,7 +83,7 @@ class ApiKeys:
         return f"ApiKeys({len(self._digests)} keys)"
 
     def protects(self, path: str) -> bool:
-        return bool(self._digests) and (path.startswith(PROTECTED_PREFIX) or path == "/v1")
+        return bool(self._digests) and protected_path(path)
 
     @staticmethod
     def presented(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -83,7 +98,10 @@ class ApiKeys:
         return None
 
     def check(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-        token = self.presented(headers)
+        return self.matches(self.presented(headers))
+
+    def matches(self, token: bytes | None) -> bool:
+        """Whether `token` (as presented) is one of the keys."""
         if not token:
             return False
         given = _digest(token)

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 _STATUS_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
     405: "MethodNotAllowed",
@@ -27,6 +28,7 @@ _STATUS_TYPES = {
     415: "UnsupportedMediaType",
     431: "RequestHeaderFieldsTooLarge",
     422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
     529: "OverloadedError",

@@ -12,7 +12,9 @@ admin (inputs/lora_local.py). Two extensions, since a graph has many workers and
 several models: `base_model` (the model the adapter applies to; may be left out when the
 frontend serves one base model) and `instance_ids` (hex, as /health shows them: load it on
 these workers only; default: all the base model's workers). Unloading unloads it from every
-worker that serves it. Both routes sit behind the API key when one is set (as every /v1/ route).
+worker that serves it. Both routes sit behind the API key when one is set (as every /v1/ route),
+and take only the operator's keys (`--api-key`, `api_key_env`): a tenant's key of the keys file
+is refused with 403, so no tenant loads or unloads what other tenants use (docs/security.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from dynamo_graph.frontend.errors import HTTPError, from_decode_error, post_only
 from dynamo_graph.frontend.model_watcher import ModelWatcher
 from dynamo_graph.frontend.openai_asgi import Receive, Scope, Send, read_body, send_json
+from dynamo_graph.frontend.tenants import TENANT_SCOPE
 from dynamo_graph.llm.card import LORA_ENDPOINT
 from dynamo_graph.runtime.client import Client
 from dynamo_graph.runtime.context import Context
@@ -206,6 +209,13 @@ _LOAD = msgspec.json.Decoder(LoadLoraAdapter)
 _UNLOAD = msgspec.json.Decoder(UnloadLoraAdapter)
 
 
+TENANT_REFUSED = HTTPError(
+    403,
+    "A tenant's API key cannot load or unload LoRA adapters; use an operator's key (--api-key, api_key_env)",
+    code="permission_denied",
+)
+
+
 class LoraRoutes:
     """The two routes as one raw ASGI handler (the app's dispatcher sends both paths here)."""
 
@@ -220,6 +230,9 @@ class LoraRoutes:
         if scope["method"] != "POST":
             refused = post_only()
             await send_json(send, 405, refused.body(), refused.headers)
+            return
+        if scope.get(TENANT_SCOPE) is not None:
+            await send_json(send, 403, TENANT_REFUSED.body())
             return
         try:
             body = await read_body(receive, self.body_limit)

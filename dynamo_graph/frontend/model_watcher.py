@@ -160,7 +160,7 @@ def build_remote_pipeline(
 
         def uncached(request: PreprocessedRequest, instance_ids: list[int]) -> int:
             prefixes = request.routing.prefixes if request.routing is not None else None
-            return kv_router.uncached_tokens(request.token_ids, instance_ids, prefixes)
+            return kv_router.uncached_tokens(request.token_ids, instance_ids, prefixes, request.cache_salt)
 
     disagg_router = DisaggRouter(
         routed_backend(client, router, decisions),

@@ -38,6 +38,8 @@ from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.record import Recorder
 from dynamo_graph.frontend.routing_headers import apply_routing_headers
 from dynamo_graph.frontend.sse import SSE_HEADERS, StreamWriter
+from dynamo_graph.frontend.tenant_limits import Tenant, TenantRequest, TenantState
+from dynamo_graph.frontend.tenants import TENANT_SCOPE, cache_salt
 from dynamo_graph.llm.openai import MAX_CHOICES, AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import Delta, ModelPipeline, Prepared
 from dynamo_graph.llm.preprocessor import CONTEXT_LENGTH_EXCEEDED
@@ -65,6 +67,12 @@ OVERLOADED = HTTPError(
 )
 WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers looks again
 ACCEPT_ATTEMPTS = 3  # a request whose model's workers all left before its first byte is accepted again
+
+
+def model_not_found(name: str) -> HTTPError:
+    """OpenAI's 404 for a model that is not here, and, the same, for one the key's tenant may not
+    use: a key learns nothing about the models it cannot use (docs/security.md)."""
+    return HTTPError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 class WorkersLeft(Exception):
@@ -229,7 +237,7 @@ class OpenAIHandler:
         serves other endpoints (`wrong_endpoint`): no such model here."""
         pipeline = self.models.get(name)
         if pipeline is None:
-            raise HTTPError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise model_not_found(name)
         if self.kind not in pipeline.card.model_type:
             raise HTTPError(
                 404,
@@ -249,6 +257,41 @@ class OpenAIHandler:
             return
         except ConnectionResetError:
             return
+        tenant: TenantState | None = scope.get(TENANT_SCOPE)
+        if tenant is None:
+            await self._attempts(scope, receive, send, deadline, request, original, None)
+            return
+        try:
+            charge = self._admit_tenant(tenant, request.model)
+        except HTTPError as err:
+            await self._refuse(send, err)
+            return
+        try:
+            await self._attempts(scope, receive, send, deadline, request, original, charge)
+        finally:
+            charge.release()
+
+    @staticmethod
+    def _admit_tenant(tenant: TenantState, model: str) -> TenantRequest:
+        """The tenant's request; raises its 404 for a model it may not use, or its 429 past one
+        of its limits."""
+        if not tenant.tenant.allows(model):
+            tenant.refuse("model_not_found")
+            raise model_not_found(model)
+        return tenant.admit()
+
+    async def _attempts(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        deadline: float | None,
+        request: AnyRequest,
+        original: Any,
+        tenant: TenantRequest | None,
+    ) -> None:
+        """Accept and serve the request, again if its model's workers left under it
+        (WorkersLeft); `tenant`: what it is charged to."""
         for attempt in range(ACCEPT_ATTEMPTS):
             try:
                 await self._await_worker(request.model, receive, deadline)
@@ -258,9 +301,11 @@ class OpenAIHandler:
                 return
             except ConnectionResetError:
                 return
+            if tenant is not None:
+                tenant.prompt(self._tokens_used(prepared)[0])
             retry = attempt + 1 < ACCEPT_ATTEMPTS
             try:
-                await self._serve(pipeline, prepared, original, receive, send, deadline, retry)
+                await self._serve(pipeline, prepared, original, receive, send, deadline, retry, tenant)
                 return
             except WorkersLeft:
                 continue  # accepted again: by the model's new pipeline, once it has a worker
@@ -296,6 +341,9 @@ class OpenAIHandler:
         _check_context(pipeline, request)
         prepared = self._prepare(pipeline, request)
         apply_routing_headers(prepared.preprocessed, scope["headers"])
+        salt = cache_salt(_tenant_of(scope), getattr(request, "cache_salt", None))
+        if salt is not None and prepared.preprocessed is not None:
+            prepared.preprocessed.cache_salt = salt
         return pipeline, prepared
 
     async def _refuse(self, send: Send, err: HTTPError) -> None:
@@ -365,11 +413,12 @@ class OpenAIHandler:
         send: Send,
         deadline: float | None = None,
         retry: bool = False,
+        tenant: TenantRequest | None = None,
     ) -> None:
         """The request's lifecycle around its answer, streamed (`_stream`) or whole (`_unary`):
         in-flight and request metrics, cancellation when the client goes away. `request`: as the
         client sent it (`decode`). With `retry`, a model whose workers all left before the first
-        byte raises WorkersLeft instead of answering (see `_left`)."""
+        byte raises WorkersLeft instead of answering (see `_left`). `tenant`: what it is charged to."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
         watcher = asyncio.create_task(watch_disconnect(receive, context))
@@ -399,6 +448,8 @@ class OpenAIHandler:
                 metrics.count_request(self.endpoint, request_type, status)
                 metrics.duration.observe(time.perf_counter() - start)
                 self._count_tokens(metrics, prepared)
+                if tenant is not None:
+                    tenant.ended(status, *self._tokens_used(prepared))
             if status == "success" and self.recorder is not None:
                 self.recorder.record(arrival, self.endpoint, prepared, request)
 
@@ -408,6 +459,11 @@ class OpenAIHandler:
         rolling update whose new workers serve another model card and take over the model
         with a new pipeline at that moment."""
         return retry and isinstance(err, NoInstances) and self.models.get(pipeline.name) is not None
+
+    @staticmethod
+    def _tokens_used(prepared: Any) -> tuple[int, int]:
+        """(prompt, completion) tokens of a request: what its tenant is charged."""
+        return prepared.prompt_tokens, prepared.completion_tokens
 
     @staticmethod
     def _count_tokens(metrics: ModelMetrics, prepared: Prepared) -> None:
@@ -532,6 +588,11 @@ class Surface:
 
     routes: tuple[Route, ...]
     error: ErrorSchema = OPENAI_ERROR  # the shape of its error bodies, for the OpenAPI doc
+
+
+def _tenant_of(scope: Scope) -> Tenant | None:
+    state: TenantState | None = scope.get(TENANT_SCOPE)
+    return None if state is None else state.tenant
 
 
 def _check_caps(request: AnyRequest) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_graph.frontend.auth import ApiKeys
+from dynamo_graph.frontend.auth import Guard
 from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema
 from dynamo_graph.frontend.openai_asgi import Route, Surface
 
@@ -34,6 +34,7 @@ GENERATION_ERRORS = (
     (529, "The router's queue is full; see Retry-After (503 with DYN_HTTP_OVERLOAD_STATUS_CODE=503)"),
 )
 UNAUTHORIZED = (401, "Missing or wrong API key")
+RATE_LIMITED = (429, "Past a limit of the key's tenant (keys file); see Retry-After")
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}}
 # Where auth.py reads a key: `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it.
 SECURITY_SCHEMES = {
@@ -102,16 +103,16 @@ def _answers(route: Route, error: ErrorSchema, protected: bool) -> dict[str, Any
     if _streams(route):
         content["text/event-stream"] = {"schema": SSE_EVENT}
         description = "The answer, or with `stream: true` server-sent events"
-    statuses = [*GENERATION_ERRORS, UNAUTHORIZED] if protected else GENERATION_ERRORS
+    statuses = [*GENERATION_ERRORS, UNAUTHORIZED, RATE_LIMITED] if protected else GENERATION_ERRORS
     responses: dict[str, Any] = {"200": {"description": description, "content": content}}
     for code, text in sorted(statuses):
         responses[str(code)] = _json(_error_ref(error), text)
-        if code in (503, 529):
+        if code in (429, 503, 529):
             responses[str(code)]["headers"] = RETRY_AFTER
     return responses
 
 
-def _get_routes(paths: dict[str, Any], keys: ApiKeys | None) -> None:
+def _get_routes(paths: dict[str, Any], keys: Guard | None) -> None:
     """The FastAPI routes' answers as they are, not FastAPI's guess."""
     models = paths["/v1/models"]["get"]
     models["responses"] = {"200": _json(_MODEL_LIST, "The models served now")}
@@ -129,7 +130,7 @@ def _get_routes(paths: dict[str, Any], keys: ApiKeys | None) -> None:
     }
 
 
-def complete(doc: dict[str, Any], surfaces: Sequence[Surface], keys: ApiKeys | None) -> dict[str, Any]:
+def complete(doc: dict[str, Any], surfaces: Sequence[Surface], keys: Guard | None) -> dict[str, Any]:
     """FastAPI's document with the generation routes, the errors and, with `keys`, security."""
     routes = [(route, surface.error) for surface in surfaces for route in surface.routes]
     bodies, components = msgspec.json.schema_components(

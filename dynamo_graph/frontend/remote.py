@@ -141,7 +141,9 @@ class KvRoutedTokensBackend:
             priority = hints.priority if hints is not None and hints.priority is not None else 0
             instance_ids = self.client.instance_ids()
             queued_at = time.monotonic()
-            if not await router.admit(priority, context, instance_ids, request.token_ids, prefixes):
+            if not await router.admit(
+                priority, context, instance_ids, request.token_ids, prefixes, request.cache_salt
+            ):
                 return  # the client went away while the request waited
             queue_wait = time.monotonic() - queued_at
             admitted = True
@@ -158,6 +160,7 @@ class KvRoutedTokensBackend:
                     session_id=session,
                     prefixes=prefixes,
                     explain=terms,
+                    salt=request.cache_salt,
                 )
             finally:
                 if admitted:

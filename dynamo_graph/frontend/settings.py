@@ -42,6 +42,19 @@ class HttpSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """API keys with tenants (frontend/tenants.py, docs/security.md)."""
+
+    keys_file: str | None = setting(None, flag="--api-keys-file")
+    """YAML file of tenants' API keys (by sha256), allowed models, limits and cache groups;
+    reloaded when it changes and on SIGHUP. Works beside `--api-key` / `api_key_env`."""
+
+    def check(self, given: set[str], spell: Spell) -> None:
+        if self.keys_file is not None and not self.keys_file.strip():
+            raise SettingError(f"{spell('keys_file')} needs the path of a keys file")
+
+
+@dataclass(frozen=True, slots=True)
 class LimitSettings:
     """What the frontend lets requests use; past a limit a client gets an OpenAI error body."""
 

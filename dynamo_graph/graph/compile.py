@@ -34,7 +34,13 @@ from pathlib import Path
 import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
-from dynamo_graph.frontend.settings import GROUP_ENV, HttpTlsSettings, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import (
+    GROUP_ENV,
+    AuthSettings,
+    HttpTlsSettings,
+    LimitSettings,
+    RecordSettings,
+)
 from dynamo_graph.graph.plan import (
     AutoscalePolicy,
     Plan,
@@ -91,7 +97,7 @@ def _resolve_path(path: str, graph_dir: Path) -> str:
     return path if local is None else str(local)
 
 
-def _file_path(path: str, graph_dir: Path) -> str:
+def file_path(path: str, graph_dir: Path) -> str:
     """A file the graph names that can only be local (engine args, a Python engine), relative to
     the graph file: never a hub id, even when it does not exist (yet)."""
     return str((graph_dir / Path(path).expanduser()).resolve())
@@ -384,9 +390,9 @@ class _Compiler:
         or a name looked up on PATH); None when neither is given."""
         local = self.graph.host(LOCAL)
         if local.venv:
-            return str(Path(_file_path(local.venv, self.graph_dir)) / "bin" / "python")
+            return str(Path(file_path(local.venv, self.graph_dir)) / "bin" / "python")
         if local.python and "/" in local.python:
-            return _file_path(local.python, self.graph_dir)
+            return file_path(local.python, self.graph_dir)
         return local.python
 
     def frontend(self, name: str, comp: Frontend) -> list[ProcessSpec]:
@@ -418,8 +424,10 @@ class _Compiler:
             *to_argv(RecordSettings(**comp.record.model_dump())),
         ]
         if (https := comp.http.tls) is not None:
-            files = {key: _file_path(path, self.graph_dir) for key, path in https.model_dump().items()}
+            files = {key: file_path(path, self.graph_dir) for key, path in https.model_dump().items()}
             argv += to_argv(HttpTlsSettings(**files))
+        if comp.auth.keys_file is not None:  # the path only: the file holds hashes, never keys
+            argv += to_argv(AuthSettings(keys_file=file_path(comp.auth.keys_file, self.graph_dir)))
         if comp.migration_limit is not None:
             argv += ["--migration-limit", str(comp.migration_limit)]
         # Keys reach the frontend only through its environment: the plan names the variables.
@@ -472,7 +480,7 @@ class _Compiler:
 
     def _engine_args_file(self, name: str, worker: Worker) -> str | None:
         if worker.engine_args_file is not None:
-            return _file_path(worker.engine_args_file, self.graph_dir)
+            return file_path(worker.engine_args_file, self.graph_dir)
         if worker.engine_args is None:
             return None
         path = str(self.state_dir / "engine-args" / f"{name}.json")
@@ -572,7 +580,7 @@ class _Compiler:
 
     def _replicas(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
-        engine = _file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
+        engine = file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
         adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in (model.lora_adapters or {}).items())
         args_file = self._engine_args_file(name, worker)
         engine_settings = EngineSettings(
@@ -654,7 +662,7 @@ class _Compiler:
         if worker.engine_args_file is None:
             return {}
         try:
-            loaded = yaml.safe_load(Path(_file_path(worker.engine_args_file, self.graph_dir)).read_text())
+            loaded = yaml.safe_load(Path(file_path(worker.engine_args_file, self.graph_dir)).read_text())
         except (OSError, yaml.YAMLError):
             return {}
         return loaded if isinstance(loaded, dict) else {}

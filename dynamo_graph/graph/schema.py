@@ -29,7 +29,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from dynamo_graph.engines import registry
-from dynamo_graph.frontend.settings import HttpSettings, HttpTlsSettings, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import (
+    AuthSettings,
+    HttpSettings,
+    HttpTlsSettings,
+    LimitSettings,
+    RecordSettings,
+)
 from dynamo_graph.graph.metric_expr import parse_metric_expr
 from dynamo_graph.graph.plan import LOCAL  # the host dyngraph runs on; it exists, declared or not
 from dynamo_graph.graph.sections import section
@@ -438,6 +444,7 @@ Router = section("Router", _Model, RouterConfig)
 Disagg = section("Disagg", _Model, DisaggConfig)
 Limits = section("Limits", _Model, LimitSettings)
 Record = section("Record", _Model, RecordSettings)
+Auth = section("Auth", _Model, AuthSettings)
 
 
 class Frontend(_Component):
@@ -470,6 +477,8 @@ class Frontend(_Component):
     """Names of environment variables holding accepted API keys (never the keys themselves); set
     them in the environment `dyngraph up` runs in. With any, every /v1 route needs
     `Authorization: Bearer KEY`; /health, /live and /metrics stay open."""
+    auth: Auth = Auth()
+    """API keys with tenants: a keys file (relative to the graph file; on the frontend's host)."""
     models: list[str] | None = None
     """Keys of `models` this frontend serves; default all."""
 

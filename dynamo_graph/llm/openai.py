@@ -167,6 +167,9 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_tokens: NonNegInt | None = None
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
+    # vLLM's: requests share cached prefixes only with requests of the same salt (and, behind a
+    # keys file, of the same tenant or cache group; docs/security.md).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # vLLM's guided-decoding extensions.
     guided_json: Any = None
     guided_regex: str | None = None

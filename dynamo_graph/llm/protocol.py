@@ -119,6 +119,9 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     bootstrap_info: BootstrapInfo | None = None
     # Session and priority for the frontend's router; engines schedule by the priority too.
     routing: RoutingHints | None = None
+    # Seeds the hash of the prompt's first KV block (vLLM's `cache_salt`): prefixes are shared
+    # only between requests of one salt. The frontend sets it per tenant (docs/security.md).
+    cache_salt: str | None = None
 
 
 def request_priority(request: PreprocessedRequest) -> int:

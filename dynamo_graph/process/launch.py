@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -62,6 +62,7 @@ _HTTP_ONLY = (
     "max_concurrent_requests",
     "request_timeout_s",
     "api_key",
+    "api_keys_file",
     "http_processes",
 )
 
@@ -133,12 +134,13 @@ async def _wait_for_signal() -> None:
 
 
 def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> FrontendApp:
-    """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV),
-    and with `lora`, the LoRA adapter routes."""
+    """The HTTP frontend with `cfg`'s limits and API keys (flag, DYN_API_KEY, DYN_API_KEY_ENV,
+    the keys file of tenants), and with `lora`, the LoRA adapter routes."""
     from dynamo_graph.frontend.app import FrontendApp
     from dynamo_graph.frontend.auth import ApiKeys, keys_from_settings
     from dynamo_graph.frontend.limits import FrontendLimits
     from dynamo_graph.frontend.record import Recorder
+    from dynamo_graph.frontend.tenants import KeysFileError, Tenants
 
     limits = FrontendLimits.from_settings(
         body_limit_mb=cfg.limits.body_limit_mb,
@@ -150,7 +152,15 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))
     except ValueError as err:
         raise RunConfigError(str(err)) from None
-    return FrontendApp(registry, limits=limits, api_keys=keys, lora=lora, recorder=Recorder.open(cfg.record))
+    tenants = None
+    if cfg.auth.keys_file is not None:
+        try:
+            tenants = Tenants(cfg.auth.keys_file)
+        except KeysFileError as err:
+            raise RunConfigError(str(err)) from None
+    return FrontendApp(
+        registry, limits=limits, api_keys=keys, tenants=tenants, lora=lora, recorder=Recorder.open(cfg.record)
+    )
 
 
 async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | None = None) -> None:
@@ -166,13 +176,13 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     # In-flight requests get DYN_SHUTDOWN_GRACE_S, as a worker's do, on SIGTERM.
     server = make_server(app, grace_s=shutdown_grace_from_env(SHUTDOWN_GRACE_S), tls=cfg.http_tls)
     names = ", ".join(registry.names()) or "models as workers appear"
-    auth = "API key required" if app.api_keys else "no API key"
+    auth = "API key required" if app.guarded else "no API key"
     scheme = "https" if cfg.http_tls.cert_file else "http"
     console.print(
         f"[bold green]dyngraph[/] serving {names} on {scheme}://{cfg.http.host}:{cfg.http.port}/v1"
         f" ({auth}; Ctrl-C to stop)"
     )
-    if not app.api_keys and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
+    if not app.guarded and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "serving on %s without an API key: anyone who can reach it may use it (--api-key, DYN_API_KEY)",
             cfg.http.host,
@@ -180,10 +190,25 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     try:
         async with membership(os.environ.get(GROUP_ENV) or None, app.metrics.registry) as group:
             app.metrics.group = group
-            await server.serve(sockets)
+            await _serve_with_keys_file(app, server, sockets)
     finally:
         if app.recorder is not None:
             app.recorder.close()
+
+
+async def _serve_with_keys_file(app: FrontendApp, server: Any, sockets: Any) -> None:
+    """Serve; with a keys file, reload it when it changes and on SIGHUP (requests in flight go on)."""
+    if app.tenants is None:
+        await server.serve(sockets)
+        return
+    watcher = asyncio.create_task(app.tenants.watch(), name="keys file")
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, app.tenants.reload_soon)
+    try:
+        await server.serve(sockets)
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        watcher.cancel()
 
 
 async def _drive_input(cfg: RunConfig, pipeline: ModelPipeline | EmbeddingPipeline, *, echo: bool) -> int:

@@ -13,7 +13,13 @@ from typing import Any, Literal
 
 from dynamo_graph.backend.command_line import WorkerConfig, apply_planes, worker_settings
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError, WorkerSettings
-from dynamo_graph.frontend.settings import HttpSettings, HttpTlsSettings, LimitSettings, RecordSettings
+from dynamo_graph.frontend.settings import (
+    AuthSettings,
+    HttpSettings,
+    HttpTlsSettings,
+    LimitSettings,
+    RecordSettings,
+)
 from dynamo_graph.options import (
     SettingError,
     check_values,
@@ -33,6 +39,7 @@ RUN_SETTINGS = (
     EngineSettings,
     HttpSettings,
     HttpTlsSettings,
+    AuthSettings,
     LimitSettings,
     RecordSettings,
     RouterConfig,
@@ -51,6 +58,7 @@ class RunConfig:
     planes: PlaneSettings
     http: HttpSettings = field(default_factory=HttpSettings)
     http_tls: HttpTlsSettings = field(default_factory=HttpTlsSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     record: RecordSettings = field(default_factory=RecordSettings)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -132,6 +140,7 @@ def run_config_from_args(
             planes=planes,
             http=from_params(HttpSettings, params),
             http_tls=from_params(HttpTlsSettings, params),
+            auth=from_params(AuthSettings, params),
             limits=from_params(LimitSettings, params),
             record=from_params(RecordSettings, params),
             router=from_params(RouterConfig, params),
@@ -142,7 +151,7 @@ def run_config_from_args(
             verbosity=params.get("verbose", 0),
             explicit=set(explicit),
         )
-        for settings in (cfg.http, cfg.http_tls, cfg.limits, cfg.disagg):
+        for settings in (cfg.http, cfg.http_tls, cfg.auth, cfg.limits, cfg.disagg):
             validate(settings, flag_speller(type(settings)))
         validate(cfg.record, flag_speller(RecordSettings), given=given_fields(RecordSettings, explicit))
         if input_kind == "dyn":  # a worker has no router: its router flags are reported unused

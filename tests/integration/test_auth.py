@@ -4,6 +4,7 @@ client; the probes stay open; the keys never show in logs, metrics, model lists,
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +153,7 @@ components:
   frontend:
     kind: frontend
     api_key_env: [MY_FRONTEND_KEY]
+    auth: {{keys_file: keys.yaml}}
     env: {{HF_TOKEN: hf-{secret}, PLAIN: visible}}
   backend:
     kind: worker
@@ -166,10 +168,13 @@ def test_render_shows_no_secrets(tiny_model: Path, tmp_path: Path, fmt: str) -> 
     secret = "s3cr3t-value-42"
     graph = tmp_path / "g.yaml"
     graph.write_text(GRAPH.format(model=tiny_model, secret=secret))
+    key_hash = hashlib.sha256(secret.encode()).hexdigest()
+    (tmp_path / "keys.yaml").write_text(f"keys:\n  - name: team\n    key_sha256: {key_hash}\n")
     result = run_cli(["render", str(graph), "--format", fmt], env={"MY_FRONTEND_KEY": ENV_KEY}, timeout=60)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert secret not in out and ENV_KEY not in out
+    assert secret not in out and ENV_KEY not in out and key_hash not in out
     if fmt != "mermaid":
         assert "***" in out and "visible" in out
         assert "MY_FRONTEND_KEY" in out  # the variable's name, so the plan says where keys come from
+        assert str(tmp_path / "keys.yaml") in out  # the keys file's path, never what it holds

@@ -188,6 +188,30 @@ async def test_prefix_cache_hits_and_kv_events(engine: VllmEngine, tokenizer: An
 
 
 @in_module_loop
+async def test_a_cache_salt_keeps_prefixes_apart_and_its_events_match_the_router(
+    engine: VllmEngine, tokenizer: Any
+) -> None:
+    prompt = tokenizer.encode(f"Ticket 2, salted. {LONG}").ids
+    full = len(prompt) // BLOCK * BLOCK
+
+    def salted(salt: str | None) -> PreprocessedRequest:
+        req = request(prompt, 2)
+        req.cache_salt = salt
+        return req
+
+    hits = [(await collect(engine, salted(salt)))[0].cached_tokens for salt in ("a", "b", "a", None)]
+    assert hits == [0, 0, full, 0]
+    # vLLM's events carry the salt (extra_keys): the bridge hashes the first block as the router does.
+    want = local_block_hashes(prompt, BLOCK, salt="a")[0]
+    sink = sink_of(engine)
+    for _ in range(100):
+        if want in {b.tokens_hash for b in sink.blocks()}:
+            break
+        await asyncio.sleep(0.05)
+    assert want in {b.tokens_hash for b in sink.blocks()}
+
+
+@in_module_loop
 async def test_stop_ids_ignore_eos_min_tokens_and_seed(
     engine: VllmEngine, token_ids: list[list[int]], reference: Any
 ) -> None:

@@ -4,11 +4,13 @@ KV blocks, for the KV-routing tests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import httpx
 
-from tests.support.processes import Frontend
+from tests.support.processes import Frontend, ServerProcess, WorkerProcess
+from tests.support.waiting import wait_for
 
 # A long shared system prompt, so that a conversation's opening fills several KV blocks.
 SYSTEM = (
@@ -23,6 +25,24 @@ def instances(frontend: Frontend, model: str) -> list[dict]:
     health = httpx.get(f"{frontend.base_url}/health", timeout=5).json()
     details = health.get("details", {}).get(model)
     return details["instances"] if details else []
+
+
+@contextmanager
+def routing_to(
+    frontend: ServerProcess, workers: Sequence[WorkerProcess], model: str
+) -> Iterator[ServerProcess]:
+    """`frontend` once it lists every one of `workers` as an instance of `model`; all of them
+    stopped afterwards."""
+    try:
+        frontend.wait_ready(path="/live")
+        wait_for(
+            lambda: len(instances(frontend, model)) == len(workers), 30, f"{len(workers)} workers of {model}"
+        )
+        yield frontend
+    finally:
+        frontend.stop()
+        for worker in workers:
+            worker.stop()
 
 
 def opening_messages(conv: int) -> list[dict]:

@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from tests.support.processes import DYNGRAPH, ServerProcess, WorkerProcess, embedded_planes_env
-from tests.support.routing import instances, opening_messages, served_by
-from tests.support.waiting import wait_for
+from tests.support.routing import opening_messages, routing_to, served_by
 
 ENDPOINT = "dyn://kv.mocker.generate"
 
@@ -38,14 +37,8 @@ def kv_graph(
         env={**planes, "DYN_LOG": "info,dynamo_graph.router=debug"},
         log_dir=tmp_path,
     )
-    try:
-        frontend.wait_ready(path="/live")
-        wait_for(lambda: len(instances(frontend, tiny_model.name)) == 2, 30, "both mocker workers")
+    with routing_to(frontend, workers, tiny_model.name):
         yield frontend, workers
-    finally:
-        frontend.stop()
-        for worker in workers:
-            worker.stop()
 
 
 @pytest.mark.parametrize("kv_graph", [True, False], ids=["kv-events", "approximate"], indirect=True)

@@ -151,17 +151,19 @@ def test_missing_env_vars(tmp_path: Path, tiny_model: Path, up_args: list[str]) 
     _assert_nothing_started(file)
 
 
-def test_every_problem_at_once_and_engine_args_file(tmp_path: Path, tiny_model: Path) -> None:
+def test_every_problem_at_once_and_engine_args_and_keys_files(tmp_path: Path, tiny_model: Path) -> None:
     file = _write_graph(
         tmp_path,
         tmp_path / "nope",
         sg={"kind": "worker", "model": "tiny-model", "engine": "sglang", "engine_args_file": "args.json"},
+        frontend={"kind": "frontend", "http": {"port": free_port()}, "auth": {"keys_file": "keys.yaml"}},
     )
     done = run_cli(["validate", "--preflight", str(file)], timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 3, done.stderr
+    assert len(errors) == 4, done.stderr
     assert f"components.sg.engine_args_file: {tmp_path / 'args.json'} does not exist" in done.stderr
+    assert f"components.frontend.auth.keys_file: {tmp_path / 'keys.yaml'} does not exist" in done.stderr
     assert run_cli(["validate", str(file)], timeout=60).returncode == 0  # plain validate reads no host
 
 

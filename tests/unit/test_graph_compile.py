@@ -177,6 +177,16 @@ def test_fault_tolerance_settings_become_flags_and_env(tmp_path: Path) -> None:
     assert "--migration-limit" not in plain.argv and "--health-check-interval-s" not in plain.argv
 
 
+def test_a_keys_file_becomes_its_path_relative_to_the_graph(tmp_path: Path) -> None:
+    text = BASE.replace(
+        "    http: {port: 18555}\n", "    http: {port: 18555}\n    auth: {keys_file: conf/keys.yaml}\n"
+    )
+    _, frontend = build(_write(tmp_path, text)).plan.processes
+    assert _flag(frontend.argv, "--api-keys-file") == str(tmp_path / "conf" / "keys.yaml")
+    _, plain = build(_write(tmp_path, BASE)).plan.processes
+    assert "--api-keys-file" not in plain.argv
+
+
 def test_roles_and_the_frontend_disagg_block_become_flags(tmp_path: Path) -> None:
     text = """
 name: pd

@@ -195,6 +195,40 @@ def test_secret_values_never_appear_in_any_rendered_file(
     assert dgd_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "secrets-secrets", "key": "HF_TOKEN"}
 
 
+def test_a_keys_file_is_mounted_from_the_graph_s_secret_never_rendered(tmp_path: Path) -> None:
+    digest = "5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"
+    (tmp_path / "keys.yaml").write_text(f"keys:\n  - name: team\n    key_sha256: {digest}\n")
+    graph = {
+        "name": "tenants",
+        "models": {"m": {"path": "org/m"}},
+        "components": {
+            "frontend": {"kind": "frontend", "auth": {"keys_file": "keys.yaml"}},
+            "backend": {"kind": "worker", "model": "m", "engine": "mocker"},
+        },
+    }
+    path = _write(tmp_path, graph)
+    built = build(path)
+    for fmt in ("k8s", "dynamo-k8s", "yaml", "json", "shell"):
+        assert digest not in render(built.graph, built.plan, fmt), fmt
+    docs = _by_kind(_docs(path))
+    assert all(not k8s_errors(doc) for doc in docs.values())
+    pod = docs["Deployment", "tenants-frontend"]["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--api-keys-file") + 1] == "/etc/dyngraph-keys/keys.yaml"
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "keys", "mountPath": "/etc/dyngraph-keys", "readOnly": True}
+    ]
+    assert pod["volumes"] == [
+        {
+            "name": "keys",
+            "secret": {
+                "secretName": "tenants-secrets",
+                "items": [{"key": "frontend-keys.yaml", "path": "keys.yaml"}],
+            },
+        }
+    ]
+
+
 def test_static_workers_are_refused(tmp_path: Path) -> None:
     graph = {
         "name": "static",

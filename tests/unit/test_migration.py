@@ -291,6 +291,7 @@ class FakeKvRouter:
         session_id=None,
         prefixes=None,
         explain=None,
+        salt=None,
     ):
         self.routed.append(sorted(instances))
         assert request_id not in self.booked, "booked twice: the failed attempt was not freed"

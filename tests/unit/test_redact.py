@@ -21,6 +21,7 @@ from dynamo_graph.redact import REDACTED, is_secret_name, redact_url
         "ssh_private",
         "HTTP_AUTHORIZATION",
         "authToken",
+        "key_sha256",
     ],
 )
 def test_secret_names(name: str) -> None:
@@ -40,6 +41,8 @@ def test_secret_names(name: str) -> None:
         "KV_BLOCK_SIZE",
         "MODEL_PATH",
         "DYN_LOG",
+        "--api-keys-file",
+        "keys_file",
     ],
 )
 def test_names_that_are_not_secrets(name: str) -> None:

@@ -38,6 +38,10 @@ adapter draws other tokens (the adapter's id is mixed into its seed). As in vLLM
 KV blocks are its own: their local hashes are seeded by the adapter's name as the kv router
 seeds them (router/kv/hashing.py), so they serve only its requests, and their `stored` events
 name the adapter (`lora_name`), which lets the adapter's own kv router find them.
+
+Cache salt: a request's `cache_salt` seeds its first block's hash as the kv router seeds it, so a
+prompt hits only blocks cached under the same salt (one tenant's, docs/security.md), and its
+`cached_tokens` say so.
 """
 
 from __future__ import annotations
@@ -302,7 +306,7 @@ class MockerEngine(LLMEngine):
         if seconds > 0:
             await asyncio.sleep(seconds)
         adapter = request.model if request.model in self.adapters else None
-        transferred = rank.scheduler.import_prefix(prefix, adapter)
+        transferred = rank.scheduler.import_prefix(prefix, adapter, request.cache_salt)
         async for out in self._run(request, context, rank, transferred=transferred):
             yield out
 
@@ -368,6 +372,7 @@ class MockerEngine(LLMEngine):
             sampler=sampler,
             adapter=None if adapter is None else adapter.name,
             priority=request_priority(request),
+            salt=request.cache_salt,
         )
 
     # ---- the forward-pass loop of one rank ---------------------------------------------

@@ -63,7 +63,13 @@ from dynamo_graph.engines.mocker.args import MockerArgs
 from dynamo_graph.engines.mocker.kv_manager import KvManager
 from dynamo_graph.engines.mocker.perf_model import PerfModel, PolynomialPerfModel, iteration_ms
 from dynamo_graph.engines.mocker.queues import FcfsQueue, PriorityQueue, waiting_queue
-from dynamo_graph.router.kv.hashing import chain_hash, local_block_hashes, lora_hash_seed, sequence_hashes
+from dynamo_graph.router.kv.hashing import (
+    chain_hash,
+    local_block_hashes,
+    lora_hash_seed,
+    salted_seed,
+    sequence_hashes,
+)
 from dynamo_graph.router.kv.protocols import StoredBlock
 from dynamo_graph.runtime.context import Context
 
@@ -151,6 +157,7 @@ class MockSequence:
         "preemptions",
         "priority",
         "prompt_len",
+        "salt",
         "sampler",
         "seq_hashes",
         "stop_ids",
@@ -170,6 +177,7 @@ class MockSequence:
         stop_ids: frozenset[int] = frozenset(),
         adapter: str | None = None,
         priority: int = 0,
+        salt: str | None = None,
     ) -> None:
         self.context = context
         self.priority = priority  # Dynamo's sign: higher is more urgent
@@ -179,6 +187,9 @@ class MockSequence:
         # their stored events name it.
         self.adapter = adapter
         self.hash_seed = lora_hash_seed(adapter)
+        # The request's cache salt seeds its first block (hashing.py): no other salt's prefix
+        # is ever a hit for it.
+        self.salt = salt
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(self.tokens)
         self.max_tokens = max_tokens
@@ -208,7 +219,7 @@ class MockSequence:
 
     def hash_blocks(self, block_size: int) -> None:
         """Hashes of every full block of the known tokens (prompt + generated so far)."""
-        self.local_hashes = local_block_hashes(self.tokens, block_size, self.hash_seed)
+        self.local_hashes = local_block_hashes(self.tokens, block_size, self.hash_seed, self.salt)
         self.seq_hashes = sequence_hashes(self.local_hashes)
 
     def usage(self) -> CompletionUsage:
@@ -405,8 +416,11 @@ class Scheduler:
             scheduled.append((seq, chunk, False))
             budget -= chunk
 
-    def import_prefix(self, tokens: Sequence[int], adapter: str | None = None) -> bool:
-        """The full blocks of `tokens` (of LoRA adapter `adapter`, None: the base model),
+    def import_prefix(
+        self, tokens: Sequence[int], adapter: str | None = None, salt: str | None = None
+    ) -> bool:
+        """The full blocks of `tokens` (of LoRA adapter `adapter`, None: the base model; of
+        cache salt `salt`),
         computed by another worker (a KV transfer), become cached blocks of this rank as if it
         had computed them, and are reported as stored; a request for them then only computes
         what follows. False when they cannot be held (no prefix caching, or no room): the
@@ -414,7 +428,7 @@ class Scheduler:
         if not self.prefix_caching:
             return False
         bs, kv = self.block_size, self.kv
-        local = local_block_hashes(tokens, bs, lora_hash_seed(adapter))
+        local = local_block_hashes(tokens, bs, lora_hash_seed(adapter), salt)
         seq = sequence_hashes(local)
         first = 0
         while first < len(seq) and kv.is_cached(seq[first]):
@@ -453,7 +467,8 @@ class Scheduler:
         seq.generated += 1
         bs = self.block_size
         if self.prefix_caching and len(seq.tokens) % bs == 0:
-            local = local_block_hashes(seq.tokens[-bs:], bs, seq.hash_seed)[0]
+            seed = seq.hash_seed if seq.seq_hashes else salted_seed(seq.hash_seed, seq.salt)
+            local = local_block_hashes(seq.tokens[-bs:], bs, seed)[0]
             seq.local_hashes.append(local)
             seq.seq_hashes.append(chain_hash(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
         finish: FinishReason | None = None

@@ -269,6 +269,8 @@ class SglangEngine(LibraryEngine):
         kwargs.update(job.transfer or {})
         if job.request.dp_rank is not None:
             kwargs["data_parallel_rank"] = job.request.dp_rank
+        if job.request.cache_salt:  # SGLang keys its radix cache by it (docs/security.md)
+            kwargs["cache_salt"] = job.request.cache_salt
         return await self._backend.async_generate(**kwargs)
 
     def _parse(self, output: Any, sent: int, request: PreprocessedRequest) -> Parsed:

@@ -243,6 +243,8 @@ class TrtllmEngine(LibraryEngine):
         """`transfer`: DisaggregatedParams making it a context-only request (gathered, not
         streamed, as Dynamo's worker sends it) or a generation-only one."""
         extra: dict[str, Any] = {} if job.transfer is None else {"disaggregated_params": job.transfer}
+        if job.request.cache_salt:  # TensorRT-LLM's own: its prefix blocks are keyed by it too
+            extra["cache_salt"] = job.request.cache_salt
         job.active.result = self._backend.generate_async(
             inputs=job.prompt, sampling_params=job.params, streaming=not job.gather, **extra
         )

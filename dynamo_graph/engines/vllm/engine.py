@@ -332,10 +332,12 @@ class VllmEngine(LibraryEngine):
             kw["lora_request"] = lora
         if self.by_priority:
             kw["priority"] = -request_priority(job.request)  # vLLM: lower runs first
+        prompt = self._vllm["TokensPrompt"](prompt_token_ids=job.prompt)
+        if job.request.cache_salt:
+            # vLLM hashes it into the prompt's first block, as our router does (docs/security.md).
+            prompt["cache_salt"] = job.request.cache_salt
         # Closing vLLM's stream of an unfinished request aborts it inside vLLM.
-        stream = self._llm.generate(
-            self._vllm["TokensPrompt"](prompt_token_ids=job.prompt), job.params, job.active.rid, **kw
-        )
+        stream = self._llm.generate(prompt, job.params, job.active.rid, **kw)
         if self._load is None:
             return stream
         return self._counted(stream, job.request.dp_rank or 0, len(job.prompt))

@@ -18,6 +18,18 @@ def block_hash_u64(value: int | bytes) -> int:
     return int(value) & U64
 
 
+def first_block_salt(event: Any, lora_name: str | None) -> str | None:
+    """The cache salt of a prompt's first block, from vLLM's `extra_keys` (newer vLLMs): that
+    block's keys are the adapter's name, multimodal keys, then the salt. Only a text prompt's
+    keys are read (the adapter's name, then one string); anything else is no salt, which only
+    costs the router the blocks' overlap, never a wrong match (docs/security.md)."""
+    extra = getattr(event, "extra_keys", None)
+    keys = list(extra[0] or ()) if extra else []
+    if lora_name is not None and keys[:1] == [lora_name]:
+        keys = keys[1:]
+    return keys[0] if len(keys) == 1 and isinstance(keys[0], str) else None
+
+
 class VllmKvEventBridge(KvBlockBridge):
     """vLLM's KV event batches -> our `KvEventSink` (stored / removed / cleared per DP rank)."""
 
@@ -59,5 +71,6 @@ class VllmKvEventBridge(KvBlockBridge):
         parent = event.parent_block_hash
         hashes = [block_hash_u64(h) for h in event.block_hashes]
         parent_u64 = None if parent is None else block_hash_u64(parent)
-        if self.store(parent_u64, hashes, list(event.token_ids), size, rank, lora_name):
+        salt = first_block_salt(event, lora_name) if parent is None else None
+        if self.store(parent_u64, hashes, list(event.token_ids), size, rank, lora_name, salt):
             self.warn_once("partial", "a BlockStored event without the tokens of all its blocks")

@@ -28,6 +28,7 @@ from dynamo_graph.frontend.anthropic_messages.protocol import (
 from dynamo_graph.frontend.api_surface import SurfaceHandler
 from dynamo_graph.frontend.errors import HTTPError, request_decoder
 from dynamo_graph.frontend.openai_asgi import Receive, Send, send_json
+from dynamo_graph.frontend.tenant_limits import TenantRequest
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.llm.preprocessor import UNSUPPORTED_BY_MODEL
@@ -160,6 +161,7 @@ class CountTokensHandler(MessagesHandler):
         send: Send,
         deadline: float | None = None,
         retry: bool = False,
+        tenant: TenantRequest | None = None,
     ) -> None:
         if prepared.preprocessed is None:
             err = HTTPError(
@@ -172,3 +174,5 @@ class CountTokensHandler(MessagesHandler):
             await send_json(send, 400, self.error_body(err))
             return
         await send_json(send, 200, msgspec.json.encode({"input_tokens": prepared.prompt_tokens}))
+        if tenant is not None:
+            tenant.ended("success", prepared.prompt_tokens, 0)

@@ -70,6 +70,10 @@ class EmbeddingsHandler(OpenAIHandler):
         return True
 
     @staticmethod
+    def _tokens_used(prepared: Any) -> tuple[int, int]:
+        return _tokens(prepared), 0
+
+    @staticmethod
     def _count_tokens(metrics: ModelMetrics, prepared: Any) -> None:
         """An embedding's only token count is its input's."""
         metrics.isl.observe(_tokens(prepared))

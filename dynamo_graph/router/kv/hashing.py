@@ -11,6 +11,11 @@ so their local hashes are seeded by the adapter, as Dynamo seeds them:
 `seed = 1337 + xxh3_64(adapter name)` (mod 2^64; no name, or an empty one, is the base model).
 Their sequence hashes chain as usual, so no block of an adapter ever names the same prefix as a
 base-model block or another adapter's.
+
+A request's *cache salt* (vLLM's `cache_salt`; the frontend sets it per tenant, docs/security.md)
+goes into its first block only, as in vLLM: that block's local hash is seeded by
+`salted_seed(seed, salt)`. Every later sequence hash chains from it, so two requests with other
+salts share no block, while the local hashes of later blocks stay the plain ones.
 """
 
 from __future__ import annotations
@@ -37,9 +42,19 @@ def lora_hash_seed(lora_name: str | None) -> int:
     return (HASH_SEED + xxh3_64_intdigest(lora_name.encode())) & _U64
 
 
-def local_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = HASH_SEED) -> list[int]:
+def salted_seed(seed: int, salt: str | None) -> int:
+    """The seed of a request's first block: `seed` itself without a salt."""
+    if not salt:
+        return seed
+    return xxh3_64_intdigest(salt.encode(), seed)
+
+
+def local_block_hashes(
+    token_ids: Sequence[int], block_size: int, seed: int = HASH_SEED, salt: str | None = None
+) -> list[int]:
     """The local hash of every full block of `token_ids` (a trailing partial block is skipped);
-    `seed`: `lora_hash_seed` of the adapter whose blocks these are."""
+    `seed`: `lora_hash_seed` of the adapter whose blocks these are; `salt`: the request's cache
+    salt, which seeds the first block (so `token_ids` must start at the prompt's start)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, not {block_size}")
     full = len(token_ids) // block_size
@@ -50,7 +65,10 @@ def local_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = HA
         words.byteswap()
     data = memoryview(words).cast("B")
     step = block_size * _U32
-    return [xxh3_64_intdigest(data[i : i + step], seed) for i in range(0, full * step, step)]
+    hashes = [xxh3_64_intdigest(data[i : i + step], seed) for i in range(0, full * step, step)]
+    if salt:
+        hashes[0] = xxh3_64_intdigest(data[:step], salted_seed(seed, salt))
+    return hashes
 
 
 def chain_hash(parent: int | None, local: int) -> int:

@@ -12,7 +12,9 @@ predecessor). The longest known prefix is used, and the longest named prefix is 
 One cache belongs to one router, so to one block size and one model: the base model's, or one
 LoRA adapter's, whose local hashes are seeded by the adapter (`seed`, hashing.py). Keys name
 token ids only, which are the same whichever adapter a prompt is for, so a cache must never
-serve routers of two adapters: each adapter's router has its own (router.py). Bounded at
+serve routers of two adapters: each adapter's router has its own (router.py). A request's cache
+salt changes every hash of its prompt (hashing.py), so a salted prefix is cached under its key
+and its salt. Bounded at
 `DYN_ROUTER_HASH_CACHE_MB` (16) of hashes, least recently used out first.
 """
 
@@ -50,17 +52,23 @@ class PrefixHashCache:
         return len(self._entries)
 
     def hashes(
-        self, token_ids: Sequence[int], prefixes: Sequence[tuple[int, bytes]] | None = None
+        self,
+        token_ids: Sequence[int],
+        prefixes: Sequence[tuple[int, bytes]] | None = None,
+        salt: str | None = None,
     ) -> tuple[list[int], list[int]]:
         """Local and sequence hashes of the full blocks of `token_ids`. `prefixes`: (token
-        count, key of those leading ids), shortest first, as the segment tokenizer names them."""
+        count, key of those leading ids), shortest first, as the segment tokenizer names them;
+        `salt`: the request's cache salt."""
         bs = self.block_size
         if not prefixes or self.max_bytes <= 0:
-            local = local_block_hashes(token_ids, bs, self.seed)
+            local = local_block_hashes(token_ids, bs, self.seed, salt)
             return local, sequence_hashes(local)
         entries = self._entries
+        suffix = salt.encode() if salt else b""
         found = None
         for _, key in reversed(prefixes):
+            key += suffix  # keys are digests of one length: the salt after one is unambiguous
             found = entries.get(key)
             if found is not None and len(found[0]) * bs <= len(token_ids):  # else a foreign key
                 entries.move_to_end(key)
@@ -69,7 +77,7 @@ class PrefixHashCache:
         if found is None:
             self.misses += 1
             done = 0
-            local = local_block_hashes(token_ids, bs, self.seed)
+            local = local_block_hashes(token_ids, bs, self.seed, salt)
             seq = sequence_hashes(local)
         else:  # new lists: callers may keep them
             self.hits += 1
@@ -78,6 +86,7 @@ class PrefixHashCache:
             local = [*found[0], *rest]
             seq = [*found[1], *sequence_hashes(rest, found[1][-1])]
         tokens, key = prefixes[-1]
+        key += suffix
         blocks = min(tokens, len(token_ids)) // bs
         if blocks > done and key not in entries:
             self._remember(key, local[:blocks], seq[:blocks])

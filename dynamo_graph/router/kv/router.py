@@ -194,18 +194,19 @@ class KvRouter:
         instance_ids: Iterable[int],
         token_ids: Sequence[int] = (),
         prefixes: Sequence[tuple[int, bytes]] | None = None,
+        salt: str | None = None,
     ) -> bool:
         """Wait for a turn while every worker is saturated (no queue: at once); False if the
         request was stopped meanwhile. Raises `QueueFull` past the queue's bound. An admitted
         request must be `dispatched` once routed (or once routing it failed). `token_ids` and
-        `prefixes` (as for `route`) give the `wspt` order its uncached tokens."""
+        `prefixes` and `salt` (as for `route`) give the `wspt` order its uncached tokens."""
         if self.queue is None:
             return True
         instances = list(instance_ids)
         self._candidates = self.targets(instances)
 
         def uncached() -> int:
-            return self.uncached_tokens(token_ids, instances, prefixes)
+            return self.uncached_tokens(token_ids, instances, prefixes, salt)
 
         return await self.queue.admit(priority, context, uncached)
 
@@ -223,17 +224,19 @@ class KvRouter:
         session_id: str | None = None,
         prefixes: Sequence[tuple[int, bytes]] | None = None,
         explain: list[dict[str, Any]] | None = None,
+        salt: str | None = None,
     ) -> Choice:
         """Pick a worker rank for the request and book it there. `prefixes`: the prompt's
         leading prefixes named by the segment tokenizer, whose block hashes may be reused.
-        `explain`: a list to append every candidate's cost terms to (the decision log)."""
+        `explain`: a list to append every candidate's cost terms to (the decision log).
+        `salt`: the request's cache salt (its blocks match only blocks of the same salt)."""
         candidates = self._candidates = self.targets(instance_ids)
         if not candidates:
             raise NoWorkers("no worker instances to route to")
         block_size = self.block_size
         config = self.config
         weight = config.kv_overlap_score_weight
-        local, seq = self.prefix_hashes.hashes(token_ids, prefixes)
+        local, seq = self.prefix_hashes.hashes(token_ids, prefixes, salt)
         overlaps = self.indexer.find_matches(local, seq) if weight and local else {}
         isl = len(token_ids)
         predictive = config.cost == "predictive"
@@ -321,10 +324,11 @@ class KvRouter:
         token_ids: Sequence[int],
         instance_ids: Iterable[int],
         prefixes: Sequence[tuple[int, bytes]] | None = None,
+        salt: str | None = None,
     ) -> int:
         """Prompt tokens the best-placed of these workers would still have to compute.
-        `prefixes`: as for `route`, whose block hashes are reused."""
-        local, seq = self.prefix_hashes.hashes(token_ids, prefixes)
+        `prefixes` and `salt`: as for `route`."""
+        local, seq = self.prefix_hashes.hashes(token_ids, prefixes, salt)
         if not local:
             return len(token_ids)
         overlaps = self.indexer.find_matches(local, seq)

@@ -274,6 +274,8 @@ def not_rendered(graph: Graph) -> list[str]:
                     notes.append(f"components.{key}.limits.{name}: {value} (no flag of Dynamo's frontend)")
             if comp.api_key_env:
                 notes.append(f"components.{key}.api_key_env: Dynamo's frontend does not check API keys")
+            if comp.auth.keys_file is not None:
+                notes.append(f"components.{key}.auth.keys_file: Dynamo's frontend has no tenants or API keys")
             if comp.disagg.conditional:
                 notes.append(
                     f"components.{key}.disagg.conditional: Dynamo's --router-conditional-disagg "

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_graph.frontend.settings import GROUP_ENV
-from dynamo_graph.graph.compile import compile_graph, local_path
+from dynamo_graph.graph.compile import compile_graph, file_path, local_path
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import Frontend, Graph, Worker
@@ -61,6 +61,7 @@ FILES_DIR = "/etc/dyngraph"
 TLS_DIR = "/etc/dyngraph-tls"  # the `<graph>-tls` Secret's mount
 # A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate).
 _TLS_KEYS = {"ca.crt": "ca.crt", "curve.key": "curve.key", ".crt": "tls.crt", ".key": "tls.key"}
+KEYS_DIR = "/etc/dyngraph-keys"  # a frontend's keys file, from the graph's Secret
 PROBE_PERIOD_S = 5
 # Set per pod from the graph's planes and the pod's own address, never copied from the plan.
 _HOST_ONLY_ENV = {
@@ -136,6 +137,15 @@ class _K8s:
                 local = local_path(path, self.graph_dir)
                 if local is not None:
                     self.paths[str(local)] = f"{mount}/{local.name}"
+        for key, frontend in sorted(self.graph.frontends().items()):
+            if frontend.auth.keys_file is not None:
+                self.paths[file_path(frontend.auth.keys_file, self.graph_dir)] = f"{KEYS_DIR}/keys.yaml"
+                secret = secret_name(self.graph)
+                self.notes.append(
+                    f"components.{key}.auth.keys_file: the pods read it from Secret {secret}, key "
+                    f"{key}-keys.yaml (kubectl create secret generic {secret} "
+                    f"--from-file={key}-keys.yaml=PATH ...); an updated Secret is reloaded"
+                )
         for path, text in self.plan.files.items():  # inline engine args
             self.paths[path] = self._file(Path(path).name, text)
         for key, worker in sorted(self.graph.workers().items()):
@@ -244,6 +254,8 @@ class _K8s:
         mounts = self._tls_mount()
         if isinstance(comp, Frontend):
             container["ports"] = [{"name": "http", "containerPort": comp.http.port}]
+            if comp.auth.keys_file is not None:
+                mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         else:
             container["ports"] = [{"name": "request-plane", "containerPort": WORKER_PORT}]
             if comp.gpus.per_replica:
@@ -261,6 +273,11 @@ class _K8s:
         name = f"{self.base}-{self.names[key]}"
         labels = {PART_OF: self.base, COMPONENT: self.names[key]}
         volumes = self._tls_volume()
+        if isinstance(comp, Frontend) and comp.auth.keys_file is not None:
+            items = [{"key": f"{key}-keys.yaml", "path": "keys.yaml"}]
+            volumes.append(
+                {"name": "keys", "secret": {"secretName": secret_name(self.graph), "items": items}}
+            )
         if isinstance(comp, Worker):
             if self.volume:
                 volumes.append(models_volume(self.graph))

@@ -4,7 +4,7 @@ host, graph key and file:line.
 
 What each host must have comes from the plan: model folders that hold a tokenizer and a config
 (or a GGUF, for llama.cpp), hub ids that are cached there or can be downloaded (hub_probe.py),
-`--model-config` folders, `engine_args_file`s and Python engine files;
+`--model-config` folders, `engine_args_file`s, Python engine files and frontends' keys files;
 the Python package of each worker's engine, importable by the interpreter that will run it; the
 variables a frontend's `api_key_env` names, set in that host's environment; the GPUs the
 placement hands out (CUDA_VISIBLE_DEVICES), counted with nvidia-smi or NVML; and pinned ports
@@ -114,6 +114,8 @@ def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]
             for i, name in enumerate(comp.api_key_env):
                 if name not in spec.env:
                     need.env.setdefault(name, f"components.{spec.component}.api_key_env.{i}")
+            if keys_file := _flag(spec, "--api-keys-file"):
+                need.paths.setdefault(keys_file, f"components.{spec.component}.auth.keys_file")
         if spec.argv[0] == "dyngraph":  # not managed etcd / nats, which run in the state dir
             need.workdir = spec.workdir
         if graph.host(spec.host).workdir:
