@@ -31,6 +31,7 @@ from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.options import flagged
 from dynamo_graph.process.run_config import RUN_OPTIONS, RunConfig, apply_runtime_settings
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
@@ -347,8 +348,11 @@ async def run_async(cfg: RunConfig) -> int:
         apply_runtime_settings(cfg)
     if cfg.input == "dyn":
         assert cfg.input_arg is not None
-        return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
+        name = EndpointName.parse(cfg.input_arg)
+        tracing.setup(f"{name.namespace}.{name.component}")
+        return await serve_worker(cfg, name)
     if cfg.discovers_workers:
+        tracing.setup("frontend")
         return await _run_frontend(cfg)
     started = await start_engine(cfg)
     pipeline = started.pipeline()
