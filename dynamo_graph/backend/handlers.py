@@ -165,13 +165,14 @@ def tokens_handler(
                     stream, report = await _from_transfer(engine, fetcher, request, context)
                 else:
                     stream = engine.generate(request, context)
-                tokens = 0
+                tokens, first = 0, True
                 async for out in stream:
                     if closing.ended:
                         raise EngineShutdown(_SHUTDOWN_MESSAGE)
                     out = _checked(out)
-                    if not tokens:
+                    if first:
                         span.event("first_token")
+                        first = False
                     tokens += len(out.token_ids)
                     if report is not None:
                         out.kv_import, report = report, None
@@ -180,6 +181,8 @@ def tokens_handler(
                         span.set("llm.completion_tokens", tokens)
                         span.set("llm.finish_reason", out.finish_reason)
                         return
+
+    return generate
 
 
 def _describe(span: tracing.Span | tracing.NoSpan, request: PreprocessedRequest, cap: InflightCap) -> None:
@@ -191,8 +194,6 @@ def _describe(span: tracing.Span | tracing.NoSpan, request: PreprocessedRequest,
     max_tokens = request.stop_conditions.max_tokens
     if max_tokens is not None:
         span.set("llm.max_tokens", max_tokens)
-
-    return generate
 
 
 async def _from_transfer(
@@ -207,7 +208,9 @@ async def _from_transfer(
         try:
             handoff, report = await fetcher.fetch(params, context)
         except KvFetchError as err:
-            log.warning("request %s: KV transfer failed (%s: %s); prefilling locally", context.id, err.kind, err)
+            log.warning(
+                "request %s: KV transfer failed (%s: %s); prefilling locally", context.id, err.kind, err
+            )
             span.set("kv.error", err.kind)
             return engine.generate(request, context), KvImportReport(error=err.kind)
     stream = engine.generate_from_kv(request, handoff, context)

@@ -65,7 +65,7 @@ OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
 WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers looks again
-_TRACE_HEADERS = (b"traceparent", b"tracestate")
+TRACE_HEADERS = (b"traceparent", b"tracestate")
 ACCEPT_ATTEMPTS = 3  # a request whose model's workers all left before its first byte is accepted again
 
 
@@ -218,7 +218,9 @@ class OpenAIHandler:
     async def _traced(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
         """`_handle` inside the request's server span, continuing the client's W3C `traceparent`
         (or starting a trace); `root` carries the span to the request's stages."""
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _TRACE_HEADERS}
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in TRACE_HEADERS
+        }
         root = Context()
         path = scope["path"]
         attributes = {"http.request.method": "POST", "url.path": path}

@@ -140,7 +140,9 @@ class DisaggRouter:
             finally:
                 await paired.aclose()
         elif reason is None:
-            with tracing.span("remote_prefill", context, {"llm.prompt_tokens": len(request.token_ids)}) as span:
+            with tracing.span(
+                "remote_prefill", context, {"llm.prompt_tokens": len(request.token_ids)}
+            ) as span:
                 first, reason = await self._remote_prefill(request, context, exclude)
                 span.set("disagg.outcome", reason)
         if first is None:

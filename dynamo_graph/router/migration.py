@@ -33,8 +33,8 @@ from typing import Protocol
 import msgspec
 
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingOptions
-from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime import tracing
+from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError, ShuttingDown
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken

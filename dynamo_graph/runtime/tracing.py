@@ -130,7 +130,9 @@ class Span:
     def __init__(self, name: str, context: Context | None, parent: Any, kind: str, attributes: Any) -> None:
         from opentelemetry.trace import SpanKind
 
-        self.span = _tracer.start_span(name, context=parent, kind=SpanKind[kind.upper()], attributes=attributes)
+        self.span = _tracer.start_span(
+            name, context=parent, kind=SpanKind[kind.upper()], attributes=attributes
+        )
         self._context = context
         self._saved: Any = None
 

@@ -73,7 +73,10 @@ def test_two_workers_one_trace(tmp_path: Path, tiny_model: Path, receiver: OtlpR
             assert answer.usage is not None and answer.usage.completion_tokens == 4
         front, pids = cluster.frontend.proc.pid, {w.proc.pid for w in cluster.workers}
         wait_for(
-            lambda: {s.pid for s in receiver.trace(trace_id) if s.name == "generate"} == pids,
+            lambda: (
+                {s.pid for s in receiver.trace(trace_id) if s.name in ("generate", "POST /v1/completions")}
+                == {front, *pids}
+            ),
             20,
             "the generate spans of both workers",
         )
@@ -83,14 +86,16 @@ def test_two_workers_one_trace(tmp_path: Path, tiny_model: Path, receiver: OtlpR
     assert {s.pid for s in spans} == {front, *pids}
     _linked(spans, parent)
     https = [s for s in spans if s.name == "POST /v1/completions"]
-    assert len(https) == 2 and all(h.parent_id == parent and h.kind == SERVER and h.pid == front for h in https)
+    assert len(https) == 2 and all(
+        h.parent_id == parent and h.kind == SERVER and h.pid == front for h in https
+    )
     assert all(h.attributes["http.response.status_code"] == 200 for h in https)
     for http in https:
         (pre,) = _children(spans, http, "preprocess")
         assert pre.attributes["llm.prompt_tokens"] > 0
-        (call,) = _children(spans, http, "call mig.mocker.generate")
+        (call,) = _children(spans, http, "call dyn://mig.mocker.generate")
         assert call.kind == CLIENT and call.pid == front
-        (serve,) = _children(spans, call, "serve mig.mocker.generate")
+        (serve,) = _children(spans, call, "serve dyn://mig.mocker.generate")
         assert serve.kind == SERVER and serve.pid in pids
         (generate,) = _children(spans, serve, "generate")
         assert generate.pid == serve.pid and "first_token" in generate.events
@@ -110,10 +115,15 @@ def test_prefill_decode_one_trace(tmp_path: Path, tiny_model: Path, receiver: Ot
         answer = client.completions.create(model=cluster.model, prompt=LONG + "Question?", max_tokens=6)
         assert answer.usage is not None and answer.usage.completion_tokens == 6
         front = cluster.frontend.proc.pid
-        (prefill_pid,), (decode_pid,) = [w.proc.pid for w in cluster.prefill], [w.proc.pid for w in cluster.decode]
+        (prefill_pid,), (decode_pid,) = (
+            [w.proc.pid for w in cluster.prefill],
+            [w.proc.pid for w in cluster.decode],
+        )
         wait_for(
-            lambda: {"generate", "prefill", "serve pd.prefill.kv_fetch"}
-            <= {s.name for s in receiver.trace(trace_id)},
+            lambda: (
+                {"generate", "prefill", "serve dyn://pd.prefill.kv_fetch"}
+                <= {s.name for s in receiver.trace(trace_id)}
+            ),
             20,
             "the workers' spans",
         )
@@ -125,23 +135,26 @@ def test_prefill_decode_one_trace(tmp_path: Path, tiny_model: Path, receiver: Ot
     http = _one(spans, "POST /v1/completions", parent_id=parent)
     routes = [s for s in spans if s.name == "route"]
     assert routes and all(r.pid == front and r.attributes["router.mode"] == "kv" for r in routes)
-    assert all(r.attributes["router.candidates"] == 1 and "router.overlap_blocks" in r.attributes for r in routes)
+    assert all(
+        r.attributes["router.candidates"] == 1 and "router.overlap_blocks" in r.attributes for r in routes
+    )
     # frontend -> prefill worker
     (remote,) = _children(spans, http, "remote_prefill")
-    (to_prefill,) = _children(spans, remote, "call pd.prefill.generate")
-    (served_prefill,) = _children(spans, to_prefill, "serve pd.prefill.generate")
+    (to_prefill,) = _children(spans, remote, "call dyn://pd.prefill.generate")
+    (served_prefill,) = _children(spans, to_prefill, "serve dyn://pd.prefill.generate")
     assert served_prefill.pid == prefill_pid
     assert _children(spans, served_prefill, "prefill")
-    assert any(r.attributes["router.worker.instance_id"] == to_prefill.attributes["instance.id"] for r in routes)
+    assert any(
+        r.attributes["router.worker.instance_id"] == to_prefill.attributes["instance.id"] for r in routes
+    )
     # frontend -> decode worker -> (KV fetch) -> prefill worker
-    (to_decode,) = _children(spans, http, "call pd.backend.generate")
-    (served_decode,) = _children(spans, to_decode, "serve pd.backend.generate")
+    (to_decode,) = _children(spans, http, "call dyn://pd.backend.generate")
+    (served_decode,) = _children(spans, to_decode, "serve dyn://pd.backend.generate")
     assert served_decode.pid == decode_pid
     (generate,) = _children(spans, served_decode, "generate")
     (transfer,) = _children(spans, generate, "kv_transfer")
     assert transfer.attributes["kv.bytes"] > 0 and "kv.error" not in transfer.attributes
-    (fetch,) = _children(spans, transfer, "call pd.prefill.kv_fetch")
+    (fetch,) = _children(spans, transfer, "call dyn://pd.prefill.kv_fetch")
     assert fetch.pid == decode_pid
-    (served_fetch,) = _children(spans, fetch, "serve pd.prefill.kv_fetch")
+    (served_fetch,) = _children(spans, fetch, "serve dyn://pd.prefill.kv_fetch")
     assert served_fetch.pid == prefill_pid
-
