@@ -18,10 +18,7 @@ Results: benchmarks/results/tracing.json (with the commit and the machine).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,9 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from bench_frontend import STREAM_BODY, free_port, measure, start  # noqa: E402
+import bench_frontend as compare  # noqa: E402
 
-from dynamo_graph.bench.provenance import provenance  # noqa: E402
 from dynamo_graph.bench.report import write_json  # noqa: E402
 from dynamo_graph.runtime import tracing  # noqa: E402
 from dynamo_graph.runtime.context import Context  # noqa: E402
@@ -58,24 +54,10 @@ def time_off_sites(n: int = 200_000) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--requests", type=int, default=300, help="per load point")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tracing.json")
-    args = parser.parse_args()
+    args = compare.variants_args(__doc__ or "", "tracing.json")
     scratch = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     receiver = OtlpReceiver()
-    planes = {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(scratch / "discovery"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "PYTHONHASHSEED": "0",
-    }
+    planes = compare.embedded_planes(scratch)
     traced = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
@@ -85,58 +67,32 @@ def main() -> int:
         "on_sampled_out": {**traced, "OTEL_TRACES_SAMPLER_ARG": "0"},
         "on_exported": {**traced, "OTEL_TRACES_SAMPLER_ARG": "1.0"},
     }
-    engine_args = scratch / "mocker.json"
-    engine_args.write_text(json.dumps({"speedup_ratio": 10000, "block_size": 16, "num_gpu_blocks": 65536}))
+    # The workers follow the frontend's decision (parent-based sampling), exporting what it keeps.
+    workers = compare.mocker_workers(
+        args.model, scratch, {**planes, **traced, "OTEL_TRACES_SAMPLER_ARG": "0"}
+    )
     run = [sys.executable, "-m", "dynamo_graph", "run"]
-    worker_argv = [*run, "in=dyn://bench.mocker.generate", "out=mocker", args.model]
-    worker_argv += ["--model-name", "bench", "--extra-engine-args", str(engine_args)]
-    worker_env = {**os.environ, **planes, **traced, "OTEL_TRACES_SAMPLER_ARG": "0", "DYN_LOG": "warn"}
-    workers = [subprocess.Popen(worker_argv, env=worker_env, stdout=subprocess.DEVNULL) for _ in range(2)]
     frontends: dict[str, tuple[subprocess.Popen, int]] = {}
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for name, otel in variants.items():
-            port = free_port()
+            port = compare.free_port()
             argv = [*run, "in=http", "out=auto", "--http-port", str(port), "--router-mode", "round-robin"]
-            frontends[name] = (start(argv, port, 0, {**planes, **otel}), port)
-        names = list(frontends)
-        load = {
-            "concurrency": args.concurrency,
-            "requests": args.requests,
-            "keep_alive": True,
-            "max_seconds": 60,
-        }
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                proc, port = frontends[name]
-                point = measure(proc.pid, port, STREAM_BODY, **load)
-                assert point["ok"] == point["requests"], point
-                ms = point["server_cpu_ms_per_request"]
-                cpu[name].append(ms)
-                print(f"{name:>16}: {ms:.3f} CPU-ms/request, {point['rps']} req/s", flush=True)
+            frontends[name] = (compare.start(argv, port, 0, {**planes, **otel}), port)
+        load = {"concurrency": args.concurrency, "requests": args.requests, "keep_alive": True}
+        cpu = compare.alternate(frontends, compare.STREAM_BODY, args.rounds, max_seconds=60, **load)
         time.sleep(1)  # the last batches reach the receiver
     finally:
-        for proc, _ in frontends.values():
-            proc.terminate()
-        for worker in workers:
-            worker.terminate()
-        for proc in [*(p for p, _ in frontends.values()), *workers]:
-            proc.wait(30)
+        compare.stop_all([*(p for p, _ in frontends.values()), *workers])
         receiver.stop()
     off_ns = time_off_sites()
-    median = {name: statistics.median(values) for name, values in cpu.items()}
     traces = {s.trace_id for s in receiver.spans}
-    result = {
-        "benchmark": "tracing_frontend_cpu",
-        "provenance": provenance(),
-        "load": {"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds},
-        "cpu_ms_per_request": cpu,
-        "median_cpu_ms_per_request": median,
-        "ratio_to_off": {name: round(value / median["off"], 3) for name, value in median.items()},
+    result = compare.variants_result("tracing_frontend_cpu", args, cpu)
+    off_ms = result["median_cpu_ms_per_request"]["off"]
+    result |= {
         "spans_received": len(receiver.spans),
         "traces_received": len(traces),
         "off_span_sites_ns_per_request": round(off_ns, 1),
-        "off_span_sites_share_of_request_cpu": round(off_ns / (median["off"] * 1e6), 5),
+        "off_span_sites_share_of_request_cpu": round(off_ns / (off_ms * 1e6), 5),
     }
     print(json.dumps(result["ratio_to_off"]), f"({len(traces)} traces, {len(receiver.spans)} spans received)")
     print(f"tracing off: {off_ns:.0f} ns of span sites per request")

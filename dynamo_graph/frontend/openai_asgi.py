@@ -225,6 +225,9 @@ class OpenAIHandler:
         path = scope["path"]
         attributes = {"http.request.method": "POST", "url.path": path}
         with tracing.span(f"POST {path}", root, attributes, kind="server", headers=carrier) as http:
+            if not http.recording:  # sampled out: nothing more to record
+                await self._handle(scope, receive, send, deadline, root)
+                return
 
             async def traced_send(message: MutableMapping[str, Any]) -> None:
                 if message["type"] == "http.response.start":

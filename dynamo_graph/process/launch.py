@@ -350,10 +350,16 @@ async def run_async(cfg: RunConfig) -> int:
         assert cfg.input_arg is not None
         name = EndpointName.parse(cfg.input_arg)
         tracing.setup(f"{name.namespace}.{name.component}")
-        return await serve_worker(cfg, name)
+        try:
+            return await serve_worker(cfg, name)
+        finally:
+            tracing.shutdown()
     if cfg.discovers_workers:
         tracing.setup("frontend")
-        return await _run_frontend(cfg)
+        try:
+            return await _run_frontend(cfg)
+        finally:
+            tracing.shutdown()
     started = await start_engine(cfg)
     pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.

@@ -32,8 +32,11 @@ ON = False
 """True once `setup` configured tracing in this process."""
 
 _tracer: Any = None
+_provider: Any = None
 _propagator: Any = None
 _EMPTY: dict[str, str] = {}
+_UNSAMPLED = object()
+"""A request's `Context.trace` when its trace is sampled out: its spans are the no-op."""
 
 
 def configured(env: Mapping[str, str] = os.environ) -> bool:
@@ -63,13 +66,13 @@ def tracer_provider(service_name: str) -> Any:
 
 def setup(service_name: str) -> bool:
     """Turn tracing on in this process if the environment asks for it; True when on."""
-    global ON, _tracer, _propagator
+    global ON, _tracer, _propagator, _provider
     if ON or not configured():
         return ON
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    provider = tracer_provider(service_name)
+    provider = _provider = tracer_provider(service_name)
     trace.set_tracer_provider(provider)  # engines that trace themselves join the same export
     _tracer = provider.get_tracer("dynamo_graph")
     _propagator = TraceContextTextMapPropagator()
@@ -77,9 +80,17 @@ def setup(service_name: str) -> bool:
     return True
 
 
+def shutdown() -> None:
+    """Export the spans still waiting in the batch (the process is ending), then stop."""
+    global ON
+    if ON:
+        ON = False
+        _provider.shutdown()
+
+
 def inject(context: Context | None) -> dict[str, str]:
     """The request's trace context as request-frame headers (empty when untraced)."""
-    if not ON or context is None or context.trace is None:
+    if not ON or context is None or context.trace is None or context.trace is _UNSAMPLED:
         return _EMPTY
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=context.trace)
@@ -98,6 +109,7 @@ class NoSpan:
 
     __slots__ = ()
     carrier = _EMPTY
+    recording = False
 
     def __enter__(self) -> NoSpan:
         return self
@@ -137,6 +149,11 @@ class Span:
         self._saved: Any = None
 
     @property
+    def recording(self) -> bool:
+        """False for a span its trace's sampling dropped (what runs inside it makes none)."""
+        return self.span.is_recording()
+
+    @property
     def carrier(self) -> dict[str, str]:
         """This span as the parent a request frame carries (W3C trace context headers)."""
         from opentelemetry.trace import set_span_in_context
@@ -151,7 +168,8 @@ class Span:
             from opentelemetry.trace import set_span_in_context
 
             self._saved = context.trace
-            context.trace = set_span_in_context(self.span, context.trace)
+            sampled = self.span.is_recording()
+            context.trace = set_span_in_context(self.span, context.trace) if sampled else _UNSAMPLED
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -190,16 +208,21 @@ def span(
     headers: Mapping[str, str] | None = None,
 ) -> Span | NoSpan:
     """A child of the request's current span (of the trace in `headers` when given: a server
-    span's caller); the shared no-op while tracing is off."""
+    span's caller); the shared no-op while tracing is off or the request's trace is sampled out."""
     if not ON:
         return NO_SPAN
-    parent = extract(headers) if headers is not None else (context.trace if context is not None else None)
+    if headers is not None:
+        parent = extract(headers)
+    else:
+        parent = None if context is None else context.trace
+        if parent is _UNSAMPLED:
+            return NO_SPAN
     return Span(name, context, parent, kind, attributes)
 
 
 def event(context: Context, name: str, attributes: Mapping[str, Any] | None = None) -> None:
     """An event on the request's current span (a migration, a fallback): a moment, not a span."""
-    if not ON or context.trace is None:
+    if not ON or context.trace is None or context.trace is _UNSAMPLED:
         return
     from opentelemetry.trace import get_current_span
 
@@ -212,10 +235,5 @@ async def served(
     """A served request's responses inside a server span that continues the caller's trace
     (only called for requests whose headers carry one)."""
     with span(name, context, {"request.id": context.id}, kind="server", headers=headers):
-        try:
-            async for item in stream:
-                yield item
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        async for item in stream:
+            yield item

@@ -67,18 +67,19 @@ def test_two_workers_one_trace(tmp_path: Path, tiny_model: Path, receiver: OtlpR
     cluster = start_cluster(tmp_path, tiny_model, workers=2, limit=None)
     try:
         trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
-        client = _client(cluster.frontend.base_url, trace_id, parent)
-        for i in range(2):
-            answer = client.completions.create(model=cluster.model, prompt=f"Hello {i}", max_tokens=4)
-            assert answer.usage is not None and answer.usage.completion_tokens == 4
+        with _client(cluster.frontend.base_url, trace_id, parent) as client:
+            for i in range(2):
+                answer = client.completions.create(model=cluster.model, prompt=f"Hello {i}", max_tokens=4)
+                assert answer.usage is not None and answer.usage.completion_tokens == 4
         front, pids = cluster.frontend.proc.pid, {w.proc.pid for w in cluster.workers}
+        ends = ("generate", "POST /v1/completions")  # the last span each process ends
         wait_for(
             lambda: (
-                {s.pid for s in receiver.trace(trace_id) if s.name in ("generate", "POST /v1/completions")}
-                == {front, *pids}
+                sorted(s.pid for s in receiver.trace(trace_id) if s.name in ends)
+                == sorted([front, front, *pids])
             ),
             20,
-            "the generate spans of both workers",
+            "both requests' frontend spans and the generate spans of both workers",
         )
         spans = receiver.trace(trace_id)
     finally:
@@ -111,8 +112,8 @@ def test_prefill_decode_one_trace(tmp_path: Path, tiny_model: Path, receiver: Ot
     cluster = start_disagg(tmp_path, tiny_model, prefill=1, decode=1)
     try:
         trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
-        client = _client(cluster.frontend.base_url, trace_id, parent)
-        answer = client.completions.create(model=cluster.model, prompt=LONG + "Question?", max_tokens=6)
+        with _client(cluster.frontend.base_url, trace_id, parent) as client:
+            answer = client.completions.create(model=cluster.model, prompt=LONG + "Question?", max_tokens=6)
         assert answer.usage is not None and answer.usage.completion_tokens == 6
         front = cluster.frontend.proc.pid
         (prefill_pid,), (decode_pid,) = (
@@ -121,11 +122,11 @@ def test_prefill_decode_one_trace(tmp_path: Path, tiny_model: Path, receiver: Ot
         )
         wait_for(
             lambda: (
-                {"generate", "prefill", "serve dyn://pd.prefill.kv_fetch"}
+                {"POST /v1/completions", "generate", "prefill", "serve dyn://pd.prefill.kv_fetch"}
                 <= {s.name for s in receiver.trace(trace_id)}
             ),
             20,
-            "the workers' spans",
+            "the frontend's and the workers' last spans",
         )
         spans = receiver.trace(trace_id)
     finally:

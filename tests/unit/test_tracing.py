@@ -98,6 +98,19 @@ def test_a_frame_without_traceparent_extracts_nothing(spans: InMemorySpanExporte
     assert root.parent is None  # a broken carrier starts a new trace
 
 
+def test_a_sampled_out_trace_makes_no_spans_below_it(spans: InMemorySpanExporter) -> None:
+    """A client's trace that is not sampled (flags 00): the frontend's span is dropped, and the
+    request's other span sites and its request-plane headers cost nothing."""
+    context = Context()
+    with tracing.span("http", context, headers={"traceparent": f"00-{TRACE_ID}-{PARENT}-00"}) as http:
+        assert not http.recording
+        assert tracing.span("preprocess", context) is tracing.NO_SPAN
+        assert tracing.inject(context) == {}
+        tracing.event(context, "migration")
+    assert context.trace is None
+    assert spans.get_finished_spans() == ()
+
+
 def test_errors_and_cancellation(spans: InMemorySpanExporter) -> None:
     context = Context()
     with pytest.raises(ValueError), tracing.span("fails", context):
