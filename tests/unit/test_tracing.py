@@ -19,8 +19,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from dynamo_graph.graph.compile import compile_graph
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.validate import validate_graph
+from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.transport.base import StreamBroken
+from tests.unit.test_migration import Attempt, FakeRouter, _request, _tagged, _tokens
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -217,3 +220,23 @@ def test_a_graph_sets_tracing_for_every_process(tmp_path: Path) -> None:
 def test_a_bad_observability_section_names_its_key(observability: dict, key: str) -> None:
     with pytest.raises(GraphError, match=key):
         validate_graph(_graph(observability), None, file="graph.yaml")
+
+
+async def test_a_migration_is_an_event_on_the_request_span(spans: InMemorySpanExporter) -> None:
+    """Request migration (router/migration.py) marks the moment it moved the request."""
+    fake = FakeRouter(
+        [Attempt(_tokens(100, 2), _tagged(StreamBroken("lost"), 0xAB)), Attempt(_tokens(200, 2, "length"))]
+    )
+    context = Context()
+    with tracing.span("http", context):
+        outs = [out async for out in Migration(fake, 2).generate(_request(max_tokens=4), context)]
+    assert [t for out in outs for t in out.token_ids] == [100, 101, 200, 201]
+    (http,) = spans.get_finished_spans()
+    (event,) = http.events
+    assert event.name == "migration"
+    assert dict(event.attributes) == {
+        "migration.kind": "ongoing_request",
+        "migration.failed_instance": "ab",
+        "migration.tokens_generated": 2,
+        "migration.retries_left": 1,
+    }
