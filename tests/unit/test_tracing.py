@@ -176,19 +176,9 @@ def test_sampling_from_the_sdk_variables(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def _graph(observability: dict | None) -> dict:
-    graph = {
-        "name": "demo",
-        "models": {"tiny": {"path": "./model"}},
-        "components": {
-            "frontend": {"kind": "frontend"},
-            "backend": {
-                "kind": "worker",
-                "model": "tiny",
-                "engine": "mocker",
-                "env": {"OTEL_SERVICE_NAME": "be"},
-            },
-        },
-    }
+    backend = {"kind": "worker", "model": "tiny", "engine": "mocker", "env": {"OTEL_SERVICE_NAME": "be"}}
+    components = {"frontend": {"kind": "frontend"}, "backend": backend}
+    graph = {"name": "demo", "models": {"tiny": {"path": "./model"}}, "components": components}
     if observability is not None:
         graph["observability"] = observability
     return graph
