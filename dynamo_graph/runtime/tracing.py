@@ -3,7 +3,7 @@
 Off unless the process's environment names an OTLP endpoint, in the SDK's own variables
 (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`; `OTEL_SDK_DISABLED=true`
 or `OTEL_TRACES_EXPORTER=none` keep it off). Off, nothing of OpenTelemetry is imported and
-`span()` returns one shared no-op, so a request pays an attribute test per span site. On, `setup`
+`span()` returns one shared no-op, so a request pays a function call per span site. On, `setup`
 builds the SDK's tracer provider the standard way: the sampler from `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG`, batch export over OTLP/HTTP (`OTEL_BSP_*` set its pace), the resource
 from `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`.
@@ -11,7 +11,7 @@ from `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`.
 A request's place in its trace travels on its `Context.trace` (an OpenTelemetry context, opaque to
 the rest of the runtime): `span(name, context)` opens a child of it, and while entered is the
 parent of what runs inside it. On the wire the carrier is the request frame's headers, W3C trace
-context (`traceparent`, `tracestate`): `inject` writes them, `extract` reads them. The runtime
+context (`traceparent`, `tracestate`): a span's `carrier` writes them, `extract` reads them. The runtime
 itself opens a client span per request-plane call (each attempt at an instance) and a server span
 per request served with a carrier (workers join traces, they never start one, so health checks
 make none); what a request means (tokens, routing, prefill) is named in the rooms above.
@@ -86,15 +86,6 @@ def shutdown() -> None:
     if ON:
         ON = False
         _provider.shutdown()
-
-
-def inject(context: Context | None) -> dict[str, str]:
-    """The request's trace context as request-frame headers (empty when untraced)."""
-    if not ON or context is None or context.trace is None or context.trace is _UNSAMPLED:
-        return _EMPTY
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier, context=context.trace)
-    return carrier
 
 
 def extract(headers: Mapping[str, str]) -> Any:
