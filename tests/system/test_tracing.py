@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -17,6 +18,7 @@ from tests.support.otlp import OtlpReceiver, ReceivedSpan
 from tests.support.waiting import wait_for
 
 SERVER, CLIENT = 2, 3  # the OTLP proto's SpanKind values
+COUNT = "POST /v1/messages/count_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +73,21 @@ def test_two_workers_one_trace(tmp_path: Path, tiny_model: Path, receiver: OtlpR
             for i in range(2):
                 answer = client.completions.create(model=cluster.model, prompt=f"Hello {i}", max_tokens=4)
                 assert answer.usage is not None and answer.usage.completion_tokens == 4
+        # A route of another API surface that calls no worker is traced too.
+        headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+        with anthropic.Anthropic(
+            base_url=cluster.frontend.base_url, api_key="none", default_headers=headers
+        ) as an:
+            counted = an.messages.count_tokens(
+                model=cluster.model, messages=[{"role": "user", "content": "Hi"}]
+            )
+        assert counted.input_tokens > 0
         front, pids = cluster.frontend.proc.pid, {w.proc.pid for w in cluster.workers}
-        ends = ("generate", "POST /v1/completions")  # the last span each process ends
+        ends = ("generate", "POST /v1/completions", COUNT)  # the last span each process ends
         wait_for(
             lambda: (
                 sorted(s.pid for s in receiver.trace(trace_id) if s.name in ends)
-                == sorted([front, front, *pids])
+                == sorted([front, front, front, *pids])
             ),
             20,
             "both requests' frontend spans and the generate spans of both workers",
@@ -86,6 +97,9 @@ def test_two_workers_one_trace(tmp_path: Path, tiny_model: Path, receiver: OtlpR
         cluster.stop()
     assert {s.pid for s in spans} == {front, *pids}
     _linked(spans, parent)
+    count = _one(spans, COUNT, parent_id=parent)
+    assert count.attributes["http.response.status_code"] == 200
+    assert [s.name for s in spans if s.parent_id == count.span_id] == ["preprocess"]
     https = [s for s in spans if s.name == "POST /v1/completions"]
     assert len(https) == 2 and all(
         h.parent_id == parent and h.kind == SERVER and h.pid == front for h in https

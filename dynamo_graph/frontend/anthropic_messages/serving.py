@@ -31,6 +31,7 @@ from dynamo_graph.frontend.openai_asgi import Receive, Send, send_json
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.llm.preprocessor import UNSUPPORTED_BY_MODEL
+from dynamo_graph.runtime.context import Context
 
 
 def _bad(message: str, param: str) -> HTTPError:
@@ -160,6 +161,7 @@ class CountTokensHandler(MessagesHandler):
         send: Send,
         deadline: float | None = None,
         retry: bool = False,
+        root: Context | None = None,
     ) -> None:
         if prepared.preprocessed is None:
             err = HTTPError(
