@@ -12,7 +12,7 @@ HTTP_PORT ?= 8080
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,mistralrs,plot]'
+	$(BIN)/pip install -q -e '.[test,tracing,mistralrs,plot]'
 	touch $@
 
 setup: $(BIN)/dyngraph

@@ -18,10 +18,7 @@ Results: benchmarks/results/decision_log.json (with the commit and the machine).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,9 +28,18 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_frontend import STREAM_BODY, free_port, measure, start
+from bench_frontend import (
+    STREAM_BODY,
+    alternate,
+    embedded_planes,
+    free_port,
+    mocker_workers,
+    start,
+    stop_all,
+    variants_args,
+    variants_result,
+)
 
-from dynamo_graph.bench.provenance import provenance
 from dynamo_graph.bench.report import write_json
 from dynamo_graph.llm.protocol import PreprocessedRequest
 from dynamo_graph.router.config import RouterConfig
@@ -85,32 +91,11 @@ def time_decisions(path: Path, n: int = 30000) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--requests", type=int, default=300, help="per load point")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decision_log.json")
-    args = parser.parse_args()
+    args = variants_args(__doc__ or "", "decision_log.json")
     scratch = Path(tempfile.mkdtemp(prefix="bench-decisions-"))
-    env = {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(scratch / "discovery"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "PYTHONHASHSEED": "0",
-    }
-    engine_args = scratch / "mocker.json"
-    engine_args.write_text(json.dumps({"speedup_ratio": 10000, "block_size": 16, "num_gpu_blocks": 65536}))
+    env = embedded_planes(scratch)
+    workers = mocker_workers(args.model, scratch, env)
     run = [sys.executable, "-m", "dynamo_graph", "run"]
-    worker_argv = [*run, "in=dyn://bench.mocker.generate", "out=mocker", args.model]
-    worker_argv += ["--model-name", "bench", "--extra-engine-args", str(engine_args)]
-    workers = [
-        subprocess.Popen(worker_argv, env={**os.environ, **env, "DYN_LOG": "warn"}, stdout=subprocess.DEVNULL)
-        for _ in range(2)
-    ]
     variants = {
         "off": [],
         "decision_log": ["--router-decision-log", str(scratch / "decisions.jsonl")],
@@ -122,46 +107,20 @@ def main() -> int:
         ],
     }
     frontends: dict[str, tuple[subprocess.Popen, int]] = {}
-    body = STREAM_BODY
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for name, extra in variants.items():
             port = free_port()
             argv = [*run, "in=http", "out=auto", "--http-port", str(port), "--router-mode", "kv", *extra]
             frontends[name] = (start(argv, port, 0, env), port)
-        names = list(frontends)
-        load = {
-            "concurrency": args.concurrency,
-            "requests": args.requests,
-            "keep_alive": True,
-            "max_seconds": 60,
-        }
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                proc, port = frontends[name]
-                point = measure(proc.pid, port, body, **load)
-                assert point["ok"] == point["requests"], point
-                cpu[name].append(point["server_cpu_ms_per_request"])
-                ms = point["server_cpu_ms_per_request"]
-                print(f"{name:>24}: {ms:.3f} CPU-ms/request, {point['rps']} req/s")
+        load = {"concurrency": args.concurrency, "requests": args.requests, "keep_alive": True}
+        cpu = alternate(frontends, STREAM_BODY, args.rounds, max_seconds=60, **load)
     finally:
-        for proc, _ in frontends.values():
-            proc.terminate()
-        for worker in workers:
-            worker.terminate()
-        for proc in [*(p for p, _ in frontends.values()), *workers]:
-            proc.wait(30)
+        stop_all([*(p for p, _ in frontends.values()), *workers])
     logged = sum(1 for _ in (scratch / "decisions.jsonl").open())
     in_process = time_decisions(scratch / "micro.jsonl")
     print(json.dumps(in_process))
-    median = {name: statistics.median(values) for name, values in cpu.items()}
-    result = {
-        "benchmark": "decision_log_frontend_cpu",
-        "provenance": provenance(),
-        "load": {"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds},
-        "cpu_ms_per_request": cpu,
-        "median_cpu_ms_per_request": median,
-        "ratio_to_off": {name: round(value / median["off"], 3) for name, value in median.items()},
+    result = variants_result("decision_log_frontend_cpu", args, cpu)
+    result |= {
         "decision_lines_written": logged,
         "in_process_us_per_decision": in_process,
     }

@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,81 @@ def measure(
         "itl_p99_ms": round(percentile(gaps, 99) * 1000, 3),
         **{f"{name}_cpu_ms_per_request": round(c * 1000 / max(len(ok), 1), 3) for name, c in cpu.items()},
     }
+
+
+def variants_args(doc: str, results: str) -> argparse.Namespace:
+    """The command line of a one-run comparison of frontend variants (`alternate`)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--requests", type=int, default=300, help="per load point")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / results)
+    return parser.parse_args()
+
+
+def embedded_planes(scratch: Path) -> dict[str, str]:
+    """The environment that puts a comparison's frontends and workers on planes in `scratch`."""
+    return {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(scratch / "discovery"),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+def mocker_workers(model: str, scratch: Path, env: dict[str, str], count: int = 2) -> list[subprocess.Popen]:
+    """`count` mocker workers at speedup 10000 serving `model` as "bench" (`env`: their planes
+    and whatever else they need)."""
+    engine_args = scratch / "mocker.json"
+    engine_args.write_text(json.dumps({"speedup_ratio": 10000, "block_size": 16, "num_gpu_blocks": 65536}))
+    argv = [sys.executable, "-m", "dynamo_graph", "run", "in=dyn://bench.mocker.generate", "out=mocker"]
+    argv += [model, "--model-name", "bench", "--extra-engine-args", str(engine_args)]
+    full_env = {**os.environ, **env, "DYN_LOG": "warn"}
+    return [subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL) for _ in range(count)]
+
+
+def alternate(
+    frontends: dict[str, tuple[subprocess.Popen, int]], body: dict, rounds: int, **load: object
+) -> dict[str, list[float]]:
+    """Server CPU-ms per request of each of `frontends` (name -> process, port) under the same
+    load (`measure`'s keywords), `rounds` times in alternation, each round starting with the
+    next one, so that a shared machine's drift falls on all of them alike."""
+    names = list(frontends)
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            proc, port = frontends[name]
+            point = measure(proc.pid, port, body, **load)  # type: ignore[arg-type]
+            assert point["ok"] == point["requests"], point
+            ms = point["server_cpu_ms_per_request"]
+            cpu[name].append(ms)
+            print(f"{name:>24}: {ms:.3f} CPU-ms/request, {point['rps']} req/s", flush=True)
+    return cpu
+
+
+def variants_result(benchmark: str, args: argparse.Namespace, cpu: dict[str, list[float]]) -> dict:
+    """What a comparison of frontend variants reports: each one's CPU-ms per request, their
+    medians, and each median's ratio to the first variant's (the baseline)."""
+    median = {name: statistics.median(values) for name, values in cpu.items()}
+    base = next(iter(median.values()))
+    return {
+        "benchmark": benchmark,
+        "provenance": provenance(),
+        "load": {"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds},
+        "cpu_ms_per_request": cpu,
+        "median_cpu_ms_per_request": median,
+        "ratio_to_off": {name: round(value / base, 3) for name, value in median.items()},
+    }
+
+
+def stop_all(processes: list[subprocess.Popen], timeout_s: float = 30) -> None:
+    """Terminate every process, then wait for each."""
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.wait(timeout_s)
 
 
 def descendants(pid: int) -> list[int]:

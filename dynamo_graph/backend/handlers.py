@@ -42,6 +42,7 @@ from dynamo_graph.llm.protocol import (
     PreprocessedEmbeddingRequest,
     PreprocessedRequest,
 )
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.names import EndpointName
 
@@ -157,22 +158,42 @@ def tokens_handler(
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         async with _in_flight(engine, context, cap, watch):
-            report: KvImportReport | None = None
-            if fetcher is not None and request.kv_transfer_params is not None:
-                stream, report = await _from_transfer(engine, fetcher, request, context)
-            else:
-                stream = engine.generate(request, context)
-            async for out in stream:
-                if closing.ended:
-                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
-                out = _checked(out)
-                if report is not None:
-                    out.kv_import, report = report, None
-                yield out
-                if out.finish_reason is not None:
-                    return
+            with tracing.span("generate", context) as span:
+                _describe(span, request, cap)
+                report: KvImportReport | None = None
+                if fetcher is not None and request.kv_transfer_params is not None:
+                    stream, report = await _from_transfer(engine, fetcher, request, context)
+                else:
+                    stream = engine.generate(request, context)
+                tokens, first = 0, True
+                async for out in stream:
+                    if closing.ended:
+                        raise EngineShutdown(_SHUTDOWN_MESSAGE)
+                    out = _checked(out)
+                    if first:
+                        span.event("first_token")
+                        first = False
+                    tokens += len(out.token_ids)
+                    if report is not None:
+                        out.kv_import, report = report, None
+                    yield out
+                    if out.finish_reason is not None:
+                        span.set("llm.completion_tokens", tokens)
+                        span.set("llm.finish_reason", out.finish_reason)
+                        return
 
     return generate
+
+
+def _describe(span: tracing.Span | tracing.NoSpan, request: PreprocessedRequest, cap: InflightCap) -> None:
+    """A worker span's request: its size, and the requests in flight beside it (its queue)."""
+    if span is tracing.NO_SPAN:
+        return
+    span.set("llm.prompt_tokens", len(request.token_ids))
+    span.set("worker.inflight", cap.inflight)
+    max_tokens = request.stop_conditions.max_tokens
+    if max_tokens is not None:
+        span.set("llm.max_tokens", max_tokens)
 
 
 async def _from_transfer(
@@ -182,11 +203,16 @@ async def _from_transfer(
     loaded, its ordinary stream (local prefill); with the report of which it was."""
     params = request.kv_transfer_params
     assert params is not None
-    try:
-        handoff, report = await fetcher.fetch(params)
-    except KvFetchError as err:
-        log.warning("request %s: KV transfer failed (%s: %s); prefilling locally", context.id, err.kind, err)
-        return engine.generate(request, context), KvImportReport(error=err.kind)
+    attributes = {"kv.instance_id": f"{params.instance_id:x}", "kv.bytes": params.nbytes}
+    with tracing.span("kv_transfer", context, attributes) as span:
+        try:
+            handoff, report = await fetcher.fetch(params, context)
+        except KvFetchError as err:
+            log.warning(
+                "request %s: KV transfer failed (%s: %s); prefilling locally", context.id, err.kind, err
+            )
+            span.set("kv.error", err.kind)
+            return engine.generate(request, context), KvImportReport(error=err.kind)
     stream = engine.generate_from_kv(request, handoff, context)
     try:
         first = await anext(stream)
@@ -222,7 +248,9 @@ def prefill_handler(
 
     async def generate(request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         async with _in_flight(engine, context, cap, watch):
-            out, handoff = await engine.prefill(request, context)
+            with tracing.span("prefill", context) as span:
+                _describe(span, request, cap)
+                out, handoff = await engine.prefill(request, context)
             if closing.ended:
                 raise EngineShutdown(_SHUTDOWN_MESSAGE)
             out = _checked(out)
@@ -311,13 +339,14 @@ def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: Infligh
         async with _in_flight(engine, context, cap, watch):
             request = _openai_request(raw)
             rid, created = uuid.uuid4().hex, int(time.time())
-            async for out in engine.generate(request, context):
-                if closing.ended:
-                    raise EngineShutdown(_SHUTDOWN_MESSAGE)
-                out = _checked(out)
-                yield _chunk(request, rid, created, out)
-                if out.finish_reason is not None:
-                    return
+            with tracing.span("generate", context, {"worker.inflight": cap.inflight}):
+                async for out in engine.generate(request, context):
+                    if closing.ended:
+                        raise EngineShutdown(_SHUTDOWN_MESSAGE)
+                    out = _checked(out)
+                    yield _chunk(request, rid, created, out)
+                    if out.finish_reason is not None:
+                        return
 
     return generate
 

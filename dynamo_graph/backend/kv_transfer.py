@@ -36,6 +36,7 @@ import msgspec
 from dynamo_graph.backend.errors import EngineOverloaded, ModelNotFound
 from dynamo_graph.llm.protocol import KvImportReport, KvTransferParams
 from dynamo_graph.runtime.client import Client
+from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.env import env_float
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime
@@ -160,11 +161,14 @@ class KvFetcher:
             await client.start()
         return client
 
-    async def fetch(self, params: KvTransferParams) -> tuple[KvHandoff, KvImportReport]:
+    async def fetch(
+        self, params: KvTransferParams, request: Context | None = None
+    ) -> tuple[KvHandoff, KvImportReport]:
+        """The transfer's KV; the fetch joins `request`'s trace."""
         start = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
-                handoff = await self._fetch(params)
+                handoff = await self._fetch(params, request)
         except TimeoutError:
             message = f"no KV from {params.instance_id:x} within {self.timeout_s:g}s"
             raise KvFetchError("timeout", message) from None
@@ -178,14 +182,16 @@ class KvFetcher:
             raise KvFetchError("mismatch", f"fetched {got}, not the {announced} announced")
         return handoff, KvImportReport(nbytes=handoff.size, seconds=round(time.monotonic() - start, 6))
 
-    async def _fetch(self, params: KvTransferParams) -> KvHandoff:
+    async def _fetch(self, params: KvTransferParams, request: Context | None) -> KvHandoff:
         client = await self._client(params)
         while params.instance_id not in client.instances:  # a fresh client learns of it first
             await client.wait_for_change()
         header: dict[str, Any] | None = None
         parts: list[bytes] = []
-        request = {"transfer_id": params.transfer_id}
-        async for item in client.generate(request, instance_id=params.instance_id):
+        context = Context()
+        context.trace = None if request is None else request.trace
+        wanted = {"transfer_id": params.transfer_id}
+        async for item in client.generate(wanted, instance_id=params.instance_id, context=context):
             if header is None:
                 header = item
             else:

@@ -43,6 +43,7 @@ from dynamo_graph.frontend.tenants import TENANT_SCOPE, cache_salt
 from dynamo_graph.llm.openai import MAX_CHOICES, AnyRequest, requested_max_tokens
 from dynamo_graph.llm.pipeline import Delta, ModelPipeline, Prepared
 from dynamo_graph.llm.preprocessor import CONTEXT_LENGTH_EXCEEDED
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
@@ -66,6 +67,7 @@ OVERLOADED = HTTPError(
     503, "The server is at its limit of concurrent requests; retry shortly", code="overloaded"
 )
 WORKER_POLL_S = 0.05  # how often a request waiting for its model's workers looks again
+TRACE_HEADERS = (b"traceparent", b"tracestate")
 ACCEPT_ATTEMPTS = 3  # a request whose model's workers all left before its first byte is accepted again
 
 
@@ -214,9 +216,33 @@ class OpenAIHandler:
             deadline = None
             if self.timeout_s is not None:
                 deadline = asyncio.get_running_loop().time() + self.timeout_s
-            await self._handle(scope, receive, send, deadline)
+            if tracing.ON:
+                await self._traced(scope, receive, send, deadline)
+            else:
+                await self._handle(scope, receive, send, deadline)
         finally:
             admission.release()
+
+    async def _traced(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
+        """`_handle` inside the request's server span, continuing the client's W3C `traceparent`
+        (or starting a trace); `root` carries the span to the request's stages."""
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in TRACE_HEADERS
+        }
+        root = Context()
+        path = scope["path"]
+        attributes = {"http.request.method": "POST", "url.path": path}
+        with tracing.span(f"POST {path}", root, attributes, kind="server", headers=carrier) as http:
+            if not http.recording:  # sampled out: nothing more to record
+                await self._handle(scope, receive, send, deadline, root)
+                return
+
+            async def traced_send(message: MutableMapping[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    http.set("http.response.status_code", message["status"])
+                await send(message)
+
+            await self._handle(scope, receive, traced_send, deadline, root)
 
     async def _read(self, scope: Scope, receive: Receive, deadline: float | None) -> bytes:
         """The request body, within the body limit and the request's deadline."""
@@ -248,7 +274,9 @@ class OpenAIHandler:
             )
         return pipeline
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, deadline: float | None) -> None:
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, deadline: float | None, root: Context | None = None
+    ) -> None:
         try:
             body = await self._read(scope, receive, deadline)
             request, original = self.decode(body)
@@ -295,7 +323,9 @@ class OpenAIHandler:
         for attempt in range(ACCEPT_ATTEMPTS):
             try:
                 await self._await_worker(request.model, receive, deadline)
-                pipeline, prepared = self._accept(request, scope)
+                with tracing.span("preprocess", root, {"llm.model": request.model}) as preprocess:
+                    pipeline, prepared = self._accept(request, scope)
+                    preprocess.set("llm.prompt_tokens", prepared.prompt_tokens)
             except HTTPError as err:
                 await self._refuse(send, err)
                 return
@@ -305,7 +335,7 @@ class OpenAIHandler:
                 tenant.prompt(self._tokens_used(prepared)[0])
             retry = attempt + 1 < ACCEPT_ATTEMPTS
             try:
-                await self._serve(pipeline, prepared, original, receive, send, deadline, retry, tenant)
+                await self._serve(pipeline, prepared, original, receive, send, deadline, retry, tenant, root)
                 return
             except WorkersLeft:
                 continue  # accepted again: by the model's new pipeline, once it has a worker
@@ -414,13 +444,17 @@ class OpenAIHandler:
         deadline: float | None = None,
         retry: bool = False,
         tenant: TenantRequest | None = None,
+        root: Context | None = None,
     ) -> None:
         """The request's lifecycle around its answer, streamed (`_stream`) or whole (`_unary`):
         in-flight and request metrics, cancellation when the client goes away. `request`: as the
         client sent it (`decode`). With `retry`, a model whose workers all left before the first
-        byte raises WorkersLeft instead of answering (see `_left`). `tenant`: what it is charged to."""
+        byte raises WorkersLeft instead of answering (see `_left`). `tenant`: what it is charged to;
+        `root`: the request's trace."""
         metrics = self.metrics.model(pipeline.name)
         context = Context()
+        if root is not None:
+            context.trace = root.trace
         watcher = asyncio.create_task(watch_disconnect(receive, context))
         metrics.inflight += 1
         arrival = time.time()

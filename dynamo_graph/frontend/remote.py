@@ -30,6 +30,7 @@ from dynamo_graph.llm.protocol import (
 )
 from dynamo_graph.router.disagg import OnRoute
 from dynamo_graph.router.migration import MIGRATABLE, MigrationHook, failed_instance
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.client import Client, NoInstances, PickHook
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError
@@ -37,6 +38,7 @@ from dynamo_graph.runtime.transport.base import CannotConnect
 
 if TYPE_CHECKING:
     from dynamo_graph.router.decisions import PoolDecisions
+    from dynamo_graph.router.kv.cost import Choice
     from dynamo_graph.router.kv.router import KvRouter
 
 log = logging.getLogger(__name__)
@@ -141,9 +143,11 @@ class KvRoutedTokensBackend:
             priority = hints.priority if hints is not None and hints.priority is not None else 0
             instance_ids = self.client.instance_ids()
             queued_at = time.monotonic()
-            if not await router.admit(
-                priority, context, instance_ids, request.token_ids, prefixes, request.cache_salt
-            ):
+            with tracing.span("router.queue", context, {"llm.priority": priority}):
+                waited = await router.admit(
+                    priority, context, instance_ids, request.token_ids, prefixes, request.cache_salt
+                )
+            if not waited:
                 return  # the client went away while the request waited
             queue_wait = time.monotonic() - queued_at
             admitted = True
@@ -153,15 +157,17 @@ class KvRoutedTokensBackend:
                 instances = self.client.candidates(unreachable)
                 if not instances:
                     raise NoInstances(f"no instances of {self.client.name} are available")
-                choice = router.route(
-                    request_id,
-                    request.token_ids,
-                    instances,
-                    session_id=session,
-                    prefixes=prefixes,
-                    explain=terms,
-                    salt=request.cache_salt,
-                )
+                with tracing.span("route", context, {"router.mode": "kv"}) as routing:
+                    choice = router.route(
+                        request_id,
+                        request.token_ids,
+                        instances,
+                        session_id=session,
+                        prefixes=prefixes,
+                        explain=terms,
+                        salt=request.cache_salt,
+                    )
+                    _describe(routing, choice, len(instances))
             finally:
                 if admitted:
                     admitted = False
@@ -194,6 +200,19 @@ class KvRoutedTokensBackend:
                 unreachable.add(worker_id)
             finally:
                 router.free(request_id)
+
+
+def _describe(span: tracing.Span | tracing.NoSpan, choice: Choice, candidates: int) -> None:
+    """The KV router's decision as a route span's attributes."""
+    if span is tracing.NO_SPAN:
+        return
+    worker_id, rank = choice.key
+    span.set("router.candidates", candidates)
+    span.set("router.worker.instance_id", f"{worker_id:x}")
+    span.set("router.worker.dp_rank", rank)
+    span.set("router.overlap_blocks", choice.overlap_blocks)
+    span.set("router.prefill_tokens", choice.prefill_tokens)
+    span.set("router.cost", choice.logit)
 
 
 def _usage(raw: Any) -> CompletionUsage | None:

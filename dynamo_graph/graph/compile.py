@@ -236,6 +236,21 @@ class _Compiler:
             env["NATS_TLS_SERVER_NAME"] = "nats"
         return env, carry
 
+    def _tracing_env(self, component: str) -> dict[str, str]:
+        """The OpenTelemetry SDK's variables for `component`'s processes, from `observability`
+        (none without an endpoint: tracing stays off); host and component `env` win over them."""
+        obs = self.graph.observability
+        if obs.otlp_endpoint is None:
+            return {}
+        return {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": obs.otlp_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": f"{obs.sample_ratio:g}",
+            "OTEL_SERVICE_NAME": component,
+            "OTEL_RESOURCE_ATTRIBUTES": f"service.namespace={self.graph.namespace}",
+        }
+
     def infra_processes(self) -> list[ProcessSpec]:
         procs = []
         etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
@@ -443,6 +458,7 @@ class _Compiler:
             probe = Probe("tcp", f"{probe_host}:{http_port}", comp.readiness.timeout_s)
         env = {
             **self.planes_env(),
+            **self._tracing_env(name),
             **self._host_env(comp.host),
             # Streams in flight finish within this on SIGTERM (a rollout retiring the old run),
             # before the supervisor's SIGKILL at shutdown_grace_s.
@@ -618,6 +634,7 @@ class _Compiler:
             slot = on_host[host] = on_host.get(host, -1) + 1
             env = {
                 **self.planes_env(),
+                **self._tracing_env(name),
                 **self._host_env(host),
                 **self._gpu_env(worker, host, slot),
                 # In-flight requests get the grace, minus time to end the rest (so they migrate)

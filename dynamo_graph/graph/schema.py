@@ -327,6 +327,25 @@ class Readiness(_Model):
     """Give up (and apply the restart policy) if not ready within this many seconds."""
 
 
+class Observability(_Model):
+    """Where the graph's processes send their traces (docs/observability.md, "Tracing"): each
+    process gets the OpenTelemetry SDK's standard OTEL_* variables from it."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP endpoint of a collector, e.g. `http://collector:4318`; set, every frontend and
+    worker traces its requests there."""
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Share of the traces the frontend starts that are kept; a client's `traceparent` that is
+    sampled is always followed (parent-based sampling)."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL of an OTLP/HTTP endpoint, not {value!r}")
+        return value
+
+
 class Rollout(_Model):
     """How `up` replaces a changed component while it serves: new replicas start beside the old
     ones, and an old one stops (out of routing first, its streams finishing within
@@ -999,6 +1018,8 @@ class Graph(_Model):
     """Images, namespace, secrets and model storage for the Kubernetes renderers."""
     slurm: Slurm | None = None
     """The Slurm job of `up --target slurm`; with it, hosts are nodes of the allocation."""
+    observability: Observability = Observability()
+    """Tracing: where every process sends its spans, and how many requests are traced."""
     rollout: Rollout = Rollout()
     """How a change replaces a component's replicas, for components without their own `rollout`."""
     max_gpus: int | None = Field(None, ge=0)

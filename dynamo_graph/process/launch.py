@@ -31,6 +31,7 @@ from dynamo_graph.llm.model_source import resolve_model
 from dynamo_graph.options import flagged
 from dynamo_graph.process.run_config import RUN_OPTIONS, RunConfig, apply_runtime_settings
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.names import EndpointName
 
 if TYPE_CHECKING:
@@ -372,9 +373,18 @@ async def run_async(cfg: RunConfig) -> int:
         apply_runtime_settings(cfg)
     if cfg.input == "dyn":
         assert cfg.input_arg is not None
-        return await serve_worker(cfg, EndpointName.parse(cfg.input_arg))
+        name = EndpointName.parse(cfg.input_arg)
+        tracing.setup(f"{name.namespace}.{name.component}")
+        try:
+            return await serve_worker(cfg, name)
+        finally:
+            tracing.shutdown()
     if cfg.discovers_workers:
-        return await _run_frontend(cfg)
+        tracing.setup("frontend")
+        try:
+            return await _run_frontend(cfg)
+        finally:
+            tracing.shutdown()
     started = await start_engine(cfg)
     pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.

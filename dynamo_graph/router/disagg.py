@@ -48,6 +48,7 @@ import msgspec
 from dynamo_graph.llm.protocol import BootstrapInfo, KvImportReport, LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.router.config import DisaggConfig
 from dynamo_graph.router.migration import RoutedBackend, continuation
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import InvalidArgument, RequestError
@@ -139,8 +140,13 @@ class DisaggRouter:
             finally:
                 await paired.aclose()
         elif reason is None:
-            first, reason = await self._remote_prefill(request, context, exclude)
+            with tracing.span(
+                "remote_prefill", context, {"llm.prompt_tokens": len(request.token_ids)}
+            ) as span:
+                first, reason = await self._remote_prefill(request, context, exclude)
+                span.set("disagg.outcome", reason)
         if first is None:
+            tracing.event(context, "local_prefill", {"disagg.reason": reason})
             self._count("local", reason)
             async for out in self.decode.generate(request, context, exclude=exclude):
                 yield out

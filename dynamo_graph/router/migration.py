@@ -33,6 +33,7 @@ from typing import Protocol
 import msgspec
 
 from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingOptions
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import RequestError, ShuttingDown
@@ -159,6 +160,16 @@ class Migration:
                     "?" if failed is None else f"{failed:x}",
                     len(generated),
                     retries_left,
+                )
+                tracing.event(
+                    context,
+                    "migration",
+                    {
+                        "migration.kind": kind,
+                        "migration.failed_instance": "" if failed is None else f"{failed:x}",
+                        "migration.tokens_generated": len(generated),
+                        "migration.retries_left": retries_left,
+                    },
                 )
                 if self.on_migrate is not None:
                     self.on_migrate(self.model, kind)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.errors import Overloaded, RequestError, ShuttingDown
 from dynamo_graph.runtime.health import COOLING_OFF, HEALTHY, REFUSED, UNHEALTHY, HealthTable
@@ -323,6 +324,7 @@ class Client:
         seen = self.health.last_response
         now = time.monotonic
         overloaded: Overloaded | None = None
+        called_as = f"call {self.name}"
         while True:
             if instance_id is None:
                 try:
@@ -342,8 +344,9 @@ class Client:
                 answers = self.answers[target] = AnswerStats()
             answers.requests += 1
             sent_at = last_at = now()
+            call = tracing.span(called_as, ctx, {"instance.id": f"{target:x}"}, kind="client")
             stream = self.runtime.client_for(record.transport).stream(
-                record.transport, record.subject, payload, {}, ctx, timeout_s
+                record.transport, record.subject, payload, call.carrier, ctx, timeout_s
             )
             started = False
             try:
@@ -359,6 +362,7 @@ class Client:
                 seen[target] = now()
                 return
             except CannotConnect as err:
+                call.fail(err)
                 answers.errors += 1
                 self.report_instance_down(target)
                 if instance_id is not None:
@@ -366,6 +370,7 @@ class Client:
                     raise
                 tried.add(target)
             except Overloaded as err:
+                call.fail(err)
                 seen[target] = now()  # it answered at once: alive, only busy
                 if started:
                     err.instance_id = target  # type: ignore[attr-defined]
@@ -378,6 +383,7 @@ class Client:
                 overloaded = err
                 tried.add(target)
             except RequestError as err:
+                call.fail(err)
                 if err.http_status >= 500:  # the instance's fault, not the request's
                     answers.errors += 1
                 if isinstance(err, (StreamBroken, ShuttingDown)):
@@ -385,6 +391,7 @@ class Client:
                 err.instance_id = target  # type: ignore[attr-defined]
                 raise
             finally:
+                call.end()
                 await stream.aclose()  # type: ignore[attr-defined]
 
     async def probe(self, instance_id: int, request: Any, timeout_s: float) -> None:

@@ -12,7 +12,7 @@ import uuid
 
 
 class Context:
-    __slots__ = ("_event", "_killed", "_stopped", "id", "migrations")
+    __slots__ = ("_event", "_killed", "_stopped", "id", "migrations", "trace")
 
     def __init__(self, request_id: str | None = None) -> None:
         self.id = request_id or uuid.uuid4().hex
@@ -21,6 +21,8 @@ class Context:
         self._event: asyncio.Event | None = None
         # Times request migration moved the request to another worker (the decision log says).
         self.migrations = 0
+        # The request's place in its trace (runtime/tracing.py; opaque here), None untraced.
+        self.trace: object | None = None
 
     def stop_generating(self) -> None:
         """Ask the producer to end the stream gracefully (it may send a final chunk)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.discovery import Discovery, create_discovery
 from dynamo_graph.runtime.names import EndpointName, new_instance_id
@@ -213,10 +214,13 @@ class Endpoint:
         """Register and start taking requests, without blocking (for callers with their own loop)."""
         decode = msgspec.msgpack.Decoder(request_type).decode if request_type else _decode_any.decode
         with_context = _wants_context(handler)
+        served_as = f"serve {self.name}"
 
         async def serve(payload: bytes, headers: dict[str, str], context: Context) -> AsyncIterator[bytes]:
             request = decode(payload)
             stream = handler(request, context) if with_context else handler(request)
+            if tracing.ON and tracing.TRACEPARENT in headers:
+                stream = tracing.served(served_as, stream, headers, context)
             async for item in stream:
                 yield _encode(item)
 

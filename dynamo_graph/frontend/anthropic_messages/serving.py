@@ -32,6 +32,7 @@ from dynamo_graph.frontend.tenant_limits import TenantRequest
 from dynamo_graph.llm.openai import ChatCompletionRequest, ChatMessage
 from dynamo_graph.llm.pipeline import ModelPipeline, Prepared
 from dynamo_graph.llm.preprocessor import UNSUPPORTED_BY_MODEL
+from dynamo_graph.runtime.context import Context
 
 
 def _bad(message: str, param: str) -> HTTPError:
@@ -162,6 +163,7 @@ class CountTokensHandler(MessagesHandler):
         deadline: float | None = None,
         retry: bool = False,
         tenant: TenantRequest | None = None,
+        root: Context | None = None,
     ) -> None:
         if prepared.preprocessed is None:
             err = HTTPError(
