@@ -287,7 +287,7 @@ class OpenAIHandler:
             return
         tenant: TenantState | None = scope.get(TENANT_SCOPE)
         if tenant is None:
-            await self._attempts(scope, receive, send, deadline, request, original, None)
+            await self._attempts(scope, receive, send, deadline, request, original, None, root)
             return
         try:
             charge = self._admit_tenant(tenant, request.model)
@@ -295,7 +295,7 @@ class OpenAIHandler:
             await self._refuse(send, err)
             return
         try:
-            await self._attempts(scope, receive, send, deadline, request, original, charge)
+            await self._attempts(scope, receive, send, deadline, request, original, charge, root)
         finally:
             charge.release()
 
@@ -317,9 +317,10 @@ class OpenAIHandler:
         request: AnyRequest,
         original: Any,
         tenant: TenantRequest | None,
+        root: Context | None,
     ) -> None:
         """Accept and serve the request, again if its model's workers left under it
-        (WorkersLeft); `tenant`: what it is charged to."""
+        (WorkersLeft); `tenant`: what it is charged to; `root`: the request's trace."""
         for attempt in range(ACCEPT_ATTEMPTS):
             try:
                 await self._await_worker(request.model, receive, deadline)
