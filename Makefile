@@ -7,6 +7,11 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
+# Test workers of `make test`: most system tests wait on processes and sockets rather than compute,
+# so four share two cores well (the default set took 33 min on one worker, 15 on four). Tests that
+# time themselves are marked `serial` and run alone afterwards.
+TEST_WORKERS ?= 4
+
 .PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api
 
 $(BIN)/dyngraph: pyproject.toml
@@ -54,7 +59,8 @@ services:
 test: setup llamacpp services
 	$(BIN)/ruff check dynamo_graph tests benchmarks
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" --durations=25
+	$(BIN)/pytest -q -m "serial and not slow"
 
 # The CI smoke graphs as a user's CI runs them: `dyngraph test` brings each up isolated, runs the
 # checks in its `tests:` section, tears it down, and writes a JUnit report (echo-etcd-nats needs

@@ -340,6 +340,7 @@ async def test_killed_publisher_goes_away_without_breaking_subscriber(process_pl
         assert _numbers(got) == list(range(count))
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 async def test_slow_subscriber_drops_counted_without_blocking_publisher(plane: Plane) -> None:
     """Buffers hold 100 events (plus, on zmq/NATS, what the sockets hold): 20k events of 1 kB
     cannot all wait, so the subscriber loses some; the publisher runs at full speed regardless.

@@ -154,6 +154,7 @@ def test_models_follow_workers(
     assert took <= float(LEASE_TTL) + float(MODEL_WAIT_S) + 2.0
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 def test_new_worker_is_listed_within_a_second(
     tiny_model: Path, spawn: Callable[..., WorkerProcess], frontend: ServerProcess, tmp_path: Path
 ) -> None:

@@ -41,6 +41,7 @@ def kv_graph(
         yield frontend, workers
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 @pytest.mark.parametrize("kv_graph", [True, False], ids=["kv-events", "approximate"], indirect=True)
 def test_follow_up_turns_go_to_the_worker_holding_the_conversation(
     kv_graph: tuple[ServerProcess, list[WorkerProcess]], tiny_model: Path

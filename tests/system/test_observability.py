@@ -168,6 +168,7 @@ def test_top_once_json_has_a_row_per_process_with_live_rates(graph: Graph) -> No
     assert model["model"] == MODEL and model["requests_per_s"] > 0 and model["ttft_p90_ms"] is not None
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_top_in_tmux_moves_under_load_sorts_filters_and_quits_on_q(graph: Graph) -> None:
     session = f"dyngraph-top-{os.getpid()}"

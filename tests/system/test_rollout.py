@@ -79,6 +79,7 @@ def versioned(tmp_path: Path, tiny_model: Path) -> Iterator[VersionedGraph]:
         graph.cli("down", timeout=120)
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 def test_change_break_roll_back_and_scale_down_under_load_fail_nothing(versioned: VersionedGraph) -> None:
     graph = versioned
     first = graph.commit("two mocker replicas")

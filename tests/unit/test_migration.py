@@ -4,7 +4,6 @@ exclusions, what never migrates, and usage / finish reason through a real tokens
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,6 @@ from dynamo_graph.backend.handlers import Closing, tokens_handler
 from dynamo_graph.backend.protocol import (
     LLMEngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from dynamo_graph.frontend import metrics as metrics_module
 from dynamo_graph.frontend.metrics import FrontendMetrics
@@ -28,66 +25,10 @@ from dynamo_graph.router.migration import Migration, continuation
 from dynamo_graph.runtime.client import NoInstances
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import CannotConnect, StreamBroken
-
-PROMPT = [5, 6, 7, 8]
-
-
-def _request(
-    max_tokens: int | None = 10, min_tokens: int | None = None, **sampling: Any
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        model="m",
-        token_ids=list(PROMPT),
-        stop_conditions=StopConditions(max_tokens=max_tokens, min_tokens=min_tokens),
-        sampling_options=SamplingOptions(**sampling),
-    )
-
-
-def _tagged(err: EngineError, instance_id: int) -> EngineError:
-    err.instance_id = instance_id  # type: ignore[attr-defined]
-    return err
-
-
-class Attempt:
-    """One scripted stream: these outputs, then this error (or a normal end)."""
-
-    def __init__(self, outputs: list[LLMEngineOutput], error: BaseException | None = None) -> None:
-        self.outputs = outputs
-        self.error = error
-
-
-class FakeRouter:
-    """Plays one scripted Attempt per generate() call and records what it was asked."""
-
-    def __init__(self, attempts: list[Attempt], instances: list[int] | None = None) -> None:
-        self.attempts = list(attempts)
-        self.instances = instances if instances is not None else [1, 2, 3, 4]
-        self.calls: list[tuple[PreprocessedRequest, set[int]]] = []
-        self.closed = 0
-
-    def instance_ids(self) -> list[int]:
-        return list(self.instances)
-
-    async def generate(
-        self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
-    ) -> AsyncIterator[LLMEngineOutput]:
-        self.calls.append((msgspec.structs.replace(request), set(exclude or ())))
-        attempt = self.attempts.pop(0)
-        try:
-            for out in attempt.outputs:
-                await asyncio.sleep(0)
-                yield out
-            if attempt.error is not None:
-                raise attempt.error
-        finally:
-            self.closed += 1
-
-
-def _tokens(start: int, n: int, finish: str | None = None) -> list[LLMEngineOutput]:
-    outs = [LLMEngineOutput(token_ids=[start + i]) for i in range(n)]
-    if finish is not None:
-        outs[-1].finish_reason = finish  # type: ignore[assignment]
-    return outs
+from tests.support.scripted_router import PROMPT, Attempt, FakeRouter
+from tests.support.scripted_router import scripted_request as _request
+from tests.support.scripted_router import tagged as _tagged
+from tests.support.scripted_router import tokens as _tokens
 
 
 async def _collect(backend: Any, request: PreprocessedRequest, context: Context | None = None) -> list:

@@ -241,6 +241,7 @@ async def test_invalid_requests_name_the_field(make_engine) -> None:
 # ---- timing ----------------------------------------------------------------------------------
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 async def test_time_follows_the_perf_model_within_ten_percent(make_engine) -> None:
     speedup, prompt_len, max_tokens, bs, blocks = 2.0, 2000, 100, 64, 16384
     engine = await make_engine(speedup_ratio=speedup)

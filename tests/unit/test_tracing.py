@@ -23,7 +23,10 @@ from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
 from dynamo_graph.runtime.transport.base import StreamBroken
-from tests.unit.test_migration import Attempt, FakeRouter, _request, _tagged, _tokens
+from tests.support.scripted_router import Attempt, FakeRouter
+from tests.support.scripted_router import scripted_request as _request
+from tests.support.scripted_router import tagged as _tagged
+from tests.support.scripted_router import tokens as _tokens
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
