@@ -326,7 +326,7 @@ class OpenAIHandler:
                 await self._await_worker(request.model, receive, deadline)
                 with tracing.span("preprocess", root, {"llm.model": request.model}) as preprocess:
                     pipeline, prepared = self._accept(request, scope)
-                    preprocess.set("llm.prompt_tokens", prepared.prompt_tokens)
+                    preprocess.set("llm.prompt_tokens", self._tokens_used(prepared)[0])
             except HTTPError as err:
                 await self._refuse(send, err)
                 return
