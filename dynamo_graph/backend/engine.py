@@ -22,6 +22,8 @@ from dynamo_graph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from dynamo_graph.backend.command_line import WorkerConfig
     from dynamo_graph.backend.kv_transfer import KvHandoff
     from dynamo_graph.backend.lora import LoraAdapter
@@ -191,6 +193,12 @@ class LLMEngine(abc.ABC):
     async def unload_lora(self, name: str) -> None:
         """Unload an adapter `load_lora` loaded; requests for it have stopped being routed here."""
         raise InvalidArgument(f"{type(self).__name__} cannot serve LoRA adapters", param="lora_name")
+
+    def metrics_collectors(self) -> Sequence[Collector]:
+        """Prometheus collectors of the engine's own series, served on the worker's /metrics
+        (--metrics-port) beside the worker's; called once, after `start`. Read at scrape time,
+        so keep them cheap. Default: none."""
+        return ()
 
     async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook
         """Release engine resources of a request the caller cancelled."""

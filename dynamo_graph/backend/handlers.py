@@ -64,14 +64,18 @@ _SHUTDOWN_MESSAGE = "the worker is shutting down (its grace period ended)"
 
 class InflightCap:
     """Requests a worker's handler has in flight, and its cap (0: none). `enter` raises
-    EngineOverloaded when the cap is reached; every successful `enter` is matched by `leave`."""
+    EngineOverloaded when the cap is reached; every successful `enter` is matched by `leave`.
+    It also counts how requests ended, for the worker's /metrics (backend/metrics.py)."""
 
-    __slots__ = ("inflight", "limit", "refused")
+    __slots__ = ("cancelled", "failed", "inflight", "limit", "refused", "served")
 
     def __init__(self, limit: int = 0) -> None:
         self.limit = max(int(limit), 0)
         self.inflight = 0
         self.refused = 0
+        self.served = 0  # streams that ended normally
+        self.failed = 0  # streams that ended with an error
+        self.cancelled = 0  # streams the caller stopped
 
     def enter(self) -> None:
         if self.limit and self.inflight >= self.limit:
@@ -125,6 +129,17 @@ async def _in_flight(
     watcher = _watch(engine, context, watch)
     try:
         yield
+    except (GeneratorExit, asyncio.CancelledError):
+        cap.cancelled += 1
+        raise
+    except BaseException:
+        cap.failed += 1
+        raise
+    else:
+        if context.is_stopped():
+            cap.cancelled += 1
+        else:
+            cap.served += 1
     finally:
         cap.leave()
         await _unwatch(watcher, context)

@@ -148,6 +148,11 @@ class WorkerSettings:
     (the card carries it to frontends)."""
     dyn_reasoning_parser: str | None = setting(None, flag="--dyn-reasoning-parser", in_graph=False)
     """The model's thinking -> reasoning_content: deepseek_r1 | qwen3."""
+    metrics_port: int | None = setting(None, flag="--metrics-port", ge=0, le=65535, in_graph=False)
+    """Serve `GET /metrics` (the worker's requests and its engine's own series) on this port;
+    0: a free one; none: not served. Dynamo's workers do the same on DYN_SYSTEM_PORT."""
+    metrics_host: str = setting("127.0.0.1", flag="--metrics-host", in_graph=False)
+    """The address `/metrics` listens on (a graph gives workers on other hosts their host's)."""
 
     def check(self, given: set[str], spell: Spell) -> None:
         from dynamo_graph.llm.reasoning import REASONING_PARSERS

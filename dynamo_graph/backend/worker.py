@@ -12,6 +12,9 @@ reasons, cancellation, the in-flight cap) is in backend/handlers.py.
 more is answered at once with EngineOverloaded (`overloaded`, 503, before any output), and the
 frontend's client sends it to another instance (runtime/client.py), so no worker queues without
 bound behind the engine.
+
+`--metrics-port N` serves `GET /metrics`: the worker's requests and its engine's own series
+(backend/metrics.py).
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ from dynamo_graph.backend.handlers import (
 )
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
 from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publisher, lora_handler
+from dynamo_graph.backend.metrics import serve_metrics
 from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest, PreprocessedRequest
 from dynamo_graph.llm.register import publish_card
+from dynamo_graph.runtime.metrics_http import MetricsServer
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime, Endpoint
 
@@ -201,6 +206,7 @@ async def serve_engine(
             engine.kv_event_sink = events
 
     started: StartedEngine | None = None
+    metrics: MetricsServer | None = None
     endpoint: Endpoint | None = None
     fetcher: KvFetcher | None = None
     try:
@@ -237,6 +243,15 @@ async def serve_engine(
                 card.model_type = ["prefill"]
         else:
             await endpoint.start_serving(text_handler(engine, closing, cap))
+        if cfg.worker.metrics_port is not None:
+            metrics = await serve_metrics(
+                cfg.worker.metrics_host,
+                cfg.worker.metrics_port,
+                cap,
+                card.display_name,
+                engine.metrics_collectors(),
+            )
+            log.info("worker metrics on http://%s:%s/metrics", cfg.worker.metrics_host, metrics.port)
         await publish_card(endpoint, card)
         await _serve_lora_adapters(cfg, runtime, name, engine, endpoint, card)
         role = "" if mode == "agg" else f", {mode} worker"
@@ -252,6 +267,8 @@ async def serve_engine(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await _shut_down(runtime, endpoint, started, events, grace_s, closing)
+        if metrics is not None:
+            await metrics.close()
         if fetcher is not None:
             await fetcher.close()
 

@@ -14,7 +14,8 @@ advertises; the plan's `hosts` tells the ssh launcher how to reach each remote h
 given out per host: explicit ids as written, the rest in graph order from the lowest GPU no
 component named, so two components on one host never share a GPU (validate.py checks counts).
 Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
-process too, so two replicas on one host never share one.
+process too, so two replicas on one host never share one, and so is each worker's `/metrics`
+(`metrics_port`, on by default as Dynamo's system port is), bound on its host's address.
 
 With `security.tls` on (`required`, or `auto` on several hosts), each process is given the paths
 of the graph's CA and of its own certificate and key (graph/tls.py makes them at `up`; `Plan.tls`
@@ -646,6 +647,12 @@ class _Compiler:
             tls_env, carry = self._tls_env(f"{name}-{replica}", host, self._address(host))
             env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
             ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
+            if worker.metrics_port is not None:
+                port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + replica
+                port_name = f"{name}-{replica}.metrics"
+                ports[port_name] = port
+                bind = self._address(host) or "127.0.0.1"
+                side_args += ["--metrics-port", _port(port, port_name), "--metrics-host", bind]
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
                 port_name = f"{name}-{replica}.tcp"

@@ -579,6 +579,10 @@ class Worker(_Component):
     tcp_port: Port | None = None
     """Request-plane port of replica 0 (DYN_TCP_PORT); replica i uses `tcp_port + i`.
     Default: a free port."""
+    metrics_port: AutoPort | None = "auto"
+    """Port of replica 0's `/metrics`: its requests and its engine's own series (vLLM's
+    `vllm:`, the mocker's, llama.cpp's), scraped by `render -f prometheus` (--metrics-port);
+    replica i uses `metrics_port + i`; `auto`: a free port each; null: none."""
     migration_limit: int = Field(0, ge=0)
     """Migration limit advertised in the model card (--migration-limit)."""
     max_inflight: int | None = Field(None, ge=0)

@@ -447,7 +447,7 @@ def _explicit_ids(worker: Worker, replicas: int) -> set[int] | None:
 
 
 def check_ports(graph: Graph) -> Iterator[Problem]:
-    """Fixed ports on one host must differ: HTTP ports, workers' tcp ports, managed infra (which
+    """Fixed ports on one host must differ: HTTP ports, workers' tcp and metrics ports, managed infra (which
     runs on the local host). Bind addresses are ignored: 127.0.0.1 and 0.0.0.0 still clash."""
     owners: dict[tuple[str, int], str] = {}
     for host, port, path in fixed_ports(graph):
@@ -470,9 +470,11 @@ def fixed_ports(graph: Graph) -> Iterator[tuple[str, int, str]]:
         if isinstance(comp, Frontend):
             if isinstance(comp.http.port, int):
                 yield comp.host, comp.http.port, f"components.{key}.http.port"
-        elif comp.tcp_port is not None:
-            for i, host in enumerate(comp.hosts_of_replicas()):
-                yield host, comp.tcp_port + i, f"components.{key}.tcp_port"
+        else:
+            for field in ("tcp_port", "metrics_port"):
+                if isinstance(port := getattr(comp, field), int):
+                    for i, host in enumerate(comp.hosts_of_replicas()):
+                        yield host, port + i, f"components.{key}.{field}"
 
 
 def check_disagg(graph: Graph) -> Iterator[Problem]:

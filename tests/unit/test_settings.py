@@ -21,6 +21,7 @@ from dynamo_graph.frontend.settings import LimitSettings
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.compile import compile_graph
 from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.targets.local.ports import fill_plan
 from dynamo_graph.graph.validate import validate_graph
 from dynamo_graph.options import options
 from dynamo_graph.process.run_config import RUN_OPTIONS, parse_run_args, parse_run_config
@@ -80,6 +81,7 @@ WORKERS = st.fixed_dictionaries(
         "migration_limit": st.integers(0, 5),
         "max_inflight": st.integers(0, 4096),
         "role": st.sampled_from(["agg", "decode"]),
+        "metrics_port": st.sampled_from(["auto", None, 9400]),
     },
 )
 
@@ -117,7 +119,8 @@ def test_graph_sections_compile_to_flags_that_parse_back_to_the_same_settings(
     # The graph layer's stages without Hydra's loading (0.5 s a graph): validate, then compile.
     graph = validate_graph(_graph(router, limits, disagg, worker), None, file="graph.yaml")
     plan = compile_graph(graph, graph_file=tmp_path / "graph.yaml", state_dir=tmp_path / "state")
-    processes = {p.component: p for p in plan.processes}
+    ports: dict[str, int] = {}
+    processes = {p.component: p for p in fill_plan(plan, ports).processes}  # `auto` ports, as `up` does
 
     front = parse_run_config(_run_args(processes["frontend"].argv))
     section = graph.components["frontend"]
@@ -131,6 +134,8 @@ def test_graph_sections_compile_to_flags_that_parse_back_to_the_same_settings(
     assert (back.engine.context_length, back.engine.kv_cache_block_size) == (2048, 32)
     assert back.worker.migration_limit == (spec.migration_limit or 0)
     assert back.worker.max_inflight == (1024 if spec.max_inflight is None else spec.max_inflight)
+    auto_port = ports.get("backend-0.metrics")
+    assert back.worker.metrics_port == (auto_port if spec.metrics_port == "auto" else spec.metrics_port)
 
 
 def test_defaults_compile_to_no_flags(tmp_path: Path) -> None:

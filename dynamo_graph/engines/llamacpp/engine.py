@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.errors import EngineError, EngineShutdown, InvalidArgument
@@ -179,6 +182,9 @@ class LlamaCppEngine(LLMEngine):
     def decode_steps(self) -> int:
         """llama_decode calls so far: one per step, for all the sequences running in it."""
         return self._loop.steps if self._loop is not None else 0
+
+    def metrics_collectors(self) -> Sequence[Collector]:
+        return (LlamaCppCollector(self),)
 
     async def drain(self) -> None:
         while self._jobs:
@@ -409,3 +415,27 @@ class LlamaCppEngine(LLMEngine):
                 chain.add_dist(self.args.seed if so.seed is None else so.seed & 0xFFFFFFFF)
             chains.append(chain)
         return chains
+
+
+class LlamaCppCollector(Collector):
+    """llama-cpp-python exposes no Prometheus series (llama.cpp's C++ server does, not the
+    bindings), so the worker's /metrics gets what this engine counts itself."""
+
+    def __init__(self, engine: LlamaCppEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        requests = GaugeMetricFamily(
+            "dyngraph_llamacpp_requests", "Requests in the engine (running or waiting)"
+        )
+        requests.add_metric([], len(engine._jobs))
+        slots = GaugeMetricFamily("dyngraph_llamacpp_max_sequences", "Sequences the context runs at once")
+        slots.add_metric([], engine.args.n_parallel)
+        evaluated = CounterMetricFamily(
+            "dyngraph_llamacpp_prompt_tokens_evaluated", "Prompt tokens evaluated (not from a cache)"
+        )
+        evaluated.add_metric([], engine.prompt_tokens_evaluated)
+        steps = CounterMetricFamily("dyngraph_llamacpp_decode_steps", "llama_decode calls")
+        steps.add_metric([], engine.decode_steps)
+        yield from (requests, slots, evaluated, steps)

@@ -50,7 +50,7 @@ import asyncio
 import contextlib
 import logging
 from array import array
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from dynamo_graph.backend.engine import EngineConfig, KvImportError, LLMEngine
@@ -60,6 +60,7 @@ from dynamo_graph.backend.lora import LoraAdapter
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, request_priority
 from dynamo_graph.engines.kv_handoff import first_token_answer, first_token_request
 from dynamo_graph.engines.mocker.args import MockerArgs, MockerArgsError, args_from_settings
+from dynamo_graph.engines.mocker.metrics import MockerCollector
 from dynamo_graph.engines.mocker.perf_model import PerfModel
 from dynamo_graph.engines.mocker.scheduler import (
     MockSequence,
@@ -73,6 +74,8 @@ from dynamo_graph.router.kv.protocols import LoadMetrics
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
@@ -173,6 +176,9 @@ class MockerEngine(LLMEngine):
                 self._ranks.append(rank)
             self._started = True
         return self.config()
+
+    def metrics_collectors(self) -> Sequence[Collector]:
+        return (MockerCollector(lambda: [rank.scheduler for rank in self._ranks]),)
 
     async def drain(self) -> None:
         while self._seqs:

@@ -265,6 +265,8 @@ class Scheduler:
         )
         self.running: list[MockSequence] = []
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # prompt tokens of sequences first admitted (for /metrics)
+        self.prefix_hit_tokens = 0  # of those, found in the prefix cache
         self._arrivals = itertools.count()
 
     # ---- queue ---------------------------------------------------------------------------
@@ -404,6 +406,8 @@ class Scheduler:
             seq.in_prefill = True
             if seq.cached_tokens is None:
                 seq.cached_tokens = hit * bs
+                self.prompt_tokens += length
+                self.prefix_hit_tokens += hit * bs
             running.append(seq)
             if seq.transferred and hit == (length - 1) // bs:
                 # Every block but the partial last one is here; that one came with the transfer.

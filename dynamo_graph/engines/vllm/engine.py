@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.engine import EngineConfig, KvImportError
@@ -58,6 +58,8 @@ from dynamo_graph.llm.openai import GUIDED_DECODING
 from dynamo_graph.runtime.context import Context
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from dynamo_graph.backend.lora import LoraAdapter
     from dynamo_graph.llm.model_source import LocalModel
     from dynamo_graph.router.kv.publisher import KvEventSink
@@ -122,7 +124,8 @@ class VllmEngine(LibraryEngine):
             from vllm.lora.request import LoRARequest
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
-            from vllm.v1.metrics.loggers import StatLoggerBase
+            from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
+            from vllm.v1.metrics.prometheus import get_prometheus_registry
         except Exception as err:
             raise VllmError(f"{INSTALL_HINT} ({type(err).__name__}: {err})") from None
         try:  # vLLM's errors about the request itself (VLLMValidationError, ...): the client's 400
@@ -143,6 +146,8 @@ class VllmEngine(LibraryEngine):
             "StructuredOutputsParams": StructuredOutputsParams,
             "AsyncLLM": AsyncLLM,
             "StatLoggerBase": StatLoggerBase,
+            "PrometheusStatLogger": PrometheusStatLogger,
+            "registry": get_prometheus_registry,
         }
         self.client_errors = client_errors
 
@@ -189,10 +194,12 @@ class VllmEngine(LibraryEngine):
         try:
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
-            loggers = None
+            # vLLM's own `vllm:` series, as `vllm serve` has them (the worker's /metrics serves
+            # them: metrics_collectors), without its periodic log lines.
+            loggers = [self._vllm["PrometheusStatLogger"]]
             if self.kv_event_sink is not None:  # the worker's load on the event plane (load.py)
                 self._load = LoadReporter(self.kv_event_sink, worker_id)
-                loggers = [stat_logger(self._load, self._vllm["StatLoggerBase"])]
+                loggers.append(stat_logger(self._load, self._vllm["StatLoggerBase"]))
             self._llm = await asyncio.to_thread(
                 functools.partial(self._vllm["AsyncLLM"].from_engine_args, args, stat_loggers=loggers)
             )
@@ -260,6 +267,10 @@ class VllmEngine(LibraryEngine):
             subscriber.discard()
             raise
         return subscriber
+
+    def metrics_collectors(self) -> Sequence[Collector]:
+        """vLLM's registry: its `vllm:` series (and the process's own)."""
+        return (self._vllm["registry"](),) if self._vllm else ()
 
     async def _close_kv(self) -> None:
         if self._kv is not None:

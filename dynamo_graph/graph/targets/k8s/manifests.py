@@ -57,6 +57,8 @@ ETCD_PORT, ETCD_PEER_PORT, NATS_PORT = 2379, 2380, 4222
 WORKER_PORT = 9345
 """Request-plane port of every worker pod: each pod has its own IP, so one fixed port serves all
 replicas and gives the probes something to check (a worker listens once it serves)."""
+WORKER_METRICS_PORT = 9090
+"""A worker pod's /metrics (`metrics_port`), on Dynamo's system port: one port for every pod."""
 FILES_DIR = "/etc/dyngraph"
 TLS_DIR = "/etc/dyngraph-tls"  # the `<graph>-tls` Secret's mount
 # A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate).
@@ -170,6 +172,11 @@ class _K8s:
             argv[at] = ",".join(f"{name}={self.paths.get(path, path)}" for name, _, path in pairs)
         if "--http-host" in argv:  # the Service reaches the pod on its own IP
             argv[argv.index("--http-host") + 1] = "0.0.0.0"
+        if "--metrics-port" in argv:  # scraped on the pod's own IP, at one port for all pods
+            at = argv.index("--metrics-port")
+            if "{port:" in argv[at + 1]:
+                argv[at + 1] = str(WORKER_METRICS_PORT)
+            argv[argv.index("--metrics-host") + 1] = "0.0.0.0"
         if "--disaggregation-bootstrap-port" in argv:  # a pod has SGLang's default port to itself
             at = argv.index("--disaggregation-bootstrap-port")
             if "{port:" in argv[at + 1]:
@@ -258,6 +265,10 @@ class _K8s:
                 mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         else:
             container["ports"] = [{"name": "request-plane", "containerPort": WORKER_PORT}]
+            argv = container["command"]
+            if "--metrics-port" in argv:
+                port = int(argv[argv.index("--metrics-port") + 1])
+                container["ports"].append({"name": "metrics", "containerPort": port})
             if comp.gpus.per_replica:
                 gpus = {"nvidia.com/gpu": str(comp.gpus.per_replica)}
                 container["resources"] = {"limits": gpus, "requests": gpus}

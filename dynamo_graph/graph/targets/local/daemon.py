@@ -24,7 +24,7 @@ from dynamo_graph.graph.targets.local import control, registry
 from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
-from dynamo_graph.graph.targets.local.sup_metrics import MetricsServer
+from dynamo_graph.graph.targets.local.sup_metrics import metrics_server
 from dynamo_graph.graph.targets.local.supervisor import Refused, Report, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
@@ -49,7 +49,7 @@ async def supervise(
     registry.enter(state.root)  # `dyngraph ls` lists it
     sup = Supervisor(state, report)
     planner = Autoscaler(sup)
-    metrics = MetricsServer(sup, planner)
+    metrics = metrics_server(sup, planner)
     shutdown = asyncio.Event()
 
     async def handle(req: control.Request) -> control.Reply:

@@ -2,21 +2,25 @@
 
 The metrics endpoints of a graph on this machine and its ssh hosts are its frontends' /metrics
 (one per frontend component: its replicas share a port and answer /metrics for all of them,
-frontend/group.py). Workers have no endpoint of their own; what the frontends know of them is on
-the frontends' /metrics: requests and time to first response per worker are on /health, and with
-kv routing each worker rank's last load report (KV blocks in use, capacity, requests running and
-waiting) is on /metrics (frontend/router_metrics.py).
+frontend/group.py), every worker replica's own /metrics (`metrics_port`, on by default: its
+requests and its engine's series, backend/metrics.py), and the supervisor's. With kv routing
+the frontends' /metrics also carry each worker rank's last load report (frontend/router_metrics.py).
 
-`prometheus` is a scrape configuration with a job per frontend component, labelled with the
-graph, component and host, and one for the supervisor's own /metrics (replicas, restarts,
+`prometheus` is a scrape configuration with a job per frontend component and per worker
+component (a target per replica, labelled with its process), labelled with the graph,
+component and host, and one for the supervisor's own /metrics (replicas, restarts,
 revisions, autoscaling: sup_metrics.py) when the graph sets `supervisor.metrics_port`. A port
 that is `auto` is taken from the running graph's ports.json (render after `up`), else it is a
-problem naming the key. `grafana` is one dashboard: per model
+problem naming the key (a worker's is left out, with a comment saying so). Replicas an autoscaled pool keeps in standby are not scraped (they are
+not running until the planner starts them). `grafana` is one dashboard: per model
 request rate, errors, TTFT and ITL percentiles, output tokens/s and requests in flight; with kv
 routing, per worker rank KV use, running and waiting requests and routed requests, and the
-router's queue when the graph has one; and whether every target is up. Every expression names
-only series the graph's frontends export whatever the traffic (an error rate is `or` zero), so
-each returns data once Prometheus has scraped (tests/system/test_observability.py checks it).
+router's queue when the graph has one; per worker requests in flight and ended, and its
+engine's own series (mocker, vLLM, llama.cpp) for the engines the graph's workers run; and
+whether every target is up. Every expression names only series the graph's processes export
+whatever the traffic (a ratio or an error rate is `or` zero), so each returns data once
+Prometheus has scraped (tests/system/test_observability.py checks it; the vLLM and llama.cpp
+panels name the series of the vLLM and llama.cpp adapters, which that test does not run).
 """
 
 from __future__ import annotations
@@ -78,44 +82,73 @@ def frontend_endpoints(plan: Plan) -> list[Endpoint]:
     return list(out.values())
 
 
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """Where one worker replica's /metrics answers."""
+
+    component: str
+    process: str
+    host: str  # the host key
+    address: str | None  # HOST:PORT; None: its port is `auto` and not allocated yet
+
+
+def worker_endpoints(plan: Plan) -> list[WorkerEndpoint]:
+    """Every running worker replica's /metrics (--metrics-host/--metrics-port in its argv, as the
+    compiler wrote them); `auto` ports from the running graph's ports.json."""
+    ports_file = Path(plan.state_dir) / "ports.json"
+    auto = json.loads(ports_file.read_text()) if ports_file.exists() else {}
+    out = []
+    for spec in plan.processes:
+        if "--metrics-port" not in spec.argv:
+            continue
+        port = spec.argv[spec.argv.index("--metrics-port") + 1]
+        host = spec.argv[spec.argv.index("--metrics-host") + 1]
+        port = _PLACEHOLDER.sub(lambda m: str(auto.get(m.group(1), m.group(0))), port)
+        address = None if _PLACEHOLDER.search(port) else f"{host}:{port}"
+        out.append(WorkerEndpoint(spec.component, spec.name, spec.host, address))
+    return out
+
+
 def render_prometheus(graph: Graph, plan: Plan) -> str:
     """A Prometheus scrape configuration for the graph's metrics endpoints."""
     endpoints = frontend_endpoints(plan)
-    auto = [e for e in endpoints if e.address is None]
-    if auto:
-        why = "is `auto`: Prometheus needs the port; render after `dyngraph up`, or fix the port"
-        raise GraphError([Problem(f"components.{e.component}.http.port", why) for e in auto])
+    workers = worker_endpoints(plan)
+    why = "is `auto`: Prometheus needs the port; render after `dyngraph up`, or fix the port"
+    problems = [Problem(f"components.{e.component}.http.port", why) for e in endpoints if e.address is None]
+    if problems:
+        raise GraphError(problems)
+    unallocated = list(dict.fromkeys(w.component for w in workers if w.address is None))
     jobs = []
-    for e in endpoints:
-        component, host, target = e.component, e.host, e.address
+
+    def job(component: str, targets: list[tuple[str | None, dict[str, str]]]) -> None:
+        labels = {"graph": plan.graph, "component": component}
+        configs = [{"targets": [target], "labels": {**labels, **more}} for target, more in targets]
         jobs.append(
-            {
-                "job_name": f"{plan.graph}-{component}",
-                "metrics_path": "/metrics",
-                "static_configs": [
-                    {
-                        "targets": [target],
-                        "labels": {"graph": plan.graph, "component": component, "host": host},
-                    }
-                ],
-            }
+            {"job_name": f"{plan.graph}-{component}", "metrics_path": "/metrics", "static_configs": configs}
         )
+
+    for e in endpoints:
+        job(e.component, [(e.address, {"host": e.host})])
+    by_component: dict[str, list[WorkerEndpoint]] = {}
+    for w in workers:
+        if w.address is not None:
+            by_component.setdefault(w.component, []).append(w)
+    for component, replicas in by_component.items():
+        job(component, [(w.address, {"host": w.host, "process": w.process}) for w in replicas])
     if plan.supervisor_metrics is not None:
         host, port = plan.supervisor_metrics
-        labels = {"graph": plan.graph, "component": "supervisor", "host": "local"}
-        jobs.append(
-            {
-                "job_name": f"{plan.graph}-supervisor",
-                "metrics_path": "/metrics",
-                "static_configs": [{"targets": [f"{host}:{port}"], "labels": labels}],
-            }
-        )
+        job("supervisor", [(f"{host}:{port}", {"host": "local"})])
     config = {"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": jobs}
     head = (
         f"# Prometheus scrape configuration of graph {plan.graph!r} ({plan.graph_file}), by `dyngraph render "
         "-f prometheus`.\n# Frontends on an ssh host must listen where Prometheus can reach them "
-        "(http.host), not on 127.0.0.1.\n"
+        "(http.host), not on 127.0.0.1; workers listen on their host's address.\n"
     )
+    if unallocated:
+        head += (
+            f"# Not scraped: the workers of {', '.join(unallocated)}, whose metrics_port is `auto`: "
+            "render after `dyngraph up` to scrape them.\n"
+        )
     return head + yaml.safe_dump(config, sort_keys=False)
 
 
@@ -146,7 +179,7 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
             f"sum by (model) (rate({FRONTEND}_output_sequence_tokens_sum{{{sel}}}[{w}]))",
         ),
         ("Requests in flight", "short", f"sum by (model) ({FRONTEND}_inflight_requests{{{sel}}})"),
-        ("Frontends up", "short", f"up{{{sel}}}"),
+        ("Targets up", "short", f"up{{{sel}}}"),
     ]
     routers = [f.router for f in graph.frontends().values()]
     if any(r.mode == "kv" for r in routers):
@@ -177,6 +210,7 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
         ]
         if any(r.mode == "kv" and r.queue_threshold is not None for r in routers):
             queries.append(("Router queue", "short", f"sum by (model) ({router}_queue_depth{{{sel}}})"))
+    queries += _worker_queries(graph, sel)
     if plan.supervisor_metrics is not None:  # the supervisor's own endpoint (sup_metrics.py)
         queries += [
             ("Replicas by state", "short", f"sum by (component, state) (dyngraph_replicas{{{sel}}})"),
@@ -196,6 +230,62 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
                     f"dyngraph_autoscale_desired_replicas{{{sel}}}",
                 )
             )
+    return queries
+
+
+def _worker_queries(graph: Graph, sel: str) -> list[tuple[str, str, str]]:
+    """Panels of the workers' own /metrics (backend/metrics.py), and of the engines they run."""
+    workers = [w for w in graph.workers().values() if w.metrics_port is not None]
+    if not workers:
+        return []
+    w = RATE_WINDOW
+    by = "by (component, process)"
+    queries = [
+        (
+            "Worker requests in flight",
+            "short",
+            f"sum {by} (dyngraph_worker_inflight_requests{{{sel}}})",
+        ),
+        (
+            "Worker requests ended/s by status",
+            "reqps",
+            f"sum by (component, status) (rate(dyngraph_worker_requests_total{{{sel}}}[{w}]))",
+        ),
+    ]
+    engines = {worker.engine for worker in workers}
+    if "mocker" in engines:
+        m = "dyngraph_mocker"
+        hits = f"sum by (component) (rate({m}_prefix_cache_hit_tokens_total{{{sel}}}[{w}]))"
+        prompts = f"sum by (component) (rate({m}_prompt_tokens_total{{{sel}}}[{w}]))"
+        queries += [
+            (
+                "Mocker KV cache use per worker",
+                "percentunit",
+                f"max by (process, dp_rank) ({m}_kv_cache_usage_ratio{{{sel}}})",
+            ),
+            ("Mocker running requests", "short", f"sum {by} ({m}_num_requests_running{{{sel}}})"),
+            ("Mocker waiting requests", "short", f"sum {by} ({m}_num_requests_waiting{{{sel}}})"),
+            (
+                "Mocker prefix cache hit rate",
+                "percentunit",
+                f"{hits} / ({prompts} > 0) or (0 * {prompts})",
+            ),
+        ]
+    if "vllm" in engines:
+        queries += [
+            ("vLLM KV cache use", "percentunit", f"max {by} (vllm:kv_cache_usage_perc{{{sel}}})"),
+            ("vLLM running requests", "short", f"sum {by} (vllm:num_requests_running{{{sel}}})"),
+            ("vLLM waiting requests", "short", f"sum {by} (vllm:num_requests_waiting{{{sel}}})"),
+        ]
+    if "llamacpp" in engines:
+        queries += [
+            ("llama.cpp requests", "short", f"sum {by} (dyngraph_llamacpp_requests{{{sel}}})"),
+            (
+                "llama.cpp prompt tokens evaluated/s",
+                "short",
+                f"sum {by} (rate(dyngraph_llamacpp_prompt_tokens_evaluated_total{{{sel}}}[{w}]))",
+            ),
+        ]
     return queries
 
 

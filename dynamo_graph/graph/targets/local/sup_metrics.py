@@ -19,22 +19,15 @@ server is asyncio's, so nothing is shared with another thread):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
-
-log = logging.getLogger(__name__)
-
-READ_TIMEOUT_S = 5.0
+from dynamo_graph.runtime.metrics_http import MetricsServer
 
 
 class SupervisorCollector(Collector):
@@ -118,60 +111,8 @@ class SupervisorCollector(Collector):
         yield from (*gauges.values(), capped, changes)
 
 
-class MetricsServer:
-    """`GET /metrics` on the address the plan names, (re)bound when a plan changes it."""
-
-    def __init__(self, sup: Supervisor, autoscaler: Autoscaler) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SupervisorCollector(sup, autoscaler))
-        self.address: tuple[str, int] | None = None
-        self._server: asyncio.Server | None = None
-
-    async def follow(self, address: tuple[str, int] | None) -> None:
-        """Listen on `address` (None: not at all); a bind failure is logged, not fatal: the
-        graph serves without the supervisor's metrics."""
-        if address == self.address:
-            return
-        await self.close()
-        self.address = address
-        if address is None:
-            return
-        try:
-            self._server = await asyncio.start_server(self._handle, *address)
-        except OSError as exc:
-            log.error("supervisor metrics: cannot listen on %s:%d: %s", *address, exc)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
-            while (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)).strip():
-                pass  # headers: nothing in them matters here
-            parts = request.split()
-            path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
-            if parts[:1] != [b"GET"] or path != b"/metrics":
-                status, body, kind = b"404 Not Found", b"only GET /metrics is here\n", b"text/plain"
-            else:
-                status, body, kind = b"200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
-            writer.write(
-                b"HTTP/1.1 "
-                + status
-                + b"\r\nContent-Type: "
-                + kind
-                + b"\r\nContent-Length: "
-                + str(len(body)).encode()
-                + b"\r\nConnection: close\r\n\r\n"
-                + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+def metrics_server(sup: Supervisor, autoscaler: Autoscaler) -> MetricsServer:
+    """The supervisor's /metrics server; `follow` binds it where the plan says."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(sup, autoscaler))
+    return MetricsServer(registry, "supervisor metrics")
