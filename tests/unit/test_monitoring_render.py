@@ -1,4 +1,5 @@
-"""`render -f prometheus` and `-f grafana` of small graphs: a job per frontend, `auto` ports taken
+"""`render -f prometheus` and `-f grafana` of small graphs: a job per frontend and per worker
+component (a target per replica), the workers' --metrics-port, `auto` ports taken
 from the running graph or refused by key, and dashboard panels only for what the graph exports
 (tests/system/test_observability.py scrapes a running graph with a real Prometheus)."""
 
@@ -114,3 +115,108 @@ def test_the_supervisors_metrics_are_scraped_and_charted_when_the_graph_serves_t
     panels = json.loads(render(built.graph, built.plan, "grafana"))["panels"]
     exprs = [panel["targets"][0]["expr"] for panel in panels]
     assert any(expr.startswith("sum by (component, state) (dyngraph_replicas") for expr in exprs)
+
+
+WORKERS = """
+name: demo
+models: {tiny: {path: ./model}}
+components:
+  frontend: {kind: frontend, http: {port: 18555}}
+  backend: {kind: worker, model: tiny, engine: ENGINE, replicas: 2, metrics_port: PORT}
+"""
+
+
+def _workers(tmp_path: Path, port: str, engine: str = "mocker"):  # type: ignore[no-untyped-def]
+    (tmp_path / "model").mkdir(exist_ok=True)
+    path = tmp_path / "graph.yaml"
+    path.write_text(WORKERS.replace("PORT", port).replace("ENGINE", engine))
+    return build(path)
+
+
+def test_each_worker_replica_gets_its_metrics_port_on_its_command_line(tmp_path: Path):
+    fixed = _workers(tmp_path, "19600").plan.processes
+    workers = [p for p in fixed if p.component == "backend"]
+    for i, spec in enumerate(workers):
+        at = spec.argv.index("--metrics-port")
+        assert spec.argv[at : at + 4] == ["--metrics-port", str(19600 + i), "--metrics-host", "127.0.0.1"]
+        assert spec.ports == {f"backend-{i}.metrics": 19600 + i}
+    auto = [p for p in _workers(tmp_path, "auto").plan.processes if p.component == "backend"]
+    assert [p.argv[p.argv.index("--metrics-port") + 1] for p in auto] == [
+        "{port:backend-0.metrics}",
+        "{port:backend-1.metrics}",
+    ]
+    off = [p for p in _workers(tmp_path, "null").plan.processes if p.component == "backend"]
+    assert all("--metrics-port" not in p.argv and not p.ports for p in off)
+
+
+def test_a_fixed_metrics_port_that_clashes_is_a_problem(tmp_path: Path):
+    with pytest.raises(GraphError, match=r"components\.backend\.metrics_port: port 18555"):
+        _workers(tmp_path, "18554")  # replica 1 would take the frontend's port
+
+
+def test_a_scrape_job_per_worker_component_with_a_target_per_replica(tmp_path: Path):
+    built = _workers(tmp_path, "19600")
+    jobs = {
+        j["job_name"]: j
+        for j in yaml.safe_load(render(built.graph, built.plan, "prometheus"))["scrape_configs"]
+    }
+    assert [(s["targets"], s["labels"]) for s in jobs["demo-backend"]["static_configs"]] == [
+        (
+            ["127.0.0.1:19600"],
+            {"graph": "demo", "component": "backend", "host": "local", "process": "backend-0"},
+        ),
+        (
+            ["127.0.0.1:19601"],
+            {"graph": "demo", "component": "backend", "host": "local", "process": "backend-1"},
+        ),
+    ]
+    auto = _workers(tmp_path, "auto")
+    text = render(auto.graph, auto.plan, "prometheus")
+    assert "demo-backend" not in text and "Not scraped: the workers of backend" in text
+    state = Path(auto.plan.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "ports.json").write_text(json.dumps({"backend-0.metrics": 40001, "backend-1.metrics": 40002}))
+    jobs = {
+        j["job_name"]: j
+        for j in yaml.safe_load(render(auto.graph, auto.plan, "prometheus"))["scrape_configs"]
+    }
+    assert [s["targets"] for s in jobs["demo-backend"]["static_configs"]] == [
+        ["127.0.0.1:40001"],
+        ["127.0.0.1:40002"],
+    ]
+
+
+def test_a_worker_on_an_ssh_host_listens_and_is_scraped_at_its_address(tmp_path: Path):
+    path = tmp_path / "graph.yaml"
+    graph = REMOTE.replace("BIND", "0.0.0.0").replace(
+        "backend: {kind: worker, model: m, engine: mocker}",
+        "backend: {kind: worker, model: m, engine: mocker, placement: [local, gpu1], replicas: 2,"
+        " metrics_port: 19700}",
+    )
+    path.write_text(graph)
+    built = build(path)
+    jobs = {
+        j["job_name"]: j
+        for j in yaml.safe_load(render(built.graph, built.plan, "prometheus"))["scrape_configs"]
+    }
+    assert [(s["targets"], s["labels"]["host"]) for s in jobs["edge-backend"]["static_configs"]] == [
+        (["10.0.0.1:19700"], "local"),
+        (["10.0.0.5:19701"], "gpu1"),
+    ]
+
+
+def test_worker_panels_follow_the_engines_the_graph_runs(tmp_path: Path):
+    def titles(port: str, engine: str) -> dict[str, str]:
+        built = _workers(tmp_path, port, engine)
+        panels = json.loads(render(built.graph, built.plan, "grafana"))["panels"]
+        return {p["title"]: p["targets"][0]["expr"] for p in panels}
+
+    mocker = titles("auto", "mocker")
+    assert "dyngraph_worker_inflight_requests" in mocker["Worker requests in flight"]
+    assert "dyngraph_mocker_kv_cache_usage_ratio" in mocker["Mocker KV cache use per worker"]
+    echo = titles("auto", "echo_core")
+    assert "Worker requests in flight" in echo and not any(t.startswith("Mocker") for t in echo)
+    vllm = titles("auto", "vllm")
+    assert "vllm:kv_cache_usage_perc" in vllm["vLLM KV cache use"]
+    off = titles("null", "mocker")
+    assert not any(t.startswith(("Worker", "Mocker")) for t in off)
