@@ -1,5 +1,6 @@
 """Seeing a running graph work (issue 30): the router's decision log, the frontend's recording
-replayed by `dyngraph bench`, and `dyngraph top`. One graph for the module: the CI graph
+replayed by `dyngraph bench`, `dyngraph top`, each worker's own /metrics, and a real Prometheus
+scraping every process. One graph for the module: the CI graph
 mocker-kv.yaml (two mocker workers, kv routing) under `dyngraph up`, its frontend writing a
 decision log and a recording; the official `openai` client sends a few requests."""
 
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.local_graph import Graph
 from tests.support.processes import DYNGRAPH, free_port, run_cli
@@ -218,6 +220,48 @@ def test_top_in_tmux_moves_under_load_sorts_filters_and_quits_on_q(graph: Graph)
         subprocess.run([*tmux, "kill-server"], capture_output=True)
 
 
+def _worker_targets(graph: Graph) -> dict[str, str]:
+    """Worker process -> HOST:PORT of its /metrics, from `render -f prometheus`."""
+    rendered = run_cli(["render", str(graph.file), "-f", "prometheus", *graph.overrides])
+    assert rendered.returncode == 0, rendered.stderr
+    configs = [s for job in yaml.safe_load(rendered.stdout)["scrape_configs"] for s in job["static_configs"]]
+    return {s["labels"]["process"]: s["targets"][0] for s in configs if "process" in s["labels"]}
+
+
+def test_every_worker_serves_its_requests_and_the_mockers_series_on_its_own_metrics(graph: Graph) -> None:
+    targets = _worker_targets(graph)
+    assert sorted(targets) == ["backend-0", "backend-1"]
+
+    def scrape() -> dict[str, dict[tuple[str, tuple], float]]:
+        out = {}
+        for process, target in targets.items():
+            text = httpx.get(f"http://{target}/metrics", timeout=5).text
+            out[process] = {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+            }
+        return out
+
+    def served(samples: dict[tuple[str, tuple], float]) -> float:
+        key = ("dyngraph_worker_requests_total", (("model", MODEL), ("status", "served")))
+        return samples[key]
+
+    before = scrape()
+    client = _client(graph)
+    for i in range(3):
+        client.completions.create(model=MODEL, prompt=f"count me {i}", max_tokens=2)
+    wait_for(
+        lambda: sum(map(served, scrape().values())) >= sum(map(served, before.values())) + 3,
+        10,
+        "the workers counting the requests they served",
+    )
+    for samples in scrape().values():
+        assert samples[("dyngraph_mocker_kv_blocks_total", (("dp_rank", "0"),))] == 4096
+        assert ("dyngraph_mocker_prefix_cache_hit_tokens_total", (("dp_rank", "0"),)) in samples
+        assert samples[("dyngraph_worker_max_inflight", (("model", MODEL),))] == 1024
+
+
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Prometheus (Debian's prometheus)")
 def test_prometheus_scrapes_every_target_and_every_dashboard_expression_has_data(graph: Graph) -> None:
     folder = graph.file.parent / "prometheus"
@@ -255,11 +299,16 @@ def test_prometheus_scrapes_every_target_and_every_dashboard_expression_has_data
             return False
         return bool(active) and all(t["health"] == "up" for t in active)
 
+    def scraped_processes() -> set[str]:
+        active = api.get("/targets").json()["data"]["activeTargets"]
+        return {t["labels"]["process"] for t in active if "process" in t["labels"]}
+
     def empty() -> list[str]:
         return [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]
 
     try:
         wait_for(targets_up, 30, "every scrape target up")
+        assert scraped_processes() == {"backend-0", "backend-1"}  # each worker replica's own /metrics
         with _Load(graph):
             wait_for(lambda: not empty(), 30, "data for every dashboard expression")
     finally:
