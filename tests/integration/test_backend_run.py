@@ -18,7 +18,7 @@ from dynamo_graph.backend.command_line import parse_worker_args
 from dynamo_graph.backend.conformance import check_engine
 from dynamo_graph.backend.engine import EngineConfig, LLMEngine, normalize_finish_reason
 from dynamo_graph.backend.errors import EngineError
-from dynamo_graph.backend.handlers import tokens_handler
+from dynamo_graph.backend.handlers import InflightCap, tokens_handler
 from dynamo_graph.backend.protocol import LLMEngineOutput, PreprocessedRequest, StopConditions
 from dynamo_graph.backend.settings import RunConfigError
 from dynamo_graph.runtime.context import Context
@@ -101,20 +101,25 @@ async def test_handler_normalises_and_ends_at_the_final_chunk() -> None:
             LLMEngineOutput(token_ids=[6]),
         ]
     )
-    outs = [o async for o in tokens_handler(engine)(REQUEST, Context())]
+    cap = InflightCap()
+    outs = [o async for o in tokens_handler(engine, cap=cap)(REQUEST, Context())]
     assert [o.finish_reason for o in outs] == [None, "cancelled"]
+    assert (cap.served, cap.failed, cap.cancelled, cap.inflight) == (1, 0, 0, 0)  # the worker's /metrics
 
 
 async def test_handler_turns_an_error_chunk_into_an_error() -> None:
     engine = _Scripted([LLMEngineOutput(finish_reason="error", error="cuda fell over")])
+    cap = InflightCap()
     with pytest.raises(EngineError, match="cuda fell over"):
-        _ = [o async for o in tokens_handler(engine)(REQUEST, Context())]
+        _ = [o async for o in tokens_handler(engine, cap=cap)(REQUEST, Context())]
+    assert (cap.served, cap.failed, cap.cancelled) == (0, 1, 0)
 
 
 async def test_a_stopped_context_reaches_abort_at_once() -> None:
     engine = _Scripted([LLMEngineOutput(token_ids=[5])], hang=True)
     context = Context("r1")
-    stream = tokens_handler(engine)(REQUEST, context)
+    cap = InflightCap()
+    stream = tokens_handler(engine, cap=cap)(REQUEST, context)
     assert (await anext(stream)).token_ids == [5]
     pending = asyncio.ensure_future(anext(stream))  # the engine now hangs
     await asyncio.sleep(0.01)
@@ -126,6 +131,7 @@ async def test_a_stopped_context_reaches_abort_at_once() -> None:
         await pending
     await stream.aclose()
     assert engine.aborted == ["r1"]  # exactly once
+    assert (cap.served, cap.failed, cap.cancelled, cap.inflight) == (0, 0, 1, 0)
 
 
 async def test_custom_engine_example_conforms() -> None:
