@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
@@ -297,6 +299,15 @@ async def test_concurrent_requests(engine: VllmEngine, token_ids: list[list[int]
     for (prompt, n), outs in zip(jobs, results, strict=True):
         assert ids(outs) == reference(prompt, n) and outs[-1].finish_reason == "length"
     await asyncio.wait_for(engine.drain(), 5)
+    # vLLM's own `vllm:` series, as the worker's /metrics serves them (backend/metrics.py).
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in engine.metrics_collectors():
+        registry.register(collector)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= set(
+        families
+    )
+    assert sum(s.value for s in families["vllm:request_success"].samples if s.name.endswith("_total")) >= 8
 
 
 @in_module_loop
