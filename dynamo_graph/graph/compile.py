@@ -647,12 +647,13 @@ class _Compiler:
             tls_env, carry = self._tls_env(f"{name}-{replica}", host, self._address(host))
             env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
             ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
+            metrics_args: list[str] = []
             if worker.metrics_port is not None:
                 port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + replica
                 port_name = f"{name}-{replica}.metrics"
                 ports[port_name] = port
                 bind = self._address(host) or "127.0.0.1"
-                side_args += ["--metrics-port", _port(port, port_name), "--metrics-host", bind]
+                metrics_args = ["--metrics-port", _port(port, port_name), "--metrics-host", bind]
             if worker.static:
                 port = worker.tcp_port + replica if worker.tcp_port else "auto"
                 port_name = f"{name}-{replica}.tcp"
@@ -664,7 +665,7 @@ class _Compiler:
                     component=name,
                     replica=replica,
                     host=host,
-                    argv=[*argv, *side_args],
+                    argv=[*argv, *metrics_args, *side_args],
                     env=env,
                     workdir=self._workdir(host),
                     ports=ports,

@@ -144,6 +144,11 @@ VLLM_PD = (
 )
 
 
+def _side(ports: dict[str, int | str]) -> dict[str, int | str]:
+    """A process's ports but its /metrics (every worker has one: test_monitoring_render.py)."""
+    return {name: port for name, port in ports.items() if not name.endswith(".metrics")}
+
+
 def test_nixl_side_channel_ports_are_per_process_on_the_host_s_address(tmp_path: Path) -> None:
     """vLLM's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT / _HOST) gets a port of its own per
     process (`auto`: free on that host at `up`), bound on the host's address: two replicas on one
@@ -151,7 +156,7 @@ def test_nixl_side_channel_ports_are_per_process_on_the_host_s_address(tmp_path:
     plan = _build(tmp_path, GRAPH, *VLLM_PD).plan
     procs = {p.name: p for p in plan.processes}
     workers = [n for n in procs if n.startswith(("prefill", "decode"))]
-    assert {n: procs[n].ports for n in workers} == {n: {f"{n}.nixl": "auto"} for n in workers}
+    assert {n: _side(procs[n].ports) for n in workers} == {n: {f"{n}.nixl": "auto"} for n in workers}
     assert {n: procs[n].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for n in workers} == {
         n: f"{{port:{n}.nixl}}" for n in workers
     }
@@ -174,7 +179,7 @@ def test_nixl_side_channel_ports_are_per_process_on_the_host_s_address(tmp_path:
     # Pinned by the graph: no port allocated.
     plan = _build(tmp_path, GRAPH, *VLLM_PD, "+components.prefill.env.VLLM_NIXL_SIDE_CHANNEL_PORT=5600").plan
     pinned = next(p for p in plan.processes if p.name == "prefill-0")
-    assert (pinned.ports, pinned.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ({}, "5600")
+    assert (_side(pinned.ports), pinned.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ({}, "5600")
 
 
 def test_single_host_side_channels_bind_loopback_and_agg_workers_get_none(tmp_path: Path) -> None:
@@ -194,7 +199,7 @@ components:
   agg: {kind: worker, model: m, engine: vllm}
 """
     plan = _build(tmp_path, text).plan
-    side = [(p.name, p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), list(p.ports)) for p in plan.processes]
+    side = [(p.name, p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), list(_side(p.ports))) for p in plan.processes]
     assert side == [
         ("agg-0", None, []),
         ("decode-0", "127.0.0.1", ["decode-0.nixl"]),
@@ -259,7 +264,7 @@ def test_each_sglang_prefill_worker_gets_its_bootstrap_port_on_its_host_s_addres
     plan = _build(tmp_path, GRAPH, *SGLANG_PD).plan
     procs = {p.name: p for p in plan.processes}
     prefills = [n for n in procs if n.startswith("prefill")]
-    assert {n: procs[n].ports for n in prefills} == {n: {f"{n}.bootstrap": "auto"} for n in prefills}
+    assert {n: _side(procs[n].ports) for n in prefills} == {n: {f"{n}.bootstrap": "auto"} for n in prefills}
     assert {n: procs[n].argv[-2:] for n in prefills} == {
         n: ["--disaggregation-bootstrap-port", f"{{port:{n}.bootstrap}}"] for n in prefills
     }
@@ -269,7 +274,7 @@ def test_each_sglang_prefill_worker_gets_its_bootstrap_port_on_its_host_s_addres
         "prefill-2": "10.0.0.2",
     }
     decodes = [p for p in plan.processes if p.component == "decode"]
-    assert all(not p.ports and "--disaggregation-bootstrap-port" not in p.argv for p in decodes)
+    assert all(not _side(p.ports) and "--disaggregation-bootstrap-port" not in p.argv for p in decodes)
     filled = fill_plan(plan, ports := {})
     bound = {p.argv[-1] for p in filled.processes if p.name in prefills}
     assert len(bound) == 3 and {int(b) for b in bound} == {ports[f"{n}.bootstrap"] for n in prefills}
@@ -282,4 +287,4 @@ def test_each_sglang_prefill_worker_gets_its_bootstrap_port_on_its_host_s_addres
         "+components.prefill.engine_args.disaggregation_bootstrap_port=30001",
     ).plan
     pinned = next(p for p in plan.processes if p.name == "prefill-0")
-    assert not pinned.ports and "--disaggregation-bootstrap-port" not in pinned.argv
+    assert not _side(pinned.ports) and "--disaggregation-bootstrap-port" not in pinned.argv
