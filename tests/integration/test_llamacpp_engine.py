@@ -354,6 +354,13 @@ async def test_a_prefix_held_by_a_busy_sequence_is_shared_not_evaluated_again(
     assert outs[0].cached_tokens == len(shared)
     assert engine.prompt_tokens_evaluated - evaluated == len(token_ids[0])
     assert ids(outs) == reference(follow, 12)
+    # What the worker's /metrics shows of the engine (backend/metrics.py).
+    (collector,) = engine.metrics_collectors()
+    series = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert series["dyngraph_llamacpp_requests"] == 1  # the busy one
+    assert series["dyngraph_llamacpp_max_sequences"] == 2
+    assert series["dyngraph_llamacpp_prompt_tokens_evaluated_total"] == engine.prompt_tokens_evaluated
+    assert series["dyngraph_llamacpp_decode_steps_total"] > 0  # the busy sequence still steps
     await busy.aclose()
     await asyncio.wait_for(engine.drain(), 5)
 
