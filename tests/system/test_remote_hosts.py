@@ -194,6 +194,16 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert hosts["backend-0"] == ("h0", "ready") and hosts["backend-1"] == ("h1", "ready"), status.stdout
     assert hosts["frontend-0"] == ("local", "ready"), status.stdout
 
+    # Each worker's own /metrics listens on its host's address, where `render -f prometheus` says.
+    rendered = graph.cli("render", "-f", "prometheus")
+    jobs = {job["job_name"]: job for job in yaml.safe_load(rendered.stdout)["scrape_configs"]}
+    targets = {s["labels"]["process"]: s["targets"][0] for s in jobs["remote-backend"]["static_configs"]}
+    assert sorted(targets) == ["backend-0", "backend-1"]
+    for process, host in (("backend-0", h0), ("backend-1", h1)):
+        assert targets[process].startswith(f"{host.address}:")
+        metrics = httpx.get(f"http://{targets[process]}/metrics", timeout=5).text
+        assert 'dyngraph_worker_max_inflight{model="tiny-model"} 1024.0' in metrics
+
     # The secret reached the workers' environment, and no command line on either host.
     remote = graph.remote_pids()
     assert any(SECRET.encode() in Path(f"/proc/{p}/environ").read_bytes() for p in remote if pid_alive(p))
