@@ -11,16 +11,19 @@ component (a target per replica, labelled with its process), labelled with the g
 component and host, and one for the supervisor's own /metrics (replicas, restarts,
 revisions, autoscaling: sup_metrics.py) when the graph sets `supervisor.metrics_port`. A port
 that is `auto` is taken from the running graph's ports.json (render after `up`), else it is a
-problem naming the key (a worker's is left out, with a comment saying so). Replicas an autoscaled pool keeps in standby are not scraped (they are
-not running until the planner starts them). `grafana` is one dashboard: per model
-request rate, errors, TTFT and ITL percentiles, output tokens/s and requests in flight; with kv
-routing, per worker rank KV use, running and waiting requests and routed requests, and the
-router's queue when the graph has one; per worker requests in flight and ended, and its
-engine's own series (mocker, vLLM, llama.cpp) for the engines the graph's workers run; and
-whether every target is up. Every expression names only series the graph's processes export
-whatever the traffic (a ratio or an error rate is `or` zero), so each returns data once
-Prometheus has scraped (tests/system/test_observability.py checks it; the vLLM and llama.cpp
-panels name the series of the vLLM and llama.cpp adapters, which that test does not run).
+problem naming the key (a worker's is left out, with a comment saying so). Replicas an
+autoscaled pool keeps in standby are not scraped (they are not running until the planner
+starts them).
+
+`grafana` is one dashboard: per model request rate, errors, TTFT and ITL percentiles, output
+tokens/s and requests in flight; with kv routing, per worker rank KV use, running and waiting
+requests and routed requests, and the router's queue when the graph has one; per worker
+requests in flight and ended, and its engine's own series (mocker, vLLM, llama.cpp) for the
+engines the graph's workers run; and whether every target is up. Every expression names only
+series the graph's processes export whatever the traffic (a ratio or an error rate is `or`
+zero), so each returns data once Prometheus has scraped (tests/system/test_observability.py
+checks it; the vLLM and llama.cpp panels name the series of those adapters, which that test
+does not run).
 """
 
 from __future__ import annotations
