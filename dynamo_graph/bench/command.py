@@ -177,7 +177,7 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
     code = 0
     for number, (name, overrides, built) in enumerate(builds, 1):
         err.print(f"[bold]variant {escape(name)}[/]: bringing the graph up", highlight=False)
-        entry = {"overrides": overrides, "hash": plan_hash(built.plan)}
+        entry = {"label": name, "overrides": overrides, "hash": plan_hash(built.plan)}
         try:
             with (
                 graphs.brought_up(built, err) as url,
