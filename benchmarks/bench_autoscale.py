@@ -48,7 +48,7 @@ def graph(model: Path, args: argparse.Namespace) -> dict:
         "name": "bench-autoscale",
         "models": {MODEL: {"path": str(model)}},
         "components": {
-            "frontend": {"kind": "frontend", "router": {"mode": args.router}},
+            "frontend": {"kind": "frontend", "http": {"port": "auto"}, "router": {"mode": args.router}},
             "backend": backend,
         },
     }

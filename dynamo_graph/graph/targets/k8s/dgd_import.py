@@ -288,6 +288,8 @@ class _Importer:
         module, args = command_line((service.get("extraPodSpec") or {}).get("mainContainer") or {})
         if service.get("componentType") == "planner" or module in PLANNER_MODULES:
             self.planners.append((where, parse_flags(args)))
+            if service.get("envs") or service.get("envFromSecret"):
+                self.notes.append(f"{where}: the Planner's env not imported (the graph's planner needs none)")
             return
         for extra in sorted(set(service) - _SERVICE_KEYS - {"resources", "extraPodSpec", "multinode"}):
             self.notes.append(f"{where}.{extra}: not imported")
