@@ -5,13 +5,13 @@ variant of a `--sweep`, and write JSON results, plots and a table. Returns the e
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from dynamo_graph.bench import graphs, plots, report, server, workload
+from dynamo_graph.bench import autoscale, graphs, plots, report, server, workload
 from dynamo_graph.bench.measure import Measured, Settings, measure, prepare, progress_bar
 from dynamo_graph.bench.provenance import graph_provenance, plan_hash, provenance
 from dynamo_graph.graph.build import Built, build
@@ -27,6 +27,7 @@ class Options:
     out_dir: Path | None
     plots: bool | None  # None: when matplotlib is installed
     plot_format: str
+    compare_static: list[int] = field(default_factory=list)  # autoscale vs these replica counts
 
 
 class BenchError(Exception):
@@ -136,33 +137,53 @@ def _bench_running(options: Options, err: Console, out: Console, fmt: str | None
     return 1 if measured.failed else 0
 
 
-def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) -> int:
+def _variants(options: Options) -> tuple[list[tuple[str, list[str]]], dict[str, autoscale.Autoscale]]:
+    """(label, overrides) of every variant, and the autoscaled pools a comparison samples."""
     assert options.graph_file is not None
+    if not options.compare_static:
+        try:
+            return [(report.variant_label(v), v) for v in graphs.sweep_variants(options.sweeps)], {}
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if len(options.settings.loads) != 1:
+        raise BenchError("--compare-static runs one load (a --profile, a --trace, one --rate or -c)")
     try:
-        variants = graphs.sweep_variants(options.sweeps)
-    except ValueError as e:
+        pools = autoscale.autoscaled(build(options.graph_file, options.overrides))
+    except autoscale.CompareError as e:
         raise BenchError(str(e)) from None
+    return autoscale.variants(list(pools), options.compare_static), pools
+
+
+def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) -> int:
+    """A --sweep, or --compare-static: each variant brought up in turn and measured."""
+    assert options.graph_file is not None
+    variants, pools = _variants(options)
     # Every variant is built (and so validated) before the first one starts.
-    builds = [(v, build(options.graph_file, [*options.overrides, *v])) for v in variants]
-    if graphs.is_running(builds[0][1]):
+    builds = [(name, v, build(options.graph_file, [*options.overrides, *v])) for name, v in variants]
+    if graphs.is_running(builds[0][2]):
         raise BenchError(
-            f"graph {builds[0][1].plan.graph} is already running: a sweep brings each variant up itself "
+            f"graph {builds[0][2].plan.graph} is already running: a sweep brings each variant up itself "
             f"(stop it first: dyngraph down {options.graph_file})"
         )
     # ... and preflighted on its hosts: a variant that cannot start fails the sweep before any runs.
-    graphs.preflight_variants([(report.variant_label(v), built) for v, built in builds])
-    settings = _settings_for(options.settings, builds[0][1], err)
+    graphs.preflight_variants([(name, built) for name, _, built in builds])
+    settings = _settings_for(options.settings, builds[0][2], err)
     prepared = prepare(settings)
-    out_dir = _out_dir(options, builds[0][1].plan.graph)
+    out_dir = _out_dir(options, builds[0][2].plan.graph)
     done: list[tuple[str, dict]] = []
+    compared: list[tuple[str, dict, list[dict]]] = []
+    goal = autoscale.targets(pools)
     summary = {"benchmark": "dyngraph-bench-sweep", **provenance(), "sweep": options.sweeps, "variants": []}
     code = 0
-    for number, (overrides, built) in enumerate(builds, 1):
-        name = report.variant_label(overrides)
+    for number, (name, overrides, built) in enumerate(builds, 1):
         err.print(f"[bold]variant {escape(name)}[/]: bringing the graph up", highlight=False)
-        entry = {"overrides": overrides, "hash": plan_hash(built.plan)}
+        entry = {"label": name, "overrides": overrides, "hash": plan_hash(built.plan)}
         try:
-            with graphs.brought_up(built, err) as url, progress_bar() as bar:
+            with (
+                graphs.brought_up(built, err) as url,
+                progress_bar() as bar,
+                autoscale.sampling(built, list(pools)) as samples,
+            ):
                 measured = measure(server.Endpoint.parse(url), settings, prepared, bar, name)
         except graphs.GraphNotReady as e:
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
@@ -177,11 +198,23 @@ def _bench_sweep(options: Options, err: Console, out: Console, fmt: str | None) 
         summary["variants"].append(
             {**entry, "result": path.name, "points": report.summaries(measured.result)}
         )
+        if pools:
+            point = measured.result["points"][0]
+            summary["variants"][-1]["comparison"] = figures = autoscale.figures(point, samples, goal)
+            compared.append((name, figures, point["requests"]))
     if fmt and done:
-        title = f"{builds[0][1].plan.graph}: " + " x ".join(options.sweeps)
+        title = f"{builds[0][2].plan.graph}: " + " x ".join(options.sweeps)
         summary["plot"] = plots.sweep_plot(done, out_dir / f"sweep.{fmt}", title).name
+        if compared:
+            summary["autoscale_plot"] = plots.autoscale_plot(
+                compared, goal, out_dir / f"autoscale.{fmt}"
+            ).name
+    if pools:
+        summary["compare_static"] = {"pools": list(pools), "counts": options.compare_static, "targets": goal}
     path = report.write_json(out_dir / "sweep.json", summary)
     report.show(out, report.table(done))
+    if compared:
+        report.show(out, autoscale.table([(n, f) for n, f, _ in compared], goal))
     err.print(f"wrote {path}", highlight=False)
     return code
 
@@ -191,13 +224,15 @@ def bench(options: Options, out: Console, err: Console) -> int:
     frontend cannot be asked) or GraphNotReady (the graph is not running, or already is)."""
     if (options.graph_file is None) == (options.url is None):
         raise BenchError("give a graph file or --url URL (one of them)")
-    if options.sweeps and options.graph_file is None:
-        raise BenchError("--sweep brings a graph up: give a graph file, not --url")
+    if (options.sweeps or options.compare_static) and options.graph_file is None:
+        raise BenchError("--sweep and --compare-static bring a graph up: give a graph file, not --url")
+    if options.sweeps and options.compare_static:
+        raise BenchError("--compare-static makes its own variants: not with --sweep")
     fmt = options.plot_format if _want_plots(options, err) else None
     try:
         if options.url is not None:
             return _bench_url(options, err, out, fmt)
-        if options.sweeps:
+        if options.sweeps or options.compare_static:
             return _bench_sweep(options, err, out, fmt)
         return _bench_running(options, err, out, fmt)
     except workload.WorkloadError as e:

@@ -12,22 +12,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dynamo_graph.bench import loadgen, server, stats, workload
 from dynamo_graph.bench.loadgen import Run, Target
+from dynamo_graph.bench.replicas import Phase, arrivals, profile_seconds
 from dynamo_graph.bench.stream import Result
 
 
 @dataclass(frozen=True)
 class Load:
     """One load point: a closed loop of `level` users, an open loop of `level` requests/s
-    (Poisson), or a trace replayed at its own timestamps."""
+    (Poisson), a trace replayed at its own timestamps, or the settings' load profile (steps and
+    ramps, replicas.py)."""
 
-    mode: Literal["closed", "open", "trace"]
+    mode: Literal["closed", "open", "trace", "profile"]
     level: float = 0.0
 
     @property
     def label(self) -> str:
         if self.mode == "closed":
             return f"c={int(self.level)}"
-        return f"rate={self.level:g}/s" if self.mode == "open" else "trace"
+        return f"rate={self.level:g}/s" if self.mode == "open" else self.mode
 
     def as_json(self) -> dict:
         key = {"closed": "concurrency", "open": "rate"}.get(self.mode)
@@ -46,6 +48,7 @@ class Settings:
     prefix_len: int = 0
     num_prefixes: int = 1
     trace: Path | None = None
+    profile: tuple[Phase, ...] = ()  # the "profile" load's phases
     trace_speedup: float = 1.0
     trace_block_size: int = workload.MOONCAKE_BLOCK_SIZE
     seed: int = 0
@@ -69,6 +72,8 @@ class Settings:
             "warmup_requests": self.warmup,
             "ignore_eos": self.ignore_eos,
         }
+        if self.profile:
+            out["profile"] = [list(phase) for phase in self.profile]
         if self.trace is not None:
             out |= {"trace": str(self.trace), "trace_speedup": self.trace_speedup}
             out["trace_block_size"] = self.trace_block_size
@@ -134,9 +139,10 @@ def _prompts(settings: Settings, vocab: workload.Vocabulary, seed: int | str) ->
             limit=settings.requests,
             seed=seed,
         )
+    count = len(arrivals(settings.profile)) if settings.profile else settings.requests or 100
     return workload.synthetic(
         vocab,
-        count=settings.requests or 100,
+        count=count,
         input_len=settings.input_len,
         output_len=settings.output_len,
         prefix_len=settings.prefix_len,
@@ -170,10 +176,12 @@ def _run(target: Target, requests: list[loadgen.Request], load: Load, settings: 
             on_result=on_result,
         )
     else:
+        # a profile runs to its end, whatever --duration says
+        limit = profile_seconds(settings.profile) + 1 if load.mode == "profile" else settings.max_seconds
         coro = loadgen.run_open(
             target,
             requests,
-            max_seconds=settings.max_seconds,
+            max_seconds=limit,
             request_timeout_s=settings.request_timeout_s,
             on_result=on_result,
         )
@@ -202,7 +210,12 @@ def measure(
         asyncio.run(loadgen.run_closed(target, warm, concurrency=min(4, len(warm)), max_seconds=60.0))
     points, runs = [], []
     for load, prompts in zip(settings.loads, prepared.points, strict=True):
-        timed = workload.poisson(prompts, load.level, settings.seed) if load.mode == "open" else prompts
+        if load.mode == "open":
+            timed = workload.poisson(prompts, load.level, settings.seed)
+        elif load.mode == "profile":
+            timed = workload.scheduled(prompts, arrivals(settings.profile))
+        else:
+            timed = prompts
         requests = bodies(timed)
         task = progress.add_task(f"{name}{' ' if name else ''}{load.label}", total=len(requests), failed=0)
         failed = 0

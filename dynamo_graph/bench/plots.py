@@ -121,3 +121,36 @@ def sweep_plot(variants: list[tuple[str, dict]], out: Path, title: str) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def autoscale_plot(variants: list[tuple[str, dict, list[dict]]], goal: dict[str, float], out: Path) -> Path:
+    """`--compare-static`: per variant (name, figures, per-request rows), the ready replicas over
+    time above, each request's TTFT by when it started below, the TTFT target as a line."""
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, figures, rows in variants:
+        for pool, steps in figures["replicas"].items():
+            if steps:
+                times, counts = zip(*steps, strict=True)
+                label = f"{name} {pool} ({figures['replica_seconds']} replica-s)"
+                top.step(times, counts, where="post", label=label)
+        ok = [r for r in rows if r["ok"]]
+        bottom.scatter(
+            [r["start_s"] for r in ok],
+            [r["ttft_ms"] for r in ok],
+            s=3,
+            label=f"{name} (SLA met {figures['sla_attainment']:.0%})",
+        )
+    if "ttft_ms" in goal:
+        bottom.axhline(goal["ttft_ms"], color="red", linewidth=1, label="TTFT target")
+    top.set_ylabel("ready replicas")
+    bottom.set_ylabel("TTFT (ms)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("seconds")
+    top.legend(fontsize=8)
+    bottom.legend(fontsize=8, markerscale=3)
+    fig.suptitle("autoscale vs static pools, one load")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,14 +1,17 @@
 """Load that changes over time and the replicas a pool runs meanwhile: what an autoscaler is
-judged by (benchmarks/bench_autoscale.py, tests/system/test_autoscale.py).
+judged by (`bench --compare-static`, tests/system/test_autoscale.py).
 
-A load profile is phases of (seconds, requests/s), sent open-loop at even spacing; the sampler
+A load profile is phases of (seconds, requests/s) — steps, or ramps from one rate to another —
+sent open-loop at the times the rate gives (`bench --profile`); the sampler
 reads a running graph's processes.json (its state dir) every `every_s` for the ready replicas
 of one component, and integrates them into replica-seconds.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -16,30 +19,58 @@ from pathlib import Path
 
 from dynamo_graph.bench.loadgen import Request
 
+Phase = tuple[float, float] | tuple[float, float, float]
+"""(seconds, requests/s), or a ramp (seconds, requests/s at its start, at its end)."""
 
-def phased(body: dict, phases: Sequence[tuple[float, float]]) -> list[Request]:
-    """`body` sent at `rate` requests/s for `seconds`, phase after phase."""
-    requests: list[Request] = []
+
+def arrivals(phases: Sequence[Phase]) -> list[float]:
+    """When each request of the profile starts (seconds from its start): evenly spaced in a
+    step; in a ramp, the k-th where the rate's integral reaches k (a linearly rising or falling
+    rate); phase after phase."""
+    times: list[float] = []
     start = 0.0
-    for seconds, rate in phases:
-        requests += [Request(body, start + i / rate) for i in range(int(seconds * rate))]
+    for seconds, first, *rest in phases:
+        last = rest[0] if rest else first
+        slope = (last - first) / (2 * seconds)  # the integral is first*t + slope*t^2
+        for k in range(int(seconds * (first + last) / 2 + 1e-9)):
+            times.append(start + (2 * k / (first + math.sqrt(first * first + 4 * slope * k)) if k else 0.0))
         start += seconds
-    return requests
+    return times
 
 
-def parse_phases(text: str) -> list[tuple[float, float]]:
-    """`SECONDS:RATE,SECONDS:RATE,...` (e.g. `6:2,30:16,24:2`); ValueError naming the part."""
-    phases = []
+def phased(body: dict, phases: Sequence[Phase]) -> list[Request]:
+    """`body` sent at the profile's arrival times."""
+    return [Request(body, at) for at in arrivals(phases)]
+
+
+def parse_profile(text: str) -> list[Phase]:
+    """`SECONDS:RATE` steps and `SECONDS:FROM-TO` ramps, comma-separated (`6:2,9:2-16,20:16,5:0`;
+    a burst is a short high step); ValueError naming the part."""
+    phases: list[Phase] = []
     for part in text.split(","):
-        seconds, sep, rate = part.partition(":")
+        seconds, sep, rates = part.strip().partition(":")
+        first, dash, last = rates.partition("-")
         try:
-            phase = (float(seconds), float(rate))
+            phase = (float(seconds), float(first), float(last)) if dash else (float(seconds), float(first))
         except ValueError:
             phase = (0.0, 0.0)
-        if not sep or phase[0] <= 0 or phase[1] <= 0:
-            raise ValueError(f"{part!r}: expected SECONDS:RATE, both above 0")
+        if not sep or phase[0] <= 0 or min(phase[1:]) < 0:
+            raise ValueError(
+                f"{part!r}: expected SECONDS:RATE or SECONDS:FROM-TO (seconds above 0, rates 0 or more)"
+            )
         phases.append(phase)
+    if not arrivals(phases):
+        raise ValueError(f"{text!r}: the profile sends no request")
     return phases
+
+
+def profile_seconds(phases: Sequence[Phase]) -> float:
+    return sum(p[0] for p in phases)
+
+
+def replica_seconds(samples: Sequence[tuple[float, int]]) -> float:
+    """Samples of (time, ready replicas) integrated step-wise: each count holds until the next."""
+    return sum((t1 - t0) * n for (t0, n), (t1, _) in itertools.pairwise(samples))
 
 
 class ReplicaSampler(threading.Thread):
@@ -71,8 +102,7 @@ class ReplicaSampler(threading.Thread):
         return self.samples
 
     def replica_seconds(self) -> float:
-        spans = zip(self.samples, self.samples[1:], strict=False)
-        return sum((t1 - t0) * n for (t0, n), (t1, _) in spans)
+        return replica_seconds(self.samples)
 
     def elapsed(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if len(self.samples) > 1 else 0.0

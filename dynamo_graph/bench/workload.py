@@ -194,6 +194,11 @@ def poisson(prompts: list[Prompt], rate: float, seed: int = 0) -> list[Prompt]:
     return out
 
 
+def scheduled(prompts: list[Prompt], times: list[float]) -> list[Prompt]:
+    """The same prompts sent at the given times (a load profile's arrivals)."""
+    return [Prompt(p.ids, p.max_tokens, at) for p, at in zip(prompts, times, strict=True)]
+
+
 def to_requests(
     prompts: list[Prompt], vocab: Vocabulary, *, api: str, model: str, ignore_eos: bool
 ) -> list[Request]:

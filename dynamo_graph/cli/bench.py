@@ -13,7 +13,8 @@ from dynamo_graph.cli.problems import graph_problems
 
 HELP = (
     "Load a running graph (or --url) and report TTFT / ITL / end-to-end percentiles, requests/s and "
-    "tokens/s as a table, JSON and plots; --sweep brings the graph up under each override in turn."
+    "tokens/s as a table, JSON and plots; --sweep brings the graph up under each override in turn, "
+    "--compare-static its autoscale against static replica counts under one load (e.g. a --profile)."
 )
 
 
@@ -47,6 +48,22 @@ def bench_command(
         Path | None,
         typer.Option(
             "--trace", help="mooncake-style JSONL: timestamp (ms), input_length, output_length, hash_ids"
+        ),
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            "--profile",
+            help="open loop, a load profile: SECONDS:RATE steps and SECONDS:FROM-TO ramps "
+            "(a burst: a short step), e.g. 6:2,9:2-16,20:16,10:2",
+        ),
+    ] = None,
+    compare_static: Annotated[
+        str | None,
+        typer.Option(
+            "--compare-static",
+            help="N,M: the graph's autoscale against its autoscaled pools fixed at N, M replicas, "
+            "each brought up in turn: SLA attainment, TTFT/ITL p90, replica-seconds, lost requests",
         ),
     ] = None,
     trace_speedup: Annotated[
@@ -113,6 +130,7 @@ def bench_command(
     from dynamo_graph.bench.command import BenchError, Options, bench
     from dynamo_graph.bench.graphs import GraphNotReady
     from dynamo_graph.bench.measure import Load, Settings
+    from dynamo_graph.bench.replicas import parse_profile
     from dynamo_graph.bench.server import ServerError
 
     err = Console(stderr=True, soft_wrap=True)
@@ -120,8 +138,19 @@ def bench_command(
         raise typer.BadParameter(f"completions or chat, not {api!r}", param_hint="--api")
     loads = [Load("closed", c) for c in _levels(concurrency, "--concurrency", int)]
     loads += [Load("open", r) for r in _levels(rate, "--rate", float)]
+    if trace is not None and profile is not None:
+        raise typer.BadParameter(
+            "a trace has its own timing: give --trace or --profile", param_hint="--profile"
+        )
     if trace is not None and not loads:
         loads = [Load("trace")]
+    phases: list = []
+    if profile is not None:
+        try:
+            phases = parse_profile(profile)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--profile") from None
+        loads.append(Load("profile"))
     settings = Settings(
         loads=loads or [Load("closed", 1)],
         api=api,  # type: ignore[arg-type]
@@ -131,6 +160,7 @@ def bench_command(
         prefix_len=prefix_len,
         num_prefixes=num_prefixes,
         trace=trace,
+        profile=tuple(phases),
         trace_speedup=trace_speedup,
         trace_block_size=trace_block_size,
         seed=seed,
@@ -143,7 +173,10 @@ def bench_command(
         tokenizer=tokenizer,
         headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
     )
-    options = Options(graph_file, overrides or [], url, sweep or [], settings, out_dir, plots, plot_format)
+    counts = _levels(compare_static, "--compare-static", int)
+    options = Options(
+        graph_file, overrides or [], url, sweep or [], settings, out_dir, plots, plot_format, counts
+    )
     try:
         with graph_problems(graph_file or Path("-")):
             code = bench(options, Console(soft_wrap=True), err)

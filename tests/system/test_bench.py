@@ -189,6 +189,15 @@ def test_bad_input_exits_2_before_anything_starts(tmp_path: Path, tiny_model: Pa
     bad_sweep = run_cli(["bench", str(graph), *overrides, "--sweep", "components.backend.replicas"])
     assert bad_sweep.returncode == 2 and "KEY=V1,V2" in bad_sweep.stderr
 
+    bad_profile = run_cli(["bench", str(graph), *overrides, "--profile", "5:2,4:x"])
+    assert bad_profile.returncode == 2 and "'4:x'" in bad_profile.stderr and "--profile" in bad_profile.stderr
+
+    static = ["bench", str(graph), *overrides, "--compare-static", "2"]
+    no_autoscale = run_cli([*static, "--profile", "2:2"])
+    assert no_autoscale.returncode == 2 and "no worker with `autoscale:`" in no_autoscale.stderr
+    two_loads = run_cli([*static, "-c", "1,2"])
+    assert two_loads.returncode == 2 and "runs one load" in two_loads.stderr
+
     assert not (state / "processes.json").exists()  # no variant was brought up
 
 

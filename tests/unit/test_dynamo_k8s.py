@@ -451,3 +451,74 @@ def test_import_reads_every_spelling_of_the_router_flags_and_reports_bad_values(
     notes = "\n".join(imported.notes)
     assert "--router-queue-policy lcfs: not one of fcfs, wspt" in notes
     assert "--router-temperature warm" in notes and "predictive cost" in notes
+
+
+def _autoscaled_graph(tmp_path: Path, agg: bool = False) -> Path:
+    def scale(target: dict) -> dict:
+        return {
+            "min_replicas": 1,
+            "max_replicas": 3,
+            "target": target,
+            "interval_s": 10,
+            "scale_down_delay_s": 60,
+        }
+
+    worker = {"kind": "worker", "model": "m", "engine": "mocker", "gpus": {"per_replica": 1}}
+    components: dict = {"front": {"kind": "frontend"}}
+    if agg:
+        components["back"] = {**worker, "autoscale": scale({"ttft_p90_ms": 400})}
+    else:
+        components["prefill"] = {**worker, "role": "prefill", "autoscale": scale({"ttft_p90_ms": 400})}
+        components["decode"] = {**worker, "role": "decode", "autoscale": scale({"itl_p90_ms": 40})}
+    graph = tmp_path / "scaled.yaml"
+    doc = {
+        "name": "scaled",
+        "max_gpus": 5,
+        "hosts": {"local": {"gpus": 8}},
+        "models": {"m": {"path": "org/m"}},
+    }
+    graph.write_text(yaml.safe_dump({**doc, "components": components}))
+    return graph
+
+
+def test_autoscale_renders_as_dynamos_planner_and_imports_back(tmp_path: Path) -> None:
+    """A P/D pair's autoscale is Dynamo's Planner (strictly valid DGD), what it cannot say is in the
+    header, and import turns the Planner back into autoscale on both pools."""
+    built = build(_autoscaled_graph(tmp_path), engines="dynamo")
+    dgd = build_dgd(built.graph, built.plan)
+    assert dgd_errors(dgd) == []
+    planner = dgd["spec"]["services"]["Planner"]
+    assert planner["componentType"] == "planner"
+    args = planner["extraPodSpec"]["mainContainer"]["args"]
+    for flag in (
+        "--environment=kubernetes",
+        "--backend=mocker",
+        "--adjustment-interval=10",
+        "--min-endpoint=1",
+    ):
+        assert flag in args
+    assert {"--max-gpu-budget=5", "--ttft=400", "--itl=40", "--prefill-engine-num-gpu=1"} <= set(args)
+    header = render_dynamo_k8s(built.graph, built.plan).split("\n---")[0]
+    assert "components.prefill.autoscale.scale_down_delay_s: 60" in header
+    assert "max_replicas: 3/3 (Dynamo's Planner bounds both pools by one GPU budget" in header
+
+    imported = import_dgd(dgd)
+    comps = imported.graph["components"]
+    assert imported.graph["max_gpus"] == 5
+    assert comps["prefill"]["autoscale"]["target"] == {"ttft_p90_ms": 400.0}
+    assert comps["decode"]["autoscale"]["target"] == {"itl_p90_ms": 40.0}
+    assert comps["decode"]["autoscale"]["interval_s"] == 10.0
+    assert comps["decode"]["autoscale"]["max_replicas"] == 4  # the budget less the other pool's floor
+    assert any("one GPU budget for both pools" in n for n in imported.notes)
+    assert not any("Planner" in n and "not imported" in n for n in imported.notes)
+    rebuilt = tmp_path / "back.yaml"
+    rebuilt.write_text(imported.text("dgd"))
+    again = build(rebuilt, engines="dynamo")  # the imported graph validates
+    assert again.graph.components["prefill"].autoscale is not None
+
+
+def test_an_aggregated_autoscale_is_listed_not_rendered(tmp_path: Path) -> None:
+    built = build(_autoscaled_graph(tmp_path, agg=True), engines="dynamo")
+    assert "Planner" not in build_dgd(built.graph, built.plan)["spec"]["services"]
+    text = render_dynamo_k8s(built.graph, built.plan)
+    assert "components.back.autoscale: Dynamo's Planner sizes only disaggregated" in text

@@ -14,7 +14,8 @@ TensorRT-LLM engine config file a worker's `--extra-engine-args` names (its
 `cache_transceiver_config` above all), read from where the DGD's container path leads next to the
 DGD file (a checkout of Dynamo's repository, say), or a note that it cannot be read.
 `multinode.nodeCount` is read as GPUs per node x nodes; the graph has no multi-node replicas yet,
-which a note says.
+which a note says. A Planner service becomes `autoscale` on the prefill and decode pools
+(dynamo_planner.py).
 
 Nothing is dropped silently. A worker flag with no graph setting stays in `engine_args` (the
 renderer writes it back as the same flag); anything else without an equivalent (a frontend flag
@@ -39,6 +40,8 @@ import yaml
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.targets.k8s.dynamo_k8s import API_VERSION, BACKENDS, KIND, ROLE_FLAGS, Backend
+from dynamo_graph.graph.targets.k8s.dynamo_planner import MODULE as PLANNER_MODULE
+from dynamo_graph.graph.targets.k8s.dynamo_planner import read_planner
 from dynamo_graph.options import options
 from dynamo_graph.router.config import RouterConfig
 
@@ -71,6 +74,7 @@ _SERVICE_KEYS = {"dynamoNamespace", "componentType", "subComponentType", "replic
 # none (its `--connector` defaults to nixl: NixlConnector in role kv_both).
 VLLM_DEFAULT_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 SGLANG_DEFAULT_TRANSFER_BACKEND = "mooncake"  # ServerArgs.disaggregation_transfer_backend's default
+PLANNER_MODULES = {PLANNER_MODULE, "dynamo.planner", "dynamo.planner.planner_sla"}
 _CONTAINER_KEYS = {"image", "command", "args", "workingDir", "env"}
 
 
@@ -203,6 +207,7 @@ class _Importer:
         self.namespaces: Counter[str] = Counter()
         self.env_secrets: Counter[str] = Counter()
         self.working_dirs: Counter[str] = Counter()
+        self.planners: list[tuple[str, list[tuple[str, str | None]]]] = []
         spec = doc.get("spec") or {}
         self.graph_env = self._env("spec.envs", spec.get("envs") or [])
         for key in sorted(set(spec) - {"services", "envs", "backendFramework"}):
@@ -216,7 +221,10 @@ class _Importer:
         graph: dict[str, Any] = {"name": name}
         if self.namespaces:
             graph["namespace"] = _name(self.namespaces.most_common(1)[0][0])
+        planned = self._planner()
+        graph.update(planned)
         gpus = sum(c["gpus"]["per_replica"] * c["replicas"] for c in self.components.values() if "gpus" in c)
+        gpus = max(gpus, planned.get("max_gpus", 0))
         if gpus:
             # The graph says where it runs; Dynamo's services need this many GPUs in all.
             graph["hosts"] = {"local": {"gpus": gpus}}
@@ -245,6 +253,19 @@ class _Importer:
                 comp["depends_on"] = serving
         return Imported(name, graph, self.notes)
 
+    def _planner(self) -> dict[str, Any]:
+        """Dynamo's Planner as `autoscale` on the prefill and decode pools (dynamo_planner.py);
+        the graph settings it gives (`max_gpus`)."""
+        if not self.planners:
+            return {}
+        where, flags = self.planners[0]
+        self.notes += [f"{w}: a second Planner not imported" for w, _ in self.planners[1:]]
+        pools = {c["role"]: c for c in self.components.values() if c.get("role") in ("prefill", "decode")}
+        split = [c for c in self.components.values() if c.get("role") in ("prefill", "decode")]
+        graph, notes = read_planner(flags, pools if len(split) == 2 else {}, where)
+        self.notes += notes
+        return graph
+
     def _differing(self, what: str, seen: Counter[str]) -> None:
         if len(seen) > 1:
             kept = seen.most_common(1)[0][0]
@@ -264,6 +285,12 @@ class _Importer:
     def _service(self, name: str, service: dict[str, Any]) -> None:
         where = f"services.{name}"
         key = _name(name)
+        module, args = command_line((service.get("extraPodSpec") or {}).get("mainContainer") or {})
+        if service.get("componentType") == "planner" or module in PLANNER_MODULES:
+            self.planners.append((where, parse_flags(args)))
+            if service.get("envs") or service.get("envFromSecret"):
+                self.notes.append(f"{where}: the Planner's env not imported (the graph's planner needs none)")
+            return
         for extra in sorted(set(service) - _SERVICE_KEYS - {"resources", "extraPodSpec", "multinode"}):
             self.notes.append(f"{where}.{extra}: not imported")
         pod = service.get("extraPodSpec") or {}
@@ -283,7 +310,6 @@ class _Importer:
             **self._env(f"{where}.envs", service.get("envs") or []),
             **self._env(f"{where}.extraPodSpec.mainContainer.env", container.get("env") or []),
         }
-        module, args = command_line(container)
         kind = service.get("componentType")
         if kind in ("frontend", "main") or module == "dynamo.frontend":
             comp = self._frontend(where, args, env)

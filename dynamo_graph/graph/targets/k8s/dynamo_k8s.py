@@ -9,7 +9,8 @@ so the graph's `runtime`, `infra` and `hosts` have no part in it.
 
 What Dynamo cannot express (our frontend's limits and API keys, a worker's `max_inflight`, the
 predictive router cost, strict priority order in the router queue, its bound, ...) is listed in
-the header comment, never dropped silently: such a router is rendered as the nearest Dynamo has
+the header comment, never dropped silently (so is what `autoscale` cannot say as Dynamo's Planner,
+dynamo_planner.py): such a router is rendered as the nearest Dynamo has
 (its block cost; its `fcfs` queue, which honours priorities as a head start; an unbounded queue)
 and the DGD still deploys. Engines Dynamo has no backend for (echo, llama.cpp, mistral.rs,
 Python files) are an error naming the component and the engines it takes.
@@ -39,6 +40,7 @@ from dynamo_graph.graph.targets.k8s.common import (
     pod_defaults,
     uses_models_volume,
 )
+from dynamo_graph.graph.targets.k8s.dynamo_planner import planner_args, planner_service
 from dynamo_graph.options import format_value, options
 from dynamo_graph.router.config import RouterConfig
 
@@ -294,6 +296,7 @@ def not_rendered(graph: Graph) -> list[str]:
                 notes.append(f"components.{key}.gpus.tensor_parallel_size: {comp.engine} has no such flag")
             if comp.static:
                 notes.append(f"components.{key}.static: Dynamo's operator always uses discovery")
+    notes += planner_args(graph)[1]
     if graph.security.tls == "required":
         notes.append("security.tls: required (the graph's CA is dyngraph's: set up Dynamo's own TLS)")
     for key, model in sorted(graph.models.items()):
@@ -376,6 +379,11 @@ def build_dgd(graph: Graph, plan: Plan) -> dict[str, Any]:
             command = ["python3", "-m", backend.module]
             args = worker_args(graph, plan, comp)
             services[names[key]] = _service(graph, comp, command, args, with_volume)
+    planner, _ = planner_args(graph)
+    if planner:
+        services["Planner" if "Planner" not in services else "DyngraphPlanner"] = planner_service(
+            graph, _image(graph), planner
+        )
     spec: dict[str, Any] = {"services": services}
     storage = graph.kubernetes.models
     if with_volume and storage.claim is None and storage.host_path is None and storage.storage_class:
