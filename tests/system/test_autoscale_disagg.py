@@ -28,13 +28,21 @@ PHASES = (("quiet", 5.0), ("prompts", 18.0), ("quiet", 12.0), ("outputs", 18.0),
 SLOW = 0.25  # the mockers' speedup_ratio: simulated time runs 4x slower, so 12 req/s is a load
 
 
-def _autoscale(target: dict[str, float]) -> dict:
+def _pool(role: str, engine_args: dict, target: dict[str, float]) -> dict:
+    """An autoscaled mocker pool of one role, slowed by SLOW."""
     return {
-        "min_replicas": 1,
-        "max_replicas": 3,
-        "target": target,
-        "interval_s": 1.0,
-        "scale_down_delay_s": 4.0,
+        "kind": "worker",
+        "model": "tiny-model",
+        "engine": "mocker",
+        "role": role,
+        "engine_args": {"speedup_ratio": SLOW, "block_size": 16, **engine_args},
+        "autoscale": {
+            "min_replicas": 1,
+            "max_replicas": 3,
+            "target": target,
+            "interval_s": 1.0,
+            "scale_down_delay_s": 4.0,
+        },
     }
 
 
@@ -71,7 +79,6 @@ def _load() -> tuple[list[Request], dict[str, tuple[float, float]]]:
 @pytest.fixture
 def graph(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, int]]:
     port = free_port()
-    mocker = {"speedup_ratio": SLOW, "block_size": 16}
     file = tmp_path / "autoscale-disagg.yaml"
     file.write_text(
         yaml.safe_dump(
@@ -85,25 +92,11 @@ def graph(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, int]]:
                         "router": {"mode": "round-robin"},
                         "disagg": {"conditional": False},
                     },
-                    "prefill": {
-                        "kind": "worker",
-                        "model": "tiny-model",
-                        "engine": "mocker",
-                        "role": "prefill",
-                        # one ~450-token prompt a forward pass: prefill is the work that queues
-                        "engine_args": {**mocker, "max_num_batched_tokens": 512},
-                        "autoscale": _autoscale({"ttft_p90_ms": 300.0}),
-                    },
-                    "decode": {
-                        "kind": "worker",
-                        "model": "tiny-model",
-                        "engine": "mocker",
-                        "role": "decode",
-                        # a small KV cache: many long answers at once fill it, and a pass slows
-                        # with KV usage (the mocker's vLLM fit)
-                        "engine_args": {**mocker, "num_gpu_blocks": 400},
-                        "autoscale": _autoscale({"itl_p90_ms": 90.0}),
-                    },
+                    # one ~450-token prompt a forward pass: prefill is the work that queues
+                    "prefill": _pool("prefill", {"max_num_batched_tokens": 512}, {"ttft_p90_ms": 300.0}),
+                    # a small KV cache: many long answers at once fill it, and a pass slows with
+                    # KV usage (the mocker's vLLM fit)
+                    "decode": _pool("decode", {"num_gpu_blocks": 400}, {"itl_p90_ms": 90.0}),
                 },
             }
         )
