@@ -79,6 +79,7 @@ def test_tokens_are_kv_routed_and_embeddings_spread(graph: ServerProcess, tiny_m
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 def test_an_embedding_request_whose_worker_dies_is_retried(tiny_model: Path, tmp_path: Path) -> None:
     """One slow embedding worker (its simulated prefill takes seconds) and one fast one; the
     worker killed mid-request leaves a broken stream, which the frontend sends to the other."""
