@@ -125,7 +125,7 @@ def test_managed_etcd_and_nats(make_graph: Callable[[str], Graph]) -> None:
 
     pids = [rec["pid"] for rec in records.values()]
     ports = graph.ports()
-    assert len(ports) == 4  # the frontend's, etcd client + peer, nats
+    assert len(ports) == 6  # the frontend's, etcd client + peer, nats, each worker's /metrics
     down = graph.cli("down", timeout=90)
     assert down.returncode == 0, down.stdout + down.stderr
     assert_all_gone(pids, ports)
