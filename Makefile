@@ -8,7 +8,7 @@ MODEL_DIR ?= .cache/tiny-model
 HTTP_PORT ?= 8080
 
 # Test workers of `make test`: most system tests wait on processes and sockets rather than compute,
-# so four share two cores well (the default set took 33 min on one worker, 15 on four). Tests that
+# so four share two cores well (the default set: 33 min on one worker, 8.5 on four). Tests that
 # time themselves are marked `serial` and run alone afterwards.
 TEST_WORKERS ?= 4
 
