@@ -100,7 +100,7 @@ async def connect(key: str, host: RemoteHost) -> asyncssh.SSHClientConnection:
             return await asyncssh.connect(
                 host.address,
                 port=host.port,
-                username=host.user,
+                username=host.user or (),  # () = the client's default, as ssh(1) does; None breaks asyncssh
                 client_keys=[host.identity_file] if host.identity_file else (),
                 known_hosts=_known_hosts(host),
                 keepalive_interval=KEEPALIVE_S,
