@@ -648,7 +648,10 @@ class _Compiler:
             env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
             ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
             metrics_args: list[str] = []
-            if worker.metrics_port is not None:
+            if worker.metrics_port is not None and (
+                not self.tls or "metrics_port" in worker.model_fields_set
+            ):
+                # with TLS on, a plaintext /metrics only where the graph asks for it
                 port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + replica
                 port_name = f"{name}-{replica}.metrics"
                 ports[port_name] = port

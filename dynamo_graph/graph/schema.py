@@ -582,7 +582,9 @@ class Worker(_Component):
     metrics_port: AutoPort | None = "auto"
     """Port of replica 0's `/metrics`: its requests and its engine's own series (vLLM's
     `vllm:`, the mocker's, llama.cpp's), scraped by `render -f prometheus` (--metrics-port);
-    replica i uses `metrics_port + i`; `auto`: a free port each; null: none."""
+    replica i uses `metrics_port + i`; `auto`: a free port each; null: none. It is plain HTTP:
+    with TLS on (`security.tls`) a worker serves it only when the graph sets this key, and
+    `tls: required` refuses it."""
     migration_limit: int = Field(0, ge=0)
     """Migration limit advertised in the model card (--migration-limit)."""
     max_inflight: int | None = Field(None, ge=0)

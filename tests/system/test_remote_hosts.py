@@ -179,7 +179,8 @@ def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
 def test_remote_workers_serve_restart_reconnect_and_down(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    graph = make_graph()
+    # TLS is on across the hosts, so a worker serves its plain /metrics only when asked
+    graph = make_graph(**{"components.backend.metrics_port": "auto"})
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
     assert graph.chat()

@@ -265,3 +265,17 @@ def test_ip_sans_are_addresses(tmp_path: Path) -> None:
     assert ipaddress.ip_address("fd00::5") in {ipaddress.ip_address(i) for i in ips}
     assert dns == {"node.example", "localhost"}  # a Slurm placeholder is left out
     assert os.stat(tmp_path / "x.key").st_mode & 0o077 == 0
+
+
+def test_with_tls_on_workers_serve_plain_metrics_only_where_the_graph_asks(tmp_path: Path) -> None:
+    def metrics_ports(plan) -> list[str]:  # type: ignore[no-untyped-def]
+        return [name for p in plan.processes for name in p.ports if name.endswith(".metrics")]
+
+    assert metrics_ports(_build(tmp_path, ONE_HOST).plan) == ["w-0.metrics"]  # TLS off: the default
+    assert metrics_ports(_build(tmp_path, MULTI_HOST).plan) == []  # TLS on across hosts: none
+    asked = _build(tmp_path, MULTI_HOST, "components.w.metrics_port=auto").plan
+    assert metrics_ports(asked) == ["w-0.metrics", "w-1.metrics"]
+    for override in ("components.w.metrics_port=9300", "+supervisor.metrics_port=9400"):
+        with pytest.raises(GraphError) as err:
+            _build(tmp_path, ONE_HOST, "+security.tls=required", override)
+        assert "allows no plaintext listener" in str(err.value), override
