@@ -15,7 +15,8 @@ given out per host: explicit ids as written, the rest in graph order from the lo
 component named, so two components on one host never share a GPU (validate.py checks counts).
 Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
 process too, so two replicas on one host never share one, and so is each worker's `/metrics`
-(`metrics_port`, on by default as Dynamo's system port is), bound on its host's address.
+(`metrics_port`, on by default as Dynamo's system port is, but with TLS on only where the
+graph sets it: it is plain HTTP), bound on its host's address.
 
 With `security.tls` on (`required`, or `auto` on several hosts), each process is given the paths
 of the graph's CA and of its own certificate and key (graph/tls.py makes them at `up`; `Plan.tls`

@@ -2,7 +2,7 @@
 
 The metrics endpoints of a graph on this machine and its ssh hosts are its frontends' /metrics
 (one per frontend component: its replicas share a port and answer /metrics for all of them,
-frontend/group.py), every worker replica's own /metrics (`metrics_port`, on by default: its
+frontend/group.py), every worker replica's own /metrics (`metrics_port`, on by default unless TLS is: its
 requests and its engine's series, backend/metrics.py), and the supervisor's. With kv routing
 the frontends' /metrics also carry each worker rank's last load report (frontend/router_metrics.py).
 
