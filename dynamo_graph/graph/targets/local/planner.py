@@ -97,13 +97,6 @@ def load_ratio(policy: AutoscalePolicy, seen: Measured) -> float | None:
     return max(ratios, default=None)
 
 
-def missed(policy: AutoscalePolicy, seen: Measured) -> float | None:
-    """How far over its target the pool was (measured / target, > 1), or None when within it
-    or when the interval had too few answers to say."""
-    ratio = load_ratio(policy, seen)
-    return ratio if ratio is not None and ratio > 1.0 else None
-
-
 @dataclass
 class PoolPlanner:
     """The sizing of one pool (see the module docstring); pure, so it can be tested alone."""
@@ -117,12 +110,12 @@ class PoolPlanner:
     resized_at: float = float("-inf")  # when the ready count last changed
 
     def decide(self, policy: AutoscalePolicy, seen: Measured, now: float) -> Decision:
-        over = missed(policy, seen)
+        ratio = load_ratio(policy, seen)
+        over = ratio if ratio is not None and ratio > 1.0 else None  # how far the target was missed
         per_replica = seen.rate / max(seen.ready, 1)
         if seen.ready != self.ready_was:
             self.ready_was, self.resized_at = seen.ready, now
         settled = now - self.resized_at >= SETTLE_INTERVALS * policy.interval_s
-        ratio = load_ratio(policy, seen)
         if ratio is not None and seen.ready:  # the interval measured what the targets name
             if over is None and per_replica > 0:
                 self.capacity = max(self.capacity or 0.0, per_replica)
