@@ -8,13 +8,18 @@ listener first, so new connections go to the new process; serves every request t
 arrives on a connection it holds, answered `Connection: close` so the client reconnects to the
 new one; leaves idle connections to its keep-alive timeout, as always (closing one early races
 a request the client is sending on it, which a client without retries sees as an error); lets
-in-flight streams finish within the grace; then exits 0. One race remains the kernel's: a
-connection still in the closed listener's accept queue is reset (unless the host sets
-net.ipv4.tcp_migrate_req=1, which hands it to the other listener).
+in-flight streams finish within the grace; then exits 0.
+
+Closing a listener resets the connections still in its accept queue (the kernel hands them to
+the port's other listener only where the host sets net.ipv4.tcp_migrate_req=1). So the server
+keeps a duplicate of each listener, and on shutdown, once the event loop stopped accepting, it
+accepts what is queued there and closes it in one step: the race left is the microseconds
+between that last accept and the close (measured: benchmarks/bench_frontend_handover.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
@@ -105,16 +110,70 @@ class DrainingHttpToolsProtocol(NoDelayHttpToolsProtocol):
             self.cycle.keep_alive = False
 
 
+MAX_BACKLOG_TAKEN = 4096  # queued connections a shutting-down server still takes from its listener
+TLS_HANDSHAKE_S = 5.0  # what one of those gets to finish its handshake (shutdown waits on it)
+
+
 class GracefulServer(uvicorn.Server):
-    """Exits normally after a graceful shutdown on SIGINT/SIGTERM. uvicorn re-raises the signal
+    """Exits normally after a graceful shutdown on SIGINT/SIGTERM (uvicorn re-raises the signal
     once it has shut down, so the process would die "killed by SIGTERM" and a supervisor could
-    not tell a clean stop from a crash."""
+    not tell a clean stop from a crash), and serves what its listeners had queued when it stopped
+    accepting (see the module docstring)."""
+
+    _held: list[socket.socket]
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
             yield
             self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._held = [sock.dup() for sock in sockets or []]
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await asyncio.sleep(0)  # the loop lets go of its listening handles
+        queued = take_backlog(self._held)
+        self._held = []
+        if queued:
+            await asyncio.gather(*(self._serve_accepted(conn) for conn in queued), return_exceptions=True)
+        await super().shutdown()  # the connections, these too, drain as any other
+
+    async def _serve_accepted(self, conn: socket.socket) -> None:
+        def protocol() -> asyncio.Protocol:
+            return self.config.http_protocol_class(  # type: ignore[call-arg]
+                config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        try:
+            loop = asyncio.get_running_loop()
+            tls = self.config.ssl
+            await loop.connect_accepted_socket(
+                protocol, conn, ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_S if tls else None
+            )
+        except Exception:
+            conn.close()
+            raise
+
+
+def take_backlog(listeners: list[socket.socket]) -> list[socket.socket]:
+    """The connections queued on `listeners`, accepted without waiting, then the listeners
+    closed straight after, so that no connection arrives in between to be reset."""
+    taken: list[socket.socket] = []
+    for listener in listeners:
+        listener.setblocking(False)
+        with contextlib.suppress(OSError):  # BlockingIOError: the queue is empty
+            while len(taken) < MAX_BACKLOG_TAKEN:
+                conn, _ = listener.accept()
+                conn.setblocking(False)
+                taken.append(conn)
+        listener.close()
+    return taken
 
 
 def listen(host: str, port: int) -> list[socket.socket]:

@@ -85,7 +85,8 @@ class StreamingLoad:
                     finish = chunk.choices[0].finish_reason
             error = None if finish else "the stream ended without a finish reason"
         except Exception as e:  # every failure the client sees is what the test counts
-            error = f"{type(e).__name__}: {e}"
+            cause = e.__cause__ or e.__context__  # "Connection error." says what only with its cause
+            error = f"{type(e).__name__}: {e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
         with self.result.lock:
             if error is None:
                 self.result.ok += 1

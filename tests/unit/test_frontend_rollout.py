@@ -17,7 +17,7 @@ from dynamo_graph.frontend.limits import Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics
 from dynamo_graph.frontend.models import ModelRegistry
 from dynamo_graph.frontend.openai_chat.serving import ChatHandler
-from dynamo_graph.frontend.server import listen
+from dynamo_graph.frontend.server import listen, take_backlog
 
 
 def test_two_listeners_share_a_port_and_both_accept() -> None:
@@ -37,6 +37,25 @@ def test_two_listeners_share_a_port_and_both_accept() -> None:
             accepted.add(listeners.index(sock))
     assert accepted == {0, 1}  # the kernel spread the connections over both
     for sock in [*clients, *listeners]:
+        sock.close()
+
+
+def test_a_closing_listener_hands_over_what_it_had_queued() -> None:
+    """Connections the kernel completed on a listener nobody accepted from are served by the
+    closing server, not reset: each one sent is received on an accepted socket."""
+    (listener,) = listen("127.0.0.1", 0)
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+    for n, client in enumerate(clients):
+        client.sendall(b"request %d" % n)
+    taken = take_backlog([listener])
+    assert listener.fileno() == -1  # closed: the port is the other listeners' now
+    assert len(taken) == 5
+    for conn in taken:
+        conn.setblocking(True)
+        assert conn.recv(64).startswith(b"request ")
+    for sock in [*clients, *taken]:
         sock.close()
 
 
