@@ -471,6 +471,7 @@ class Frontend(_Component):
     (`dyngraph run in=http out=auto`)."""
 
     kind: Literal["frontend"]
+    """What the component is: a frontend (the HTTP edge and its routers)."""
     host: str = LOCAL
     """Host the frontend runs on (a key of `hosts`, or `local`)."""
     replicas: int = Field(1, ge=1, le=256)
@@ -546,6 +547,7 @@ class Worker(_Component):
     """Replicas of an engine serving one model on one endpoint (`dyngraph run in=dyn://...`)."""
 
     kind: Literal["worker"]
+    """What the component is: a worker (an engine serving a model)."""
     model: str
     """Key of the model in `models`."""
     engine: str
@@ -807,7 +809,9 @@ class TokenCount(_Model):
     """A range of token counts; either bound may be left out."""
 
     min: int | None = Field(None, ge=0)
+    """The fewest tokens allowed."""
     max: int | None = Field(None, ge=0)
+    """The most tokens allowed."""
 
     @model_validator(mode="after")
     def _ordered(self) -> TokenCount:
@@ -869,8 +873,11 @@ class _SmokeRequest(_Model):
     stream: bool = False
     """Stream the answer (server-sent events; usage comes in the last chunk)."""
     temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of the request; default the server's."""
     seed: int | None = None
+    """Sampling seed of the request."""
     stop: Annotated[list[str], BeforeValidator(_as_list)] | None = None
+    """Stop strings of the request (one string or a list)."""
     extra: dict[str, Any] = {}
     """Any other fields of the OpenAI request, sent as given."""
 
@@ -879,10 +886,13 @@ class SmokeChat(_SmokeRequest):
     """A `/v1/chat/completions` request: `messages`, or `prompt` as one user message."""
 
     messages: list[dict[str, Any]] | None = None
+    """The chat messages, as OpenAI takes them."""
     prompt: str | None = None
+    """One user message (instead of `messages`)."""
     tools: list[dict[str, Any]] | None = None
     """OpenAI tool definitions (`{type: function, function: {name, parameters}}`)."""
     tool_choice: str | dict[str, Any] | None = None
+    """OpenAI's `tool_choice`: `auto`, `none`, `required` or a named function."""
 
     @model_validator(mode="after")
     def _one_input(self) -> SmokeChat:
@@ -895,6 +905,7 @@ class SmokeCompletion(_SmokeRequest):
     """A `/v1/completions` request."""
 
     prompt: str
+    """The prompt text."""
 
 
 class SmokeFault(_Model):
@@ -922,13 +933,16 @@ class SmokeCheck(_Model):
     frontend: Name | None = None
     """Key of the frontend the step talks to; default the graph's first frontend."""
     chat: SmokeChat | None = None
+    """A chat completions request to send."""
     completion: SmokeCompletion | None = None
+    """A completions request to send."""
     models: list[str] | None = Field(None, min_length=1)
     """Model names `/v1/models` must list."""
     metrics: Annotated[list[str], BeforeValidator(_as_list)] | None = Field(None, min_length=1)
     """Expressions on the frontend's `/metrics`, all of which must hold:
     `NAME{label="value",...} OP NUMBER`, the sum of the matching samples (OP: == != >= <= > <)."""
     fault: SmokeFault | None = None
+    """A replica to kill."""
     expect: Expect | None = None
     """Expectations of a `chat` or `completion` answer; default: status 200."""
     repeat: int = Field(1, ge=1, le=1000)
