@@ -30,7 +30,7 @@ _QUIET = ("uvicorn.access", "httpx", "httpcore", "huggingface_hub", "asyncio")
 
 
 class LogSpecError(ValueError):
-    pass
+    """A `DYN_LOG` value that is not RUST_LOG syntax."""
 
 
 def parse_log_spec(spec: str) -> tuple[int, dict[str, int]]:

@@ -81,7 +81,7 @@ LABELS_POLL_S = 0.05
 
 
 class CardMismatch(ValueError):
-    pass
+    """The frontend's copy of a model differs from the card its worker published."""
 
 
 @dataclass

@@ -55,6 +55,8 @@ def _decoder(response_type: type | None) -> Callable[[bytes], Any]:
 
 
 class NoInstances(RequestError):
+    """No instance serves the endpoint (none registered, or all gone)."""
+
     code = "no_instances"
     http_status = 503
 

@@ -22,7 +22,7 @@ from typing import Any
 
 
 class CredentialsError(ValueError):
-    pass
+    """An etcd or NATS credential or TLS file in the environment that cannot be used."""
 
 
 def _env(name: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -24,11 +24,15 @@ class RequestError(Exception):
 
 
 class InvalidArgument(RequestError):
+    """A bad argument found where the request is served: the client's 400."""
+
     code = "invalid_argument"
     http_status = 400
 
 
 class NotFound(RequestError):
+    """What the request names (a model, an adapter) is not served here: the client's 404."""
+
     # The wire code is OpenAI's for an unknown model, the one thing callers ask for by name.
     code = "model_not_found"
     http_status = 404

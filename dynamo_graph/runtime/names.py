@@ -21,7 +21,7 @@ _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
 
 class NameError_(ValueError):
-    pass
+    """A namespace, component or endpoint name that is not allowed."""
 
 
 def _check_part(kind: str, value: str, text: str) -> str:

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class NoWorkers(LookupError):
-    pass
+    """The router has no worker instance to place a request on."""
 
 
 class KvRouter:

@@ -14,7 +14,7 @@ from typing import Literal
 
 
 class DiscoveryError(Exception):
-    pass
+    """Discovery is misconfigured or its store cannot be used (the message says which)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,8 @@ class StreamBroken(TransportError):
 
 
 class RequestTimeout(TransportError):
+    """The instance did not answer within the request's time limit."""
+
     code = "timeout"
     http_status = 504
 
