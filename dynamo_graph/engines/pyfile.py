@@ -1,48 +1,7 @@
 """Engines written in one Python file, as dynamo-run runs them (`out=pystr:FILE`, `out=pytok:FILE`),
-and files that define an `LLMEngine` class (`out=FILE.py`, what a graph's `engine: x.py` compiles to).
-
-`out=pystr:FILE` (a Text-input model, Chat type: the file does its own templating)::
-
-    async def generate(request):          # an OpenAI chat completion request, as a dict
-        yield {"choices": [{"index": 0, "delta": {"content": "Hello"}}]}
-        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-               "usage": {"prompt_tokens": 3, "completion_tokens": 1}}   # usage: optional
-
-`out=pytok:FILE` (a Tokens-input model: the frontend templates, tokenizes and detokenizes with
-the model given by --model-path)::
-
-    async def generate(request):          # {"token_ids", "stop_conditions", "sampling_options",
-        yield {"token_ids": [791]}        #  "eos_token_ids", "output_options", ...}: every field
-        yield {"token_ids": [6864], "finish_reason": "stop"}   # present, None when unset
-
-Semantics, as dynamo-run's (docs/guides/dynamo_run.md "Python bring-your-own-engine" and
-launch/dynamo-run's python engine, which loads the file with `runpy.run_path(file,
-run_name="__main__")`):
-
-- The file is loaded once, at engine start, with `sys.argv` set to
-  `[FILE, --model-path P, --model-name N, --http-port N, --tensor-parallel-size N,
-  --base-gpu-id N, --num-nodes N, --node-rank N, (--leader-addr A), (--model-config C),
-  ...arguments after `--`]`, and as `__main__`: an `if __name__ == "__main__":` block runs (to
-  read sys.argv), before any request. Its folder is put on sys.path.
-- An optional `initialize(argv)` (plain or async) is then called once with that list (the hook
-  dynamo-run's docs name beside `main`).
-- `generate` may take a second parameter named `context`: it gets the request's Context
-  (`context.is_stopped()`, `await context.stopped()`), as Dynamo passes it to handlers that ask.
-- Chunks may carry any finish reason (normalised to stop / length / cancelled / error). A stream
-  that ends without one ends with "stop". pystr usage is the file's if it sends one, else
-  completion_tokens counts content chunks. max_tokens is enforced here too (pytok: tokens;
-  pystr: content chunks), so a file that ignores it cannot run past it.
-- Cancellation does not wait for the file: the generator is consumed by a task of its own,
-  which is cancelled (CancelledError at the file's current `await`) as soon as the request's
-  context is stopped; the stream ends with "cancelled" at once.
-- Errors never take the worker down: a file that is missing, does not compile, raises while
-  loading or has no async-generator `generate` fails the engine's start with a message naming
-  the file (and line); an exception inside `generate` ends that request's stream with an error
-  (HTTP 500 with the exception's text), unless it is a `dynamo_graph.backend.errors` type, which
-  keeps its code (e.g. InvalidArgument -> 400); a chunk of the wrong shape is an error naming it.
-
-`generate` runs on the worker's event loop: blocking calls in it block every request (use
-`await asyncio.to_thread(...)` for those).
+and files that define an `LLMEngine` class (`out=FILE.py`, what a graph's `engine: x.py` compiles
+to). The file's `generate` runs in a task of its own, so cancellation never waits for it and its
+errors never take the worker down. What a file must look like: docs/custom-engines.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,7 @@
-"""`out=mocker`: a simulated vLLM worker behind the `LLMEngine` contract (no GPU, no weights).
-
-It needs only the model's tokenizer (for the vocabulary and special/eos ids) and behaves like a
-vLLM worker from the outside: continuous batching with chunked prefill, a KV cache with prefix
-caching whose blocks are reported as KV events (named by the same hashes the kv router computes,
-so routing against mockers is realistic), preemption under memory pressure, and forward passes
-timed by a documented performance model (perf_model.py). Dynamo's mocker (notes/DYNAMO.md §3) is
-the model for every choice; scheduler.py and kv_manager.py say where we differ and why.
-
-Process shape: one asyncio task per data-parallel rank runs that rank's `Scheduler` while it has
-work and waits on an event when idle (no busy loop). Each forward pass is planned at once, then
-the task sleeps until a deadline clock (`deadline += pass time / speedup_ratio`) so short passes
-add up exactly; then the pass's tokens are delivered to the waiting `generate` calls (a deque
-and a future per request) and its KV events and load are published. A huge `speedup_ratio`
-makes simulated time vanish, but every pass still yields to the event loop.
-
-Settings: `MockerArgs` (args.py) from `--extra-engine-args` (+ `--kv-cache-block-size`,
-`--context-length`). `max_model_len` defaults to the model's context length; when that cannot
-fit in the KV cache under the watermark (or, without chunked prefill, in one batch) it is lowered
-to what fits, with a warning; a `max_model_len` given explicitly that cannot fit is an error,
-as in vLLM.
-
-Outputs: one token per chunk; the first carries `cached_tokens` (prefix-cache hit tokens at the
-first admission); the last carries `finish_reason` ("length", "stop" or "cancelled") and
-`completion_usage`. KV events go to `kv_event_sink` per rank: `stored` for each full block a
-pass computed, `removed` for evicted cached blocks, `cleared` for every rank at `cleanup()`; a
-`LoadMetrics` after passes that changed the rank's load (at most every `load_interval_s`, and
-always when the rank goes idle), with its queued prefill (`prefill_tokens`: prompt tokens
-accepted and not yet computed). With prefix caching off no KV events are sent (as vLLM).
-
-Priority: a request's priority (`request_priority`: the routing hints' `x-dynamo-request-priority`
-/ nvext priority, higher is more urgent) orders the rank's waiting queue and picks preemption
-victims under `scheduling_policy: priority`, the default (scheduler.py, queues.py), as vLLM does
-with the negated value our vLLM worker passes it.
-
-LoRA adapters (backend/lora.py): any path is accepted; a request whose `model` names a loaded
-adapter draws other tokens (the adapter's id is mixed into its seed). As in vLLM, an adapter's
-KV blocks are its own: their local hashes are seeded by the adapter's name as the kv router
-seeds them (router/kv/hashing.py), so they serve only its requests, and their `stored` events
-name the adapter (`lora_name`), which lets the adapter's own kv router find them.
-
-Cache salt: a request's `cache_salt` seeds its first block's hash as the kv router seeds it, so a
-prompt hits only blocks cached under the same salt (one tenant's, docs/security.md), and its
-`cached_tokens` say so.
+"""`out=mocker`: a simulated vLLM worker behind the `LLMEngine` contract (no GPU, no weights), so
+routing, disaggregation and autoscaling can be built and measured on any machine. One asyncio
+task per data-parallel rank runs its `Scheduler`; passes are timed by perf_model.py against a
+deadline clock. What it simulates and how: docs/engines/mocker.md.
 """
 
 from __future__ import annotations
