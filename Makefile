@@ -12,7 +12,7 @@ HTTP_PORT ?= 8080
 # time themselves are marked `serial` and run alone afterwards.
 TEST_WORKERS ?= 4
 
-.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api
+.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api docs
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ test: setup llamacpp services
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" --durations=25
 	$(BIN)/pytest -q -m "serial and not slow"
+
+# The manual as a site (mkdocs.yml, into .cache/site): the generated pages must be current, and
+# --strict fails on any broken link or anchor. A second or two once installed.
+docs: setup
+	@$(BIN)/python -c 'import mkdocs, material' 2>/dev/null || $(BIN)/pip install -q -e '.[docs]'
+	$(BIN)/python -m dynamo_graph.manual --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The CI smoke graphs as a user's CI runs them: `dyngraph test` brings each up isolated, runs the
 # checks in its `tests:` section, tears it down, and writes a JUnit report (echo-etcd-nats needs
