@@ -10,7 +10,7 @@ in the same run, and the frontend's CPU is given as a ratio to that floor.
 Results: benchmarks/results/frontend.json (frontend_apis.json with --apis: the same 64-token stream
 as a chat completion, a Responses call and a Messages call on one server, and each one's server
 CPU per request as a ratio to the chat completion's; issue 19's target is at most 1.15).
-Target (notes/PERF.md): Dynamo's Rust frontend spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
+Target: Dynamo's Rust frontend spends 1.1-1.3 CPU-ms per such request at c=32 on this machine.
 
 With --frontend-processes 1,2,4,8 it measures instead a frontend of N processes on one port
 (`dyngraph run in=http out=auto --http-processes N`, docs/frontend-scaling.md) in front of

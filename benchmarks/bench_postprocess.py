@@ -1,5 +1,5 @@
 """Micro-benchmark: frontend CPU per streamed token for detokenize + postprocess (and, for
-scale, one chat preprocess), against PERF.md's budget of ~1.2 CPU-ms per 64-token request.
+scale, one chat preprocess), against a budget of ~1.2 CPU-ms per 64-token request.
 
 Run: .venv/bin/python benchmarks/bench_postprocess.py [--iterations N]
 Writes benchmarks/results/postprocess.json. Not a test: numbers depend on the machine.

@@ -5,7 +5,7 @@ yields to the event loop between frames, one write per frame, like a real engine
 
 Reports requests/s, request latency p50/p99, and CPU-ms per request of the client process,
 of the worker process and (nats) of nats-server, from /proc/<pid>/stat. The client's figure
-is the request plane's share of the frontend's budget (notes/PERF.md: ~1.2 CPU-ms for a
+is the request plane's share of the frontend's budget (~1.2 CPU-ms for a
 whole 64-token streamed request).
 
     .venv/bin/python benchmarks/bench_transport.py [--seconds 3] [--kinds tcp,nats]

@@ -1,6 +1,6 @@
 """The baseline: a bare ASGI app on the same server stack (uvicorn, uvloop, httptools) that
 streams 64 pre-built SSE chunks and does nothing else. The frontend's CPU per request is
-reported as a ratio to this floor (notes/PERF.md measured it at ~0.43 ms at c=32)."""
+reported as a ratio to this floor (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The unified engine contract every engine implements (DESIGN.md, "Engine contract").
+"""The unified engine contract every engine implements (docs/contracts.md).
 
 An engine is started once, then serves many concurrent `generate` calls, each an async
 generator of `LLMEngineOutput` chunks whose last chunk carries a finish reason. Engines of

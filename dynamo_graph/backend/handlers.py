@@ -1,6 +1,6 @@
 """The request-plane handlers that wrap an engine: what every worker does around `generate`.
 
-Whatever the engine, a worker's stream has the same shape (DESIGN.md, request plane): the wire's
+Whatever the engine, a worker's stream has the same shape (docs/contracts.md): the wire's
 finish reasons only (`normalize_finish_reason`), exactly one final chunk, an engine's error chunk
 turned into the stream's error frame, `engine.abort(context)` called once when the caller
 cancels, streams ended with EngineShutdown once a stopping worker's grace is over (so they

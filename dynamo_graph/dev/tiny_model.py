@@ -4,7 +4,7 @@ No model hub is reachable from CI, so tests exercise the real loading code (toke
 template, config, safetensors, GGUF) on a model small enough to write at test time. Weights come
 from numpy with a fixed seed and every file is written in a fixed order, so the output is
 byte-identical across runs on the same Python (the tokenizer corpus is the stdlib).
-See shared/notes/ENGINES.md ("Tiny model recipe").
+What the tests use it for: docs/testing.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 No model hub is reachable from CI, so tests train a real tokenizer in about a second on text
 that every machine of this kind has (the Python stdlib and Debian's licence texts). The output
 is byte-identical across runs on the same Python, so token ids in tests are stable.
-See shared/notes/ENGINES.md ("Tiny model recipe").
+What the tests use it for: docs/testing.md.
 """
 
 from __future__ import annotations

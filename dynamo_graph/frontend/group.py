@@ -10,7 +10,7 @@ it (`sum by (model) (rate(dynamo_frontend_requests_total[1m]))`).
 
 Why per-process labels and not prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR):
 that mode needs prometheus_client's own metric objects, which write an mmapped file on every
-observation (several microseconds; the frontend observes every streamed token, notes/PERF.md),
+observation (several microseconds; the frontend observes every streamed token, docs/benchmarks.md),
 and it can only sum, max or list gauges; the routers' gauges (a worker's fitted TTFT, its
 backlog as one process sees it) mean nothing summed. Here the request path is untouched and the
 cost falls on the scrape: one local round trip per process.

@@ -3,7 +3,7 @@
 The frontend observes inter-token latency once per streamed token, so the histogram here is a
 plain bucket array updated without locks (the event loop is single-threaded) and exported
 through a custom collector; prometheus_client's own Histogram costs several microseconds per
-observation, a visible share of the per-request CPU budget (notes/PERF.md).
+observation, a visible share of the per-request CPU budget (docs/benchmarks.md).
 """
 
 from __future__ import annotations

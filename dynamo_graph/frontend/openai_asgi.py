@@ -6,7 +6,7 @@ Each API surface is a package beside this module (`openai_chat/`, `openai_comple
 `openai_responses/`, ...) that subclasses `OpenAIHandler` with its decoder, writers and error
 shape, and exports a `Surface` record of its routes for app.py. The handlers sit beside the
 FastAPI app rather than inside it: FastAPI's request and streaming layers cost about as much CPU
-as everything else a streamed request needs (notes/PERF.md). Request bodies decode straight into
+as everything else a streamed request needs (docs/benchmarks.md). Request bodies decode straight into
 msgspec Structs whose errors name the field; the response status is only sent once the first
 delta (or error) is known, so failures before the first token are still proper 4xx/5xx answers.
 """

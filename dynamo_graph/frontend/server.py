@@ -47,7 +47,7 @@ _HEAD_TOO_LARGE_RESPONSE = (
 
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     """Sets TCP_NODELAY on every accepted socket: without it small SSE writes on a kept-alive
-    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1, notes/DYNAMO.md).
+    connection wait ~40 ms for the client's delayed ACK (seen in Dynamo 1.6.1).
 
     Also bounds a request's head: httptools gathers the URL and each header in memory with no
     limit of its own, so a client that keeps sending one would grow the frontend without end."""

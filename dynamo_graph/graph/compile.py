@@ -61,7 +61,7 @@ from dynamo_graph.router.config import DisaggConfig, RouterConfig
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
-PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (DYNAMO.md 1.4)
+PYTHON_HASH_SEED = "0"  # engines' block hashes must agree across processes (docs/kv-events.md)
 # Engine arguments that shape a KV cache or move it (vLLM's, SGLang's, the mocker's names): a
 # prefill worker's KV is of use to a decode worker only where these agree.
 KV_SHAPING_ENGINE_ARGS = frozenset(

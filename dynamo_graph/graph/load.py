@@ -1,6 +1,6 @@
 """Read a graph file into a plain, fully resolved dict, and remember where every value came from.
 
-This is the composition layer of `dyngraph up graph.yaml [overrides]` (DESIGN.md, "Layout"):
+This is the composition layer of `dyngraph up graph.yaml [overrides]` (docs/graphs.md):
 YAML, Hydra defaults lists, templates, `${...}` interpolation, environment variables and
 command-line overrides in Hydra's grammar. It knows nothing about the graph's schema: the dict it
 returns is validated by `schema.py` / `validate.py`, which use the `SourceMap` to point their

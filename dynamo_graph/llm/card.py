@@ -3,7 +3,7 @@
 A frontend builds its pre/post-processing from the card alone, so the card inlines the chat
 template and names the tokenizer/config files with checksums. Every worker of one model must
 publish the same `mdcsum()`; it covers content, never paths, because hosts lay files out
-differently. Fields follow Dynamo's `lib/llm/src/model_card.rs` (shared/notes/DYNAMO.md 4.5).
+differently. Fields follow Dynamo's `lib/llm/src/model_card.rs` (docs/contracts.md, "Discovery keys").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A pipeline is used in two steps so that bad input is answered before a response starts:
 `prepare()` validates and pre-processes synchronously (raising errors that become 4xx), then
 `stream()` runs the engine and yields deltas. `TokensPipeline` wraps a Tokens-input backend
-(pre/post-processing happen here, DESIGN.md "Data flow"); `TextPipeline` forwards the OpenAI
+(pre/post-processing happen here, docs/architecture.md); `TextPipeline` forwards the OpenAI
 request to an engine that does its own templating. The backend is anything with
 `generate(request, context)`: an engine in this process, or (later) a router over workers.
 """

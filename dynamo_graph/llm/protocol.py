@@ -1,4 +1,4 @@
-"""Wire types between the frontend's pre/post-processing and an engine (DESIGN.md, data flow).
+"""Wire types between the frontend's pre/post-processing and an engine (docs/contracts.md).
 
 msgspec Structs: cheap to build on the hot path and msgpack-ready for the request plane.
 Field names follow Dynamo's PreprocessedRequest / LLMEngineOutput so real engines' adapters map

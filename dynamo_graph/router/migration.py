@@ -1,7 +1,7 @@
 """Request migration: a stream that breaks because its worker went away continues on another.
 
-An operator between the pre/post-processing and the router (DESIGN.md "Data flow", Dynamo's
-`Migration` in lib/llm/src/migration.rs, notes/DYNAMO.md section 2). It works on token ids
+An operator between the pre/post-processing and the router (docs/contracts.md, "Migration"; Dynamo's
+`Migration` in lib/llm/src/migration.rs). It works on token ids
 (`PreprocessedRequest` in, `LLMEngineOutput` out), so only Tokens-input models migrate: a
 Text-input worker's stream is OpenAI text whose exact tokens the frontend never sees, so it
 cannot be resumed (Dynamo migrates tokens only, too).

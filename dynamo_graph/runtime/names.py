@@ -1,8 +1,8 @@
 """Endpoint names (`dyn://namespace.component.endpoint`), instance ids and discovery keys.
 
 Missing parts default as dynamo-run does: `dyn://test` is `test.backend.generate`,
-`dyn://test.worker` is `test.worker.generate`. Keys follow Dynamo's layout (DESIGN.md,
-"Discovery"): `v1/instances/{ns}/{comp}/{ep}/{instance_id:x}` and `v1/mdc/...`; a LoRA adapter's card sits
+`dyn://test.worker` is `test.worker.generate`. Keys follow Dynamo's layout (docs/contracts.md):
+`v1/instances/{ns}/{comp}/{ep}/{instance_id:x}` and `v1/mdc/...`; a LoRA adapter's card sits
 one level deeper, `v1/mdc/{ns}/{comp}/{ep}/{instance_id:x}/{adapter slug}`, as in Dynamo.
 """
 

@@ -94,7 +94,7 @@ def token_ids(tokenizer: Any) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]]]:
     """Greedy ids from llama.cpp (`Llama.generate`, fresh state) when llama-cpp-python is installed
-    (`make vllm` installs it), else from transformers in fp32; ENGINES.md: they agree on this model."""
+    (`make vllm` installs it), else from transformers in fp32; they agree on this model."""
     if importlib.util.find_spec("llama_cpp") is not None:
         with llama_greedy_reference(tiny_model / GGUF_NAME) as generate:
             yield generate

@@ -6,7 +6,7 @@ crashed pytest leaves no orphan. Not a `preexec_fn`: that makes Python fork() in
 which runs the fork handlers of the gRPC core that the etcd client loaded into this process, and
 those aborted a starting nats-server or etcd now and then on a loaded machine (SIGABRT, "epoll_wait
 error: Bad file descriptor" in its log). Measured start times
-(shared/notes/SERVICES.md): etcd about 0.1 s with the fast-election flags, nats about 10 ms.
+(docs/testing.md): etcd about 0.1 s with the fast-election flags, nats about 10 ms.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A real Slurm cluster for tests, built from scratch in a temp dir (shared/notes/CLUSTERS.md):
+"""A real Slurm cluster for tests, built from scratch in a temp dir (docs/testing.md):
 its own munged (key, socket), slurm.conf, state dirs and ports, a slurmctld and one slurmd per
 node. With two nodes the second slurmd runs in a network namespace joined by a veth pair, so a
 step there sees only that node's address. Nothing outside the temp dir is touched: clients find

@@ -1,5 +1,5 @@
 """ "Remote hosts" for tests: network namespaces joined to this one by veth pairs, each running
-a real OpenSSH server with generated host and user keys (shared/notes/CLUSTERS.md).
+a real OpenSSH server with generated host and user keys (docs/testing.md).
 
 The namespaces share the filesystem and the pid space with the test, so a remote host's venv
 is the project's own, and a remote process is visible here by its pid. Subnets come from the

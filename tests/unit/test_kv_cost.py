@@ -50,7 +50,7 @@ def test_prefix_depth_of_in_flight_blocks():
 
 
 def test_cost_matches_dynamos_worked_example():
-    """DYNAMO.md 1.1: (prefill 8, decode 10) = 18, (5, 5) = 10, (2, 9) = 11 -> the second wins."""
+    """Dynamo's cost: (prefill 8, decode 10) = 18, (5, 5) = 10, (2, 9) = 11 -> the second wins."""
     seqs = ActiveSequences()
     # An empty request (isl 0) leaves only the workers' own load in the cost.
     for worker, (prefill_blocks, decode_blocks) in enumerate([(8, 10), (5, 5), (2, 9)]):

@@ -9,7 +9,7 @@ which the decode side recomputes anyway when it evaluates the first token). A st
 sequence 3 of one context loads as sequence 0 of another: the sequence id is not part of it. With
 llama-cpp-python 0.3.36, a prompt's state imported into another context continues with the same
 greedy tokens as the context that computed it (tests/integration/test_llamacpp_engine.py; on a
-GPU the logits were also compared, bit for bit: ../shared/notes/ENGINES.md).
+GPU the logits were also compared, bit for bit: docs/engines/llamacpp.md).
 
 The handoff's bytes (format "llamacpp-state/1"): the prompt's token ids (u32 count, then u32 ids,
 little-endian) followed by the llama.cpp sequence state. llama.cpp's state does not say which

@@ -4,7 +4,7 @@ and errors in Anthropic's shape.
 The pipeline's deltas each carry one kind of output (chat_output.py), in the order the model
 wrote it; a change of kind, or a new tool call, closes the open block and opens the next:
 `thinking`, `text` or `tool_use` (whose arguments stream as `input_json_delta`). The per-token
-text delta is built from a prefix made when its block opens (notes/PERF.md).
+text delta is built from a prefix made when its block opens (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ packages' protocol.py (openai_chat/, openai_completions/).
 
 Streamed chunks are assembled from a per-request prefix and a JSON-escaped delta instead of
 encoding a dict per token: at 64 chunks per request this is the difference between fitting
-the frontend's CPU budget and not (notes/PERF.md).
+the frontend's CPU budget and not (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ wrote it; a change of kind, or a new tool call, closes the open item and opens t
 `reasoning` (reasoning_text parts), `message` (one output_text part) or `function_call`. Every
 event has the next `sequence_number`. The per-token text delta is built from a prefix made when
 its item opens, as the chat route's chunks are (openai_chat/events.py), to stay within the
-frontend's CPU budget (notes/PERF.md).
+frontend's CPU budget (docs/benchmarks.md).
 """
 
 from __future__ import annotations

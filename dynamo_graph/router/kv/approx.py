@@ -2,7 +2,7 @@
 
 The router records its own decisions instead: after sending a request to a worker key, every full
 block of the prompt counts as cached there for `ttl_s` (Dynamo: 120 s), and routing that prefix
-to that key again refreshes it. As Dynamo's ApproxKvIndexer (notes/DYNAMO.md 1.5), with the
+to that key again refreshes it. As Dynamo's ApproxKvIndexer, with the
 same index as `KvIndexer` (indexer.py: sequence hash -> bitmask of worker keys, and its prefix
 walk), so both answer `find_matches` the same way.
 

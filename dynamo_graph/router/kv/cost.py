@@ -2,7 +2,7 @@
 
 This is the cost of `--router-cost dynamo`; the default, `predictive`, ranks by predicted time
 to first token (predict.py) and shares the selection below. For every candidate rank `w`
-(DYNAMO.md 1.1), lower is better:
+(docs/routing.md), lower is better:
 
     overlap(w)        = prompt blocks w already has: the indexer's depth (KV events, or the
                         approximate indexer), or what w's in-flight requests hold, whichever is more

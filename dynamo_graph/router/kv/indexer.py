@@ -1,11 +1,11 @@
 """Which worker ranks hold which prompt blocks: the KV router's index of every worker's cache.
 
-`KvIndexer` is fed by the engines' KV events (DESIGN.md, "KV events"); `ApproxKvIndexer`
+`KvIndexer` is fed by the engines' KV events (docs/kv-events.md); `ApproxKvIndexer`
 (approx.py) by the router's own routing decisions. Both answer `find_matches`: for every worker
 key (worker_id, dp_rank), how many leading blocks of a request it has cached.
 
 Data structure. Dynamo keeps a radix tree whose children are keyed by local hash, plus a
-per-worker lookup `block_hash -> node` for events (notes/DYNAMO.md 1.4). A node of that tree *is*
+per-worker lookup `block_hash -> node` for events (docs/kv-events.md). A node of that tree *is*
 a prefix, and a prefix is exactly what a sequence hash names (`seq[i]` chains every local hash
 before it). So the same index is a flat dict keyed by sequence hash, with the tree's edges implicit
 in the hash chain, and no node objects:

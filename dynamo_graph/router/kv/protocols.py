@@ -1,4 +1,4 @@
-"""The KV event contract on the event plane (DESIGN.md, "KV events"), and worker load metrics.
+"""The KV event contract on the event plane (docs/kv-events.md), and worker load metrics.
 
 Engines publish on their endpoint's channel (namespace/component): `kv_events` carry
 `KvCacheEvent`s, `load_metrics` carry `LoadMetrics`. Event ids are monotonic per worker; the

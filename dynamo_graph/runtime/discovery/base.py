@@ -1,6 +1,6 @@
 """Discovery: a key-value store whose keys live as long as the process that wrote them.
 
-Two backends behind this one interface (DESIGN.md "Discovery"): `file` (the embedded default,
+Two backends behind this one interface (docs/contracts.md, "Discovery keys"): `file` (the embedded default,
 no services: a directory of JSON records kept alive by heartbeats) and `etcd` (one lease per
 process with keepalive). Keys follow runtime/names.py; values are JSON bytes.
 """

@@ -1,7 +1,7 @@
 """etcd discovery: one lease per process with keepalive, list-then-watch, re-grant after loss.
 
 The client is etcd3aio (asyncio, grpc.aio), kept behind this small class so that it can be swapped
-for aetcd (shared/notes/SERVICES.md). What etcd3aio does and does not do for us:
+for aetcd. What etcd3aio does and does not do for us:
 - Its watches resume by themselves only after UNAVAILABLE; an etcd restart can also break the
   stream with INTERNAL ("Failed execute_batch"), which etcd3aio raises. We watch again from the
   last event's revision + 1, so a watcher misses nothing across restarts. A watch whose revision

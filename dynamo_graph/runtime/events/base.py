@@ -3,7 +3,7 @@
 Backends behind this interface: in-process (one process, tests), zmq (the single-host default:
 each publisher binds a loopback socket announced in discovery, subscribers connect to all of
 them), and NATS (subjects). Payloads are opaque bytes (msgspec-encoded by the caller); delivery
-is at-most-once, in order per publisher; subscribers tolerate gaps (DESIGN.md, KV events).
+is at-most-once, in order per publisher; subscribers tolerate gaps (docs/kv-events.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The request plane: one request in, a stream of frames out, cancellable from the caller.
 
-Two transports behind this interface (DESIGN.md "Request plane"): `tcp` (the default: one
+Two transports behind this interface (docs/contracts.md, "Request-plane frames"): `tcp` (the default: one
 listener per worker process, msgpack frames, streams multiplexed per connection) and `nats`
 (a subject per endpoint instance, responses streamed to an inbox). Payloads are opaque bytes
 here (the runtime encodes them with msgspec); a stream always ends with exactly one terminal
