@@ -3,6 +3,7 @@ path, type, default and the field's docstring, so the reference is the schema it
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from typing import Any
@@ -63,7 +64,9 @@ def _default(info: Any) -> str:
         return "required" if info.default_factory is None else ""
     if info.default is None or isinstance(info.default, BaseModel):
         return ""
-    return f"`{info.default}`"
+    value = info.default
+    shown = json.dumps(value) if isinstance(value, bool | list | dict) else str(value)  # as YAML says it
+    return f"`{shown}`"
 
 
 def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:

@@ -3,6 +3,7 @@ undocumented: every flag, graph key and metric has its text where it is declared
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,13 @@ def test_the_readme_matrix_is_the_registry_s() -> None:
 
 def test_the_readme_stays_a_landing_page() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
+    assert len(targets) > 20
+    assert [t for t in targets if not (ROOT / t).exists()] == []
 
 
 def test_every_flag_has_a_doc() -> None:
