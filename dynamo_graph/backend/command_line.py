@@ -160,11 +160,16 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     return WorkerConfig(str(name), engine, worker, planes, verbosity=params["verbose"])
 
 
+CONFIG_EXIT = 2
+"""`dyngraph run`'s exit code when its settings, model, engine or port cannot be used: the same
+command would fail the same way, so a supervisor does not restart it (graph/targets/local/runner.py)."""
+
+
 def fail(message: str) -> int:
-    """Print an error as the CLI does; returns the usage-error exit code. The message is plain
-    text: `pip install 'dyngraph[vllm]'` must not be read as rich markup."""
+    """Print an error as the CLI does; returns CONFIG_EXIT. The message is plain text:
+    `pip install 'dyngraph[vllm]'` must not be read as rich markup."""
     from rich.console import Console
     from rich.markup import escape
 
     Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return 2
+    return CONFIG_EXIT

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -174,20 +175,39 @@ def _broken_model(tmp_path: Path, tiny_model: Path) -> Path:
     return folder
 
 
-def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path) -> None:
+def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+    """A worker that dies at start with an ordinary error (exit 1) is retried by its policy."""
     graph = make_graph("echo.yaml")
+    (tmp_path / "dies.py").write_text("import os, sys\nprint('dies at start', file=sys.stderr, flush=True)\nos._exit(1)\n")
     up = graph.up(
         "components.backend.replicas=1",
-        f"models.tiny-model.path={_broken_model(tmp_path, tiny_model)}",
+        "components.backend.engine=dies.py",
         "+components.backend.restart.max_restarts=2",
         "+components.backend.restart.backoff_s=0.1",
     )
     assert up.returncode == 1, up.stdout + up.stderr
     assert "backend-0 failed" in up.stdout and "crash loop" in up.stdout
-    assert "broken-model/config.json: cannot read JSON" in up.stdout  # the worker's own error, from its log
+    assert "dies at start" in up.stdout  # the worker's own error, from its log
     assert graph.processes()["backend-0"]["restarts"] == 2
     supervisor_log = (graph.state / "supervisor.log").read_text()
     assert "crash loop" in supervisor_log
+
+
+def test_start_up_error_fails_up_at_once(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
+    """An engine that raises at import exits with the configuration error code, which a restart
+    would repeat: `up -d` reports it at once (issue 31, stumble 9), not after the restart backoff
+    (1 + 2 + 4 + 8 + 16 s) or the frontend's readiness timeout."""
+    graph = make_graph("echo.yaml")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('boom at import')\n")
+    started = time.monotonic()
+    up = graph.up("components.backend.replicas=1", "components.backend.engine=raises.py")
+    took = time.monotonic() - started
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "backend-0 failed" in up.stdout and "a restart would repeat" in up.stdout
+    assert "RuntimeError: boom at import" in up.stdout  # the worker's own error, from its log
+    assert "Traceback" not in up.stdout + up.stderr
+    assert graph.processes()["backend-0"]["restarts"] == 0
+    assert took < 20, f"reported after {took:.1f} s"
 
 
 def test_failed_dependency_fails_its_dependents(

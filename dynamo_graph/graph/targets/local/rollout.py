@@ -179,10 +179,19 @@ class Rollout:
         routable; raises RolloutFailed naming the first that was not."""
         if not runners:
             return
-        results = await asyncio.gather(*(r.proven() for r in runners))
-        for runner, ok in zip(runners, results, strict=True):
-            if not ok:
-                raise RolloutFailed(self._why(runner))
+        # The first failure ends the wait: a worker that gave up would otherwise be reported only
+        # when a frontend waiting for its model ran out of readiness time.
+        waiting = {asyncio.ensure_future(r.proven()): r for r in runners}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for proven in done:
+                    runner = waiting.pop(proven)
+                    if not proven.result():
+                        raise RolloutFailed(self._why(runner))
+        finally:
+            for proven in waiting:
+                proven.cancel()
         await self._wait_routable(runners)
 
     async def _roll_batch(self, batch: list[str]) -> None:

@@ -4,7 +4,9 @@ A `Runner` task per process: wait until everything in `depends_on` is ready, sta
 until ready (or exit, or the probe's timeout), watch, and on exit restart with exponential
 backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a run stayed up
 `STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
-left `failed` and its last log lines are reported. A rollout's new run is `proving`: it gets
+left `failed` and its last log lines are reported. A `dyngraph run` that exits with CONFIG_EXIT
+before it was ready (an engine that raises at import, a model that does not load, bad settings)
+would fail the same way again: it is left `failed` at once, not retried through the backoff. A rollout's new run is `proving`: it gets
 one try, and not being ready ends it (rollout.py then rolls back instead of restarting it).
 
 Processes on remote hosts run through the ssh launcher (ssh.py); runners treat its processes
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from dynamo_graph.backend.command_line import CONFIG_EXIT
 from dynamo_graph.graph.plan import ProcessSpec
 from dynamo_graph.graph.targets.local import probes
 from dynamo_graph.graph.targets.local.logs import tail_lines
@@ -86,12 +89,16 @@ class Runner:
                 return
             runs += 1
             code, failed = await self._one_run(runs)
+            was_ready = self.ready.is_set()
             self.ready.clear()
             assert self.proc is not None
             if self.proving:
                 why = self.record.message or f"exited with {code} before it was ready"
                 self._set(state="failed", pid=None, message=why)
                 self.sup.report(self.spec.name, f"new run failed: {why}")
+                return
+            if not was_ready and code == CONFIG_EXIT and self.spec.argv[0] == "dyngraph":
+                self._give_up(code, f"exited with {code} before it was ready: a start-up error a restart would repeat")
                 return
             if time.time() - self.proc.started_at >= STABLE_AFTER_S:
                 streak = 0
@@ -102,18 +109,18 @@ class Runner:
                 return
             streak += 1
             if streak > policy.max_restarts:
-                self._set(state="failed", pid=None, message=f"crash loop (last exit {code})")
-                tail = "\n".join(tail_lines(self.sup.state.log_file(self.spec.name), CRASH_LOG_LINES))
-                self.sup.report(
-                    self.spec.name,
-                    f"crash loop: failed {streak} times in a row (last exit {code}), giving up; "
-                    f"last log lines:\n{tail}",
-                )
+                self._give_up(code, f"crash loop: failed {streak} times in a row (last exit {code})")
                 return
             delay = min(policy.backoff_s * 2 ** (streak - 1), policy.backoff_max_s)
             self._set(state="restarting", pid=None, restarts=self.record.restarts + 1)
             self.sup.report(self.spec.name, f"exited with {code}; restarting in {delay:g} s")
             await asyncio.sleep(delay)
+
+    def _give_up(self, code: int, why: str) -> None:
+        """Leave the process `failed` and report why, with its last log lines."""
+        self._set(state="failed", pid=None, message=why)
+        tail = "\n".join(tail_lines(self.sup.state.log_file(self.spec.name), CRASH_LOG_LINES))
+        self.sup.report(self.spec.name, f"{why}, giving up; last log lines:\n{tail}")
 
     async def _wait_dependencies(self) -> str | None:
         """Wait until every dependency is ready; returns the name of one that gave up for good
