@@ -12,7 +12,7 @@ HTTP_PORT ?= 8080
 # time themselves are marked `serial` and run alone afterwards.
 TEST_WORKERS ?= 4
 
-.PHONY: setup run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api docs
+.PHONY: setup tiny-model run test test-all lint bench llamacpp services vllm test-vllm smoke fuzz-api docs
 
 $(BIN)/dyngraph: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,8 @@ setup: $(BIN)/dyngraph
 
 $(MODEL_DIR)/tokenizer.json: | $(BIN)/dyngraph
 	$(BIN)/dyngraph dev tiny-model $(MODEL_DIR)
+
+tiny-model: $(MODEL_DIR)/tokenizer.json
 
 run: setup $(MODEL_DIR)/tokenizer.json
 	$(BIN)/dyngraph up graphs/hello.yaml components.frontend.http.port=$(HTTP_PORT)

@@ -162,6 +162,17 @@ FILE_ENGINES: dict[str, EngineSpec] = {
     ),
 }
 
+
+
+def engine_file(engine: str) -> tuple[str, str] | None:
+    """An engine given as a Python file (`out=`, a graph's `engine:`): its `pystr:` or `pytok:`
+    prefix ("" for FILE.py) and the file's path; None for a named engine."""
+    kind, sep, path = engine.partition(":")
+    if sep and kind in FILE_ENGINES:
+        return f"{kind}:", path
+    return ("", engine) if engine.endswith(".py") else None
+
+
 # dynamo-run's choice when `out=` is not given, first installed wins.
 DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 # Engine -> the package it needs; `dyngraph up`'s preflight asks the worker's interpreter.

@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
+from dynamo_graph.engines.registry import engine_file
 from dynamo_graph.frontend.settings import (
     GROUP_ENV,
     AuthSettings,
@@ -598,7 +599,10 @@ class _Compiler:
 
     def _replicas(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]
-        engine = file_path(worker.engine, self.graph_dir) if worker.engine.endswith(".py") else worker.engine
+        engine = worker.engine
+        if (given := engine_file(engine)) is not None:
+            prefix, path = given
+            engine = prefix + file_path(path, self.graph_dir)
         adapters = (f"{a}={_resolve_path(p, self.graph_dir)}" for a, p in (model.lora_adapters or {}).items())
         args_file = self._engine_args_file(name, worker)
         engine_settings = EngineSettings(

@@ -27,7 +27,9 @@ whether or not the file has it. `hydra.*` keys are not part of a graph and are r
 Environment. `${env:VAR}` / `${env:VAR,default}` and Hydra's `${oc.env:...}` read the `env`
 mapping given to `load_graph` (default `os.environ`); values are strings, as the process would
 see them (`schema.py` coerces numbers). An unset variable without a default is a problem that
-names the variable and the key that used it.
+names the variable and the key that used it. `${env_path:VAR,default}` is `env` for a path: a
+relative path in the variable means the directory the command was typed in (made absolute here),
+while the default, written in the file, stays relative to the file; a hub id stays as it is.
 
 Relative paths are left as written: the compiler resolves them against `LoadedGraph.graph_dir`.
 """
@@ -148,10 +150,22 @@ def _env(name: str, default: Any = _NO_DEFAULT) -> str | None:
     return None if default is None else str(default)
 
 
+def _env_path(name: str, default: Any = _NO_DEFAULT) -> str | None:
+    # A relative path a user exports names something under their current directory, not under
+    # the template's folder; what looks like a hub id (no such path here, no leading dot) stays.
+    value = _env(name, default)
+    environ = _ENVIRON.get()
+    given = name in (os.environ if environ is None else environ)
+    if given and value and not os.path.isabs(value) and (value.startswith(".") or os.path.exists(value)):
+        return os.path.abspath(value)
+    return value
+
+
 # Replacing oc.env is safe outside load_graph: with no environment set it reads os.environ, as
 # OmegaConf's own does. replace=True makes re-import (and a second registration) harmless.
 OmegaConf.register_new_resolver("env", _env, replace=True)
 OmegaConf.register_new_resolver("oc.env", _env, replace=True)
+OmegaConf.register_new_resolver("env_path", _env_path, replace=True)
 
 
 # ---- YAML -------------------------------------------------------------------------------------

@@ -551,8 +551,9 @@ class Worker(_Component):
     model: str
     """Key of the model in `models`."""
     engine: str
-    """echo_core, echo_full, mocker, vllm, llamacpp, mistralrs, sglang, trtllm, or the path of a
-    Python engine file (`*.py`)."""
+    """echo_core, echo_full, mocker, vllm, llamacpp, mistralrs, sglang, trtllm, or a Python engine
+    file, relative to the graph file: `FILE.py` (an LLMEngine class), `pystr:FILE.py` or
+    `pytok:FILE.py` (dynamo-run's `async def generate`)."""
     endpoint: str | None = None
     """`component[.endpoint]` in the graph's namespace, or `dyn://namespace.component.endpoint`;
     default `<namespace>.<component key>.generate`."""
@@ -596,9 +597,12 @@ class Worker(_Component):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, engine: str) -> str:
-        if engine in ENGINES or engine.endswith(".py"):
+        if engine in ENGINES or registry.engine_file(engine) is not None:
             return engine
-        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)} or a *.py file")
+        raise ValueError(
+            f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)} or a Python file "
+            "(FILE.py, pystr:FILE.py, pytok:FILE.py)"
+        )
 
     @field_validator("endpoint")
     @classmethod

@@ -26,6 +26,7 @@ from dynamo_graph.engines.registry import (
     KV_CONNECTOR_ENGINES,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
+    engine_file,
 )
 from dynamo_graph.graph.errors import GraphError, Location, Problem
 from dynamo_graph.graph.schema import (
@@ -361,7 +362,7 @@ def check_kv_events(graph: Graph) -> Iterator[Problem]:
         served = frontend.models if frontend.models is not None else list(graph.models)
         for wkey, worker in workers.items():
             # A Python engine file may publish events through the API; it gets the benefit of the doubt.
-            silent = worker.engine not in KV_EVENT_ENGINES and not worker.engine.endswith(".py")
+            silent = worker.engine not in KV_EVENT_ENGINES and engine_file(worker.engine) is None
             if worker.model in served and silent:
                 yield Problem(
                     f"components.{key}.router.mode",
@@ -499,7 +500,7 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
     Dynamo's operator skips this check (`validate_graph(..., engines="dynamo")`)."""
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
-        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or worker.engine.endswith(".py"):
+        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or engine_file(worker.engine) is not None:
             continue
         if worker.engine in KV_CONNECTOR_ENGINES:
             problem = _missing_kv_connector(key, worker)

@@ -23,7 +23,7 @@ def _pairings(plan: Plan) -> dict[str, str]:
 
 def test_a_models_prefill_and_decode_workers_share_one_signature_that_the_kv_shape_changes() -> None:
     base = _pairings(_plan())
-    assert len(set(base.values())) == 1 and next(iter(base.values())).startswith("llm@")
+    assert len(set(base.values())) == 1 and next(iter(base.values())).startswith("tiny-model@")
     unrelated = _plan("+components.decode.engine_args={speedup_ratio: 2.0}")
     assert set(_pairings(unrelated).values()) == set(base.values())
     blocks = _plan("models.llm.kv_cache_block_size=32")
@@ -35,7 +35,7 @@ def test_a_models_prefill_and_decode_workers_share_one_signature_that_the_kv_sha
 def test_a_revision_that_changes_the_kv_shape_of_both_pools_is_refused_with_the_steps() -> None:
     running = _plan()
     why = unpaired(running, _plan("models.llm.kv_cache_block_size=32"))
-    assert why is not None and "model llm" in why and "replicas: 0" in why
+    assert why is not None and "model tiny-model" in why and "replicas: 0" in why
     assert unpaired(running, _plan("+components.decode.engine_args={block_size: 32}")) is not None
 
 

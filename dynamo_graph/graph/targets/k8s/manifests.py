@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dynamo_graph.engines.registry import engine_file
 from dynamo_graph.frontend.settings import GROUP_ENV
 from dynamo_graph.graph.compile import compile_graph, file_path, local_path
 from dynamo_graph.graph.errors import GraphError, Problem
@@ -151,7 +152,8 @@ class _K8s:
         for path, text in self.plan.files.items():  # inline engine args
             self.paths[path] = self._file(Path(path).name, text)
         for key, worker in sorted(self.graph.workers().items()):
-            for name, value in ((f"{key}.json", worker.engine_args_file), (f"{key}.py", worker.engine)):
+            engine = engine_file(worker.engine)
+            for name, value in ((f"{key}.json", worker.engine_args_file), (f"{key}.py", engine and engine[1])):
                 local = (
                     local_path(value, self.graph_dir) if value and value.endswith((".json", ".py")) else None
                 )
@@ -162,8 +164,9 @@ class _K8s:
         argv = []
         for arg in proc.argv:
             prefix, eq, value = arg.partition("=")
-            if eq and value in self.paths:  # out=/path/engine.py
-                argv.append(f"{prefix}={self.paths[value]}")
+            kind, file = (engine_file(value) if prefix == "out" else None) or ("", value)
+            if eq and file in self.paths:  # out=/path/engine.py, out=pytok:/path/engine.py
+                argv.append(f"{prefix}={kind}{self.paths[file]}")
             else:
                 argv.append(self.paths.get(arg, arg))
         if "--lora-modules" in argv:  # NAME=PATH,NAME=PATH

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph import __version__
+from dynamo_graph.engines.registry import engine_file
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
@@ -46,6 +47,7 @@ MIN_PYTHON = (3, 11)
 ANY_ADDRESS = "0.0.0.0"  # a port held on any interface cannot be bound here
 LOCAL_PROBE_TIMEOUT_S = 30.0
 TINY_MODEL_DIR = "tiny-model"  # the folder name `make run` and the shipped graphs give the tiny test model
+MAKE_TINY_MODEL = Path(__file__).resolve().parents[4] / ".cache" / TINY_MODEL_DIR  # where `make` builds it
 
 
 @dataclass
@@ -97,8 +99,8 @@ def _worker_needs(need: _HostNeeds, spec: ProcessSpec, key: str, worker: Worker)
         need.paths.setdefault(config, f"models.{worker.model}.config")
     if (args := _flag(spec, "--extra-engine-args")) is not None and worker.engine_args_file is not None:
         need.paths.setdefault(args, f"{where}.engine_args_file")
-    if worker.engine.endswith(".py"):
-        need.paths.setdefault(next(a for a in spec.argv if a.startswith("out="))[4:], f"{where}.engine")
+    if (given := engine_file(next(a for a in spec.argv if a.startswith("out="))[4:])) is not None:
+        need.paths.setdefault(given[1], f"{where}.engine")
     if (package := ENGINE_PACKAGES.get(worker.engine)) is not None:
         need.modules.setdefault(package, {})[f"{where}.engine"] = worker.engine
 
@@ -157,7 +159,9 @@ def _found(
     for path, why in found.get("models", {}).items():
         hint = ""
         if not remote and why == "does not exist" and Path(path).name == TINY_MODEL_DIR:
-            hint = f"; build the tiny test model with `make run`, or `dyngraph dev tiny-model {path}`"
+            hint = f"; build the tiny test model there with `dyngraph dev tiny-model {path}`"
+            if Path(path) == MAKE_TINY_MODEL:
+                hint += " (or `make tiny-model` in the checkout)"
         yield Problem(need.models[path][0], f"{where}{path} {why}{there}{hint}")
     for repo, why in found.get("hubs", {}).items():
         yield Problem(need.hubs[repo][0], f"{where}model {repo!r} {why}{there}")
