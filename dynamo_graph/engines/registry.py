@@ -163,7 +163,6 @@ FILE_ENGINES: dict[str, EngineSpec] = {
 }
 
 
-
 def engine_file(engine: str) -> tuple[str, str] | None:
     """An engine given as a Python file (`out=`, a graph's `engine:`): its `pystr:` or `pytok:`
     prefix ("" for FILE.py) and the file's path; None for a named engine."""

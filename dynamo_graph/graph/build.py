@@ -13,7 +13,7 @@ from pathlib import Path
 from dynamo_graph.graph.compile import Plan, compile_graph
 from dynamo_graph.graph.load import LoadedGraph, load_graph, state_dir
 from dynamo_graph.graph.schema import Graph
-from dynamo_graph.graph.validate import Engines, schema_knows, validate_graph
+from dynamo_graph.graph.validate import Engines, schema_keys, schema_knows, validate_graph
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def build(
 ) -> Built:
     """Raises GraphError with every problem found at the first stage that has any. `engines`
     says whose engines will run the workers (see validate.Engines)."""
-    loaded = load_graph(path, overrides, env=env, known_key=schema_knows)
+    loaded = load_graph(path, overrides, env=env, known_key=schema_knows, keys_at=schema_keys)
     graph = validate_graph(loaded.data, loaded.source, file=str(loaded.file), engines=engines)
     plan = compile_graph(graph, graph_file=loaded.file, state_dir=state_dir(loaded.file))
     return Built(loaded, graph, plan)

@@ -7,6 +7,8 @@ from. `dyngraph validate` prints them all and exits 2.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -37,3 +39,12 @@ class GraphError(Exception):
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
+
+
+def did_you_mean(word: str, choices: Iterable[str], *, listing: bool = False) -> str:
+    """ "; did you mean 'x'?" for the closest choice, else (with `listing`) every choice, else ""."""
+    choices = sorted(choices)
+    close = difflib.get_close_matches(word, choices, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; allowed: {', '.join(choices)}" if listing and choices else ""

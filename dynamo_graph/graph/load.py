@@ -22,7 +22,10 @@ defaults list of its own, and `/name@some.key` places one under `some.key` (Hydr
 
 Overrides are Hydra's: `a.b=1` changes an existing key, `+a.b=1` adds one, `++a.b=1` adds or
 changes, `~a.b` deletes. A key the graph schema knows (`known_key`) needs no `+`: `a.b=1` sets it
-whether or not the file has it. `hydra.*` keys are not part of a graph and are refused.
+whether or not the file has it. `hydra.*` keys are not part of a graph and are refused. With
+`keys_at` (the schema's keys under a path), `a.b=1` and `~a.b` of a key the graph does not have
+get a did-you-mean as the file's own unknown keys do: a misspelled key, or the misspelled name
+of a component, model or host (one close to a name the graph has; `+` adds it as new).
 
 Environment. `${env:VAR}` / `${env:VAR,default}` and Hydra's `${oc.env:...}` read the `env`
 mapping given to `load_graph` (default `os.environ`); values are strings, as the process would
@@ -57,8 +60,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dynamo_graph.graph.errors import GraphError, Location, Problem
+from dynamo_graph.graph.errors import GraphError, Location, Problem, did_you_mean
 from dynamo_graph.graph.paths import state_dir as state_dir  # re-exported
+
+KeysAt = Callable[[str], "list[str] | None"]
+"""The schema's keys under a dotted path; None where the keys are the graph's own names or free."""
 
 OVERRIDE = Location("<override>")
 """Where a value set on the command line comes from."""
@@ -98,11 +104,12 @@ def load_graph(
     *,
     env: Mapping[str, str] | None = None,
     known_key: Callable[[str], bool] | None = None,
+    keys_at: KeysAt | None = None,
 ) -> LoadedGraph:
     """Compose, override and resolve a graph file. Raises GraphError with every problem found at
     the stage that failed (YAML, overrides, composition, interpolation). `known_key(path)` says
     whether the schema has a key: `key=value` of such a key sets it even where the file leaves it
-    out (Hydra would want `+key=value` then)."""
+    out (Hydra would want `+key=value` then). `keys_at` checks the overrides' keys (see above)."""
     file = Path(os.path.abspath(path))
     environ = os.environ if env is None else env
     root = _parse_yaml(file)
@@ -114,11 +121,25 @@ def load_graph(
     if problems := _check_keys(file, root) + _check_overrides(overrides):
         raise GraphError(problems)
 
+    given = list(overrides)
     if known_key is not None:
         overrides = [_add_known(text, known_key) for text in overrides]
     search_dirs = [*_template_dirs(environ), file.parent]
     defaults_at = next((_loc(file, k) for k, _ in root.value if k.value == "defaults"), Location(str(file)))
-    cfg, defaults, config_overrides = _compose(file, search_dirs, list(overrides), defaults_at)
+    try:
+        cfg, defaults, config_overrides = _compose(file, search_dirs, list(overrides), defaults_at)
+    except GraphError as failed:
+        if keys_at is not None and any(p.location == OVERRIDE for p in failed.problems):
+            # Hydra refused an override: say which key, from the keys the files have.
+            _, defaults, _ = _compose(file, search_dirs, [], defaults_at)
+            keys = set(_source_map(file, root, search_dirs, defaults, []).entries)
+            if problems := _override_key_problems(given, keys, keys_at):
+                raise GraphError(problems) from failed
+        raise
+    if keys_at is not None:
+        keys = set(_source_map(file, root, search_dirs, defaults, []).entries)
+        if problems := _override_key_problems(given, keys, keys_at):
+            raise GraphError(problems)
     source = _source_map(file, root, search_dirs, defaults, config_overrides)
     data = _resolve(cfg, source, environ)
     return LoadedGraph(data=data, source=_prune(source, data), file=file, graph_dir=file.parent)
@@ -222,6 +243,34 @@ def _add_known(text: str, known_key: Callable[[str], bool]) -> str:
     override = _PARSER.parse_override(text)
     plain = override.type == OverrideType.CHANGE and override.package is None
     return f"++{text}" if plain and known_key(override.key_or_group) else text
+
+
+def _override_key_problems(overrides: Sequence[str], keys: set[str], keys_at: KeysAt) -> list[Problem]:
+    """`a.b=1` and `~a.b` whose key the graph's files (`keys`) do not have and cannot mean: a key
+    the schema has not there (Hydra would advise `+`), or a new name close to one the graph gives
+    its own things (a component, model or host; Hydra would add it). A new key the schema has is
+    fine, and so is a new name unlike any (`hosts.local`, which every graph has)."""
+    problems = []
+    for text in overrides:
+        override = _PARSER.parse_override(text)
+        if override.type not in (OverrideType.CHANGE, OverrideType.DEL) or override.package is not None:
+            continue
+        parts = override.key_or_group.split(".")
+        for i, name in enumerate(parts):
+            path, parent = ".".join(parts[: i + 1]), ".".join(parts[:i])
+            if path in keys:
+                continue
+            allowed = keys_at(parent)
+            if allowed is not None and name not in allowed:
+                message = f"unknown key {name!r}" + did_you_mean(name, allowed, listing=True)
+                problems.append(Problem(path, message, OVERRIDE))
+            elif allowed is None and keys_at(path):  # a name the graph gives its own things
+                names = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+                if suggestion := did_you_mean(name, names):  # a new name unlike any is meant new
+                    adds = f" (`+{text}` adds it)" if override.type == OverrideType.CHANGE else ""
+                    problems.append(Problem(path, f"{parent} has no {name!r}{suggestion}{adds}", OVERRIDE))
+            break
+    return problems
 
 
 def _check_keys(file: Path, root: yaml.MappingNode) -> list[Problem]:

@@ -8,7 +8,6 @@ schema is satisfied. Each cross-key check is a small function from `Graph` to pr
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 import types
@@ -28,7 +27,7 @@ from dynamo_graph.engines.registry import (
     KV_TRANSFER_ENGINES,
     engine_file,
 )
-from dynamo_graph.graph.errors import GraphError, Location, Problem
+from dynamo_graph.graph.errors import GraphError, Location, Problem, did_you_mean
 from dynamo_graph.graph.schema import (
     LOCAL,
     Frontend,
@@ -50,7 +49,7 @@ def validate_graph(
     try:
         graph = Graph.model_validate(data)
     except ValidationError as e:
-        problems = [_schema_problem(err, data) for err in e.errors()]
+        problems = _schema_problems(e.errors(), data)
     else:
         checks = [c for c in CHECKS if engines == "dyngraph" or c not in _DYNGRAPH_ENGINES_ONLY]
         problems = [p for check in checks for p in check(graph)]
@@ -96,6 +95,49 @@ _BOUNDS = {
 }
 
 
+def _schema_problems(errors: list[ErrorDetails], data: Any) -> list[Problem]:
+    """A problem per error, but one for a value that fits no member of a union (`port: 99999` is
+    neither a port number nor `auto`), saying what each member wanted."""
+    unions: dict[tuple[str | int, ...], list[ErrorDetails]] = defaultdict(list)
+    for err in errors:
+        if (path := _union_value(err, data)) is not None:
+            unions[path].append(err)
+    problems = []
+    for err in errors:
+        path = _union_value(err, data)
+        group = unions.get(path) if path is not None else None
+        if group is None or len(group) < 2:
+            problems.append(_schema_problem(err, data))
+        elif group[0] is err:
+            wanted = " or ".join(_wanted(e) for e in group)
+            problems.append(Problem(_dotted(path), f"must be {wanted}, got {_describe(err['input'])}"))
+    return problems
+
+
+def _union_value(err: ErrorDetails, data: Any) -> tuple[str | int, ...] | None:
+    """The path of the value when pydantic reports `err` against one member of a union (its loc
+    then ends in the member's tag, e.g. `constrained-int`, under a plain value), else None."""
+    path = _without_tags(list(err["loc"]), data)
+    node = data
+    for part in path[:-1]:
+        listed = isinstance(node, list) and isinstance(part, int) and part < len(node)
+        if not (isinstance(node, dict) and part in node) and not listed:
+            return None
+        node = node[part]
+    return None if isinstance(node, (dict, list)) or len(path) < 2 else tuple(path[:-1])
+
+
+def _wanted(err: ErrorDetails) -> str:
+    """What one member of a union wanted, as `must be ...` continues."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind in _BOUNDS:
+        op, bound = _BOUNDS[kind]
+        return f"{op} {ctx[bound]}"
+    if kind == "literal_error":
+        return " or ".join(re.findall(r"'([^']*)'", ctx.get("expected", "")))
+    return _TYPE_NAMES.get(kind) or err["msg"][:1].lower() + err["msg"][1:]
+
+
 def _schema_problem(err: ErrorDetails, data: Any) -> Problem:
     loc = list(err["loc"])
     ctx = err.get("ctx") or {}
@@ -103,21 +145,21 @@ def _schema_problem(err: ErrorDetails, data: Any) -> Problem:
     message = err["msg"]
     if kind == "extra_forbidden":
         key = str(loc[-1])
-        message = f"unknown key {key!r}" + _suggest(key, _fields_at(loc[:-1]), listing=True)
+        message = f"unknown key {key!r}" + did_you_mean(key, _fields_at(loc[:-1]), listing=True)
     elif kind == "missing":
         message = "required key is missing"
     elif kind in _TYPE_NAMES:
         message = f"expected {_TYPE_NAMES[kind]}, got {_describe(err['input'])}"
     elif kind == "literal_error":
         allowed = re.findall(r"'([^']*)'", ctx.get("expected", ""))
-        message = f"{_describe(err['input'])} is not one of {', '.join(allowed)}" + _suggest(
+        message = f"{_describe(err['input'])} is not one of {', '.join(allowed)}" + did_you_mean(
             str(err["input"]), allowed
         )
     elif kind in ("union_tag_invalid", "union_tag_not_found"):
         loc.append("kind")
         if kind == "union_tag_invalid":
             tag = str(ctx["tag"])
-            message = f"unknown kind {tag!r}; expected frontend or worker" + _suggest(
+            message = f"unknown kind {tag!r}; expected frontend or worker" + did_you_mean(
                 tag, ["frontend", "worker"]
             )
         else:
@@ -151,14 +193,6 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-def _suggest(word: str, choices: Iterable[str], *, listing: bool = False) -> str:
-    choices = sorted(choices)
-    close = difflib.get_close_matches(word, choices, n=1)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; allowed: {', '.join(choices)}" if listing and choices else ""
-
-
 def _dotted(loc: Iterable[str | int]) -> str:
     return ".".join(str(part) for part in loc)
 
@@ -179,6 +213,23 @@ def _without_tags(loc: list[str | int], data: Any) -> list[str | int]:
         else:
             node = None
     return out
+
+
+def schema_keys(path: str) -> list[str] | None:
+    """The keys the schema has under dotted `path`: a section's field names; None where the keys
+    are names the graph picks (models, components, hosts) or free (engine_args, env); [] under a
+    plain value."""
+    node: Any = Graph
+    for part in path.split(".") if path else ():
+        node = _step(node, int(part) if part.isdigit() else part)
+        if node is None:
+            return []
+    tp = _unannotated(node)
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    members = [_unannotated(m) for m in (typing.get_args(tp) if union else (tp,))]
+    if any(m is Any or typing.get_origin(m) is dict for m in members):
+        return None
+    return sorted({name for m in members if _is_model(m) for name in m.model_fields})
 
 
 def schema_knows(path: str) -> bool:
@@ -291,7 +342,7 @@ def check_references(graph: Graph) -> Iterator[Problem]:
 def _dangling(path: str, name: str, known: Iterable[str], what: str) -> Iterator[Problem]:
     known = list(known)
     if name not in known:
-        yield Problem(path, f"no {what} named {name!r}" + _suggest(name, known, listing=True))
+        yield Problem(path, f"no {what} named {name!r}" + did_you_mean(name, known, listing=True))
 
 
 def check_tests(graph: Graph) -> Iterator[Problem]:
@@ -500,7 +551,8 @@ def check_kv_transfer(graph: Graph) -> Iterator[Problem]:
     Dynamo's operator skips this check (`validate_graph(..., engines="dynamo")`)."""
     for key, worker in graph.workers().items():
         # A Python engine file may implement the KV transfer contract; it gets the benefit of the doubt.
-        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or engine_file(worker.engine) is not None:
+        from_file = engine_file(worker.engine) is not None
+        if worker.role == "agg" or worker.engine in KV_TRANSFER_ENGINES or from_file:
             continue
         if worker.engine in KV_CONNECTOR_ENGINES:
             problem = _missing_kv_connector(key, worker)

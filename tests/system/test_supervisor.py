@@ -178,7 +178,8 @@ def _broken_model(tmp_path: Path, tiny_model: Path) -> Path:
 def test_crash_loop_fails_up(make_graph: Callable[[str], Graph], tmp_path: Path) -> None:
     """A worker that dies at start with an ordinary error (exit 1) is retried by its policy."""
     graph = make_graph("echo.yaml")
-    (tmp_path / "dies.py").write_text("import os, sys\nprint('dies at start', file=sys.stderr, flush=True)\nos._exit(1)\n")
+    dies = "import os, sys\nprint('dies at start', file=sys.stderr, flush=True)\nos._exit(1)\n"
+    (tmp_path / "dies.py").write_text(dies)
     up = graph.up(
         "components.backend.replicas=1",
         "components.backend.engine=dies.py",

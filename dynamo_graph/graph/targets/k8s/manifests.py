@@ -152,8 +152,8 @@ class _K8s:
         for path, text in self.plan.files.items():  # inline engine args
             self.paths[path] = self._file(Path(path).name, text)
         for key, worker in sorted(self.graph.workers().items()):
-            engine = engine_file(worker.engine)
-            for name, value in ((f"{key}.json", worker.engine_args_file), (f"{key}.py", engine and engine[1])):
+            engine = (engine_file(worker.engine) or ("", None))[1]
+            for name, value in ((f"{key}.json", worker.engine_args_file), (f"{key}.py", engine)):
                 local = (
                     local_path(value, self.graph_dir) if value and value.endswith((".json", ".py")) else None
                 )

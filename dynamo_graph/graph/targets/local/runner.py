@@ -6,8 +6,9 @@ backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a ru
 `STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
 left `failed` and its last log lines are reported. A `dyngraph run` that exits with CONFIG_EXIT
 before it was ready (an engine that raises at import, a model that does not load, bad settings)
-would fail the same way again: it is left `failed` at once, not retried through the backoff. A rollout's new run is `proving`: it gets
-one try, and not being ready ends it (rollout.py then rolls back instead of restarting it).
+would fail the same way again: it is left `failed` at once, not retried through the backoff. A
+rollout's new run is `proving`: it gets one try, and not being ready ends it (rollout.py then
+rolls back instead of restarting it).
 
 Processes on remote hosts run through the ssh launcher (ssh.py); runners treat its processes
 exactly as local ones, but for one more state: `reconnecting` while the connection to their
@@ -98,7 +99,8 @@ class Runner:
                 self.sup.report(self.spec.name, f"new run failed: {why}")
                 return
             if not was_ready and code == CONFIG_EXIT and self.spec.argv[0] == "dyngraph":
-                self._give_up(code, f"exited with {code} before it was ready: a start-up error a restart would repeat")
+                why = f"exited with {code} before it was ready: a start-up error a restart would repeat"
+                self._give_up(code, why)
                 return
             if time.time() - self.proc.started_at >= STABLE_AFTER_S:
                 streak = 0

@@ -1,0 +1,127 @@
+"""The stumbles of a newcomer's first hour (issue 31), each as the command line meets it: the
+message, the exit code, and no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_graph.graph.build import build
+from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.load import load_graph
+from tests.support.processes import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+HELLO = REPO / "graphs" / "hello.yaml"
+
+
+def _problems(*overrides: str) -> list[str]:
+    with pytest.raises(GraphError) as e:
+        build(HELLO, overrides, env={})
+    return [str(p) for p in e.value.problems]
+
+
+# ---- 6: overrides get the did-you-mean the file's keys get -------------------------------------
+
+
+def test_a_misspelled_override_key_is_named_with_the_key_it_likely_means() -> None:
+    assert _problems("components.frontend.http.prot=8081") == [
+        "<override>: components.frontend.http.prot: unknown key 'prot'; did you mean 'port'?"
+    ]
+    assert _problems("compnents.frontend.http.port=1") == [
+        "<override>: compnents: unknown key 'compnents'; did you mean 'components'?"
+    ]
+
+
+def test_a_misspelled_component_name_in_an_override_is_named_not_a_missing_kind() -> None:
+    assert _problems("components.frontnd.http.port=8081") == [
+        "<override>: components.frontnd: components has no 'frontnd'; did you mean 'frontend'? "
+        "(`+components.frontnd.http.port=8081` adds it)"
+    ]
+    assert _problems("~components.backnd") == [
+        "<override>: components.backnd: components has no 'backnd'; did you mean 'backend'?"
+    ]
+
+
+def test_new_names_and_keys_the_schema_has_still_need_no_plus() -> None:
+    built = build(HELLO, ["hosts.local.gpus=0", "components.backend.engine_args.foo=1"], env={})
+    assert built.graph.components["backend"].engine_args == {"foo": 1}
+
+
+def test_a_port_out_of_range_is_one_problem_in_our_words() -> None:
+    assert _problems("components.frontend.http.port=99999") == [
+        "<override>: components.frontend.http.port: must be <= 65535 or auto, got 99999"
+    ]
+
+
+def test_override_typo_from_the_command_line() -> None:
+    done = run_cli(["validate", str(HELLO), "components.frontend.http.prot=8081"])
+    assert done.returncode == 2
+    assert "unknown key 'prot'; did you mean 'port'?" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+# ---- 8: one served name, Python engine files, a relative DYNGRAPH_MODEL -------------------------
+
+
+def test_graphs_on_the_tiny_model_serve_it_as_tiny_model() -> None:
+    """The README's curl asks for `tiny-model`: every shipped graph that serves the tiny model
+    once serves it so (embeddings.yaml serves it twice, for chat and embeddings, by two names)."""
+    served = {}
+    for file in sorted((REPO / "graphs").rglob("*.yaml")):
+        models = (yaml.safe_load(file.read_text()).get("models") or {}).items()
+        tiny = [m.get("name", k) for k, m in models if str(m.get("path", "")).endswith(".cache/tiny-model")]
+        if len(tiny) == 1:
+            served[file.name] = tiny[0]
+    assert "hello.yaml" in served and "disagg-mocker.yaml" in served
+    assert set(served.values()) == {"tiny-model"}, served
+
+
+def test_a_pytok_engine_file_resolves_against_the_graph_folder(tmp_path: Path, tiny_model: Path) -> None:
+    (tmp_path / "engine.py").write_text("async def generate(request):\n    yield {'token_ids': [1]}\n")
+    graph = tmp_path / "g.yaml"
+    graph.write_text(
+        f"name: g\nmodels: {{m: {{path: {tiny_model}}}}}\n"
+        "components:\n  backend: {kind: worker, model: m, engine: 'pytok:engine.py'}\n"
+    )
+    built = build(graph, env={})
+    (backend,) = built.plan.processes
+    assert f"out=pytok:{tmp_path / 'engine.py'}" in backend.argv
+    done = run_cli(["validate", "--preflight", str(graph)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "engine.py").unlink()
+    done = run_cli(["validate", "--preflight", str(graph)])
+    assert done.returncode == 2
+    assert f"components.backend.engine: {tmp_path / 'engine.py'} does not exist" in done.stderr
+    assert "pytok:" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_relative_dyngraph_model_is_taken_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    template_graph = REPO / "graphs" / "examples" / "agg-from-template.yaml"
+    loaded = load_graph(template_graph, env={"DYNGRAPH_MODEL": "models/mine"})
+    assert loaded.data["models"]["llm"]["path"] == str(tmp_path / "models" / "mine")
+    # A hub id stays one; the default (written in the template) stays as written.
+    loaded = load_graph(template_graph, env={"DYNGRAPH_MODEL": "org/model"})
+    assert loaded.data["models"]["llm"]["path"] == "org/model"
+    assert load_graph(template_graph, env={}).data["models"]["llm"]["path"] == "Qwen/Qwen3-0.6B"
+
+
+def test_a_missing_relative_dyngraph_model_suggests_building_it_where_looked_for(tmp_path: Path) -> None:
+    template_graph = REPO / "graphs" / "examples" / "agg-from-template.yaml"
+    done = run_cli(
+        ["validate", "--preflight", str(template_graph)],
+        env={"DYNGRAPH_MODEL": ".cache/tiny-model"},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    wanted = tmp_path / ".cache" / "tiny-model"
+    assert f"models.llm.path: {wanted} does not exist; build the tiny test model there with " in done.stderr
+    assert f"`dyngraph dev tiny-model {wanted}`" in done.stderr
+    assert "make tiny-model" not in done.stderr  # make builds the checkout's, not this one
+    assert "Traceback" not in done.stderr
