@@ -20,15 +20,23 @@ $(BIN)/dyngraph: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,tracing,mistralrs,plot]'
 	touch $@
 
+# `dyngraph` lives in the venv: said after every set-up, since a new shell will not find it.
 setup: $(BIN)/dyngraph
+	@echo "dyngraph is installed in $(CURDIR)/$(BIN); to use it from a new shell:"
+	@echo "  source $(CURDIR)/$(BIN)/activate     (or: export PATH=\"$(CURDIR)/$(BIN):\$$PATH\")"
 
 $(MODEL_DIR)/tokenizer.json: | $(BIN)/dyngraph
 	$(BIN)/dyngraph dev tiny-model $(MODEL_DIR)
 
 tiny-model: $(MODEL_DIR)/tokenizer.json
 
+# Exit 2 is a problem with the graph or this machine (the message names it); a taken port is the
+# usual one here, so the make variable that moves it is named too.
 run: setup $(MODEL_DIR)/tokenizer.json
-	$(BIN)/dyngraph up graphs/hello.yaml components.frontend.http.port=$(HTTP_PORT)
+	@echo "serving graphs/hello.yaml on http://127.0.0.1:$(HTTP_PORT)/v1 (another port: make run HTTP_PORT=8081)"
+	@$(BIN)/dyngraph up graphs/hello.yaml components.frontend.http.port=$(HTTP_PORT) || { code=$$?; \
+	  [ $$code -ne 2 ] || echo "make run: if port $(HTTP_PORT) is taken, serve on another: make run HTTP_PORT=8081"; \
+	  exit $$code; }
 
 # llama-cpp-python compiles for minutes from source (portable build, as the shared wheel was
 # made); where the shared prebuilt wheel is present, pip takes it instead and skips the compile.
@@ -40,8 +48,11 @@ install_llamacpp = if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1;
 	  else echo "no prebuilt llama-cpp-python wheel in $(LLAMA_WHEELS): compiling it (several minutes)"; \
 	    CMAKE_ARGS="-DGGML_NATIVE=OFF" $(1)/pip install -q 'llama-cpp-python==0.3.36' 'diskcache>=5.6.1'; fi
 
+# The `llamacpp` extra of pyproject.toml, installed the fast way (dyngraph is not on PyPI, so
+# `pip install 'dyngraph[llamacpp]'` finds nothing; from a checkout: pip install -e '.[llamacpp]').
 llamacpp: setup
 	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { $(call install_llamacpp,$(BIN)); }
+	@echo "engine llamacpp ready in $(BIN) (llama-cpp-python $$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)'))"
 
 # etcd and nats-server back the distributed tests; openssh-server (+ iproute2 for `ip netns`) the
 # remote-host tests, which run sshd in network namespaces; slurm-wlm + munge the Slurm tests, which

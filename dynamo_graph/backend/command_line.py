@@ -167,7 +167,7 @@ command would fail the same way, so a supervisor does not restart it (graph/targ
 
 def fail(message: str) -> int:
     """Print an error as the CLI does; returns CONFIG_EXIT. The message is plain text:
-    `pip install 'dyngraph[vllm]'` must not be read as rich markup."""
+    `pip install -e '.[vllm]'` must not be read as rich markup."""
     from rich.console import Console
     from rich.markup import escape
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from dynamo_graph.bench.measure import Measured
 
 FORMATS = ("png", "svg")
-EXTRA_HINT = "install the plotting extra: pip install 'dyngraph[plot]' (matplotlib)"
+EXTRA_HINT = "install the plotting extra: pip install -e '.[plot]' in dyngraph's checkout (matplotlib)"
 
 
 class PlotsUnavailable(RuntimeError):

@@ -72,7 +72,9 @@ def _register_run_command() -> None:
         "run",
         context_settings={"allow_interspersed_args": True},
         help="Run a model in one process: "
-        "dyngraph run in=http|text|stdin|batch:FILE|none out=ENGINE [MODEL].",
+        "dyngraph run in=http|text|stdin|batch:FILE|none out=ENGINE [MODEL]. "
+        "Exit code 2: its settings, model, engine or port cannot be used (the message says which; "
+        "run again, it fails the same way); 130: interrupted.",
     )(run_command)
 
 

@@ -44,6 +44,8 @@ class EngineSpec:
     lora: bool = False
     # The request features its card advertises (LOGPROBS, GUIDED): the frontend refuses others.
     capabilities: tuple[str, ...] = ()
+    # `make <target>` in the checkout installs its package into dyngraph's venv the fast way.
+    make_target: str | None = None
 
     @property
     def needs_model(self) -> bool:
@@ -51,8 +53,19 @@ class EngineSpec:
 
     @property
     def extra(self) -> str | None:
-        """The dyngraph extra to install: `pip install 'dyngraph[<extra>]'`."""
+        """The dyngraph extra that installs its package (pyproject.toml)."""
         return self.name if self.package is not None else None
+
+    @property
+    def install(self) -> str | None:
+        """How to install its package: dyngraph is installed from its checkout (it is not on
+        PyPI, where `pip install 'dyngraph[extra]'` finds nothing), and so are its extras."""
+        if self.extra is None:
+            return None
+        pip = f"pip install -e '.[{self.extra}]'"
+        if self.make_target:
+            return f"`make {self.make_target}` in dyngraph's checkout (the `{self.extra}` extra: {pip} there)"
+        return f"{pip} in dyngraph's checkout"
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -103,6 +116,7 @@ ENGINES: dict[str, EngineSpec] = {
             kv_transfer=True,
             lora=True,
             capabilities=(LOGPROBS, "guided_json", "guided_choice", "guided_grammar"),
+            make_target="llamacpp",
         ),
         EngineSpec(
             "mistralrs",

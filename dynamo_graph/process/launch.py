@@ -6,6 +6,7 @@ This is where model resolution, the engine and pre/post-processing meet for one 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -173,6 +174,11 @@ async def _serve_http(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmi
     try:
         sockets = listen(cfg.http.host, cfg.http.port)
     except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise RunConfigError(
+                f"port {cfg.http.port} on {cfg.http.host} is already in use: stop what listens there, "
+                "or serve on another port with --http-port PORT"
+            ) from None
         raise RunConfigError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err}") from None
     # In-flight requests get DYN_SHUTDOWN_GRACE_S, as a worker's do, on SIGTERM.
     server = make_server(app, grace_s=shutdown_grace_from_env(SHUTDOWN_GRACE_S), tls=cfg.http_tls)

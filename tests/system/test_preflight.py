@@ -74,7 +74,7 @@ def test_missing_model_names_its_key_and_how_to_build_the_tiny_model(
     assert elapsed < FAST_S
     line = _line_of(file, "path:")
     assert f"{file}:{line}: models.tiny-model.path: {missing} does not exist" in done.stderr
-    assert f"`make run`, or `dyngraph dev tiny-model {missing}`" in done.stderr
+    assert f"build the tiny test model there with `dyngraph dev tiny-model {missing}`" in done.stderr
     _assert_nothing_started(file)
 
 
@@ -104,7 +104,7 @@ def test_engine_without_its_extra(tmp_path: Path, tiny_model: Path, up_args: lis
     assert (
         f"{file}:{line}: components.sg.engine: engine sglang needs the Python package 'sglang'" in done.stderr
     )
-    assert "pip install 'dyngraph[sglang]'" in done.stderr
+    assert "pip install -e '.[sglang]' in dyngraph's checkout" in done.stderr
     _assert_nothing_started(file)
 
 

@@ -3,15 +3,21 @@ message, the exit code, and no traceback."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dynamo_graph.engines.llamacpp.args import INSTALL_HINT as LLAMACPP_HINT
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.load import load_graph
-from tests.support.processes import run_cli
+from tests.support.processes import DYNGRAPH, free_port, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 HELLO = REPO / "graphs" / "hello.yaml"
@@ -125,3 +131,79 @@ def test_a_missing_relative_dyngraph_model_suggests_building_it_where_looked_for
     assert f"`dyngraph dev tiny-model {wanted}`" in done.stderr
     assert "make tiny-model" not in done.stderr  # make builds the checkout's, not this one
     assert "Traceback" not in done.stderr
+
+
+# ---- 1: a remote host without ssh.user -------------------------------------------------------
+
+
+def test_multi_host_template_without_an_ssh_user_names_the_unreachable_host() -> None:
+    port = free_port()  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if k != "DYNGRAPH_SSH_USER"}
+    overrides = ["hosts.gpu1.ssh.address=127.0.0.1", f"hosts.gpu1.ssh.port={port}"]
+    for command in (["up", "--dry-run"], ["validate", "--preflight"]):
+        done = subprocess.run(
+            [*DYNGRAPH, *command, str(REPO / "graphs" / "templates" / "multi-host.yaml"), *overrides],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"hosts.gpu1.ssh.address: host 'gpu1' (127.0.0.1:{port}): unreachable" in done.stderr
+        assert "Traceback" not in done.stdout + done.stderr
+
+
+# ---- 2 and 7: a busy port, and dyngraph on the PATH -------------------------------------------
+
+
+def test_run_on_a_busy_port_says_so_in_one_line_with_the_flag(tiny_model: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_cli(["run", "in=http", "out=echo_core", str(tiny_model), "--http-port", str(port)])
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"error: port {port} on 127.0.0.1 is already in use: stop what listens there, "
+        "or serve on another port with --http-port PORT"
+    )
+    assert "serving" not in done.stdout
+
+
+def test_up_on_a_busy_port_names_the_override(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_cli(["validate", "--preflight", str(HELLO), f"components.frontend.http.port={port}"])
+    assert done.returncode == 2
+    assert (
+        f"components.frontend.http.port: port {port} is already taken on host 'local': stop what listens "
+        "there, or give another on the command line: components.frontend.http.port=PORT"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_make_run_names_the_path_and_the_port_variable() -> None:
+    """`make -n` prints what `make run` would do without doing it (or installing anything)."""
+    done = subprocess.run(
+        ["make", "-n", "run", "HTTP_PORT=18555"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "/.venv/bin/activate" in done.stdout  # how to get `dyngraph` on the PATH of a new shell
+    assert "components.frontend.http.port=18555" in done.stdout
+    assert "make run HTTP_PORT=8081" in done.stdout
+
+
+# ---- 3: installing an engine's extra -----------------------------------------------------------
+
+
+def test_the_llamacpp_extra_is_the_one_make_installs_and_messages_name_both() -> None:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pinned,) = [r for r in extras["llamacpp"] if r.startswith("llama-cpp-python")]
+    assert f"'{pinned}'" in (REPO / "Makefile").read_text()
+    hint = ENGINES["llamacpp"].install
+    assert hint is not None and "`make llamacpp`" in hint and "pip install -e '.[llamacpp]'" in hint
+    assert "make llamacpp" in LLAMACPP_HINT
+    for spec in ENGINES.values():  # dyngraph is not on PyPI: `pip install 'dyngraph[x]'` finds nothing
+        assert spec.install is None or "dyngraph[" not in spec.install

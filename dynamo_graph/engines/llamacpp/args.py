@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph.backend.settings import RunConfigError
+from dynamo_graph.engines.registry import ENGINES
 
 if TYPE_CHECKING:
     from dynamo_graph.backend.settings import EngineSettings
     from dynamo_graph.llm.model_source import LocalModel
 
 SOURCE = "--extra-engine-args"
-INSTALL_HINT = "engine 'llamacpp' needs llama-cpp-python: pip install 'dyngraph[llamacpp]'"
+INSTALL_HINT = f"engine 'llamacpp' needs llama-cpp-python: {ENGINES['llamacpp'].install}"
 RANDOM_SEED = 4294967295  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed per sampler
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 

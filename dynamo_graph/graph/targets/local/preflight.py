@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph import __version__
-from dynamo_graph.engines.registry import engine_file
+from dynamo_graph.engines.registry import ENGINES, engine_file
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
@@ -170,8 +170,7 @@ def _found(
             yield Problem(
                 key,
                 f"{where}engine {engine} needs the Python package {package!r}, which {python} cannot "
-                f"import{there}: install dyngraph's `{engine}` extra for it "
-                f"(pip install 'dyngraph[{engine}]')",
+                f"import{there}: install it with {ENGINES[engine].install}",
             )
     for name in found.get("env_unset", []):
         yield Problem(
@@ -189,7 +188,11 @@ def _found(
             f"{gpus}" + (f" ({note})" if note else ""),
         )
     for _, port in found["taken"]:
-        yield Problem(need.ports[port], f"port {port} is already taken on host {host!r}")
+        yield Problem(
+            need.ports[port],
+            f"port {port} is already taken on host {host!r}: stop what listens there, or give "
+            f"another on the command line: {need.ports[port]}=PORT",
+        )
 
 
 def _probe_problems(graph: Graph, host: str, python: str, need: _HostNeeds, out: str) -> Iterator[Problem]:
