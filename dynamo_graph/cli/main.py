@@ -142,8 +142,11 @@ def import_command(
     dgd_file: Annotated[Path, typer.Argument(help="a DynamoGraphDeployment YAML file")],
     output: Annotated[Path, typer.Option("--output", "-o", help="the graph file to write")],
 ) -> None:
+    import shlex
+
     from dynamo_graph.graph.errors import GraphError
-    from dynamo_graph.graph.targets.k8s.dgd_import import DgdError, import_dgd_file
+    from dynamo_graph.graph.paths import CHECKOUT_TINY_MODEL
+    from dynamo_graph.graph.targets.k8s.dgd_import import DgdError, import_dgd_file, mocker_overrides
 
     try:
         imported = import_dgd_file(dgd_file, output)
@@ -154,6 +157,15 @@ def import_command(
     for note in imported.notes:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     err.print(f"{output}: graph {imported.name!r} from {dgd_file}", highlight=False)
+    # Its engines want GPUs and packages a laptop lacks; the mocker on the tiny model needs neither.
+    overrides = " ".join(shlex.quote(o) for o in mocker_overrides(imported.graph, str(CHECKOUT_TINY_MODEL)))
+    build_it = "" if CHECKOUT_TINY_MODEL.is_dir() else " (after `make tiny-model` in dyngraph's checkout)"
+    err.print(
+        f"to run it on this machine without GPUs, on the mocker{build_it}:\n"
+        f"  dyngraph up {shlex.quote(str(output))} {overrides}",
+        highlight=False,
+        markup=False,
+    )
 
 
 def _target_exit(command: Callable[[], int]) -> typer.Exit:
@@ -186,10 +198,10 @@ def up_command(
         console = Console(soft_wrap=True)
 
         def built() -> Built:
-            from dynamo_graph.graph.validate import tls_warnings
+            from dynamo_graph.graph.validate import gpu_warnings, tls_warnings
 
             result = _build_or_exit(graph_file, overrides)
-            for warning in tls_warnings(result.graph):
+            for warning in [*tls_warnings(result.graph), *gpu_warnings(result.graph)]:
                 Console(stderr=True).print(f"[yellow]warning:[/] {warning}", highlight=False)
             return result
 

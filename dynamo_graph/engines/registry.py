@@ -46,6 +46,9 @@ class EngineSpec:
     capabilities: tuple[str, ...] = ()
     # `make <target>` in the checkout installs its package into dyngraph's venv the fast way.
     make_target: str | None = None
+    # Computes on the GPUs it is given; the echo engines and the mocker only pretend, so a host
+    # without them can run a graph of them that asks for GPUs (an imported Dynamo deployment).
+    uses_gpus: bool = True
 
     @property
     def needs_model(self) -> bool:
@@ -76,18 +79,21 @@ ENGINES: dict[str, EngineSpec] = {
             "dynamo_graph.engines.echo:EchoCoreEngine",
             "tokens",
             "streams the pre-processed prompt's token ids back (shows the chat template)",
+            uses_gpus=False,
         ),
         EngineSpec(
             "echo_full",
             "dynamo_graph.engines.echo:EchoFullEngine",
             "text",
             "streams the un-processed prompt text back",
+            uses_gpus=False,
         ),
         EngineSpec(
             "mocker",
             "dynamo_graph.engines.mocker.engine:MockerEngine",
             "tokens",
             "simulates a vLLM worker: scheduling, prefix cache, KV events (no GPU)",
+            uses_gpus=False,
             embedding_target="dynamo_graph.engines.mocker.embed:MockerEmbeddingEngine",
             kv_events=True,
             kv_transfer=True,
@@ -192,6 +198,7 @@ DEFAULT_ENGINE_ORDER = ("mistralrs", "llamacpp", "vllm")
 ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.package is not None}
 
 # The capability tables the graph layer reads (graph/schema.py, graph/validate.py).
+GPU_FREE_ENGINES = frozenset(name for name, spec in ENGINES.items() if not spec.uses_gpus)
 KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
 KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
 KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}

@@ -22,6 +22,7 @@ from pydantic_core import ErrorDetails
 
 from dynamo_graph.engines.registry import (
     DECODE_ONLY_ENGINES,
+    GPU_FREE_ENGINES,
     KV_CONNECTOR_ENGINES,
     KV_EVENT_ENGINES,
     KV_TRANSFER_ENGINES,
@@ -727,6 +728,18 @@ def tls_warnings(graph: Graph) -> list[str]:
     return [
         f"security.tls is off and the graph spans hosts ({', '.join([LOCAL, *remote])}): prompts, "
         "tokens and KV events cross the network unencrypted"
+    ]
+
+
+def gpu_warnings(graph: Graph) -> list[str]:
+    """What `up` warns about: workers that ask for GPUs on an engine that uses none (the mocker,
+    the echo engines: an imported deployment run on a laptop). Their GPUs are still handed out,
+    but preflight does not require them on the host."""
+    return [
+        f"components.{key}.gpus: engine {worker.engine} uses no GPUs; the {worker.gpus.per_replica} "
+        "per replica it asks for need not exist on its host"
+        for key, worker in graph.workers().items()
+        if worker.engine in GPU_FREE_ENGINES and worker.gpus.per_replica
     ]
 
 

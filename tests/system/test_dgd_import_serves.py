@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.dgd import DGD_FILES, dgd_id, mocker_overrides
+from dynamo_graph.graph.targets.k8s.dgd_import import mocker_overrides
+from tests.support.dgd import DGD_FILES, dgd_id
 from tests.support.processes import run_cli
 
 DEFAULT = {"examples/sglang-disagg.yaml", "upstream/examples/backends/trtllm/deploy/agg_router.yaml"}
@@ -36,7 +37,7 @@ def test_imported_dgd_passes_dyngraph_test(dgd: Path, tmp_path: Path, tiny_model
     # The name Dynamo would serve the model under.
     assert len({m.get("name") for m in graph["models"].values()}) == 1
     junit = tmp_path / "junit.xml"
-    options = [a for o in mocker_overrides(graph, tiny_model) for a in ("-o", o)]
+    options = [a for o in mocker_overrides(graph, str(tiny_model)) for a in ("-o", o)]
     tested = run_cli(["test", str(graph_file), "--junit", str(junit), *options], timeout=240)
     assert tested.returncode == 0, tested.stdout + tested.stderr
     cases = list(ET.parse(junit).getroot().iter("testcase"))

@@ -21,10 +21,11 @@ from dynamo_graph.graph.targets.k8s.dgd_import import (
     command_line,
     import_dgd,
     import_dgd_file,
+    mocker_overrides,
     parse_flags,
 )
 from dynamo_graph.graph.targets.k8s.dynamo_k8s import ROLE_FLAGS, build_dgd, render_dynamo_k8s
-from tests.support.dgd import DGD_FILES, EXAMPLES, UPSTREAM, dgd_id, mocker_overrides
+from tests.support.dgd import DGD_FILES, EXAMPLES, UPSTREAM, dgd_id
 from tests.support.kube_schemas import dgd_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,7 +266,7 @@ def test_imported_deployments_compile_on_the_mocker_with_the_tiny_model(
     out = tmp_path / "graph.yaml"
     imported = import_dgd_file(dgd, out)
     graph = yaml.safe_load(out.read_text())
-    built = build(out, mocker_overrides(graph, tiny_model))  # our engines: the mocker hands KV over
+    built = build(out, mocker_overrides(graph, str(tiny_model)))  # our engines: the mocker hands KV over
     workers = [p for p in built.plan.processes if p.argv[3] == "out=mocker"]
     assert len(workers) == sum(c.get("replicas", 1) for c in graph["components"].values() if "engine" in c)
     assert all(str(tiny_model) in p.argv for p in workers)

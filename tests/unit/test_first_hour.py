@@ -4,6 +4,7 @@ message, the exit code, and no traceback."""
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import tomllib
@@ -17,6 +18,8 @@ from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.load import load_graph
+from dynamo_graph.graph.paths import CHECKOUT_TINY_MODEL
+from dynamo_graph.graph.validate import gpu_warnings
 from tests.support.processes import DYNGRAPH, free_port, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,3 +210,48 @@ def test_the_llamacpp_extra_is_the_one_make_installs_and_messages_name_both() ->
     assert "make llamacpp" in LLAMACPP_HINT
     for spec in ENGINES.values():  # dyngraph is not on PyPI: `pip install 'dyngraph[x]'` finds nothing
         assert spec.install is None or "dyngraph[" not in spec.install
+
+
+# ---- 4: a Dynamo deployment imported and run on a machine without GPUs -------------------------
+
+VLLM_DISAGG = REPO / "tests" / "fixtures" / "dynamo" / "examples" / "vllm-disagg.yaml"
+
+
+def test_import_prints_the_command_that_runs_it_here_and_it_passes_preflight(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    graph = tmp_path / "graph.yaml"
+    done = run_cli(["import", str(VLLM_DISAGG), "-o", str(graph)])
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    at = lines.index("to run it on this machine without GPUs, on the mocker:")
+    command = shlex.split(lines[at + 1])
+    assert command[:3] == ["dyngraph", "up", str(graph)]
+    assert "components.VllmPrefillWorker.engine=mocker" in command  # every worker, not only decode
+    assert f"models.Qwen3-0-6B.path={CHECKOUT_TINY_MODEL}" in command  # absolute: no cwd to guess
+    overrides = [o.replace(str(CHECKOUT_TINY_MODEL), str(tiny_model)) for o in command[3:]]  # built here
+    checked = run_cli(["validate", "--preflight", str(graph), *overrides])
+    assert checked.returncode == 0, checked.stderr
+    assert "Traceback" not in done.stderr + checked.stderr
+
+
+def test_mocker_workers_that_ask_for_gpus_pass_preflight_on_a_host_without_them(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The shorter recipe, engines swapped but GPU requests kept: a warning, not a refusal."""
+    graph = tmp_path / "graph.yaml"
+    assert run_cli(["import", str(VLLM_DISAGG), "-o", str(graph)]).returncode == 0
+    overrides = [
+        f"models.Qwen3-0-6B.path={tiny_model}",
+        "components.VllmDecodeWorker.engine=mocker",
+        "components.VllmPrefillWorker.engine=mocker",
+    ]
+    checked = run_cli(["validate", "--preflight", str(graph), *overrides])
+    assert checked.returncode == 0, checked.stderr
+    assert "GPU" not in checked.stderr
+    warnings = gpu_warnings(build(graph, overrides, env={}).graph)
+    assert warnings == [
+        f"components.{key}.gpus: engine mocker uses no GPUs; the 1 per replica it asks for need not "
+        "exist on its host"
+        for key in ("VllmDecodeWorker", "VllmPrefillWorker")
+    ]

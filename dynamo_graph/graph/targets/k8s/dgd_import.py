@@ -117,6 +117,19 @@ def import_dgd_file(source: Path, output: Path) -> Imported:
     return imported
 
 
+def mocker_overrides(graph: dict[str, Any], model: str) -> list[str]:
+    """The overrides that run an imported graph on a machine without GPUs or Dynamo's engines:
+    every worker on the mocker (its engine args, for the real engine, dropped; no GPUs) serving
+    `model` (a local folder) instead."""
+    overrides = [f"models.{key}.path={model}" for key in graph["models"]]
+    for key, comp in graph["components"].items():
+        if comp["kind"] != "worker":
+            continue
+        overrides.append(f"components.{key}.engine=mocker")
+        overrides += [f"~components.{key}.{field}" for field in ("engine_args", "gpus") if field in comp]
+    return overrides
+
+
 def import_dgd(doc: Any, files: Path | None = None) -> Imported:
     """The graph of a DGD; `files`: where the container paths it names (engine config files) are
     looked for, in it or a folder above it (None: nowhere)."""

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_graph import __version__
-from dynamo_graph.engines.registry import ENGINES, engine_file
+from dynamo_graph.engines.registry import ENGINES, GPU_FREE_ENGINES, engine_file
 from dynamo_graph.graph.errors import GraphError, Problem
+from dynamo_graph.graph.paths import CHECKOUT_TINY_MODEL, TINY_MODEL_DIR
 from dynamo_graph.graph.plan import Plan, ProcessSpec
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 from dynamo_graph.graph.targets.local.remote import agent
@@ -46,8 +47,6 @@ if TYPE_CHECKING:  # ssh.py (and asyncssh) load only for a plan with remote host
 MIN_PYTHON = (3, 11)
 ANY_ADDRESS = "0.0.0.0"  # a port held on any interface cannot be bound here
 LOCAL_PROBE_TIMEOUT_S = 30.0
-TINY_MODEL_DIR = "tiny-model"  # the folder name `make run` and the shipped graphs give the tiny test model
-MAKE_TINY_MODEL = Path(__file__).resolve().parents[4] / ".cache" / TINY_MODEL_DIR  # where `make` builds it
 
 
 @dataclass
@@ -122,7 +121,8 @@ def _needs(graph: Graph, plan: Plan, check_ports: bool) -> dict[str, _HostNeeds]
             need.workdir = spec.workdir
         if graph.host(spec.host).workdir:
             need.paths.setdefault(spec.workdir, f"hosts.{spec.host}.workdir")
-        if devices := spec.env.get("CUDA_VISIBLE_DEVICES"):
+        pretends = isinstance(comp, Worker) and comp.engine in GPU_FREE_ENGINES  # validate.gpu_warnings
+        if (devices := spec.env.get("CUDA_VISIBLE_DEVICES")) and not pretends:
             need.gpus = max(need.gpus, 1 + max(int(d) for d in devices.split(",")))
             need.gpu_users.append(spec.name)
     if check_ports:
@@ -160,7 +160,7 @@ def _found(
         hint = ""
         if not remote and why == "does not exist" and Path(path).name == TINY_MODEL_DIR:
             hint = f"; build the tiny test model there with `dyngraph dev tiny-model {path}`"
-            if Path(path) == MAKE_TINY_MODEL:
+            if Path(path) == CHECKOUT_TINY_MODEL:
                 hint += " (or `make tiny-model` in the checkout)"
         yield Problem(need.models[path][0], f"{where}{path} {why}{there}{hint}")
     for repo, why in found.get("hubs", {}).items():
