@@ -185,10 +185,11 @@ class Rollout:
         try:
             while waiting:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                failed = [waiting[p] for p in done if not p.result()]
                 for proven in done:
-                    runner = waiting.pop(proven)
-                    if not proven.result():
-                        raise RolloutFailed(self._why(runner))
+                    del waiting[proven]
+                if failed:  # the one that failed itself, not a dependent that ended with it
+                    raise RolloutFailed(self._why(min(failed, key=lambda r: r.blocked_by is not None)))
         finally:
             for proven in waiting:
                 proven.cancel()

@@ -70,6 +70,7 @@ class Runner:
         self.record = ProcessRecord(spec.name, spec.component, spec.replica, spec.host, revision=revision)
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
+        self.blocked_by: str | None = None  # the dependency that gave up, so this never started
         self.proc: LocalProcess | RemoteProcess | None = None
         self._start: asyncio.Future[None] | None = None
         self._task = asyncio.create_task(self._run(), name=f"runner {spec.name}")
@@ -85,6 +86,7 @@ class Runner:
         while True:
             gave_up = await self._wait_dependencies()
             if gave_up is not None:
+                self.blocked_by = gave_up
                 self._set(state="failed", pid=None, message=f"dependency {gave_up} failed")
                 self.sup.report(self.spec.name, f"not started: its dependency {gave_up} failed")
                 return
