@@ -457,7 +457,8 @@ def test_a_folder_without_gguf_is_refused(tiny_model: Path, tmp_path: Path) -> N
 
 def test_missing_llama_cpp_says_how_to_install(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
-    with pytest.raises(RunConfigError, match=r"pip install 'dyngraph\[llamacpp\]'") as err:
+    hint = r"`make llamacpp` in dyngraph's checkout .*pip install -e '\.\[llamacpp\]'"
+    with pytest.raises(RunConfigError, match=hint) as err:
         create_engine("llamacpp", EngineSettings(), resolve_model(str(tiny_model)))
     assert str(err.value).startswith(INSTALL_HINT)
 

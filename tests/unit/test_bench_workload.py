@@ -143,7 +143,7 @@ def test_sweep_variants_are_the_cartesian_product() -> None:
 
 def test_plots_without_matplotlib_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
-    with pytest.raises(plots.PlotsUnavailable, match=r"dyngraph\[plot\]"):
+    with pytest.raises(plots.PlotsUnavailable, match=r"pip install -e '\.\[plot\]'"):
         plots.pyplot()
 
 
