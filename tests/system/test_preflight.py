@@ -183,14 +183,15 @@ NO_DRIVER = "echo 'NVIDIA-SMI has failed because it could not communicate with t
 @pytest.mark.parametrize(("smi", "has"), [(ONE_GPU, "has 1"), (NO_DRIVER, "has 0 (nvidia-smi failed")])
 def test_gpus_the_placement_needs(tmp_path: Path, tiny_model: Path, smi: str, has: str) -> None:
     """`hosts.local.gpus: 2` is what the graph says, not what the machine has: two replicas of one
-    GPU each need GPUs 0 and 1."""
+    GPU each need GPUs 0 and 1. (A Python engine file: the mocker's GPUs are not required.)"""
+    (tmp_path / "gpu.py").write_text("# an engine that would compute on its GPUs; never started here\n")
     file = _write_graph(
         tmp_path,
         tiny_model,
         gpu={
             "kind": "worker",
             "model": "tiny-model",
-            "engine": "mocker",
+            "engine": "gpu.py",
             "replicas": 2,
             "gpus": {"per_replica": 1},
         },
