@@ -540,10 +540,10 @@ def test_preflight_reports_every_host_problem_and_starts_nothing(
                 "replicas": 5,
                 "placement": ["h5", "h6", "h7", "h8", "h9"],
             },
-            "components.gpu-worker": {
+            "components.gpu-worker": {  # an engine that computes on GPUs (the echo ones need none)
                 "kind": "worker",
                 "model": "elsewhere",
-                "engine": "echo_core",
+                "engine": "mistralrs",
                 "placement": ["h1"],
                 "gpus": {"per_replica": 1},
             },
