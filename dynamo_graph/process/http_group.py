@@ -3,8 +3,9 @@
 The process given the flag serves nothing itself: it starts N copies of its own command line,
 each a member of one group (`DYN_FRONTEND_GROUP`), so each binds the port beside the others
 (SO_REUSEPORT) and answers /metrics for all of them (frontend/group.py). One that exits is
-started again after a backoff while the others serve; one that keeps exiting at once (a taken
-port, a bad flag) stops the group. SIGINT or SIGTERM is passed on as SIGTERM, and the group
+started again after a backoff while the others serve; one that keeps exiting at once stops the
+group, and one that exits with CONFIG_EXIT (a taken port, a bad flag: a restart would fail the
+same way) stops it at once, with that code. SIGINT or SIGTERM is passed on as SIGTERM, and the group
 exits once every process finished its streams (each has its own grace, DYN_SHUTDOWN_GRACE_S);
 if it is killed outright, its processes get SIGTERM from the kernel (Linux's parent-death signal).
 
@@ -24,6 +25,7 @@ import sys
 
 from rich.console import Console
 
+from dynamo_graph.backend.command_line import CONFIG_EXIT
 from dynamo_graph.frontend.settings import GROUP_ENV
 from dynamo_graph.process.run_config import RunConfig
 
@@ -69,6 +71,9 @@ class _Group:
             code = await proc.wait()
             if self.stopping.is_set():
                 return code
+            if code == CONFIG_EXIT:  # it said why on stderr
+                self.stopping.set()
+                return code
             ran = loop.time() - started
             soon = soon + 1 if ran < SOON_S else 0
             backoff = backoff if soon else BACKOFF_S
@@ -111,7 +116,7 @@ class _Group:
 def run_group(cfg: RunConfig) -> int:
     """Serve `cfg`'s frontend as `cfg.http.processes` processes on its port (see the module docstring)."""
     console.print(
-        f"[bold green]dyngraph[/] {cfg.http.processes} frontend processes on "
+        f"[bold green]dyngraph[/] starting {cfg.http.processes} frontend processes on "
         f"http://{cfg.http.host}:{cfg.http.port} (one that exits is restarted)"
     )
     return asyncio.run(_Group(cfg).run())

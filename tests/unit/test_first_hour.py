@@ -7,6 +7,7 @@ import os
 import shlex
 import socket
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -171,6 +172,20 @@ def test_run_on_a_busy_port_says_so_in_one_line_with_the_flag(tiny_model: Path) 
         "or serve on another port with --http-port PORT"
     )
     assert "serving" not in done.stdout
+
+
+def test_a_frontend_group_on_a_busy_port_stops_at_once() -> None:
+    """--http-processes: the group does not restart a process that cannot have the port."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        done = run_cli(["run", "in=http", "out=auto", "--http-port", str(port), "--http-processes", "2"])
+    assert done.returncode == 2
+    assert f"error: port {port} on 127.0.0.1 is already in use" in done.stderr
+    assert "restarting" not in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 20
 
 
 def test_up_on_a_busy_port_names_the_override(tmp_path: Path) -> None:
