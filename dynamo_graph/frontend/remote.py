@@ -67,7 +67,14 @@ def send_tokens(
         response_type=LLMEngineOutput,
         exclude=exclude,
         on_pick=on_pick,
+        units_sent=len(request.token_ids),
+        units_of=_tokens_of,
     )
+
+
+def _tokens_of(output: LLMEngineOutput) -> int:
+    """The work one response of a worker carries, for the autoscaler: its tokens."""
+    return len(output.token_ids)
 
 
 class RemoteTokensBackend:

@@ -584,6 +584,7 @@ class _Compiler:
                 itl_p90_ms=scale.target.itl_p90_ms,
                 interval_s=scale.interval_s,
                 scale_down_delay_s=scale.scale_down_delay_s,
+                role=worker.role,
             )
         return policies
 

@@ -57,6 +57,7 @@ class AutoscalePolicy(msgspec.Struct, frozen=True):
     itl_p90_ms: float | None
     interval_s: float
     scale_down_delay_s: float
+    role: str = "agg"  # the worker's: a prefill pool is sized by prompt tokens, decode by output
 
 
 class TlsPlan(msgspec.Struct, frozen=True):

@@ -307,6 +307,8 @@ class Client:
         timeout_s: float | None = None,
         exclude: set[int] | None = None,
         on_pick: PickHook | None = None,
+        units_sent: int = 0,
+        units_of: Callable[[Any], int] | None = None,
     ) -> AsyncIterator[Any]:
         """Send `request` to one instance (the picker's choice among those not in `exclude`, or
         `instance_id`) and stream its responses; `on_pick` hears each choice the picker makes.
@@ -318,7 +320,9 @@ class Client:
         Overloaded is raised (503). A stream that breaks midway raises StreamBroken:
         resuming it is request migration's job. Errors raised from an instance's stream carry
         its id as `err.instance_id`; one that broke, or whose engine is shutting down, leaves
-        routing for DOWN_COOLOFF_S (or until discovery announces it again)."""
+        routing for DOWN_COOLOFF_S (or until discovery announces it again). `units_sent` and
+        `units_of(response)` are the work the request and each response carry, summed per
+        instance in its AnswerStats (an autoscaler sizes pools by them)."""
         decode = _decoder(response_type)
         payload = _encode(request)
         ctx = context or Context()
@@ -345,6 +349,7 @@ class Client:
             if answers is None:
                 answers = self.answers[target] = AnswerStats()
             answers.requests += 1
+            answers.request_units += units_sent
             sent_at = last_at = now()
             call = tracing.span(called_as, ctx, {"instance.id": f"{target:x}"}, kind="client")
             stream = self.runtime.client_for(record.transport).stream(
@@ -360,7 +365,10 @@ class Client:
                         started = True
                         answers.first_response(at - sent_at)
                     last_at = at
-                    yield decode(item)
+                    response = decode(item)
+                    if units_of is not None:
+                        answers.response_units += units_of(response)
+                    yield response
                 seen[target] = now()
                 return
             except CannotConnect as err:

@@ -13,6 +13,9 @@ its first response and the time between its later responses, in fixed geometric 
 anyone reading two snapshots can compare groups of instances over the interval between them
 (error rate, percentiles: a canary's judge, the autoscaler's planner) without this room
 knowing what a token is (an engine streaming a token per response makes them TTFT and ITL).
+It also sums the work the caller says each request and response carried (`Client.generate`'s
+`units_sent` and `units_of`: an LLM pool's prompt tokens sent and tokens answered), so a reader
+of two snapshots has the work an instance was given, not only the number of requests.
 """
 
 from __future__ import annotations
@@ -108,11 +111,13 @@ class TrafficSplits:
 class AnswerStats:
     """What one instance's answers looked like, cumulative since the client first sent to it."""
 
-    __slots__ = ("between", "buckets", "errors", "requests")
+    __slots__ = ("between", "buckets", "errors", "request_units", "requests", "response_units")
 
     def __init__(self) -> None:
         self.requests = 0
         self.errors = 0
+        self.request_units = 0  # the caller's measure of the requests' work (prompt tokens)
+        self.response_units = 0  # and of the responses' (tokens answered)
         self.buckets = [0] * (len(FIRST_RESPONSE_BOUNDS_MS) + 1)  # the last one: beyond the bounds
         self.between = [0] * (len(FIRST_RESPONSE_BOUNDS_MS) + 1)  # gaps between later responses
 
@@ -123,10 +128,12 @@ class AnswerStats:
         self.between[bisect.bisect_left(FIRST_RESPONSE_BOUNDS_MS, seconds * 1000.0)] += 1
 
     def report(self) -> dict[str, object]:
-        """`errors` and the non-empty `first_response_ms` and `between_responses_ms` buckets,
-        keyed by upper bound (`inf` last)."""
+        """`errors`, `request_units`, `response_units` and the non-empty `first_response_ms`
+        and `between_responses_ms` buckets, keyed by upper bound (`inf` last)."""
         return {
             "errors": self.errors,
+            "request_units": self.request_units,
+            "response_units": self.response_units,
             "first_response_ms": _nonzero(self.buckets),
             "between_responses_ms": _nonzero(self.between),
         }

@@ -1,8 +1,10 @@
-"""The autoscaler on a disaggregated mocker graph sizes its prefill and decode pools apart: a
-prompt-heavy burst (long unique prompts, two output tokens) grows the prefill pool, which is
-judged by its time to first response, and leaves the decode pool alone; an output-heavy burst
-(short prompts, long answers) grows the decode pool, judged by the time between its tokens,
-and leaves the prefill pool alone. No request is lost through either."""
+"""The autoscaler on a disaggregated mocker graph sizes its prefill and decode pools apart, by
+tokens, at one constant request rate throughout: a prompt-heavy spell (long unique prompts, two
+output tokens) grows the prefill pool, sized by prompt tokens against its time to first
+response, and leaves the decode pool alone; short requests again shrink it back (a planner
+counting requests/s would see the same 12 req/s and keep it); an output-heavy spell (short
+prompts, long answers) grows the decode pool, sized by output tokens against the time between
+its tokens, and leaves the prefill pool alone. No request is lost through any of it."""
 
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ from dynamo_graph.graph.paths import state_dir
 from tests.support.processes import free_port, run_cli
 
 WORDS = ("sea", "ship", "wind", "storm", "harbor", "sail", "wave", "tide", "island", "anchor")
-RATE = 12.0  # requests/s in both bursts
-# (seconds, kind): quiet, the prompt-heavy burst, quiet until the prefill pool is back to one,
-# the output-heavy burst, quiet.
-PHASES = (("quiet", 5.0), ("prompts", 18.0), ("quiet", 12.0), ("outputs", 18.0), ("quiet", 4.0))
+RATE = 12.0  # requests/s throughout
+# (kind, seconds): short requests, the prompt-heavy spell, short ones until the prefill pool is
+# back to one, the output-heavy spell, short ones.
+PHASES = (("short", 5.0), ("prompts", 18.0), ("short", 14.0), ("outputs", 18.0), ("short", 4.0))
 SLOW = 0.25  # the mockers' speedup_ratio: simulated time runs 4x slower, so 12 req/s is a load
 
 
@@ -48,29 +50,27 @@ def _pool(role: str, engine_args: dict, target: dict[str, float]) -> dict:
 
 def _body(kind: str, index: int) -> dict:
     """A prompt-heavy request has ~450 unique prompt tokens (no prefix cache can help) and two
-    output tokens; an output-heavy one a short prompt and 60."""
+    output tokens; an output-heavy one a short prompt and 60; a short one a short prompt and 2."""
     rng = random.Random(index)
     words = 105 if kind == "prompts" else 4
     text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(words))
     return {
         "model": "tiny-model",
         "messages": [{"role": "user", "content": text}],
-        "max_tokens": 2 if kind == "prompts" else 60,
+        "max_tokens": 60 if kind == "outputs" else 2,
         "stream": True,
         "nvext": {"ignore_eos": True},
     }
 
 
 def _load() -> tuple[list[Request], dict[str, tuple[float, float]]]:
-    """The requests, and each burst's (start, end) in seconds from the start."""
+    """The requests, and each spell's (start, end) in seconds from the start (a kind's first)."""
     requests: list[Request] = []
     spans: dict[str, tuple[float, float]] = {}
     start = 0.0
     for kind, seconds in PHASES:
-        rate = RATE if kind != "quiet" else 1.0
-        body_kind = "outputs" if kind == "quiet" else kind
-        for i in range(int(seconds * rate)):
-            requests.append(Request(_body(body_kind, len(requests)), start + i / rate))
+        for i in range(int(seconds * RATE)):
+            requests.append(Request(_body(kind, len(requests)), start + i / RATE))
         spans.setdefault(kind, (start, start + seconds))
         start += seconds
     return requests, spans
@@ -112,7 +112,7 @@ def _most(sampler: ReplicaSampler, started: float, span: tuple[float, float]) ->
 
 
 @pytest.mark.slow  # a minute of load
-def test_prefill_and_decode_pools_grow_each_for_their_own_burst(graph: tuple[Path, int]) -> None:
+def test_prefill_and_decode_pools_follow_their_own_tokens_at_a_constant_request_rate(graph: tuple[Path, int]) -> None:
     file, port = graph
     up = run_cli(["up", "-d", str(file)], timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
@@ -133,4 +133,5 @@ def test_prefill_and_decode_pools_grow_each_for_their_own_burst(graph: tuple[Pat
     assert _most(prefill, started, spans["prompts"]) >= 2, trace
     assert _most(decode, started, spans["prompts"]) == 1, trace
     assert _most(decode, started, spans["outputs"]) >= 2, trace
+    # Back to one before the output-heavy spell, at the same 12 requests/s, and kept there.
     assert _most(prefill, started, spans["outputs"]) == 1, trace

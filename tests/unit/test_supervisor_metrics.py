@@ -21,7 +21,7 @@ def test_the_planners_last_decision_and_changes_are_series(tmp_path: Path) -> No
     sup = Supervisor(state, lambda *_: None)
     planner = Autoscaler(sup)
     planner.decisions["decode"] = Decision(
-        0.0, "decode", 2, 3, 11.5, 250.0, None, 4.0, "why", "capped below 4"
+        0.0, "decode", 2, 3, 11.5, 250.0, None, 4.0, "why", "capped below 4", output_tokens_s=690.0
     )
     planner.changes[("decode", "up")] += 2
     registry = CollectorRegistry(auto_describe=False)
@@ -32,6 +32,7 @@ def test_the_planners_last_decision_and_changes_are_series(tmp_path: Path) -> No
         'dyngraph_autoscale_ready_replicas{pool="decode"} 2.0',
         'dyngraph_autoscale_arrival_rate{pool="decode"} 11.5',
         'dyngraph_autoscale_capacity{pool="decode"} 4.0',
+        'dyngraph_autoscale_output_tokens_rate{pool="decode"} 690.0',
         'dyngraph_autoscale_ttft_p90_ms{pool="decode"} 250.0',
         'dyngraph_autoscale_capped{pool="decode"} 1.0',
         'dyngraph_autoscale_changes_total{direction="up",pool="decode"} 2.0',

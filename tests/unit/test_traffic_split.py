@@ -102,3 +102,14 @@ def test_a_disaggregated_models_prefill_instances_are_counted_too() -> None:
     }
     counted = answers_of(health)
     assert sorted(counted) == ["a", "b", "c"] and counted["b"].requests == 3
+
+
+def test_the_work_units_an_instance_was_given_reach_the_planner_as_tokens() -> None:
+    stats = AnswerStats()
+    stats.requests, stats.request_units, stats.response_units = 2, 900, 40
+    before = answers_of(
+        {"details": {"m": {"prefill_instances": [{"instance_id": "a", "request_units": 100}]}}}
+    )
+    after = answers_of({"details": {"m": {"prefill_instances": [{"instance_id": "a", **stats.report()}]}}})
+    window = side(before, after, {"a"})
+    assert (window.prompt_tokens, window.output_tokens) == (800, 40)

@@ -1,5 +1,6 @@
-"""What the frontends saw of each worker instance: requests, failures, time to the first
-response and between responses, as every frontend's /health lists them per instance
+"""What the frontends saw of each worker instance: requests, failures, the prompt tokens sent
+and tokens answered (`request_units`, `response_units`), time to the first response and between
+responses, as every frontend's /health lists them per instance
 (runtime/traffic.py counts them in each frontend's client). A canary (canary.py) compares two
 revisions' instances with these over a step; the autoscaler (planner.py) sizes a pool by them.
 Summed over every ready frontend; a difference of two tallies is what happened between them.
@@ -31,10 +32,14 @@ class Answers:
     errors: int = 0
     first_response_ms: Counter[str] = field(default_factory=Counter)
     between_responses_ms: Counter[str] = field(default_factory=Counter)
+    prompt_tokens: int = 0  # the tokens of the requests sent (the frontend's request units)
+    output_tokens: int = 0  # the tokens answered (its response units)
 
     def add(self, other: Answers, sign: int = 1) -> None:
         self.requests += sign * other.requests
         self.errors += sign * other.errors
+        self.prompt_tokens += sign * other.prompt_tokens
+        self.output_tokens += sign * other.output_tokens
         for bound, n in other.first_response_ms.items():
             self.first_response_ms[bound] += sign * n
         for bound, n in other.between_responses_ms.items():
@@ -76,6 +81,8 @@ def answers_of(health: Any) -> dict[str, Answers]:
                 int(entry.get("errors") or 0),
                 _buckets(entry.get("first_response_ms")),
                 _buckets(entry.get("between_responses_ms")),
+                int(entry.get("request_units") or 0),
+                int(entry.get("response_units") or 0),
             )
     return out
 

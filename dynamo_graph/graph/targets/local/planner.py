@@ -2,25 +2,32 @@
 what the graph measures, and the supervisor's rollout machinery acting on it.
 
 Every `interval_s` a pool's planner reads what every ready frontend counted per instance since
-its last look (answers.py): the requests sent to the pool's instances (its arrival rate), their
-time to first response and between responses (TTFT and ITL, one token per response). Then:
+its last look (answers.py): the requests sent to the pool's instances (its arrival rate), the
+prompt tokens sent and the tokens answered, their time to first response and between
+responses (TTFT and ITL, one token per response). A pool is sized by tokens, per its role
+(SIZED_BY): a prefill pool by prompt tokens/s against its TTFT, a decode pool by output
+tokens/s against its ITL, an aggregated pool by both (the larger answer) — requests/s only while
+the frontends count no tokens. Per measure:
 
-- **capacity** — the request rate one replica serves within the target, learned online: an
-  interval within the target at r requests/s per replica raises it to at least r (the best a
-  replica has shown); an interval over the target caps it at r x target / measured, the rate
-  the target would have allowed if latency grows in proportion — unless the pool changed size
-  in the last SETTLE_INTERVALS intervals: a miss then is the queue built before the new
-  replicas came. Intervals with fewer than MIN_ANSWERS answers say nothing about latency.
-- **demand** — the arrival rate, plus its trend over the last TREND_INTERVALS intervals when it
+- **capacity** — what one replica serves within the target, learned online: an interval within
+  the target at r per replica raises it to at least r (the best a replica has shown); an
+  interval over the target caps it at r x target / measured, the rate the target would have
+  allowed if latency grows in proportion — unless the pool changed size in the last
+  SETTLE_INTERVALS intervals: a miss then is the queue built before the new replicas came.
+  Prompt tokens are judged by the TTFT target, output tokens by the ITL target (each by the
+  pool's worst ratio when its own target is not given). Intervals with fewer than MIN_ANSWERS
+  answers say nothing about latency.
+- **demand** — the rate, plus its trend over the last TREND_INTERVALS intervals when it
   rises, so a ramp is met ahead rather than behind (as Dynamo's SLA planner predicts load).
-- **desired** = ceil(demand / capacity) — but a pool below NEAR_TARGET of its target is not
-  grown on that estimate: a capacity in requests/s holds for one mix of requests only (a
-  prefill pool that learned it on long prompts serves far more short ones, and a decode pool
-  sees no time between tokens in a burst of two-token answers), so the estimate sizes a rise
-  ahead only once latency confirms the pool is near its limit — and while the target is
-  missed by a factor m at least ceil(replicas x m) (Kubernetes' HPA rule) and one more than now, within
-  `min_replicas`..`max_replicas` (what fits: plan.py's AutoscalePolicy). With no capacity
-  known yet, only the target decides.
+- **desired** = the most any measure asks, ceil(demand / capacity) — but a pool below
+  NEAR_TARGET of its target is not grown on that estimate (a capacity holds for one mix of
+  work: a prefill replica's prompt tokens/s depend on prompt length and batching, and a decode
+  pool sees no time between tokens in a burst of two-token answers), so the estimate sizes a
+  rise ahead only once latency confirms the pool is near its limit — and while the target is
+  missed by a factor m at least ceil(replicas x m) (Kubernetes' HPA rule) and one more than
+  now, within `min_replicas`..`max_replicas` (what fits: plan.py's AutoscalePolicy). With no
+  capacity known yet, only the target decides. Counted in tokens, the pool shrinks when the
+  work does, even at a constant request rate (short prompts after long ones).
 - Up at once; down only once fewer replicas would have done for `scale_down_delay_s` without a
   break, to the most any interval of that stretch wanted — so a load swinging around the target
   changes the pool at most once per delay downwards, and never down right after a miss.
@@ -55,6 +62,12 @@ TREND_INTERVALS = 3
 TICK_S = 0.5  # how often the loop looks whether a pool is due
 NEAR_TARGET = 0.8  # below this share of its target, the capacity estimate grows nothing
 
+# What a pool's demand and a replica's capacity are counted in.
+REQUESTS = "req/s"
+PROMPT_TOKENS = "prompt tokens/s"
+OUTPUT_TOKENS = "output tokens/s"
+SIZED_BY = {"prefill": (PROMPT_TOKENS,), "decode": (OUTPUT_TOKENS,), "agg": (PROMPT_TOKENS, OUTPUT_TOKENS)}
+
 
 @dataclass
 class Measured:
@@ -65,6 +78,15 @@ class Measured:
     ttft_p90_ms: float | None
     itl_p90_ms: float | None
     answers: int
+    prompt_tokens_s: float = 0.0  # prompt tokens/s sent to its instances
+    output_tokens_s: float = 0.0  # tokens/s they answered
+
+    def demand(self, measure: str) -> float:
+        return {
+            REQUESTS: self.rate,
+            PROMPT_TOKENS: self.prompt_tokens_s,
+            OUTPUT_TOKENS: self.output_tokens_s,
+        }[measure]
 
 
 @dataclass
@@ -76,25 +98,33 @@ class Decision:
     rate: float
     ttft_p90_ms: float | None
     itl_p90_ms: float | None
-    capacity: float | None  # requests/s per replica within target, as learned so far
+    capacity: float | None  # a replica's capacity within target in `sized_by`, as learned so far
     reason: str
     capped: str = ""  # why the pool cannot grow past max_replicas ("" when it is not at the cap)
+    sized_by: str = REQUESTS  # the measure that asked for the most replicas
+    prompt_tokens_s: float = 0.0
+    output_tokens_s: float = 0.0
+    capacities: dict[str, float] = field(default_factory=dict)  # per measure
 
 
-def load_ratio(policy: AutoscalePolicy, seen: Measured) -> float | None:
-    """The pool's worst measured / target over its targets (above 1: missed), or None when the
-    interval had too few answers to say."""
+def ratios(policy: AutoscalePolicy, seen: Measured) -> dict[str, float]:
+    """Measured / target per target the interval measured (above 1: missed); none when it had
+    too few answers to say."""
     if seen.answers < MIN_ANSWERS:
-        return None
-    ratios = [
-        measured / target
-        for measured, target in (
-            (seen.ttft_p90_ms, policy.ttft_p90_ms),
-            (seen.itl_p90_ms, policy.itl_p90_ms),
-        )
-        if measured is not None and target is not None
-    ]
-    return max(ratios, default=None)
+        return {}
+    pairs = {"ttft": (seen.ttft_p90_ms, policy.ttft_p90_ms), "itl": (seen.itl_p90_ms, policy.itl_p90_ms)}
+    return {k: m / t for k, (m, t) in pairs.items() if m is not None and t is not None}
+
+
+def governing(measure: str, policy: AutoscalePolicy, found: dict[str, float]) -> float | None:
+    """The ratio that judges a replica's capacity in `measure`: prompt tokens by the TTFT target,
+    output tokens by the ITL target (by the pool's worst ratio when that target is not given),
+    requests by the worst."""
+    own = {PROMPT_TOKENS: ("ttft", policy.ttft_p90_ms), OUTPUT_TOKENS: ("itl", policy.itl_p90_ms)}
+    name, target = own.get(measure, ("", None))
+    if target is not None:
+        return found.get(name)
+    return max(found.values(), default=None)
 
 
 @dataclass
@@ -102,39 +132,40 @@ class PoolPlanner:
     """The sizing of one pool (see the module docstring); pure, so it can be tested alone."""
 
     pool: str
-    capacity: float | None = None
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=TREND_INTERVALS))
+    capacities: dict[str, float] = field(default_factory=dict)  # per measure, a replica's
+    rates: deque[Measured] = field(default_factory=lambda: deque(maxlen=TREND_INTERVALS))
+    counted: set[str] = field(default_factory=set)  # the token measures the frontends reported
     fewer_since: float | None = None  # when fewer replicas started to look enough
     fewer_most: int = 0  # the most replicas any interval since then wanted
     ready_was: int = -1  # ready replicas at the last decision
     resized_at: float = float("-inf")  # when the ready count last changed
 
+    def measures(self, policy: AutoscalePolicy) -> list[str]:
+        """What the pool is sized by: its role's token measures once the frontends count them
+        (a frontend before token counts, or a text-input engine: requests)."""
+        counted = [m for m in SIZED_BY.get(policy.role, SIZED_BY["agg"]) if m in self.counted]
+        return counted or [REQUESTS]
+
     def decide(self, policy: AutoscalePolicy, seen: Measured, now: float) -> Decision:
-        ratio = load_ratio(policy, seen)
+        self.counted.update(m for m in (PROMPT_TOKENS, OUTPUT_TOKENS) if seen.demand(m) > 0)
+        found = ratios(policy, seen)
+        ratio = max(found.values(), default=None)
         over = ratio if ratio is not None and ratio > 1.0 else None  # how far the target was missed
-        per_replica = seen.rate / max(seen.ready, 1)
         if seen.ready != self.ready_was:
             self.ready_was, self.resized_at = seen.ready, now
         settled = now - self.resized_at >= SETTLE_INTERVALS * policy.interval_s
-        if ratio is not None and seen.ready:  # the interval measured what the targets name
-            if over is None and per_replica > 0:
-                self.capacity = max(self.capacity or 0.0, per_replica)
-            elif over is not None and (settled or self.capacity is None):
-                limit = per_replica / over
-                self.capacity = limit if self.capacity is None else min(self.capacity, limit)
-        self.rates.append(seen.rate)
-        trend = (self.rates[-1] - self.rates[0]) / max(len(self.rates) - 1, 1)
-        demand = seen.rate + max(trend, 0.0)
-        if self.capacity:
-            wanted = math.ceil(demand / self.capacity)
-            why = f"{demand:.1f} req/s wanted at {self.capacity:.1f} req/s a replica"
+        measures = self.measures(policy)
+        for measure in measures:
+            self._learn(measure, governing(measure, policy, found), seen, settled)
+        self.rates.append(seen)
+        wanted, why, sized_by = seen.ready, "no capacity measured yet", measures[0]
+        estimates = [(self._wanted(m, seen), m) for m in measures if self.capacities.get(m)]
+        if estimates:
+            (wanted, why), sized_by = max(estimates, key=lambda e: e[0][0])
             if wanted > seen.ready and (ratio is None or ratio < NEAR_TARGET):
                 wanted = seen.ready  # headroom left: the estimate may be another mix's
                 at = "an unmeasured share" if ratio is None else f"{ratio:.2f}"
                 why = f"{why}, but the pool is at {at} of its target"
-        else:
-            wanted = seen.ready
-            why = "no capacity measured yet"
         floor = max(seen.ready + 1, math.ceil(seen.ready * over)) if over is not None else 0
         if wanted < floor:  # as Kubernetes' HPA: replicas x measured / target
             wanted = floor
@@ -142,6 +173,7 @@ class PoolPlanner:
         wanted = min(max(wanted, policy.min_replicas), policy.max_replicas)
         desired, why = self._stabilized(policy, seen.ready, wanted, why, now, over is not None)
         capped = policy.capped if wanted >= policy.max_replicas and policy.capped else ""
+        capacity = self.capacities.get(sized_by)
         return Decision(
             now,
             self.pool,
@@ -150,10 +182,37 @@ class PoolPlanner:
             round(seen.rate, 3),
             seen.ttft_p90_ms,
             seen.itl_p90_ms,
-            None if self.capacity is None else round(self.capacity, 3),
+            None if capacity is None else round(capacity, 3),
             why,
             capped,
+            sized_by,
+            round(seen.prompt_tokens_s, 1),
+            round(seen.output_tokens_s, 1),
+            {m: round(c, 3) for m, c in self.capacities.items()},
         )
+
+    def _learn(self, measure: str, ratio: float | None, seen: Measured, settled: bool) -> None:
+        """Raise a replica's capacity in `measure` to what an interval within the target showed;
+        lower it to what the target would have allowed after a miss (not while unsettled)."""
+        if ratio is None or not seen.ready:  # the interval measured nothing of the target
+            return
+        per_replica = seen.demand(measure) / seen.ready
+        known = self.capacities.get(measure)
+        if ratio <= 1.0 and per_replica > 0:
+            self.capacities[measure] = max(known or 0.0, per_replica)
+        elif ratio > 1.0 and (settled or known is None):
+            limit = per_replica / ratio
+            self.capacities[measure] = limit if known is None else min(known, limit)
+
+    def _wanted(self, measure: str, seen: Measured) -> tuple[int, str]:
+        """Replicas the demand in `measure` asks for: the rate, plus its rise per interval over
+        the last TREND_INTERVALS when it rises, at a replica's capacity."""
+        rates = [m.demand(measure) for m in self.rates]
+        trend = (rates[-1] - rates[0]) / max(len(rates) - 1, 1)
+        demand = seen.demand(measure) + max(trend, 0.0)
+        capacity = self.capacities[measure]
+        unit = "req/s" if measure == REQUESTS else measure
+        return math.ceil(demand / capacity), f"{demand:.1f} {unit} wanted at {capacity:.1f} {unit} a replica"
 
     def _stabilized(
         self, policy: AutoscalePolicy, ready: int, wanted: int, why: str, now: float, missing: bool
@@ -212,12 +271,15 @@ class Autoscaler:
         if previous is None:
             return  # the first look: nothing to compare with yet
         window = side(previous[1], tally, ids)
+        elapsed = max(now - previous[0], 1e-6)
         seen = Measured(
             ready=len(ready),
-            rate=window.requests / max(now - previous[0], 1e-6),
+            rate=window.requests / elapsed,
             ttft_p90_ms=window.ttft_p90_ms(),
             itl_p90_ms=window.itl_p90_ms(),
             answers=window.requests,
+            prompt_tokens_s=window.prompt_tokens / elapsed,
+            output_tokens_s=window.output_tokens / elapsed,
         )
         planner = self.planners.setdefault(pool, PoolPlanner(pool))
         decision = planner.decide(policy, seen, now)

@@ -10,8 +10,9 @@ server is asyncio's, so nothing is shared with another thread):
 - `dyngraph_process_restarts_total{component, process}`;
 - `dyngraph_revision` and `dyngraph_revision_rolling` (1 while a revision rolls out);
 - per autoscaled pool, the planner's last decision: `dyngraph_autoscale_desired_replicas`,
-  `_ready_replicas`, `_arrival_rate` (requests/s), `_capacity` (requests/s a replica, absent
-  until learned), `_ttft_p90_ms`, `_itl_p90_ms` (absent when unmeasured), `_capped` (1 when
+  `_ready_replicas`, `_arrival_rate` (requests/s), `_prompt_tokens_rate` and
+  `_output_tokens_rate` (tokens/s), `_capacity` (a replica's, in the measure the decision was
+  sized by; absent until learned), `_ttft_p90_ms`, `_itl_p90_ms` (absent when unmeasured), `_capped` (1 when
   the pool wants more than fits) and `dyngraph_autoscale_changes_total{pool, direction}`.
 
 `render -f prometheus` scrapes it as the job `<graph>-supervisor`, which adds the `graph` label.
@@ -82,9 +83,15 @@ class SupervisorCollector(Collector):
             "rate": GaugeMetricFamily(
                 "dyngraph_autoscale_arrival_rate", "Planner: requests/s to the pool", labels=labels
             ),
+            "prompt_tokens_s": GaugeMetricFamily(
+                "dyngraph_autoscale_prompt_tokens_rate", "Planner: prompt tokens/s to the pool", labels=labels
+            ),
+            "output_tokens_s": GaugeMetricFamily(
+                "dyngraph_autoscale_output_tokens_rate", "Planner: tokens/s the pool answered", labels=labels
+            ),
             "capacity": GaugeMetricFamily(
                 "dyngraph_autoscale_capacity",
-                "Planner: requests/s one replica serves within target",
+                "Planner: what one replica serves within target, in the measure the pool is sized by",
                 labels=labels,
             ),
             "ttft_p90_ms": GaugeMetricFamily(
