@@ -585,6 +585,9 @@ class _Compiler:
                 interval_s=scale.interval_s,
                 scale_down_delay_s=scale.scale_down_delay_s,
                 role=worker.role,
+                kv_usage=scale.target.kv_usage,
+                waiting_requests=scale.target.waiting_requests,
+                queued_prefill_tokens=scale.target.queued_prefill_tokens,
             )
         return policies
 

@@ -58,6 +58,9 @@ class AutoscalePolicy(msgspec.Struct, frozen=True):
     interval_s: float
     scale_down_delay_s: float
     role: str = "agg"  # the worker's: a prefill pool is sized by prompt tokens, decode by output
+    kv_usage: float | None = None  # the load thresholds (the workers' load reports), per replica
+    waiting_requests: float | None = None
+    queued_prefill_tokens: float | None = None
 
 
 class TlsPlan(msgspec.Struct, frozen=True):

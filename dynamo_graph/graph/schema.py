@@ -394,17 +394,25 @@ class Rollout(_Model):
 
 
 class AutoscaleTarget(_Model):
-    """What the planner holds a pool to, over each interval (at least one)."""
+    """What the planner holds a pool to, over each interval (at least one): latencies, and the
+    load thresholds of Dynamo's load mode, read from the workers' load reports."""
 
     ttft_p90_ms: float | None = Field(None, gt=0)
     """Time to first token, 90th percentile, as the frontends see it (ms)."""
     itl_p90_ms: float | None = Field(None, gt=0)
     """Time between tokens, 90th percentile, as the frontends see it (ms)."""
+    kv_usage: float | None = Field(None, gt=0, le=1)
+    """KV-cache usage a replica may reach, mean over the pool (0..1: blocks in use / blocks)."""
+    waiting_requests: float | None = Field(None, gt=0)
+    """Requests waiting to be scheduled a replica may hold, mean over the pool."""
+    queued_prefill_tokens: float | None = Field(None, gt=0)
+    """Prompt tokens accepted and not yet computed a replica may hold, mean over the pool."""
 
     @model_validator(mode="after")
     def _some(self) -> AutoscaleTarget:
-        if self.ttft_p90_ms is None and self.itl_p90_ms is None:
-            raise field_error("ttft_p90_ms", "give `ttft_p90_ms`, `itl_p90_ms` or both")
+        if all(getattr(self, key) is None for key in type(self).model_fields):
+            keys = ", ".join(f"`{key}`" for key in type(self).model_fields)
+            raise field_error("ttft_p90_ms", f"give at least one of {keys}")
         return self
 
 

@@ -469,8 +469,10 @@ def _autoscaled_graph(tmp_path: Path, agg: bool = False) -> Path:
     if agg:
         components["back"] = {**worker, "autoscale": scale({"ttft_p90_ms": 400})}
     else:
-        components["prefill"] = {**worker, "role": "prefill", "autoscale": scale({"ttft_p90_ms": 400})}
-        components["decode"] = {**worker, "role": "decode", "autoscale": scale({"itl_p90_ms": 40})}
+        prefill_target = {"ttft_p90_ms": 400, "waiting_requests": 4}
+        components["prefill"] = {**worker, "role": "prefill", "autoscale": scale(prefill_target)}
+        decode_target = {"itl_p90_ms": 40, "kv_usage": 0.7}
+        components["decode"] = {**worker, "role": "decode", "autoscale": scale(decode_target)}
     graph = tmp_path / "scaled.yaml"
     doc = {
         "name": "scaled",
@@ -499,15 +501,17 @@ def test_autoscale_renders_as_dynamos_planner_and_imports_back(tmp_path: Path) -
     ):
         assert flag in args
     assert {"--max-gpu-budget=5", "--ttft=400", "--itl=40", "--prefill-engine-num-gpu=1"} <= set(args)
+    assert "--decode-kv-scale-up-threshold=0.7" in args  # load mode's KV threshold
     header = render_dynamo_k8s(built.graph, built.plan).split("\n---")[0]
     assert "components.prefill.autoscale.scale_down_delay_s: 60" in header
+    assert "components.prefill.autoscale.target.waiting_requests: 4 (Dynamo's load mode" in header
     assert "max_replicas: 3/3 (Dynamo's Planner bounds both pools by one GPU budget" in header
 
     imported = import_dgd(dgd)
     comps = imported.graph["components"]
     assert imported.graph["max_gpus"] == 5
     assert comps["prefill"]["autoscale"]["target"] == {"ttft_p90_ms": 400.0}
-    assert comps["decode"]["autoscale"]["target"] == {"itl_p90_ms": 40.0}
+    assert comps["decode"]["autoscale"]["target"] == {"itl_p90_ms": 40.0, "kv_usage": 0.7}
     assert comps["decode"]["autoscale"]["interval_s"] == 10.0
     assert comps["decode"]["autoscale"]["max_replicas"] == 4  # the budget less the other pool's floor
     assert any("one GPU budget for both pools" in n for n in imported.notes)

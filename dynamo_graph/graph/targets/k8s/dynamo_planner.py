@@ -3,10 +3,12 @@
 Dynamo's Planner (`python3 -m planner_sla`, as Dynamo's `disagg_planner.yaml` deployments run it)
 sizes one prefill and one decode pool together from Prometheus metrics and the profiler's results,
 so only part of `autoscale` has a spelling there: the TTFT target (the prefill pool's), the ITL
-target (the decode pool's), the interval, one floor for both pools (`--min-endpoint`) and one GPU
-budget (`--max-gpu-budget`, our `max_gpus` or what the pools' `max_replicas` take). What has none
-— aggregated pools, a per-pool ceiling, `scale_down_delay_s`, p90 rather than the profiled
-latency — is returned as notes for the DGD's header, and `import` says the same the other way.
+target (the decode pool's), the decode pool's KV-usage threshold (its load mode's
+`--decode-kv-scale-up-threshold`), the interval, one floor for both pools (`--min-endpoint`) and
+one GPU budget (`--max-gpu-budget`, our `max_gpus` or what the pools' `max_replicas` take). What
+has none — aggregated pools, a per-pool ceiling, `scale_down_delay_s`, p90 rather than the
+profiled latency, queue thresholds in requests or prompt tokens a replica — is returned as notes
+for the DGD's header, and `import` says the same the other way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ WORKING_DIR = "/workspace/components/src/dynamo/planner"
 PROFILE_DIR = "/workspace/profiling_results"
 PROFILE_CONFIG_MAP = "planner-profile-data"
 """Where Dynamo's deployments mount the profiler's results (a ConfigMap the profiler writes)."""
+KV_FLAG = "--decode-kv-scale-up-threshold"
+"""Dynamo's load mode: the decode pool's KV-cache usage (0..1) above which it grows."""
 DEFAULTS = {
     "--adjustment-interval": 180,
     "--min-endpoint": 1,
@@ -98,15 +102,25 @@ def planner_args(graph: Graph) -> tuple[list[str], list[str]]:
         args.append(f"--ttft={ps.target.ttft_p90_ms:g}")
     if ds.target.itl_p90_ms is not None:
         args.append(f"--itl={ds.target.itl_p90_ms:g}")
+    if ds.target.kv_usage is not None:
+        args.append(f"{KV_FLAG}={ds.target.kv_usage:g}")
     for key, name, value in (
         (pkey, "itl_p90_ms", ps.target.itl_p90_ms),
         (dkey, "ttft_p90_ms", ds.target.ttft_p90_ms),
+        (pkey, "kv_usage", ps.target.kv_usage),
     ):
         if value is not None:
             notes.append(
                 f"components.{key}.autoscale.target.{name}: {value:g} (Dynamo's Planner holds the "
-                "prefill pool to --ttft and the decode pool to --itl only)"
+                "prefill pool to --ttft and the decode pool to --itl and its KV usage only)"
             )
+    for key, scale in ((pkey, ps), (dkey, ds)):
+        for name in ("waiting_requests", "queued_prefill_tokens"):
+            if (value := getattr(scale.target, name)) is not None:
+                notes.append(
+                    f"components.{key}.autoscale.target.{name}: {value:g} (Dynamo's load mode has "
+                    "a prefill queue threshold in its own units, none per replica)"
+                )
     notes.append(
         f"components.{pkey}/{dkey}.autoscale.target: Dynamo's Planner sizes by the profiler's "
         "latency curves (mount them from ConfigMap planner-profile-data), not by measured p90s"
@@ -149,7 +163,7 @@ def read_planner(
     notes: list[str] = []
     given: dict[str, str | None] = {}
     for flag, value in flags:
-        if flag in DEFAULTS or flag.endswith("-engine-num-gpu"):
+        if flag in DEFAULTS or flag == KV_FLAG or flag.endswith("-engine-num-gpu"):
             given[flag] = value
         elif flag not in ("--environment", "--backend", "--profile-results-dir"):
             notes.append(f"{where}: planner flag {flag}{'=' + value if value else ''} has no graph setting")
@@ -169,6 +183,8 @@ def read_planner(
         ceiling = room // gpus[role] if budget >= 0 and gpus[role] else max(comp["replicas"], floor)
         ceiling = max(ceiling, comp["replicas"], floor, 1)
         target = {"ttft_p90_ms": value["--ttft"]} if role == "prefill" else {"itl_p90_ms": value["--itl"]}
+        if role == "decode" and given.get(KV_FLAG):
+            target["kv_usage"] = float(given[KV_FLAG] or 0)
         comp["autoscale"] = {
             "min_replicas": min(floor, comp["replicas"]),
             "max_replicas": ceiling,

@@ -19,7 +19,8 @@ import msgspec
 
 from dynamo_graph.graph.plan import ProcessSpec, RolloutPolicy
 from dynamo_graph.graph.targets.local.answers import Answers
-from dynamo_graph.runtime.discovery import Discovery, DiscoveryError, create_discovery
+from dynamo_graph.graph.targets.local.load_reports import discovery_of
+from dynamo_graph.runtime.discovery import Discovery, DiscoveryError
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.traffic import TrafficSplit as SplitRecord
 from dynamo_graph.runtime.traffic import traffic_key
@@ -72,16 +73,10 @@ class TrafficSplit:
     from their environment)."""
 
     def __init__(self, spec: ProcessSpec, revision: int) -> None:
-        env, endpoint = spec.env, endpoint_of(spec)
+        endpoint = endpoint_of(spec)
         self.key = traffic_key(endpoint.namespace, endpoint.component)
         self.labels = {"revision": str(revision)}
-        self.discovery: Discovery = create_discovery(
-            env.get("DYN_DISCOVERY_BACKEND") or "file",
-            file_root=env.get("DYN_FILE_KV"),
-            etcd_endpoints=env.get("ETCD_ENDPOINTS"),
-            ttl_s=float(env["DYN_LEASE_TTL"]) if env.get("DYN_LEASE_TTL") else None,
-            env=env if "ETCD_AUTH_CA" in env else None,  # with TLS, the certificate of the worker's process
-        )
+        self.discovery: Discovery = discovery_of(spec.env)
 
     async def __aenter__(self) -> TrafficSplit:
         try:

@@ -53,6 +53,9 @@ from dynamo_graph.graph.targets.local.answers import (
     serving_frontends,
     side,
 )
+from dynamo_graph.graph.targets.local.canary import endpoint_of
+from dynamo_graph.graph.targets.local.load_reports import LoadWatch, PoolLoad
+from dynamo_graph.graph.targets.local.runner import Runner
 from dynamo_graph.graph.targets.local.state import atomic_write
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
 
@@ -80,6 +83,7 @@ class Measured:
     answers: int
     prompt_tokens_s: float = 0.0  # prompt tokens/s sent to its instances
     output_tokens_s: float = 0.0  # tokens/s they answered
+    load: PoolLoad | None = None  # what its workers reported, per replica (load targets only)
 
     def demand(self, measure: str) -> float:
         return {
@@ -105,6 +109,20 @@ class Decision:
     prompt_tokens_s: float = 0.0
     output_tokens_s: float = 0.0
     capacities: dict[str, float] = field(default_factory=dict)  # per measure
+    kv_usage: float | None = None  # the workers' load reports, per replica (load targets only)
+    waiting_requests: float | None = None
+    queued_prefill_tokens: float | None = None
+
+
+LOADS = ("kv_usage", "waiting_requests", "queued_prefill_tokens")  # the load targets, by name
+
+
+def load_ratios(policy: AutoscalePolicy, seen: Measured) -> dict[str, float]:
+    """Reported / threshold per load target (above 1: over it); none without reports."""
+    if seen.load is None:
+        return {}
+    pairs = {name: (getattr(seen.load, name), getattr(policy, name)) for name in LOADS}
+    return {name: m / t for name, (m, t) in pairs.items() if t is not None}
 
 
 def ratios(policy: AutoscalePolicy, seen: Measured) -> dict[str, float]:
@@ -148,8 +166,8 @@ class PoolPlanner:
 
     def decide(self, policy: AutoscalePolicy, seen: Measured, now: float) -> Decision:
         self.counted.update(m for m in (PROMPT_TOKENS, OUTPUT_TOKENS) if seen.demand(m) > 0)
-        found = ratios(policy, seen)
-        ratio = max(found.values(), default=None)
+        found, loads = ratios(policy, seen), load_ratios(policy, seen)
+        ratio = max([*found.values(), *loads.values()], default=None)
         over = ratio if ratio is not None and ratio > 1.0 else None  # how far the target was missed
         if seen.ready != self.ready_was:
             self.ready_was, self.resized_at = seen.ready, now
@@ -166,6 +184,12 @@ class PoolPlanner:
                 wanted = seen.ready  # headroom left: the estimate may be another mix's
                 at = "an unmeasured share" if ratio is None else f"{ratio:.2f}"
                 why = f"{why}, but the pool is at {at} of its target"
+        if loads:  # as Kubernetes' HPA on a utilization: replicas x reported / threshold
+            name, most = max(loads.items(), key=lambda item: item[1])
+            by_load = math.ceil(seen.ready * most - 1e-9)
+            if by_load > wanted or not (policy.ttft_p90_ms or policy.itl_p90_ms):
+                wanted = by_load
+                why = f"{name} at {most:.2f} of its threshold a replica"
         floor = max(seen.ready + 1, math.ceil(seen.ready * over)) if over is not None else 0
         if wanted < floor:  # as Kubernetes' HPA: replicas x measured / target
             wanted = floor
@@ -189,6 +213,7 @@ class PoolPlanner:
             round(seen.prompt_tokens_s, 1),
             round(seen.output_tokens_s, 1),
             {m: round(c, 3) for m, c in self.capacities.items()},
+            *(None if seen.load is None else round(getattr(seen.load, name), 3) for name in LOADS),
         )
 
     def _learn(self, measure: str, ratio: float | None, seen: Measured, settled: bool) -> None:
@@ -240,37 +265,55 @@ class Autoscaler:
         self.last: dict[str, tuple[float, dict[str, Answers]]] = {}  # pool -> (when, tally)
         self.decisions: dict[str, Decision] = {}
         self.changes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> times
+        self.watches: dict[str, LoadWatch] = {}  # pools with load targets: their workers' reports
         self.log = sup.state.root / "autoscale.jsonl"
         self.summary = sup.state.root / "autoscale.json"
         self.summary.unlink(missing_ok=True)  # a previous run's last decisions
 
     async def run(self) -> None:
-        while not self.sup.stopping:
-            plan = self.sup.full_plan
-            now = time.monotonic()
-            due = [
-                (pool, policy)
-                for pool, policy in (plan.autoscale if plan else {}).items()
-                if now >= self.last.get(pool, (0.0, {}))[0] + policy.interval_s
-            ]
-            if due and not self.sup.scaling and self.sup.rolling is None:
-                # One look at every frontend serves every pool due now.
-                tally = await frontend_answers(serving_frontends(self.sup.runners.values()))
-                for pool, policy in due:
-                    await self._tick(pool, policy, tally)
-            await asyncio.sleep(TICK_S)
+        try:
+            while not self.sup.stopping:
+                plan = self.sup.full_plan
+                now = time.monotonic()
+                due = [
+                    (pool, policy)
+                    for pool, policy in (plan.autoscale if plan else {}).items()
+                    if now >= self.last.get(pool, (0.0, {}))[0] + policy.interval_s
+                ]
+                if due and not self.sup.scaling and self.sup.rolling is None:
+                    # One look at every frontend serves every pool due now.
+                    tally = await frontend_answers(serving_frontends(self.sup.runners.values()))
+                    for pool, policy in due:
+                        await self._tick(pool, policy, tally)
+                await asyncio.sleep(TICK_S)
+        finally:
+            for watch in self.watches.values():
+                await watch.close()
+
+    async def _watch(self, pool: str, policy: AutoscalePolicy, runners: list[Runner]) -> LoadWatch | None:
+        """The pool's load reports, subscribed at its first look, when it has load targets."""
+        if all(getattr(policy, name) is None for name in LOADS) or not runners:
+            return None
+        watch = self.watches.get(pool)
+        if watch is None:
+            spec = runners[0].spec
+            watch = self.watches[pool] = LoadWatch(endpoint_of(spec), spec.env)
+            await watch.start()
+        return watch
 
     async def _tick(self, pool: str, policy: AutoscalePolicy, tally: dict[str, Answers]) -> None:
         sup = self.sup
         runners = [r for r in sup.runners.values() if r.spec.component == pool]
         ready = [r for r in runners if r.ready.is_set()]
         ids = {i for r in ready if (i := instance_of(r))}
+        watch = await self._watch(pool, policy, runners)
         now = time.monotonic()
         previous = self.last.get(pool)
         self.last[pool] = (now, tally)
         if previous is None:
             return  # the first look: nothing to compare with yet
         window = side(previous[1], tally, ids)
+        load = None if watch is None else watch.take({int(i, 16) for i in ids})
         elapsed = max(now - previous[0], 1e-6)
         seen = Measured(
             ready=len(ready),
@@ -280,6 +323,7 @@ class Autoscaler:
             answers=window.requests,
             prompt_tokens_s=window.prompt_tokens / elapsed,
             output_tokens_s=window.output_tokens / elapsed,
+            load=load,
         )
         planner = self.planners.setdefault(pool, PoolPlanner(pool))
         decision = planner.decide(policy, seen, now)
