@@ -236,8 +236,8 @@ class PoolPlanner:
         trend = (rates[-1] - rates[0]) / max(len(rates) - 1, 1)
         demand = seen.demand(measure) + max(trend, 0.0)
         capacity = self.capacities[measure]
-        unit = "req/s" if measure == REQUESTS else measure
-        return math.ceil(demand / capacity), f"{demand:.1f} {unit} wanted at {capacity:.1f} {unit} a replica"
+        why = f"{demand:.1f} {measure} wanted at {capacity:.1f} {measure} a replica"
+        return math.ceil(demand / capacity), why
 
     def _stabilized(
         self, policy: AutoscalePolicy, ready: int, wanted: int, why: str, now: float, missing: bool
