@@ -425,7 +425,7 @@ class Autoscale(_Model):
     max_replicas: int = Field(ge=1)
     """Most replicas started (fewer where the hosts' GPUs or `max_gpus` do not allow them)."""
     target: AutoscaleTarget
-    """The latency the pool is sized to hold."""
+    """The latency, or the load its workers report, the pool is sized to hold."""
     interval_s: float = Field(5.0, gt=0)
     """How often the planner measures and decides."""
     scale_down_delay_s: float = Field(30.0, ge=0)

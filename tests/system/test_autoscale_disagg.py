@@ -112,7 +112,9 @@ def _most(sampler: ReplicaSampler, started: float, span: tuple[float, float]) ->
 
 
 @pytest.mark.slow  # a minute of load
-def test_prefill_and_decode_pools_follow_their_own_tokens_at_a_constant_request_rate(graph: tuple[Path, int]) -> None:
+def test_prefill_and_decode_pools_follow_their_own_tokens_at_a_constant_request_rate(
+    graph: tuple[Path, int],
+) -> None:
     file, port = graph
     up = run_cli(["up", "-d", str(file)], timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
