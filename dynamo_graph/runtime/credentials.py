@@ -39,14 +39,14 @@ def _file(variable: str, env: Mapping[str, str] | None = None) -> Path | None:
     return path
 
 
-def nats_connect_options() -> dict[str, Any]:
-    """Extra keyword arguments for `nats.connect`."""
+def nats_connect_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Extra keyword arguments for `nats.connect`, from `env` (default: this process's)."""
     options: dict[str, Any] = {}
-    if (creds := _file("NATS_CREDS")) is not None:
+    if (creds := _file("NATS_CREDS", env)) is not None:
         options["user_credentials"] = str(creds)
-    if (seed := _file("NATS_NKEY_SEED")) is not None:
+    if (seed := _file("NATS_NKEY_SEED", env)) is not None:
         options["nkeys_seed"] = str(seed)
-    ca, cert, key = _file("NATS_TLS_CA"), _file("NATS_TLS_CERT"), _file("NATS_TLS_KEY")
+    ca, cert, key = _file("NATS_TLS_CA", env), _file("NATS_TLS_CERT", env), _file("NATS_TLS_KEY", env)
     if (cert is None) != (key is None):
         raise CredentialsError("NATS_TLS_CERT and NATS_TLS_KEY go together (mutual TLS)")
     if ca is not None or cert is not None:
@@ -54,7 +54,7 @@ def nats_connect_options() -> dict[str, Any]:
         if cert is not None and key is not None:
             context.load_cert_chain(str(cert), str(key))
         options["tls"] = context
-    if (server_name := _env("NATS_TLS_SERVER_NAME")) is not None:
+    if (server_name := _env("NATS_TLS_SERVER_NAME", env)) is not None:
         options["tls_hostname"] = server_name
     return options
 

@@ -13,8 +13,10 @@ from dynamo_graph.graph.plan import AutoscalePolicy
 from dynamo_graph.graph.schema import AutoscaleTarget
 from dynamo_graph.graph.targets.local.load_reports import LoadWatch, PoolLoad, discovery_of
 from dynamo_graph.graph.targets.local.planner import Measured, PoolPlanner
+from dynamo_graph.graph.tls import curve_file, issue_all
 from dynamo_graph.router.kv.protocols import LOAD_METRICS_TOPIC, LoadMetrics, encode_event
 from dynamo_graph.runtime.events import create_event_publisher
+from dynamo_graph.runtime.events.curve import ENV as CURVE_ENV
 from dynamo_graph.runtime.names import EndpointName
 
 KV_ONLY = AutoscalePolicy(1, 4, 4, "", None, None, 5.0, 30.0, role="decode", kv_usage=0.8)
@@ -60,16 +62,27 @@ def test_the_reports_of_an_interval_are_averaged_per_replica() -> None:
     assert watch.take({4}) is None
 
 
-def test_the_supervisor_hears_the_workers_load_reports_on_the_event_plane(tmp_path: Path) -> None:
-    env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path)}
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_the_supervisor_hears_the_workers_load_reports_on_the_event_plane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, curve: bool
+) -> None:
+    """With TLS on, the reports are CURVE-encrypted with the graph's key: the supervisor, which
+    does not hold it in its own environment, subscribes with the key the pool's workers get."""
+    env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "kv")}
+    if curve:
+        issue_all(tmp_path / "tls", "g", {"decode-0": []})
+        env[CURVE_ENV] = curve_file(tmp_path / "tls")
     endpoint = EndpointName("dyn", "decode", "generate")
 
     async def scenario() -> PoolLoad | None:
         discovery = discovery_of(env)
         await discovery.start()
+        for name, value in env.items():  # the worker's environment, while it starts
+            monkeypatch.setenv(name, value)
         publisher = await create_event_publisher(
             "zmq", discovery=discovery, namespace="dyn", component="decode", publisher_id=7
         )
+        monkeypatch.delenv(CURVE_ENV, raising=False)  # the supervisor's
         watch = LoadWatch(endpoint, {**env, "DYN_EVENT_PLANE": "zmq"})
         await watch.start()
         try:

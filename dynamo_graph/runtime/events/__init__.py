@@ -11,7 +11,7 @@ Backend modules are imported on first use so that choosing one never imports ano
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dynamo_graph.runtime.discovery.base import Discovery
 from dynamo_graph.runtime.events.base import Event, EventPublisher, EventSubscriber
@@ -130,16 +130,19 @@ async def create_event_subscriber(
     topics: Sequence[str],
     nats_url: str | None = None,
     bus: InProcEventBus | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> EventSubscriber:
     """A subscriber to every publisher of channel namespace/component, for topics starting with
-    any of `topics` ("" for all)."""
+    any of `topics` ("" for all); credentials and keys from `env` (default: this process's: the
+    supervisor subscribes with those of the graph's processes)."""
     kind = event_plane_kind(kind)
     if kind == "inproc":
         return (bus or inproc_bus(namespace, component)).subscriber(topics)
     if kind == "zmq":
         from dynamo_graph.runtime.events.zmq import ZmqEventSubscriber
 
-        return await ZmqEventSubscriber.create(_need_discovery(discovery), namespace, component, topics)
+        known = _need_discovery(discovery)
+        return await ZmqEventSubscriber.create(known, namespace, component, topics, env=env)
     from dynamo_graph.runtime.events.nats import NatsEventSubscriber
 
-    return await NatsEventSubscriber.create(_nats_url(nats_url), namespace, component, topics)
+    return await NatsEventSubscriber.create(_nats_url(nats_url), namespace, component, topics, env=env)

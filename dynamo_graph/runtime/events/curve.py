@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 ENV = "DYN_ZMQ_CURVE_KEY_FILE"
 
 _lock = threading.Lock()
-_authenticators: dict[int, ThreadAuthenticator] = {}  # id(context) -> its ZAP handler
+_authenticators: dict[int, tuple[ThreadAuthenticator, _Members]] = {}  # id(context) -> its ZAP handler
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +40,10 @@ class CurveKeys:
     public: bytes
 
     @classmethod
-    def from_env(cls) -> CurveKeys | None:
-        """The key pair of the file DYN_ZMQ_CURVE_KEY_FILE names; None when unset. ValueError for
-        a missing file or one that holds no z85 key."""
-        path = (os.environ.get(ENV) or "").strip()
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CurveKeys | None:
+        """The key pair of the file DYN_ZMQ_CURVE_KEY_FILE names in `env` (default: this
+        process's); None when unset. ValueError for a missing file or one without a z85 key."""
+        path = ((os.environ if env is None else env).get(ENV) or "").strip()
         return cls.from_file(path) if path else None
 
     @classmethod
@@ -71,21 +72,25 @@ class CurveKeys:
 
 
 class _Members:
-    def __init__(self, public: bytes) -> None:
-        self.public = public
+    """The public keys a context's publishers serve: one graph's in a graph process; a process
+    that publishes for several key pairs (tests) admits each one's holders."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        return client_key == self.public
+        return client_key in self.keys
 
 
 def _admit_only(context: zmq.Context[zmq.Socket[bytes]], public: bytes) -> None:
-    """Start `context`'s ZAP handler (once): CURVE clients presenting `public` pass, others not."""
+    """Start `context`'s ZAP handler (once) and admit CURVE clients presenting `public`; others not."""
     with _lock:
-        if id(context) in _authenticators:
-            return
-        # The handler's thread blocks on its own sockets: a plain context over the same libzmq
-        # one (`context` may be an asyncio one), which is where ZAP requests go.
-        auth = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
-        auth.start()
-        auth.configure_curve_callback("*", _Members(public))
-        _authenticators[id(context)] = auth
+        if id(context) not in _authenticators:
+            # The handler's thread blocks on its own sockets: a plain context over the same
+            # libzmq one (`context` may be an asyncio one), which is where ZAP requests go.
+            auth = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
+            auth.start()
+            members = _Members()
+            auth.configure_curve_callback("*", members)
+            _authenticators[id(context)] = (auth, members)
+        _authenticators[id(context)][1].keys.add(public)

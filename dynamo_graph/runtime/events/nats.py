@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import nats
 import nats.errors
@@ -54,10 +54,12 @@ async def _log_error(exc: Exception) -> None:
     log.warning("event plane NATS connection: %s", exc)
 
 
-async def _connect(nats_url: str, name: str, error_cb: ErrorCallback = _log_error) -> Client:
+async def _connect(
+    nats_url: str, name: str, error_cb: ErrorCallback = _log_error, env: Mapping[str, str] | None = None
+) -> Client:
     """Reconnect forever once connected (meanwhile nats-py buffers up to 2 MB of publishes; the
     rest are dropped, as the plane allows), but give up on the first connect after
-    CONNECT_TIMEOUT_S, naming the URL."""
+    CONNECT_TIMEOUT_S, naming the URL. Credentials from `env` (default: this process's)."""
     nc = Client()
     try:
         await asyncio.wait_for(
@@ -67,7 +69,7 @@ async def _connect(nats_url: str, name: str, error_cb: ErrorCallback = _log_erro
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 error_cb=error_cb,
-                **nats_connect_options(),
+                **nats_connect_options(env),
             ),
             CONNECT_TIMEOUT_S,
         )
@@ -138,10 +140,13 @@ class NatsEventSubscriber(EventSubscriber):
         topics: Sequence[str],
         *,
         max_pending: int = DEFAULT_MAX_PENDING,
+        env: Mapping[str, str] | None = None,
     ) -> NatsEventSubscriber:
+        """Subscribed once this returns; credentials from `env` (default: this process's)."""
         channel = channel_subject(namespace, component)
         self = cls(check_topics(topics), channel)
-        self._nc = await _connect(nats_url, f"dyn-events-sub-{namespace}.{component}", error_cb=self._error)
+        name = f"dyn-events-sub-{namespace}.{component}"
+        self._nc = await _connect(nats_url, name, error_cb=self._error, env=env)
         self._sub = await self._nc.subscribe(
             f"{channel}.>", pending_msgs_limit=max_pending, pending_bytes_limit=MAX_PENDING_BYTES
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import zmq
 import zmq.asyncio
@@ -135,11 +135,13 @@ class ZmqEventSubscriber(EventSubscriber):
         topics: Sequence[str],
         *,
         rcvhwm: int = DEFAULT_MAX_PENDING,
+        env: Mapping[str, str] | None = None,
     ) -> ZmqEventSubscriber:
-        """Connect to the publishers announced now before returning, then follow discovery."""
+        """Connect to the publishers announced now before returning, then follow discovery. The
+        CURVE key from `env` (default: this process's)."""
         prefix = event_channels_prefix(namespace, component)
         topics = check_topics(topics)
-        curve = CurveKeys.from_env()
+        curve = CurveKeys.from_env(env)
         sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         if curve is not None:
             curve.connect_as_member(sock)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ import msgspec
 from dynamo_graph.router.kv.protocols import LOAD_METRICS_TOPIC, LoadMetrics, decode_load_metrics
 from dynamo_graph.runtime.discovery import Discovery, create_discovery
 from dynamo_graph.runtime.events import EventSubscriber, create_event_subscriber
-from dynamo_graph.runtime.events.curve import ENV as CURVE_ENV
 from dynamo_graph.runtime.names import EndpointName
 
 log = logging.getLogger(__name__)
@@ -65,12 +63,6 @@ class LoadWatch:
 
     async def start(self) -> None:
         """Subscribe (a failure is logged and the pool is planned without load reports)."""
-        if CURVE_ENV in self.env and CURVE_ENV not in os.environ:
-            # CURVE keys are read from this process's environment (runtime/events/curve.py).
-            log.warning(
-                "autoscale: %s's load reports are CURVE-encrypted: not heard", self.endpoint.component
-            )
-            return
         try:
             kind = self.env.get("DYN_EVENT_PLANE")
             if kind in (None, "", "zmq"):
@@ -83,6 +75,7 @@ class LoadWatch:
                 component=self.endpoint.component,
                 topics=[LOAD_METRICS_TOPIC],
                 nats_url=self.env.get("NATS_SERVER"),
+                env=self.env,  # with TLS on: the graph's CURVE key, its NATS client certificate
             )
         except (OSError, ValueError, RuntimeError) as err:
             log.warning("autoscale: cannot hear %s's load reports: %s", self.endpoint.component, err)
