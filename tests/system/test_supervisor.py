@@ -211,6 +211,33 @@ def test_start_up_error_fails_up_at_once(make_graph: Callable[[str], Graph], tmp
     assert took < 20, f"reported after {took:.1f} s"
 
 
+def test_a_start_up_error_after_serving_is_retried(
+    make_graph: Callable[[str], Graph], tmp_path: Path
+) -> None:
+    """A worker that served, died, and fails its restart with the start-up error code (a model
+    hub out of reach meanwhile) is retried by its policy, and serves again once the cause is gone."""
+    graph = make_graph("echo.yaml")
+    marker = tmp_path / "hub-down"
+    fails = "import os\nif os.path.exists(os.environ['HUB_DOWN']):\n    raise RuntimeError('hub down')\n"
+    engine = (Path(__file__).parents[2] / "examples/pystr_engine.py").read_text()
+    (tmp_path / "flaky.py").write_text(fails + engine)
+    up = graph.up(
+        "components.backend.replicas=1",
+        "components.backend.engine=pystr:flaky.py",
+        f"+components.backend.env.HUB_DOWN={marker}",
+        "+components.backend.restart.max_restarts=20",
+        "+components.backend.restart.backoff_s=0.2",
+        "+components.backend.restart.backoff_max_s=0.5",
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    marker.touch()
+    os.kill(graph.processes()["backend-0"]["pid"], signal.SIGKILL)
+    wait_for(lambda: graph.processes()["backend-0"]["restarts"] >= 2, 30, "restarts that fail")
+    assert graph.processes()["backend-0"]["state"] != "failed"
+    marker.unlink()
+    wait_for(lambda: graph.processes()["backend-0"]["state"] == "ready", 30, "serving again")
+
+
 def test_failed_dependency_fails_its_dependents(
     make_graph: Callable[[str], Graph], tmp_path: Path, tiny_model: Path
 ) -> None:

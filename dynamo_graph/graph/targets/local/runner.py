@@ -5,9 +5,10 @@ until ready (or exit, or the probe's timeout), watch, and on exit restart with e
 backoff (`backoff_s` doubling up to `backoff_max_s`; the streak resets once a run stayed up
 `STABLE_AFTER_S`). More than `max_restarts` failures in a row is a crash loop: the process is
 left `failed` and its last log lines are reported. A `dyngraph run` that exits with CONFIG_EXIT
-before it was ready (an engine that raises at import, a model that does not load, bad settings)
-would fail the same way again: it is left `failed` at once, not retried through the backoff. A
-rollout's new run is `proving`: it gets one try, and not being ready ends it (rollout.py then
+and was never ready (an engine that raises at import, a model that does not load, bad settings)
+would fail the same way again: it is left `failed` at once, not retried through the backoff; one
+that served before and fails so on a restart (a model hub out of reach meanwhile) is retried as
+any crash. A rollout's new run is `proving`: it gets one try, and not being ready ends it (rollout.py then
 rolls back instead of restarting it).
 
 Processes on remote hosts run through the ssh launcher (ssh.py); runners treat its processes
@@ -83,6 +84,7 @@ class Runner:
     async def _run(self) -> None:
         streak = 0
         runs = 0
+        served = False  # some run of this process was ready: a later start-up error may pass
         while True:
             gave_up = await self._wait_dependencies()
             if gave_up is not None:
@@ -92,7 +94,7 @@ class Runner:
                 return
             runs += 1
             code, failed = await self._one_run(runs)
-            was_ready = self.ready.is_set()
+            served = served or self.ready.is_set()
             self.ready.clear()
             assert self.proc is not None
             if self.proving:
@@ -100,7 +102,7 @@ class Runner:
                 self._set(state="failed", pid=None, message=why)
                 self.sup.report(self.spec.name, f"new run failed: {why}")
                 return
-            if not was_ready and code == CONFIG_EXIT and self.spec.argv[0] == "dyngraph":
+            if not served and code == CONFIG_EXIT and self.spec.argv[0] == "dyngraph":
                 why = f"exited with {code} before it was ready: a start-up error a restart would repeat"
                 self._give_up(code, why)
                 return
