@@ -82,8 +82,11 @@ def health_body(models: ModelRegistry) -> tuple[int, dict[str, Any]]:
 LIVE_BODY = {"status": "live", "message": "Service is live"}
 
 
-def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: Guard | None = None) -> FastAPI:
-    """`api_keys`: the keys the dispatcher checks, so the OpenAPI document says which routes need one."""
+def build_api(
+    models: ModelRegistry, metrics: FrontendMetrics, api_keys: Guard | None = None, *, strict: bool = True
+) -> FastAPI:
+    """`api_keys`: the keys the dispatcher checks, so the OpenAPI document says which routes need
+    one; `strict`: whether request bodies refuse undeclared fields (FrontendLimits)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -128,7 +131,7 @@ def build_api(models: ModelRegistry, metrics: FrontendMetrics, api_keys: Guard |
 
     def document() -> dict[str, Any]:
         if api.openapi_schema is None:
-            api.openapi_schema = openapi.complete(default_openapi(), SURFACES, api_keys)
+            api.openapi_schema = openapi.complete(default_openapi(), SURFACES, api_keys, strict=strict)
         return api.openapi_schema
 
     api.openapi = document  # type: ignore[method-assign]
@@ -202,7 +205,8 @@ class FrontendApp:
     def _build_api_soon(self) -> asyncio.Future[FastAPI]:
         if self._api_building is None:
             guard: Guard | None = self.tenants or self.api_keys
-            building = asyncio.to_thread(build_api, self.models, self.metrics, guard)
+            strict = self.limits.reject_unknown_fields
+            building = asyncio.to_thread(build_api, self.models, self.metrics, guard, strict=strict)
             self._api_building = asyncio.ensure_future(building)
         return self._api_building
 

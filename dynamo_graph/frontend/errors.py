@@ -6,6 +6,8 @@ our own failures are 5xx.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import logging
 import os
 import re
@@ -155,6 +157,19 @@ def request_decoder(request_type: Any) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(request_type, float_hook=_integral)
 
 
+@functools.cache
+def strict_decoder(decoder: msgspec.json.Decoder) -> msgspec.json.Decoder:
+    """`decoder` refusing a request whose top level has a field its type does not declare (a
+    misspelled `maxtokens` would otherwise be ignored, no limit applied). The type is a subclass,
+    so `isinstance` holds. Nested objects (messages, content blocks, `nvext`) keep taking extra
+    keys: clients put vendor keys there (`cache_control`), and OpenAI checks the top level."""
+    lax = decoder.type
+    strict = msgspec.defstruct(
+        lax.__name__, [], bases=(lax,), module=lax.__module__, forbid_unknown_fields=True
+    )
+    return request_decoder(strict)
+
+
 def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     """The body as the decoder's type; an integral float where an int is typed is taken as the int
     (a second, rare pass); anything else wrong is a 400 naming the field."""
@@ -162,13 +177,43 @@ def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as err:  # a DecodeError too: first
         if "got `float`" not in str(err):
-            raise from_decode_error(err) from None
+            raise _refusal(err, decoder.type, body) from None
     except msgspec.DecodeError as err:
         raise from_decode_error(err) from None
     try:
         return msgspec.convert(_UNTYPED.decode(body), decoder.type)
     except msgspec.ValidationError as err:
-        raise from_decode_error(err) from None
+        raise _refusal(err, decoder.type, body) from None
+
+
+def _refusal(err: msgspec.ValidationError, request_type: Any, body: bytes) -> HTTPError:
+    if str(err).startswith(_UNKNOWN):  # at the top level: only that is strict (strict_decoder)
+        return unknown_fields(request_type, body)
+    return from_decode_error(err)
+
+
+_UNKNOWN = "Object contains unknown field"
+UNKNOWN_FIELD = "unknown_field"  # the code of that 400
+
+
+def unknown_fields(request_type: Any, body: bytes) -> HTTPError:
+    """The 400 of a request with fields its type does not declare: all of them, in OpenAI's
+    words, each with the declared field it is closest to (the body is decoded again, on this
+    error path only)."""
+    known = [field.encode_name for field in msgspec.structs.fields(request_type)]
+    given = _UNTYPED.decode(body)
+    names = [name for name in given if name not in known]
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"`{name}` (did you mean `{close[0]}`?)" if close else f"`{name}`")
+    plural = "s" if len(names) > 1 else ""
+    return HTTPError(
+        400,
+        f"Unrecognized request argument{plural} supplied: {', '.join(hints)}",
+        param=names[0],
+        code=UNKNOWN_FIELD,
+    )
 
 
 # msgspec's messages end with " - at `$.field[0].sub`"; the path becomes the OpenAI `param`.

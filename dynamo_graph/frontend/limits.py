@@ -6,6 +6,8 @@
 - `request_timeout_s`: wall time of one generation request from its admission; on expiry its
   generation is cancelled and the client gets a 504 (before the first byte) or an error event
   (mid-stream) (--request-timeout-s; None = none).
+- `reject_unknown_fields`: a request field its API does not declare is a 400 naming it
+  (--http-unknown-fields reject, the default) or ignored (ignore).
 - `model_wait_s`: how long a request for a served model with no routable worker waits for one
   before its 503 with `Retry-After` (--model-wait-s; the model watcher keeps such a model that
   long too).
@@ -49,6 +51,7 @@ class FrontendLimits:
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # 0: unlimited
     request_timeout_s: float | None = None
     model_wait_s: float = DEFAULT_MODEL_WAIT_S
+    reject_unknown_fields: bool = True
 
     @classmethod
     def from_settings(
@@ -58,6 +61,7 @@ class FrontendLimits:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         request_timeout_s: float | None = None,
         model_wait_s: float = DEFAULT_MODEL_WAIT_S,
+        unknown_fields: str = "reject",
     ) -> FrontendLimits:
         """The flag wins over DYN_HTTP_BODY_LIMIT_MB; a timeout of 0 means none."""
         body_limit = body_limit_from_env() if body_limit_mb is None else mb_to_bytes(body_limit_mb)
@@ -66,6 +70,7 @@ class FrontendLimits:
             max_concurrent=max_concurrent,
             request_timeout_s=request_timeout_s or None,
             model_wait_s=model_wait_s,
+            reject_unknown_fields=unknown_fields == "reject",
         )
 
 

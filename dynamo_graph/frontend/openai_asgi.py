@@ -27,10 +27,12 @@ import msgspec
 
 from dynamo_graph.frontend.errors import (
     OPENAI_ERROR,
+    UNKNOWN_FIELD,
     ErrorSchema,
     HTTPError,
     decode_request,
     post_only,
+    strict_decoder,
 )
 from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
@@ -201,6 +203,8 @@ class OpenAIHandler:
         self.timeout_s = limits.request_timeout_s
         self.admission = admission
         self.overloaded_body = self.error_body(OVERLOADED)
+        if limits.reject_unknown_fields:
+            self.decoder = strict_decoder(type(self).decoder)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -394,9 +398,10 @@ class OpenAIHandler:
         return request
 
     def error_body(self, err: HTTPError) -> bytes:
-        """An error as this API's clients expect it, naming the field they set (`param_names`)."""
+        """An error as this API's clients expect it, naming the field they set (`param_names`;
+        an unknown field is already named as they sent it)."""
         param = self.param_names.get(err.param or "")
-        if param is not None:
+        if param is not None and err.code != UNKNOWN_FIELD:
             message = re.sub(rf"\b{re.escape(err.param or '')}\b", param, err.message)
             err = HTTPError(err.status, message, param=param, code=err.code, error_type=err.error_type)
         return self.render_error(err)

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from dynamo_graph.frontend.auth import Guard
-from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema
+from dynamo_graph.frontend.errors import OPENAI_ERROR, ErrorSchema, strict_decoder
 from dynamo_graph.frontend.openai_asgi import Route, Surface
 
 # What every generation route may answer besides 200, and why.
@@ -130,11 +130,17 @@ def _get_routes(paths: dict[str, Any], keys: Guard | None) -> None:
     }
 
 
-def complete(doc: dict[str, Any], surfaces: Sequence[Surface], keys: Guard | None) -> dict[str, Any]:
-    """FastAPI's document with the generation routes, the errors and, with `keys`, security."""
+def complete(
+    doc: dict[str, Any], surfaces: Sequence[Surface], keys: Guard | None, *, strict: bool = True
+) -> dict[str, Any]:
+    """FastAPI's document with the generation routes, the errors and, with `keys`, security;
+    `strict`: request bodies refuse fields they do not declare (`--http-unknown-fields`)."""
     routes = [(route, surface.error) for surface in surfaces for route in surface.routes]
+    decoders = [route.handler.decoder for route, _ in routes]
+    if strict:
+        decoders = [strict_decoder(decoder) for decoder in decoders]
     bodies, components = msgspec.json.schema_components(
-        [route.handler.decoder.type for route, _ in routes], ref_template="#/components/schemas/{name}"
+        [decoder.type for decoder in decoders], ref_template="#/components/schemas/{name}"
     )
     root = doc.setdefault("components", {})
     schemas = root.setdefault("schemas", {})

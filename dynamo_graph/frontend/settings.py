@@ -6,6 +6,7 @@ frontend's `http:`, `limits:` and `record:` sections are built from the same fie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dynamo_graph.options import SettingError, Spell, setting
 
@@ -72,6 +73,10 @@ class LimitSettings:
     health_check_timeout_s: float | None = setting(None, flag="--health-check-timeout-s", gt=0)
     """A probe not answered within this takes the instance out of routing until one passes
     (default DYN_HEALTH_CHECK_TIMEOUT_S, else 3)."""
+    unknown_fields: Literal["reject", "ignore"] = setting("reject", flag="--http-unknown-fields")
+    """A request naming a field its API does not have (a misspelled `maxtokens`): `reject` answers
+    400 naming it, as OpenAI does; `ignore` serves it without, for clients that send vendor extras
+    this server does not know. Only the request's top level is checked (docs/http-api.md)."""
     model_wait_s: float = setting(30.0, flag="--model-wait-s", ge=0)
     """A served model whose workers are all gone (being replaced, restarting) stays listed this
     long: its requests wait for a worker, then get 503 with `Retry-After`, never 404 (0 = drop it

@@ -2,8 +2,10 @@
 
 One definition for every input: the HTTP frontend decodes request bodies straight into these
 (msgspec names the offending field in its errors, which become OpenAI error bodies), and the
-text / batch inputs build them in code. Unknown fields are ignored, as OpenAI-compatible servers
-do; values out of range are rejected here so nothing downstream has to re-check them.
+text / batch inputs build them in code. Values out of range are rejected here so nothing
+downstream has to re-check them. The types ignore fields they do not declare; the frontend
+decodes into a strict subclass unless told to ignore them (`--http-unknown-fields`), so OpenAI
+fields that change nothing here are declared (`BookkeepingFields`) to stay accepted.
 
 What the pipeline checks after decoding (preprocessor.py: a non-empty prompt or message list,
 text-only content, one choice, ...) is stated beside the field as JSON Schema
@@ -138,7 +140,19 @@ class NvExt(msgspec.Struct, omit_defaults=True):
         return self.agent_context.session_id if self.agent_context is not None else None
 
 
-class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
+class BookkeepingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """OpenAI's request fields that change no output here (usage bookkeeping, billing tiers,
+    their own prompt cache's key): accepted, so clients that send them are not refused."""
+
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
+
+
+class _SamplingFields(BookkeepingFields, omit_defaults=True, kw_only=True):
     """Fields shared by chat and completions requests (OpenAI's plus vLLM/Dynamo extensions)."""
 
     model: str
@@ -162,7 +176,6 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
         ]
         | None
     ) = None
-    user: str | None = None
     ignore_eos: bool | None = None
     min_tokens: NonNegInt | None = None
     skip_special_tokens: bool | None = None

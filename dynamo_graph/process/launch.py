@@ -149,6 +149,7 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s,
         model_wait_s=cfg.limits.model_wait_s,
+        unknown_fields=cfg.limits.unknown_fields,
     )
     try:
         keys = ApiKeys(keys_from_settings(cfg.http.api_key))

@@ -92,6 +92,7 @@ def test_dimensions_truncate_and_renormalize(mocker: ServerProcess) -> None:
         ({"model": "emb", "input": "word " * 200}, "input"),
         ({"model": "emb", "input": "x", "dimensions": 0}, "dimensions"),
         ({"model": "emb", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": "emb", "input": "x", "dimension": 8}, "dimension"),  # an unknown field
         ({"model": "emb"}, "input"),
         ({"model": "nope", "input": "x"}, "model"),
     ],

@@ -1,8 +1,9 @@
 """Anthropic Messages requests as msgspec Structs: content blocks and tool choices are unions
 tagged by `type`, so a wrong block is a decode error naming `messages[i].content[j]`.
 
-Fields that change nothing here (`metadata`, `thinking`, `cache_control`, ...) are accepted and
-ignored.
+Fields that change nothing here (`metadata`, `thinking`, `service_tier`, a block's
+`cache_control`, ...) are accepted and ignored; a top-level field the API does not have is refused
+unless the frontend is told to ignore those (`--http-unknown-fields`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # extended thinking's budget: the template decides here
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -137,4 +139,5 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
     nvext: NvExt | None = None  # Dynamo's extensions, as on chat completions

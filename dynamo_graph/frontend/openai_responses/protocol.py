@@ -2,8 +2,9 @@
 
 `input` items stay plain objects: an easy input message has no `type`, so no tagged union fits,
 and serving.py checks each item's fields itself, naming them as `input[i].field`. Fields that
-change nothing here (`include`, `reasoning`, `truncation`, `user`, ...) are accepted and ignored;
-those that would need state or tools we do not run are refused in serving.py.
+change nothing here (`include`, `reasoning`, `truncation`, `user`, ...) are declared, accepted and
+ignored; those that would need state or tools we do not run are refused in serving.py; any other
+is refused unless the frontend is told to ignore those (`--http-unknown-fields`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from dynamo_graph.llm.openai import NvExt, PosInt, Probability, Temperature
+from dynamo_graph.llm.openai import BookkeepingFields, NvExt, PosInt, Probability, Temperature
 
 
 class FunctionTool(msgspec.Struct, omit_defaults=True):
@@ -89,7 +90,7 @@ INPUT_ITEMS = {
 _STATELESS = Meta(extra_json_schema={"not": {}})
 
 
-class ResponsesRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+class ResponsesRequest(BookkeepingFields, omit_defaults=True, kw_only=True):
     model: str
     input: Annotated[
         str | list[dict[str, Any]], Meta(extra_json_schema={"allOf": [{"anyOf": [_STRING, INPUT_ITEMS]}]})
@@ -103,11 +104,10 @@ class ResponsesRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
-    store: bool | None = None
     previous_response_id: Annotated[str, _STATELESS] | None = None
     conversation: Annotated[Any, Meta(extra_json_schema={"type": "null"})] = None
     background: Annotated[bool, Meta(extra_json_schema={"const": False})] | None = None
-    metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
-    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
     nvext: NvExt | None = None  # Dynamo's extensions, as on chat completions
