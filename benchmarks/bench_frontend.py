@@ -185,13 +185,15 @@ def embedded_planes(scratch: Path) -> dict[str, str]:
     }
 
 
-def mocker_workers(model: str, scratch: Path, env: dict[str, str], count: int = 2) -> list[subprocess.Popen]:
+def mocker_workers(
+    model: str, scratch: Path, env: dict[str, str], count: int = 2, extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
     """`count` mocker workers at speedup 10000 serving `model` as "bench" (`env`: their planes
-    and whatever else they need)."""
+    and whatever else they need; `extra`: more of their arguments)."""
     engine_args = scratch / "mocker.json"
     engine_args.write_text(json.dumps({"speedup_ratio": 10000, "block_size": 16, "num_gpu_blocks": 65536}))
     argv = [sys.executable, "-m", "dynamo_graph", "run", "in=dyn://bench.mocker.generate", "out=mocker"]
-    argv += [model, "--model-name", "bench", "--extra-engine-args", str(engine_args)]
+    argv += [model, "--model-name", "bench", "--extra-engine-args", str(engine_args), *extra]
     full_env = {**os.environ, **env, "DYN_LOG": "warn"}
     return [subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL) for _ in range(count)]
 

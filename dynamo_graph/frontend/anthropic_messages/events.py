@@ -9,7 +9,6 @@ text delta is built from a prefix made when its block opens (docs/benchmarks.md)
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import msgspec
@@ -18,6 +17,7 @@ from dynamo_graph.frontend.anthropic_messages.protocol import MessagesRequest
 from dynamo_graph.frontend.errors import ErrorSchema, HTTPError
 from dynamo_graph.llm.chat_output import Delta
 from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.runtime.context import unique_hex
 
 _encode = msgspec.json.encode
 _ERROR_TYPES = {
@@ -74,7 +74,7 @@ class MessageEvents:
         self._text_head = b""
         self.content: list[dict[str, Any]] = []
         self._message: dict[str, Any] = {
-            "id": "msg_" + uuid.uuid4().hex,
+            "id": "msg_" + unique_hex(),
             "type": "message",
             "role": "assistant",
             "model": request.model,

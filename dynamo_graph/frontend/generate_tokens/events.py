@@ -5,7 +5,6 @@ ids (`{"content": [{"token_id", "logprob", "top_logprobs": [{"token_id", "logpro
 from __future__ import annotations
 
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -14,6 +13,7 @@ from dynamo_graph.frontend.openai_chat.protocol import usage_dict
 from dynamo_graph.frontend.sse import DONE, error_event
 from dynamo_graph.llm.pipeline import Prepared
 from dynamo_graph.llm.token_output import TokenDelta
+from dynamo_graph.runtime.context import unique_hex
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.errors import HTTPError
@@ -40,7 +40,7 @@ class TokensWriter:
 
     def __init__(self, model: str, request_id: str | None, prepared: Prepared, *, usage: bool) -> None:
         self.model = model
-        self.request_id = request_id or uuid.uuid4().hex
+        self.request_id = request_id or unique_hex()
         self.prepared = prepared
         self.usage = usage
         self.wants_logprobs = prepared.preprocessed is not None and (

@@ -10,7 +10,6 @@ the frontend's CPU budget and not (docs/benchmarks.md).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ from dynamo_graph.frontend.sse import DONE, error_event
 from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dynamo_graph.llm.pipeline import Delta, Prepared
 from dynamo_graph.llm.tool_calls import ToolCallDelta, merge_events
+from dynamo_graph.runtime.context import unique_hex
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.errors import HTTPError
@@ -48,7 +48,7 @@ class ChunkWriter:
 
     def __init__(self, model: str, *, chat: bool, prepared: Prepared | None = None) -> None:
         """`prepared`: the request whose usage the last chunk reports (include_usage), or None."""
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + unique_hex()
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._meta = b'"created":%d,"model":%s,"object":"%s"}' % (
             int(time.time()),

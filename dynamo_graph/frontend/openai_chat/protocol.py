@@ -5,7 +5,6 @@ token-in/token-out report it too)."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import msgspec
 
@@ -13,6 +12,7 @@ from dynamo_graph.frontend.errors import request_decoder
 from dynamo_graph.llm.logprobs import TokenLogprob, chat_logprobs
 from dynamo_graph.llm.openai import ChatCompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.runtime.context import unique_hex
 
 __all__ = ["DECODER", "ChatCompletionRequest", "chat_completion_body", "usage_dict"]
 
@@ -47,7 +47,7 @@ def chat_completion_body(
     if tool_calls:
         message["tool_calls"] = tool_calls
     body = {
-        "id": "chatcmpl-" + uuid.uuid4().hex,
+        "id": "chatcmpl-" + unique_hex(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,

@@ -4,7 +4,6 @@ field) and the whole, non-streamed response body."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import msgspec
 
@@ -13,6 +12,7 @@ from dynamo_graph.frontend.openai_chat.protocol import usage_dict
 from dynamo_graph.llm.logprobs import TokenLogprob, completion_logprobs
 from dynamo_graph.llm.openai import CompletionRequest
 from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.runtime.context import unique_hex
 
 __all__ = ["DECODER", "CompletionRequest", "completion_body"]
 
@@ -28,7 +28,7 @@ def completion_body(
 ) -> bytes:
     """`logprobs`: None when the request did not ask for them."""
     body = {
-        "id": "cmpl-" + uuid.uuid4().hex,
+        "id": "cmpl-" + unique_hex(),
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,

@@ -11,7 +11,6 @@ frontend's CPU budget (docs/benchmarks.md).
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -20,12 +19,13 @@ from dynamo_graph.frontend.errors import HTTPError
 from dynamo_graph.frontend.openai_responses.protocol import ResponsesRequest
 from dynamo_graph.llm.chat_output import Delta
 from dynamo_graph.llm.pipeline import Prepared
+from dynamo_graph.runtime.context import unique_hex
 
 _encode = msgspec.json.encode
 
 
 def _id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
+    return prefix + unique_hex()
 
 
 class ResponseEvents:
