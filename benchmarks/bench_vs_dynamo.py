@@ -19,6 +19,7 @@ Results: benchmarks/results/frontend_vs_dynamo.json (with the commit and the mac
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,11 +45,14 @@ def for_both(body: dict) -> dict:
 
 BODY = for_both(bench.STREAM_BODY)
 _long = long_body(4096, one_message=True)
+_questions = itertools.count()
 
 
-def LONG_BODY(number: int) -> dict:
-    """Request `number` of bench_long_prompts.py's one_message workload."""
-    return for_both(_long(number))
+def LONG_BODY(_: int) -> dict:
+    """The next request of bench_long_prompts.py's one_message workload: numbered across the
+    whole run (`measure` numbers each point's requests from 0), so no question comes twice and
+    no stack answers a repeat from a cache of whole prompts."""
+    return for_both(_long(next(_questions)))
 
 
 def dynamo_stack(

@@ -124,8 +124,22 @@ class DisaggRouter:
         """The decode pool's: it is what must be up for a request to be served at all."""
         return self.decode.instance_ids()
 
-    async def generate(
+    def generate(
         self, request: PreprocessedRequest, context: Context, *, exclude: set[int] | None = None
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """Where the model has no prefill pool at all (aggregated serving), the decode pool's
+        stream as it is: no generator of ours on the per-token path."""
+        if self.prefill is None and not self.config.enforce:
+            self._local_prefill(context, "no_prefill_worker")
+            return self.decode.generate(request, context, exclude=exclude)
+        return self._routed(request, context, exclude)
+
+    def _local_prefill(self, context: Context, reason: str) -> None:
+        tracing.event(context, "local_prefill", {"disagg.reason": reason})
+        self._count("local", reason)
+
+    async def _routed(
+        self, request: PreprocessedRequest, context: Context, exclude: set[int] | None
     ) -> AsyncIterator[LLMEngineOutput]:
         reason = self._local_reason(request, exclude)
         first: LLMEngineOutput | None = None
@@ -146,8 +160,7 @@ class DisaggRouter:
                 first, reason = await self._remote_prefill(request, context, exclude)
                 span.set("disagg.outcome", reason)
         if first is None:
-            tracing.event(context, "local_prefill", {"disagg.reason": reason})
-            self._count("local", reason)
+            self._local_prefill(context, reason)
             async for out in self.decode.generate(request, context, exclude=exclude):
                 yield out
             return
