@@ -9,7 +9,16 @@ behind kv routing over two workers, new connections. The figure is each frontend
 CPU-ms per request read from /proc, the stacks taking turns over rounds (`alternate`) so a
 shared machine's drift falls on both.
 
-Dynamo runs from its own virtual environment (notes/PERF.md says how to install it):
+Dynamo runs from its own virtual environment. `pip install ai-dynamo==1.6.1` fails offline (its
+`aisimulate` dependency downloads at install time); this works, and the frontend and mocker run
+without aisimulate:
+
+    python3 -m venv /tmp/dynvenv
+    /tmp/dynvenv/bin/pip install --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+    /tmp/dynvenv/bin/pip install 'aiohttp<4.0,>=3.14.3' certifi 'kubernetes<33.0.0,>=32.0.1' \
+        'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' \
+        'tqdm>=4.0.0' 'transformers>=4.56.0' 'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' \
+        'pydantic>=2.10.6,<=2.13.5' 'uvloop>=0.21.0' jinja2
 
     python benchmarks/bench_vs_dynamo.py --model .cache/tiny-model --dynamo-python /tmp/dynvenv/bin/python
 
