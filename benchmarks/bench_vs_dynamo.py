@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_frontend as bench
 from bench_long_prompts import long_body
 
-from dynamo_graph.bench.provenance import provenance
+from dynamo_graph.bench.provenance import git_of, provenance
 from dynamo_graph.bench.report import write_json
 
 
@@ -190,6 +190,7 @@ def main() -> int:
     result: dict = {
         "benchmark": "frontend CPU per streamed chat request, dyngraph beside Dynamo 1.6.1",
         "provenance": provenance(),
+        "git": git_of(Path(__file__)),
         "workload": {
             "engine": "each stack's own mocker at speedup 10000",
             "output_tokens": 64,
