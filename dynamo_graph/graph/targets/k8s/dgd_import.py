@@ -126,7 +126,9 @@ def mocker_overrides(graph: dict[str, Any], model: str) -> list[str]:
         if comp["kind"] != "worker":
             continue
         overrides.append(f"components.{key}.engine=mocker")
-        overrides += [f"~components.{key}.{field}" for field in ("engine_args", "gpus", "nodes") if field in comp]
+        overrides += [
+            f"~components.{key}.{field}" for field in ("engine_args", "gpus", "nodes") if field in comp
+        ]
     return overrides
 
 
