@@ -18,6 +18,10 @@ from typing import Any, Literal
 
 from dynamo_graph.options import SettingError, Spell, setting
 
+FOLLOWING = "following leader"
+"""What a worker of node rank > 0 logs as it starts its engine, which joins the leader (it
+serves nothing itself: the leader does, for the whole replica)."""
+
 
 class RunConfigError(SettingError):
     """A setting that cannot be used (a flag, an engine argument, a model): the CLI prints the

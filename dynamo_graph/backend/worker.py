@@ -46,7 +46,7 @@ from dynamo_graph.backend.handlers import (
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
 from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publisher, lora_handler
 from dynamo_graph.backend.metrics import serve_metrics
-from dynamo_graph.backend.settings import RunConfigError
+from dynamo_graph.backend.settings import FOLLOWING, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest, PreprocessedRequest
@@ -189,6 +189,8 @@ async def serve_engine(
     engine drain and streams in flight finish (one grace period for both), close the runtime
     (lease), release the engine, withdraw the event publisher. `grace_s`: DYN_SHUTDOWN_GRACE_S
     or SHUTDOWN_GRACE_S unless given."""
+    if cfg.engine.node_rank > 0:
+        return await follow_leader(cfg, name, start)
     if cfg.worker.static_worker:
         check_static_worker_settings()
     grace_s = shutdown_grace_from_env() if grace_s is None else grace_s
@@ -271,6 +273,44 @@ async def serve_engine(
             await metrics.close()
         if fetcher is not None:
             await fetcher.close()
+
+
+async def follow_leader(cfg: WorkerConfig, name: EndpointName, start: EngineStarter) -> int:
+    """A rank > 0 of a replica over several nodes: its engine joins the leader's rendezvous and
+    works on the leader's requests; it registers nothing (the leader serves for the replica) and
+    runs until SIGINT/SIGTERM. It logs FOLLOWING as it starts the engine, whose start may only
+    return once every rank has joined, or never (the rank's work loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    e = cfg.engine
+    console.print(
+        f"[bold green]dyngraph[/] worker {name} node rank {e.node_rank} of {e.num_nodes} "
+        f"{FOLLOWING} {e.leader_addr}"
+    )
+    starting = asyncio.ensure_future(start(0, _no_hook))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            started = starting.result()  # raises what the engine raised
+            try:
+                await stopping
+            finally:
+                await started.engine.cleanup()
+        return 0
+    finally:
+        stopping.cancel()
+        starting.cancel()  # a start still running cleans its engine up as it ends
+        with contextlib.suppress(BaseException):
+            await starting
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _no_hook(engine: LLMEngine) -> None:
+    """A follower publishes no KV events (the leader's engine does, for the replica)."""
 
 
 async def _serve_lora_adapters(

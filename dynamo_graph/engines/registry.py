@@ -49,6 +49,9 @@ class EngineSpec:
     # Computes on the GPUs it is given; the echo engines and the mocker only pretend, so a host
     # without them can run a graph of them that asks for GPUs (an imported Dynamo deployment).
     uses_gpus: bool = True
+    # One replica may span nodes: it takes --num-nodes, --node-rank and --leader-addr (a graph's
+    # `nodes`); python engine files get them as arguments and may too.
+    multi_node: bool = False
 
     @property
     def needs_model(self) -> bool:
@@ -111,6 +114,7 @@ ENGINES: dict[str, EngineSpec] = {
             kv_connector=("kv_transfer_config", '{"kv_connector": "NixlConnector"}'),
             lora=True,
             capabilities=(LOGPROBS, *GUIDED),
+            multi_node=True,
         ),
         EngineSpec(
             "llamacpp",
@@ -142,6 +146,7 @@ ENGINES: dict[str, EngineSpec] = {
             kv_connector=("disaggregation_transfer_backend", "nixl (or mooncake)"),
             decode_prefills=False,
             capabilities=GUIDED,
+            multi_node=True,
         ),
         EngineSpec(
             "trtllm",
@@ -152,6 +157,7 @@ ENGINES: dict[str, EngineSpec] = {
             kv_events=True,
             kv_connector=("cache_transceiver_config", '{"backend": "DEFAULT"}'),
             capabilities=GUIDED,
+            multi_node=True,
         ),
     )
 }
@@ -201,6 +207,7 @@ ENGINE_PACKAGES = {name: spec.package for name, spec in ENGINES.items() if spec.
 GPU_FREE_ENGINES = frozenset(name for name, spec in ENGINES.items() if not spec.uses_gpus)
 KV_EVENT_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_events)
 KV_TRANSFER_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.kv_transfer)
+MULTI_NODE_ENGINES = frozenset(name for name, spec in ENGINES.items() if spec.multi_node)
 KV_CONNECTOR_ENGINES = {name: spec.kv_connector for name, spec in ENGINES.items() if spec.kv_connector}
 DECODE_ONLY_ENGINES = frozenset(name for name, spec in ENGINES.items() if not spec.decode_prefills)
 EMBEDDING_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.embedding_target)

@@ -28,14 +28,16 @@ only: no key material is in the plan, so `render` and `status` show none.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import msgspec
 import yaml
 
-from dynamo_graph.backend.settings import EngineSettings, WorkerSettings
+from dynamo_graph.backend.settings import FOLLOWING, EngineSettings, WorkerSettings
 from dynamo_graph.engines.registry import engine_file
 from dynamo_graph.frontend.settings import (
     GROUP_ENV,
@@ -510,7 +512,7 @@ class _Compiler:
         """GPUs that components name (`gpu_ids`, `base_gpu_id`) on each host: never auto-assigned."""
         named: dict[str, set[int]] = {}
         for worker in self.graph.workers().values():
-            per, gpus = worker.gpus.per_replica, worker.gpus
+            per, gpus = worker.gpus_per_node, worker.gpus
             if per == 0 or (gpus.gpu_ids is None and gpus.base_gpu_id is None):
                 continue
             slots: dict[str, int] = {}
@@ -521,15 +523,15 @@ class _Compiler:
 
     @staticmethod
     def _explicit_gpus(worker: Worker, slot: int) -> list[int]:
-        per, gpus = worker.gpus.per_replica, worker.gpus
+        per, gpus = worker.gpus_per_node, worker.gpus
         if gpus.gpu_ids is not None:
             return gpus.gpu_ids[slot * per : (slot + 1) * per]
         assert gpus.base_gpu_id is not None
         return list(range(gpus.base_gpu_id + slot * per, gpus.base_gpu_id + (slot + 1) * per))
 
     def _gpu_env(self, worker: Worker, host: str, slot: int) -> dict[str, str]:
-        """CUDA_VISIBLE_DEVICES of the `slot`-th replica of `worker` on `host`."""
-        per = worker.gpus.per_replica
+        """CUDA_VISIBLE_DEVICES of the `slot`-th process of `worker` on `host`."""
+        per = worker.gpus_per_node
         if per == 0:
             return {}
         if worker.gpus.gpu_ids is not None or worker.gpus.base_gpu_id is not None:
@@ -552,7 +554,7 @@ class _Compiler:
         used: dict[str, int] = {}
         for worker in workers.values():
             for host in worker.hosts_of_replicas():
-                used[host] = used.get(host, 0) + worker.gpus.per_replica
+                used[host] = used.get(host, 0) + worker.gpus_per_node
         budget = self.graph.max_gpus
         left = None if budget is None else budget - sum(used.values())
         policies = {}
@@ -561,18 +563,20 @@ class _Compiler:
             scale = worker.autoscale
             if scale is None:
                 continue
-            per, fits, capped = worker.gpus.per_replica, worker.replicas, ""
+            per, fits, capped = worker.gpus_per_node, worker.replicas, ""
             while fits < scale.max_replicas and per:
-                host = worker.placement[fits % len(worker.placement)]
-                have = self.graph.host(host).gpus
-                if used.get(host, 0) + per > have:
-                    capped = f"host {host!r} has {have} GPU(s) and {per} per replica"
+                hosts = worker.hosts_of_replica(fits)
+                full = [h for h in hosts if used.get(h, 0) + per > self.graph.host(h).gpus]
+                if full:
+                    have = self.graph.host(full[0]).gpus
+                    capped = f"host {full[0]!r} has {have} GPU(s) and {per} per replica"
                     break
-                if left is not None and left < per:
+                if left is not None and left < per * len(hosts):
                     capped = f"max_gpus is {budget}"
                     break
-                used[host] = used.get(host, 0) + per
-                left = None if left is None else left - per
+                for host in hosts:
+                    used[host] = used.get(host, 0) + per
+                left = None if left is None else left - per * len(hosts)
                 fits += 1
             fits = fits if per else scale.max_replicas
             policies[name] = AutoscalePolicy(
@@ -628,71 +632,87 @@ class _Compiler:
             dyn_reasoning_parser=model.reasoning_parser,
             **{key: value for key, value in given.items() if value is not None},  # None: the default
         )
-        argv = [
-            "dyngraph",
-            "run",
-            f"in={worker.endpoint_name()}",
-            f"out={engine}",
-            *to_argv(engine_settings),
-            *to_argv(worker_settings),
-        ]
+        argv = ["dyngraph", "run", f"in={worker.endpoint_name()}", f"out={engine}"]
         depends_on, restart = self._common(name)
         pairing = self._pairing(worker, engine) if worker.role in ("prefill", "decode") else ""
-        procs = []
+        procs: list[ProcessSpec] = []
         on_host: dict[str, int] = {}
-        for replica, host in enumerate(worker.hosts_of_replicas()):
-            slot = on_host[host] = on_host.get(host, -1) + 1
-            env = {
-                **self.planes_env(),
-                **self._tracing_env(name),
-                **self._host_env(host),
-                **self._gpu_env(worker, host, slot),
-                # In-flight requests get the grace, minus time to end the rest (so they migrate)
-                # before the supervisor's SIGKILL at shutdown_grace_s.
-                "DYN_SHUTDOWN_GRACE_S": _inner_grace(worker.shutdown_grace_s),
-                **dict(sorted(worker.env.items())),
-            }
-            side_env, side_ports, side_args = self._side_channels(worker, f"{name}-{replica}", host)
-            tls_env, carry = self._tls_env(f"{name}-{replica}", host, self._address(host))
-            env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
-            ports: dict[str, int | str] = dict.fromkeys(side_ports, "auto")
-            metrics_args: list[str] = []
-            if worker.metrics_port is not None and (
-                not self.tls or "metrics_port" in worker.model_fields_set
-            ):
-                # with TLS on, a plaintext /metrics only where the graph asks for it
-                port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + replica
-                port_name = f"{name}-{replica}.metrics"
-                ports[port_name] = port
-                bind = self._address(host) or "127.0.0.1"
-                metrics_args = ["--metrics-port", _port(port, port_name), "--metrics-host", bind]
-            if worker.static:
-                port = worker.tcp_port + replica if worker.tcp_port else "auto"
-                port_name = f"{name}-{replica}.tcp"
-                ports[port_name] = port
-                env["DYN_TCP_PORT"] = _port(port, port_name)
-            procs.append(
-                ProcessSpec(
-                    name=f"{name}-{replica}",
+        for replica in range(worker.replicas):
+            hosts = worker.hosts_of_replica(replica)
+            group = f"{name}-{replica}" if worker.nodes > 1 else ""
+            rendezvous = f"{name}-{replica}.leader"
+            leader = f"{self._address(hosts[0]) or '127.0.0.1'}:{port_placeholder(rendezvous)}"
+            for rank, host in enumerate(hosts):
+                slot = on_host[host] = on_host.get(host, -1) + 1
+                ranked = engine_settings
+                if group:
+                    ranked = dataclasses.replace(
+                        engine_settings, num_nodes=worker.nodes, node_rank=rank, leader_addr=leader
+                    )
+                spec = ProcessSpec(
+                    name=f"{name}-{replica}" if rank == 0 else f"{name}-{replica}.rank{rank}",
                     component=name,
                     replica=replica,
                     host=host,
-                    argv=[*argv, *metrics_args, *side_args],
-                    env=env,
+                    argv=[*argv, *to_argv(ranked), *to_argv(worker_settings)],
+                    env={},
                     workdir=self._workdir(host),
-                    ports=ports,
+                    ports={rendezvous: "auto"} if group and rank == 0 else {},
                     depends_on=depends_on,
-                    readiness=Probe("log", "serving model", worker.readiness.timeout_s),
+                    readiness=Probe(
+                        "log", FOLLOWING if rank else "serving model", worker.readiness.timeout_s
+                    ),
                     restart=restart,
                     shutdown_grace_s=worker.shutdown_grace_s,
                     role=worker.role,
                     rollout=self._rollout(name),
                     rolls=not worker.static,  # a static worker's fixed address is taken until it stops
                     pairing=pairing,
-                    carry=carry,
+                    group=group,
+                    rank=rank,
                 )
-            )
+                procs.append(self._worker_process(name, worker, spec, slot, len(procs)))
         return procs
+
+    def _worker_process(
+        self, name: str, worker: Worker, spec: ProcessSpec, slot: int, index: int
+    ) -> ProcessSpec:
+        """A worker process's environment and ports: its planes, GPUs (the `slot`-th on its host),
+        side channels, TLS files and `/metrics` (fixed ports count by `index`, the process's place
+        among the worker's)."""
+        process, host = spec.name, spec.host
+        env = {
+            **self.planes_env(),
+            **self._tracing_env(name),
+            **self._host_env(host),
+            **self._gpu_env(worker, host, slot),
+            # In-flight requests get the grace, minus time to end the rest (so they migrate)
+            # before the supervisor's SIGKILL at shutdown_grace_s.
+            "DYN_SHUTDOWN_GRACE_S": _inner_grace(worker.shutdown_grace_s),
+            **dict(sorted(worker.env.items())),
+        }
+        if spec.group and worker.engine == "vllm":  # where the other ranks reach this one's workers
+            env.setdefault("VLLM_HOST_IP", self._address(host) or "127.0.0.1")
+        side_env, side_ports, side_args = self._side_channels(worker, process, host)
+        tls_env, carry = self._tls_env(process, host, self._address(host))
+        env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
+        ports: dict[str, int | str] = {**spec.ports, **dict.fromkeys(side_ports, "auto")}
+        metrics_args: list[str] = []
+        if worker.metrics_port is not None and (not self.tls or "metrics_port" in worker.model_fields_set):
+            # with TLS on, a plaintext /metrics only where the graph asks for it
+            port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + index
+            port_name = f"{process}.metrics"
+            ports[port_name] = port
+            bind = self._address(host) or "127.0.0.1"
+            metrics_args = ["--metrics-port", _port(port, port_name), "--metrics-host", bind]
+        if worker.static:
+            port = worker.tcp_port + index if worker.tcp_port else "auto"
+            port_name = f"{process}.tcp"
+            ports[port_name] = port
+            env["DYN_TCP_PORT"] = _port(port, port_name)
+        return msgspec.structs.replace(
+            spec, argv=[*spec.argv, *metrics_args, *side_args], env=env, ports=ports, carry=carry
+        )
 
     def _engine_args_from_file(self, worker: Worker) -> dict[str, object]:
         """A worker's `engine_args_file` as read now ({} when unreadable: preflight says why)."""

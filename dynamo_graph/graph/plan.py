@@ -99,6 +99,11 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     # certificates): on a remote host the ssh launcher carries the file's contents over the
     # channel, and the agent points the variable at its private copy there.
     carry: list[str] = []
+    # A replica over several nodes (a worker's `nodes`): its leader's name, the same for all its
+    # ranks, which start, stop and restart together (targets/local/gang.py); "" for a replica
+    # of one process.
+    group: str = ""
+    rank: int = 0  # this process's node rank in its group; 0 is the leader, which serves
 
 
 class RemoteHost(msgspec.Struct, frozen=True):

@@ -570,13 +570,23 @@ class Worker(_Component):
     engine_args_file: str | None = None
     """JSON file of engine arguments (--extra-engine-args); instead of `engine_args`."""
     replicas: int = Field(1, ge=0)
-    """Worker processes; replica i runs on `placement[i % len(placement)]`. 0 keeps the
-    component declared with nothing running (e.g. a prefill pool scaled down by a re-`up`).
-    With `autoscale`, where the planner starts."""
+    """Copies of the engine; replica i runs on `placement[i % len(placement)]` (over several
+    hosts: `nodes`). 0 keeps the component declared with nothing running (e.g. a prefill pool
+    scaled down by a re-`up`). With `autoscale`, where the planner starts."""
     autoscale: Autoscale | None = None
     """Let the supervisor's planner size the replicas between `min_replicas` and `max_replicas`."""
     placement: list[str] = Field([LOCAL], min_length=1)
     """Hosts the replicas are spread over, round-robin (keys of `hosts`, or `local`)."""
+    nodes: int = Field(1, ge=1, le=64)
+    """Hosts one replica spans, for a model bigger than one node: its ranks run on `nodes`
+    distinct hosts of `placement`, rank r of replica i on `placement[(i * nodes + r) %
+    len(placement)]` (a placement of one host runs them all there: a rehearsal on one
+    machine). Rank 0, the leader, serves the endpoint; the others join it at the rendezvous
+    port it listens on (--num-nodes, --node-rank, --leader-addr). The ranks of a replica
+    start, stop, restart and roll out together. `gpus.per_replica` is the whole replica's, split
+    evenly: `per_replica / nodes` on each host; `tensor_parallel_size` × the engine's pipeline
+    and data parallel sizes (engine_args) is the engine's ranks, a multiple of `nodes` and, with
+    GPUs, `per_replica`. Engines vllm, sglang, trtllm and python files."""
     gpus: Gpus = Gpus()
     """GPU use per replica."""
     role: Literal["agg", "prefill", "decode"] = "agg"
@@ -663,14 +673,68 @@ class Worker(_Component):
             )
         return self
 
+    @model_validator(mode="after")
+    def _multi_node(self) -> Worker:
+        """A replica over `nodes` hosts: distinct hosts, and its GPUs and model ranks split evenly."""
+        if self.nodes == 1:
+            return self
+        if self.engine not in registry.MULTI_NODE_ENGINES and not self.engine.endswith(".py"):
+            spans = ", ".join(sorted(registry.MULTI_NODE_ENGINES))
+            raise field_error(
+                "nodes", f"engine {self.engine} runs on one node; {spans} and python files span nodes"
+            )
+        one_host = len(self.placement) == 1
+        if not one_host and (
+            len(set(self.placement)) != len(self.placement) or len(self.placement) < self.nodes
+        ):
+            raise field_error(
+                "placement",
+                f"`nodes: {self.nodes}` puts each replica's ranks on {self.nodes} distinct hosts: "
+                f"list at least {self.nodes} hosts, none twice (or one, to run them all there)",
+            )
+        per, ranks = self.gpus.per_replica, self.model_ranks()
+        if per % self.nodes:
+            raise field_error("gpus.per_replica", f"{per} GPUs do not split evenly over {self.nodes} nodes")
+        if ranks % self.nodes:
+            raise field_error(
+                "gpus.tensor_parallel_size",
+                f"tensor × pipeline × data parallel size {ranks} is not a multiple of `nodes` "
+                f"({self.nodes}): each node runs an equal share of the engine's ranks",
+            )
+        if per and ranks != per:
+            raise field_error(
+                "gpus.per_replica",
+                f"a replica over {self.nodes} nodes runs one rank per GPU: tensor × pipeline × data "
+                f"parallel size is {ranks}, per_replica {per}",
+            )
+        return self
+
+    def model_ranks(self) -> int:
+        """tensor_parallel_size × the pipeline and data parallel sizes in `engine_args` (vLLM's
+        and TensorRT-LLM's `pipeline_parallel_size` and `data_parallel_size`, SGLang's `pp_size`
+        and `dp_size`): the ranks (GPUs) one replica's engine runs."""
+        args = self.engine_args or {}
+        pipeline = args.get("pipeline_parallel_size") or args.get("pp_size") or 1
+        data = args.get("data_parallel_size") or args.get("dp_size") or 1
+        return self.gpus.tensor_parallel_size * int(pipeline) * int(data)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs each process of a replica uses on its host."""
+        return self.gpus.per_replica // self.nodes
+
     def endpoint_name(self) -> EndpointName:
         """The endpoint; complete once `Graph` has validated (it fills in the default)."""
         assert self.endpoint is not None, "Graph validation fills in the endpoint"
         return EndpointName.parse(self.endpoint)
 
+    def hosts_of_replica(self, replica: int) -> list[str]:
+        """Hosts of one replica's ranks, leader first (one host unless `nodes` > 1)."""
+        return [self.placement[(replica * self.nodes + r) % len(self.placement)] for r in range(self.nodes)]
+
     def hosts_of_replicas(self) -> list[str]:
-        """Host of each replica, in replica order."""
-        return [self.placement[i % len(self.placement)] for i in range(self.replicas)]
+        """Host of each process, replica by replica (a multi-node replica's in rank order)."""
+        return [host for replica in range(self.replicas) for host in self.hosts_of_replica(replica)]
 
 
 def resolve_endpoint(text: str | None, *, namespace: str, component: str) -> EndpointName:

@@ -448,7 +448,7 @@ def check_gpus(graph: Graph) -> Iterator[Problem]:
             if host != LOCAL and host not in graph.hosts:
                 continue  # reported by check_references
             have = graph.host(host).gpus
-            need = replicas * gpus.per_replica
+            need = replicas * worker.gpus_per_node
             total[host] += need
             if total[host] > have and host not in reported:
                 reported.add(host)
@@ -459,7 +459,7 @@ def check_gpus(graph: Graph) -> Iterator[Problem]:
             if gpus.gpu_ids is not None and len(gpus.gpu_ids) < need:
                 yield Problem(
                     f"{where}.gpu_ids",
-                    f"{replicas} replica(s) on host {host!r} × {gpus.per_replica} GPUs need {need} ids, "
+                    f"{replicas} replica(s) on host {host!r} × {worker.gpus_per_node} GPUs need {need} ids, "
                     f"{len(gpus.gpu_ids)} given",
                 )
             field = "gpu_ids" if gpus.gpu_ids is not None else "base_gpu_id"
@@ -491,11 +491,11 @@ def _gpu_shortfall(host: str, have: int, need: int, total: int) -> str:
 
 def _explicit_ids(worker: Worker, replicas: int) -> set[int] | None:
     """GPU ids a worker names on a host it runs `replicas` replicas on, if it names any."""
-    gpus = worker.gpus
+    gpus, per = worker.gpus, worker.gpus_per_node
     if gpus.gpu_ids is not None:
-        return set(gpus.gpu_ids[: replicas * gpus.per_replica])
+        return set(gpus.gpu_ids[: replicas * per])
     if gpus.base_gpu_id is not None:
-        return set(range(gpus.base_gpu_id, gpus.base_gpu_id + replicas * gpus.per_replica))
+        return set(range(gpus.base_gpu_id, gpus.base_gpu_id + replicas * per))
     return None
 
 

@@ -559,10 +559,12 @@ async def test_bad_engine_args(tiny_model: Path, tmp_path: Path, args: dict[str,
 
 
 @in_module_loop
-async def test_secondary_node_is_refused_and_cleanup_is_idempotent(tiny_model: Path) -> None:
-    cfg = EngineSettings(num_nodes=2, node_rank=1, leader_addr="127.0.0.1:29501")
+async def test_cleanup_after_a_failed_start_is_idempotent(tiny_model: Path, tmp_path: Path) -> None:
+    extra = tmp_path / "args.json"
+    extra.write_text(json.dumps({"max_model_length": 128}))
+    cfg = EngineSettings(extra_engine_args=extra)
     engine = create_engine("vllm", cfg, resolve_model(str(tiny_model)))
-    with pytest.raises(VllmError, match="headless"):
+    with pytest.raises(VllmError, match="max_model_length"):
         await engine.start()
     await engine.cleanup()
     await engine.cleanup()

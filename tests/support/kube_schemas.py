@@ -2,6 +2,8 @@
 
 - Built-in kinds: `kubernetes-validate` (pinned in the test extra) with the OpenAPI schemas of
   Kubernetes `K8S_VERSION`, strict (unknown fields are errors).
+- LeaderWorkerSet: its CRD's openAPIV3Schema (tests/fixtures/lws/), strict as the DGD's, and its
+  pod templates as Kubernetes PodTemplates.
 - DynamoGraphDeployment: the CRD's openAPIV3Schema (tests/fixtures/dynamo/, Dynamo 0.6.0) made
   strict as its README says: an object schema with `properties` and neither
   `additionalProperties` nor `x-kubernetes-preserve-unknown-fields: true` takes no other key,
@@ -20,6 +22,7 @@ import kubernetes_validate
 
 K8S_VERSION = "1.33.0"
 DGD_SCHEMA = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo" / "dgd-v1alpha1.schema.json"
+LWS_SCHEMA = Path(__file__).resolve().parents[1] / "fixtures" / "lws" / "lws-v1.schema.json"
 
 
 def _strict(schema: Any) -> Any:
@@ -52,8 +55,24 @@ def dgd_errors(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+@cache
+def _lws_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(_strict(json.loads(LWS_SCHEMA.read_text())))
+
+
 def k8s_errors(doc: dict[str, Any]) -> list[str]:
-    """The violation of Kubernetes' own schema for the object's kind (strict), if any."""
+    """The violation of Kubernetes' own schema for the object's kind (strict), if any; a
+    LeaderWorkerSet's, every violation of its strict CRD schema and of its pod templates'."""
+    if doc.get("kind") == "LeaderWorkerSet":
+        errors = [
+            f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+            for e in _lws_validator().iter_errors(doc)
+        ]
+        template = doc.get("spec", {}).get("leaderWorkerTemplate", {})
+        for role in ("leaderTemplate", "workerTemplate"):
+            pods = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()}}
+            errors += k8s_errors({**pods, "template": template.get(role, {})})
+        return errors
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:

@@ -13,8 +13,9 @@ from dynamo_graph.graph.plan import Probe, ProcessSpec, RestartPolicy
 def process_spec(
     name: str, *, deps: tuple[str, ...] = (), argv: tuple[str, ...] = (), host: str = "local", **fields: Any
 ) -> ProcessSpec:
-    """`name` is `<component>-<replica>`; `fields` replace any other field (rollout, rolls...)."""
-    component, replica = name.rsplit("-", 1)
+    """`name` is `<component>-<replica>` (or `...-<replica>.rank<r>`, a rank of a replica over
+    nodes); `fields` replace any other field (rollout, rolls, group, rank...)."""
+    component, replica = name.partition(".rank")[0].rsplit("-", 1)
     spec = ProcessSpec(
         name=name,
         component=component,

@@ -189,8 +189,7 @@ def test_dynamo_deployments_import_validate_and_render_back_to_the_same_services
             "command", ["python3", "-m", "dynamo.frontend"]
         )
         assert _gpus_per_replica(ours) == _gpus_per_replica(service)
-        if "multinode" in service:  # no multi-node replicas in a graph yet: said, not dropped
-            assert any(n.startswith(f"services.{name}.multinode.nodeCount") for n in imported.notes)
+        assert ours.get("multinode") == service.get("multinode")  # nodeCount -> nodes -> nodeCount
     assert all(f"#   {n}" in out.read_text() for n in imported.notes)
 
 
@@ -248,15 +247,24 @@ def test_import_makes_dynamos_kv_transfer_defaults_explicit(tmp_path: Path) -> N
     )
 
 
-def test_multinode_is_read_as_gpus_per_node_times_nodes_and_said_untranslated(tmp_path: Path) -> None:
+def test_multinode_becomes_nodes_with_the_gpus_of_every_node(tmp_path: Path) -> None:
+    # nodeCount 2, 4 GPUs per node, --tp-size 8: one replica of TP 8 over 2 nodes of 4 GPUs.
     dgd = UPSTREAM / "examples/backends/sglang/deploy/disagg-multinode.yaml"
     imported = import_dgd_file(dgd, tmp_path / "g.yaml")
+    built = build(tmp_path / "g.yaml")
     for key in ("prefill", "decode"):
         comp = imported.graph["components"][key]
+        assert comp["nodes"] == 2
         assert comp["gpus"] == {"per_replica": 8, "tensor_parallel_size": 8}
         assert comp["engine_args"]["disaggregation_transfer_backend"] == "nixl"
-    notes = [n for n in imported.notes if "multinode.nodeCount: 2 not translated" in n]
-    assert len(notes) == 2 and "4 per node x 2 = 8" in notes[0]
+        assert built.graph.workers()[key].gpus_per_node == 4
+        ranks = [p for p in built.plan.processes if p.component == key]
+        assert [(p.group, p.rank, p.env["CUDA_VISIBLE_DEVICES"]) for p in ranks][:2] == [
+            (f"{key}-0", 0, ranks[0].env["CUDA_VISIBLE_DEVICES"]),
+            (f"{key}-0", 1, ranks[1].env["CUDA_VISIBLE_DEVICES"]),
+        ]
+        assert all(len(p.env["CUDA_VISIBLE_DEVICES"].split(",")) == 4 for p in ranks)
+    assert not [n for n in imported.notes if "nodeCount" in n]
 
 
 @pytest.mark.parametrize("dgd", DGD_FILES, ids=[dgd_id(p) for p in DGD_FILES])

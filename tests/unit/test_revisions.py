@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dynamo_graph.graph.plan import Plan, ProcessSpec, RolloutPolicy
@@ -84,3 +85,9 @@ def test_batches_follow_dependencies_and_the_surge() -> None:
     assert dependency_order(plan, ["f-0", "w-1", "p-1", "p-0"]) == ["p-0", "w-1", "f-0", "p-1"]
     names = ["f-0", "w-0", "w-1", "w-2", "p-0", "p-1"]
     assert batches(plan, names) == [["p-0"], ["p-1"], ["w-0", "w-1"], ["w-2"], ["f-0"]]
+
+
+def test_the_ranks_of_a_replica_over_nodes_roll_in_one_batch() -> None:
+    names = [("w-0", "w-0", 0), ("w-0.rank1", "w-0", 1), ("w-1", "w-1", 0), ("w-1.rank1", "w-1", 1)]
+    ranks = [msgspec.structs.replace(_spec(name), group=group, rank=rank) for name, group, rank in names]
+    assert batches(_plan(*ranks), [r.name for r in ranks]) == [["w-0", "w-0.rank1"], ["w-1", "w-1.rank1"]]

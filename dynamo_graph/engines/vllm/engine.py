@@ -95,6 +95,7 @@ class VllmEngine(LibraryEngine):
         # vLLM's errors about the request itself; VLLMClientError joins them once vLLM is imported.
         self.client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
         self._llm: Any = None
+        self._executor: Any = None  # a node rank > 0's workers (vLLM's headless mode)
         self._vllm: dict[str, Any] = {}
         self._kv: ZmqKvSubscriber | None = None
         self._kv_bridge: VllmKvEventBridge | None = None
@@ -155,13 +156,6 @@ class VllmEngine(LibraryEngine):
         kwargs = dict(self.engine_args)
         kwargs.setdefault("scheduling_policy", DEFAULT_SCHEDULING_POLICY)
         self.by_priority = kwargs["scheduling_policy"] == "priority"
-        if int(kwargs.get("node_rank") or 0) > 0:
-            raise VllmError(
-                f"--node-rank {kwargs['node_rank']}: a vLLM node other than rank 0 runs no engine core "
-                "(vLLM's headless mode) and serves no endpoint; start it with vLLM itself: "
-                "python -m vllm.entrypoints.cli.main serve MODEL --headless --nnodes N --node-rank R "
-                "--master-addr HOST --master-port PORT"
-            )
         await asyncio.to_thread(self._import)
         fields = {f.name for f in dataclasses.fields(self._vllm["AsyncEngineArgs"])}
         check_engine_args(kwargs, fields)
@@ -191,6 +185,8 @@ class VllmEngine(LibraryEngine):
             except Exception as err:
                 await self._close_kv()
                 raise VllmError(f"vllm: cannot subscribe to KV events: {err}") from err
+        if int(kwargs.get("node_rank") or 0) > 0:
+            await self._follow(kwargs)
         try:
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
@@ -214,6 +210,27 @@ class VllmEngine(LibraryEngine):
             self._kv_bridge.block_size = config.kv_cache_block_size
             self._kv.start()
         return config
+
+    async def _follow(self, kwargs: dict[str, Any]) -> None:
+        """A node other than rank 0 runs no engine core: as `vllm serve --headless`, it runs this
+        node's workers of the leader's executor (torch.distributed at --leader-addr) until they
+        end, which is an error (the leader is gone, or cleanup() shut them down)."""
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        def run() -> None:
+            args = self._vllm["AsyncEngineArgs"](**kwargs)
+            # the leader's AsyncLLM context: defaults such as max_num_batched_tokens follow it,
+            # and every rank must run the same shapes
+            config = args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT, headless=True)
+            self._executor = MultiprocExecutor(config, monitor_workers=False)
+            self._executor.start_worker_monitor(inline=True)  # returns once a worker ends
+
+        try:
+            await asyncio.to_thread(run)
+        except Exception as err:
+            raise VllmError(f"vLLM failed to start as node rank {kwargs['node_rank']}: {err}") from err
+        raise VllmError(f"--node-rank {kwargs['node_rank']}: this node's vLLM workers ended")
 
     def _engine_config(self) -> EngineConfig:
         vc = self._llm.vllm_config
@@ -281,6 +298,9 @@ class VllmEngine(LibraryEngine):
             self._tmpdir = None
 
     async def _shutdown(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:  # a follower's workers: their monitor (in _follow) returns
+            await asyncio.to_thread(executor.shutdown)
         had_kv = self._kv is not None
         await self._close_kv()
         llm, self._llm = self._llm, None

@@ -13,9 +13,9 @@ worker when the DGD names none, SGLang's default transfer backend, and the setti
 TensorRT-LLM engine config file a worker's `--extra-engine-args` names (its
 `cache_transceiver_config` above all), read from where the DGD's container path leads next to the
 DGD file (a checkout of Dynamo's repository, say), or a note that it cannot be read.
-`multinode.nodeCount` is read as GPUs per node x nodes; the graph has no multi-node replicas yet,
-which a note says. A Planner service becomes `autoscale` on the prefill and decode pools
-(dynamo_planner.py).
+`multinode.nodeCount` becomes the worker's `nodes`, its GPUs per node x nodes the replica's
+`gpus.per_replica` (the graph places all ranks on `local` until its placement names hosts). A
+Planner service becomes `autoscale` on the prefill and decode pools (dynamo_planner.py).
 
 Nothing is dropped silently. A worker flag with no graph setting stays in `engine_args` (the
 renderer writes it back as the same flag); anything else without an equivalent (a frontend flag
@@ -119,14 +119,16 @@ def import_dgd_file(source: Path, output: Path) -> Imported:
 
 def mocker_overrides(graph: dict[str, Any], model: str) -> list[str]:
     """The overrides that run an imported graph on a machine without GPUs or Dynamo's engines:
-    every worker on the mocker (its engine args, for the real engine, dropped; no GPUs) serving
+    every worker on the mocker (its engine args, for the real engine, dropped; no GPUs; one node) serving
     `model` (a local folder) instead."""
     overrides = [f"models.{key}.path={model}" for key in graph["models"]]
     for key, comp in graph["components"].items():
         if comp["kind"] != "worker":
             continue
         overrides.append(f"components.{key}.engine=mocker")
-        overrides += [f"~components.{key}.{field}" for field in ("engine_args", "gpus") if field in comp]
+        overrides += [
+            f"~components.{key}.{field}" for field in ("engine_args", "gpus", "nodes") if field in comp
+        ]
     return overrides
 
 
@@ -415,12 +417,8 @@ class _Importer:
         }
         gpus = _gpus(service.get("resources") or {}, where, self.notes)
         nodes = int((service.get("multinode") or {}).get("nodeCount", 1))
-        if nodes > 1:
-            self.notes.append(
-                f"{where}.multinode.nodeCount: {nodes} not translated: a graph has no multi-node "
-                f"replicas yet (no `nodes` setting); gpus.per_replica is the replica's GPUs on all "
-                f"its nodes ({gpus} per node x {nodes} = {gpus * nodes}), as if one host had them"
-            )
+        if nodes > 1:  # a replica over nodes: its GPUs are all its nodes' (graph `nodes`)
+            comp["nodes"] = nodes
             gpus *= nodes
         if gpus or settings.tensor_parallel > 1:
             comp["gpus"] = {"per_replica": gpus, "tensor_parallel_size": settings.tensor_parallel}

@@ -345,8 +345,10 @@ def _service(
     if isinstance(comp, Worker):
         if comp.role != "agg":
             service["subComponentType"] = comp.role
+        if comp.nodes > 1:  # the operator runs the replica over this many nodes (a LeaderWorkerSet)
+            service["multinode"] = {"nodeCount": comp.nodes}
         if comp.gpus.per_replica:
-            gpus = str(comp.gpus.per_replica)
+            gpus = str(comp.gpus_per_node)  # Dynamo's resources are per node
             service["resources"] = {"requests": {"gpu": gpus}, "limits": {"gpu": gpus}}
         if graph.kubernetes.env_from_secret:
             service["envFromSecret"] = graph.kubernetes.env_from_secret

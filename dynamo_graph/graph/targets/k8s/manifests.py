@@ -8,7 +8,8 @@ the supervisor does on a host: it restarts containers and places pods, so the gr
 policies and hosts have no part here.
 
 Objects per graph: a Deployment per worker component (replicas, `nvidia.com/gpu` from
-`gpus.per_replica`), a Deployment and a Service per frontend, a StatefulSet and Service per
+`gpus.per_replica`; a LeaderWorkerSet of groups of `nodes` pods, GPUs per node, for a worker whose
+replicas span nodes), a Deployment and a Service per frontend, a StatefulSet and Service per
 in-cluster etcd/nats, one ConfigMap with the engine-args and engine files, and the models'
 claim unless the graph names one. Secret values never appear: secret-looking variables and API
 key variables are `secretKeyRef`s into the graph's Secret (common.env_vars).
@@ -60,6 +61,8 @@ WORKER_PORT = 9345
 replicas and gives the probes something to check (a worker listens once it serves)."""
 WORKER_METRICS_PORT = 9090
 """A worker pod's /metrics (`metrics_port`), on Dynamo's system port: one port for every pod."""
+RENDEZVOUS_PORT = 29500
+"""Where a multi-node replica's leader pod waits for its other ranks (torch.distributed's port)."""
 FILES_DIR = "/etc/dyngraph"
 TLS_DIR = "/etc/dyngraph-tls"  # the `<graph>-tls` Secret's mount
 # A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate).
@@ -180,6 +183,10 @@ class _K8s:
             if "{port:" in argv[at + 1]:
                 argv[at + 1] = str(WORKER_METRICS_PORT)
             argv[argv.index("--metrics-host") + 1] = "0.0.0.0"
+        if "--leader-addr" in argv:  # LWS gives every pod of a group its leader pod's address
+            argv[argv.index("--leader-addr") + 1] = f"$(LWS_LEADER_ADDRESS):{RENDEZVOUS_PORT}"
+        if "--node-rank" in argv:  # and its own place in the group
+            argv[argv.index("--node-rank") + 1] = "$(LWS_WORKER_INDEX)"
         if "--disaggregation-bootstrap-port" in argv:  # a pod has SGLang's default port to itself
             at = argv.index("--disaggregation-bootstrap-port")
             if "{port:" in argv[at + 1]:
@@ -237,6 +244,8 @@ class _K8s:
         """Startup allows the readiness timeout; then readiness and liveness as in the plan: a
         frontend by HTTP (`/health` once it lists a model, `/live`), a worker by its listening
         request-plane port (the nats plane gives it none, so no probe)."""
+        if proc.rank > 0:  # a follower serves no port; its group is ready when its leader is
+            return {}
         if isinstance(comp, Frontend):
             path = "/" + proc.readiness.target.rsplit("/", 1)[-1]
             ready: dict[str, Any] = {"httpGet": {"path": path, "port": "http"}}
@@ -272,8 +281,10 @@ class _K8s:
             if "--metrics-port" in argv:
                 port = int(argv[argv.index("--metrics-port") + 1])
                 container["ports"].append({"name": "metrics", "containerPort": port})
+            if proc.group and proc.rank == 0:
+                container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
             if comp.gpus.per_replica:
-                gpus = {"nvidia.com/gpu": str(comp.gpus.per_replica)}
+                gpus = {"nvidia.com/gpu": str(comp.gpus_per_node)}  # a pod is a node's share
                 container["resources"] = {"limits": gpus, "requests": gpus}
             if self.volume:
                 mounts.append(models_mount(self.graph))
@@ -283,9 +294,7 @@ class _K8s:
             container["volumeMounts"] = mounts
         return container
 
-    def _deployment(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
-        name = f"{self.base}-{self.names[key]}"
-        labels = {PART_OF: self.base, COMPONENT: self.names[key]}
+    def _pod(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
         volumes = self._tls_volume()
         if isinstance(comp, Frontend) and comp.auth.keys_file is not None:
             items = [{"key": f"{key}-keys.yaml", "path": "keys.yaml"}]
@@ -304,14 +313,48 @@ class _K8s:
         }
         if volumes:
             pod["volumes"] = volumes
+        return pod
+
+    def _deployment(self, key: str, comp: Frontend | Worker, proc: ProcessSpec) -> dict[str, Any]:
+        labels = {PART_OF: self.base, COMPONENT: self.names[key]}
         return {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": metadata(self.graph, name, self.names[key]),
+            "metadata": metadata(self.graph, f"{self.base}-{self.names[key]}", self.names[key]),
             "spec": {
                 "replicas": comp.replicas,
                 "selector": {"matchLabels": labels},
-                "template": {"metadata": {"labels": labels}, "spec": pod},
+                "template": {"metadata": {"labels": labels}, "spec": self._pod(key, comp, proc)},
+            },
+        }
+
+    def _leader_worker_set(self, key: str, worker: Worker, leader: ProcessSpec) -> dict[str, Any]:
+        """A worker whose replicas span nodes: a LeaderWorkerSet, one group of `nodes` pods per
+        replica (the leader's pod runs rank 0, the others ranks 1.. by LWS_WORKER_INDEX), which
+        is recreated as a whole when one of its pods restarts, as the supervisor does."""
+        labels = {PART_OF: self.base, COMPONENT: self.names[key]}
+        follower = next(
+            (p for p in self.plan.processes if p.group == leader.group and p.rank == 1),
+            None,
+        ) or self._scaled_to_zero(key, rank=1)
+        return {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": metadata(self.graph, f"{self.base}-{self.names[key]}", self.names[key]),
+            "spec": {
+                "replicas": worker.replicas,
+                "leaderWorkerTemplate": {
+                    "size": worker.nodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {
+                        "metadata": {"labels": labels},
+                        "spec": self._pod(key, worker, leader),
+                    },
+                    "workerTemplate": {
+                        "metadata": {"labels": labels},
+                        "spec": self._pod(key, worker, follower),
+                    },
+                },
             },
         }
 
@@ -426,7 +469,10 @@ class _K8s:
         for key, comp in sorted(self.graph.components.items()):
             if isinstance(comp, Worker) and key not in first:  # replicas: 0
                 first[key] = self._scaled_to_zero(key)
-            docs.append(self._deployment(key, comp, first[key]))
+            if isinstance(comp, Worker) and comp.nodes > 1:
+                docs.append(self._leader_worker_set(key, comp, first[key]))
+            else:
+                docs.append(self._deployment(key, comp, first[key]))
             if isinstance(comp, Frontend):
                 name = f"{self.base}-{self.names[key]}"
                 docs.append(self._service(name, self.names[key], {"http": comp.http.port}))
@@ -441,8 +487,9 @@ class _K8s:
             )
         return self._infra() + self._claim() + docs
 
-    def _scaled_to_zero(self, key: str) -> ProcessSpec:
-        """A worker with `replicas: 0` has no process in the plan; compile one to get its command."""
+    def _scaled_to_zero(self, key: str, rank: int = 0) -> ProcessSpec:
+        """A worker with `replicas: 0` has no process in the plan; compile one to get its command
+        (that of its rank `rank`)."""
         graph = self.graph.model_copy(deep=True)
         worker = graph.components[key]
         assert isinstance(worker, Worker)
@@ -450,7 +497,7 @@ class _K8s:
         plan = compile_graph(
             graph, graph_file=Path(self.plan.graph_file), state_dir=Path(self.plan.state_dir)
         )
-        return next(p for p in plan.processes if p.component == key)
+        return next(p for p in plan.processes if p.component == key and p.rank == rank)
 
 
 def render_k8s(graph: Graph, plan: Plan) -> str:

@@ -97,19 +97,23 @@ def dependency_order(plan: Plan, names: Sequence[str]) -> list[str]:
 
 
 def batches(plan: Plan, names: Sequence[str]) -> list[list[str]]:
-    """The rolled processes grouped by component (dependency order), each component's cut into
-    batches of `max_surge + max_unavailable` (a canary's is one batch)."""
+    """The rolled processes grouped by component (dependency order), each component's replicas
+    cut into batches of `max_surge + max_unavailable` (a canary's is one batch). The ranks of a
+    replica over several nodes count as one replica and stay in one batch: they start, prove
+    themselves (the leader is ready only once they all joined) and retire together."""
     specs = {p.name: p for p in plan.processes}
-    by_component: dict[str, list[str]] = {}
+    by_component: dict[str, dict[str, list[str]]] = {}
     for name in dependency_order(plan, names):
-        by_component.setdefault(specs[name].component, []).append(name)
+        replicas = by_component.setdefault(specs[name].component, {})
+        replicas.setdefault(specs[name].group or name, []).append(name)
     out = []
-    for members in by_component.values():
-        policy = specs[members[0]].rollout
+    for replicas in by_component.values():
+        groups = list(replicas.values())
+        policy = specs[groups[0][0]].rollout
         size = max(policy.max_surge + policy.max_unavailable, 1)
         if policy.strategy == "canary":
-            size = len(members)
-        out += [members[i : i + size] for i in range(0, len(members), size)]
+            size = len(groups)
+        out += [[n for group in groups[i : i + size] for n in group] for i in range(0, len(groups), size)]
     return out
 
 
@@ -201,7 +205,11 @@ class Rollout:
         sup = self.sup
         assert sup.plan is not None
         specs = {p.name: p for p in sup.plan.processes}
-        early = batch[: specs[batch[0]].rollout.max_unavailable]
+        # the first `max_unavailable` replicas' runs (every rank of a replica over nodes)
+        unavailable = list(dict.fromkeys(specs[n].group or n for n in batch))[
+            : specs[batch[0]].rollout.max_unavailable
+        ]
+        early = [n for n in batch if (specs[n].group or n) in unavailable]
         await self._retire([self.old[n] for n in early])
         new = []
         try:

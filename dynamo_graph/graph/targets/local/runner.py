@@ -11,6 +11,9 @@ that served before and fails so on a restart (a model hub out of reach meanwhile
 any crash. A rollout's new run is `proving`: it gets one try, and not being ready ends it (rollout.py then
 rolls back instead of restarting it).
 
+The ranks of a replica over several nodes are one group: one that ends takes the others'
+runs down with it, and all restart (gang.py).
+
 Processes on remote hosts run through the ssh launcher (ssh.py); runners treat its processes
 exactly as local ones, but for one more state: `reconnecting` while the connection to their
 host is lost and the launcher tries to re-attach to the process, which runs on meanwhile.
@@ -30,7 +33,7 @@ import msgspec
 
 from dynamo_graph.backend.command_line import CONFIG_EXIT
 from dynamo_graph.graph.plan import ProcessSpec
-from dynamo_graph.graph.targets.local import probes
+from dynamo_graph.graph.targets.local import gang, probes
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.process import LocalProcess
 from dynamo_graph.graph.targets.local.state import ProcessRecord, StateDir
@@ -73,6 +76,8 @@ class Runner:
         self.stopped = asyncio.Event()
         self.blocked_by: str | None = None  # the dependency that gave up, so this never started
         self.proc: LocalProcess | RemoteProcess | None = None
+        # The current run was stopped because another rank of its group ended (gang.py).
+        self.taken_down = False
         self._start: asyncio.Future[None] | None = None
         self._task = asyncio.create_task(self._run(), name=f"runner {spec.name}")
 
@@ -97,6 +102,10 @@ class Runner:
             served = served or self.ready.is_set()
             self.ready.clear()
             assert self.proc is not None
+            if self.taken_down:
+                self.taken_down, failed = False, True
+            elif self.spec.group and (peers := gang.take_down_peers(self, self.sup.runners.values())):
+                self.sup.report(self.spec.name, f"its group goes down with it: stopping {', '.join(peers)}")
             if self.proving:
                 why = self.record.message or f"exited with {code} before it was ready"
                 self._set(state="failed", pid=None, message=why)

@@ -114,7 +114,9 @@ class Supervisor:
         if self.scaling:
             raise RolloutBusy("the autoscaler is changing a pool's replicas; apply again in a moment")
         for component, policy in raw.autoscale.items():
-            start = self.desired.get(component, sum(p.component == component for p in raw.processes))
+            start = self.desired.get(
+                component, sum(p.component == component and p.rank == 0 for p in raw.processes)
+            )
             self.desired[component] = min(max(start, policy.min_replicas), policy.max_replicas)
         plan = scaled(raw, self.desired)
         if (why := unpaired(self.plan, plan)) is not None:

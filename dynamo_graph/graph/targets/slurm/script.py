@@ -142,7 +142,7 @@ def layout(graph: Graph, plan: Plan) -> Layout:
     for proc in plan.processes:
         tasks[proc.host] += 1
         worker = workers.get(proc.component)
-        gpus[proc.name] = worker.gpus.per_replica if worker is not None else 0
+        gpus[proc.name] = worker.gpus_per_node if worker is not None else 0
         gpus_on[proc.host] += gpus[proc.name]
     return Layout(hosts, max(tasks.values()), max(gpus_on.values()), gpus)
 
