@@ -69,7 +69,7 @@ INVALID = [
         HEAD + "components:\n  backend: {kind: worker, model: tiny, engine: echo_core,"
         " autoscale: {max_replicas: 4, target: {}}}\n",
         "components.backend.autoscale.target.ttft_p90_ms",
-        "give `ttft_p90_ms`, `itl_p90_ms` or both",
+        "give at least one of `ttft_p90_ms`, `itl_p90_ms`, `kv_usage`",
     ),
     (
         "canary-steps-must-end-at-100",

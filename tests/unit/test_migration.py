@@ -208,7 +208,18 @@ class FakeClient:
     def candidates(self, exclude: set[int] | None = None) -> list[int]:
         return [i for i in self.instance_ids() if not exclude or i not in exclude]
 
-    async def generate(self, request, *, instance_id, context, response_type, exclude=None, on_pick=None):  # type: ignore[no-untyped-def]
+    async def generate(  # type: ignore[no-untyped-def]
+        self,
+        request,
+        *,
+        instance_id,
+        context,
+        response_type,
+        exclude=None,
+        on_pick=None,
+        units_sent=0,
+        units_of=None,
+    ):
         self.sent.append(instance_id)
         yield LLMEngineOutput(token_ids=[42])
         if instance_id in self.fail:
