@@ -602,8 +602,8 @@ class _Compiler:
         if policy is None:
             return self._replicas(name, worker)
         procs = self._replicas(name, worker.model_copy(update={"replicas": policy.max_replicas}))
-        self.standby += procs[worker.replicas :]
-        return procs[: worker.replicas]
+        self.standby += [p for p in procs if p.replica >= worker.replicas]  # each replica's every rank
+        return [p for p in procs if p.replica < worker.replicas]
 
     def _replicas(self, name: str, worker: Worker) -> list[ProcessSpec]:
         model = self.graph.models[worker.model]

@@ -167,6 +167,25 @@ def test_each_replica_has_one_process_per_rank_on_distinct_hosts(tmp_path: Path)
         assert leader.depends_on == follower.depends_on  # neither waits for the other
 
 
+def test_an_autoscaled_multi_node_pool_keeps_each_replica_s_ranks_together(tmp_path: Path) -> None:
+    """Standby replicas (what the planner may add) hold every rank of theirs; none is split."""
+    path = tmp_path / "graph.yaml"
+    path.write_text(
+        _worker(
+            engine="sglang",
+            nodes="2",
+            placement="[a, b, c]",
+            gpus="{per_replica: 8, tensor_parallel_size: 8}",
+            autoscale="{min_replicas: 1, max_replicas: 3, target: {ttft_p90_ms: 500}}",
+        )
+    )
+    plan = build(path).plan
+    running = [(p.name, p.replica) for p in plan.processes if p.component == "w"]
+    standby = [(p.name, p.replica) for p in plan.standby if p.component == "w"]
+    assert running == [("w-0", 0), ("w-0.rank1", 0)]
+    assert standby == [("w-1", 1), ("w-1.rank1", 1), ("w-2", 2), ("w-2.rank1", 2)]
+
+
 def test_a_one_node_worker_is_unchanged(tmp_path: Path) -> None:
     (proc,) = _plan(tmp_path, _worker(engine="sglang", placement="[a]", gpus="{per_replica: 2}"))
     assert (proc.name, proc.group, proc.rank) == ("w-0", "", 0)

@@ -304,7 +304,8 @@ class Autoscaler:
     async def _tick(self, pool: str, policy: AutoscalePolicy, tally: dict[str, Answers]) -> None:
         sup = self.sup
         runners = [r for r in sup.runners.values() if r.spec.component == pool]
-        ready = [r for r in runners if r.ready.is_set()]
+        # A replica is its leader (rank 0; a multi-node replica's other ranks serve nothing).
+        ready = [r for r in runners if r.ready.is_set() and r.spec.rank == 0]
         ids = {i for r in ready if (i := instance_of(r))}
         watch = await self._watch(pool, policy, runners)
         now = time.monotonic()
@@ -329,8 +330,8 @@ class Autoscaler:
         decision = planner.decide(policy, seen, now)
         decision.time = time.time()
         self._record(decision)
-        current = sup.desired.get(pool, len(runners))
-        if decision.desired != current and len(ready) == len(runners):
+        current = sup.desired.get(pool, sum(r.spec.rank == 0 for r in runners))
+        if decision.desired != current and all(r.ready.is_set() for r in runners):
             lines = await sup.scale(pool, decision.desired)
             if lines:
                 self.changes[(pool, "up" if decision.desired > current else "down")] += 1
