@@ -130,15 +130,21 @@ def test_a_second_frontend_on_the_port_takes_over_without_a_failed_request(
         wait_for(new_serves_the_model, 30, "the new frontend to list the model")
         load.start()
         wait_for(lambda: load.ok >= 30 or load.failures, 30, "requests through the old frontend")
+        # Two connections the old frontend holds: one idle (its keep-alive timer, 5 s, runs from
+        # now, so it is used as soon as the old one drains), one asked until it says it drains.
         kept = _connection_to(old.port, old.proc.pid)
+        watch = _connection_to(old.port, old.proc.pid)
         old.proc.send_signal(signal.SIGTERM)
         at_sigterm = load.ok
-        # Its listener closes first: every new connection reaches the new frontend.
-        wait_for(
-            lambda: all(_pid_of_fresh_connection(old.port) == new.proc.pid for _ in range(20)),
-            10,
-            "the old frontend's listener to close",
-        )
+
+        def drains() -> bool:
+            watch.request("GET", "/live")
+            answer = watch.getresponse()
+            answer.read()
+            return answer.headers["connection"] == "close"
+
+        wait_for(drains, 10, "the old frontend to drain")
+        watch.close()
         # A request on a connection it still holds is served, then the connection closes.
         kept.request("GET", "/live")
         answer = kept.getresponse()
@@ -146,6 +152,12 @@ def test_a_second_frontend_on_the_port_takes_over_without_a_failed_request(
         assert answer.status == 200 and int(answer.headers[PID]) == old.proc.pid
         assert answer.headers["connection"] == "close"
         kept.close()
+        # Its listener closed first: every new connection reaches the new frontend.
+        wait_for(
+            lambda: all(_pid_of_fresh_connection(old.port) == new.proc.pid for _ in range(20)),
+            10,
+            "the old frontend's listener to close",
+        )
         load.join()
         assert load.failures == [], load.failures
         assert load.ok > at_sigterm, "no request ran after the SIGTERM"
