@@ -1165,8 +1165,10 @@ class Graph(_Model):
 
     def slurm_nodes(self) -> list[str]:
         """Host keys in the order of a Slurm job's nodes: each key the components use is a node,
-        `local` (where managed etcd / nats run) first, the others sorted."""
-        used = {h for w in self.workers().values() for h in w.hosts_of_replicas()}
+        `local` (where managed etcd / nats run) first, the others sorted. An autoscaled worker's
+        whole placement: its standby replicas are steps of the job too."""
+        workers = self.workers().values()
+        used = {h for w in workers for h in (w.placement if w.autoscale else w.hosts_of_replicas())}
         used |= {f.host for f in self.frontends().values()}
         etcd, nats = self.infra.etcd, self.infra.nats
         if (etcd is not None and etcd.managed) or (nats is not None and nats.managed) or not used:

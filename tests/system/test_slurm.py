@@ -9,6 +9,7 @@ children), and on the second node every process in its namespace but its slurmd.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -320,6 +321,51 @@ def test_a_new_launch_that_cannot_load_is_rolled_back_and_named(
     graph.graph["components"]["backend"]["engine_args"]["speedup_ratio"] = 20.0
     graph.save()
     assert "nothing to roll" in graph.cli("up", "--target", "slurm").stdout  # the job runs revision 1
+
+
+@pytest.mark.slow  # a pool to grow under load and a delay to wait out: about a minute
+def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas_losing_nothing(
+    one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
+) -> None:
+    """The job's planner step grows the mocker pool on standby steps while eight clients queue
+    on one replica (two requests at once), then retires them with drain once only one client
+    is left; that client's requests, running throughout, all finish."""
+    scaled = {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "interval_s": 1.0,
+        "scale_down_delay_s": 4.0,
+        "target": {"ttft_p90_ms": 300},
+    }
+    engine = {"max_num_seqs": 2, "speedup_ratio": 1.0}
+    graph = make_graph(one_node, components=_workers(replicas=1, autoscale=scaled, engine_args=engine))
+    graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
+    graph.save()
+    graph.up()
+    decisions = graph.file.parent / ".dyngraph" / graph.file.stem / "autoscale.jsonl"
+
+    def ready() -> int:
+        """Ready replicas at the planner's last decision."""
+        lines = decisions.read_text().splitlines() if decisions.exists() else []
+        return json.loads(lines[-1])["ready"] if lines else 0
+
+    url = f"http://127.0.0.1:{graph.port}/v1"
+    with StreamingLoad(url, "tiny-model", clients=1, max_tokens=30) as light:
+        with StreamingLoad(url, "tiny-model", clients=8, max_tokens=30) as heavy:
+            wait_for(lambda: ready() >= 2, 90, "the pool to grow under load")
+            grown = graph.cli("status").stdout
+        light.wait_for_requests(5)
+        wait_for(lambda: ready() == 1, 90, "the pool to shrink back once the load fell")
+        light.wait_for_requests(5)
+    assert not heavy.result.failures and not light.result.failures, (
+        heavy.result.failures + light.result.failures
+    )[:5]
+    assert "backend: autoscaled 1..3" in grown and grown.count("│ backend-") >= 2, grown
+    planner = (graph.file.parent / ".dyngraph" / graph.file.stem / "logs" / "planner.log").read_text()
+    assert "autoscale backend: 1 -> " in planner and " -> 1 (" in planner, planner
+    status = graph.cli("status").stdout
+    assert status.count("│ backend-") == 1 and "1 wanted" in status, status
+    assert graph.chat()
 
 
 def test_two_nodes_workers_on_the_second_serve_at_its_address(

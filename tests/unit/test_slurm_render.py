@@ -20,7 +20,7 @@ from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.targets.dispatch import render
 from dynamo_graph.graph.targets.local.changes import plan_changes
 from dynamo_graph.graph.targets.local.state import StateDir
-from dynamo_graph.graph.targets.slurm.job import SlurmState, records
+from dynamo_graph.graph.targets.slurm.job import SlurmState, records, running_plan
 from dynamo_graph.graph.targets.slurm.rollout import needs_new_job
 from dynamo_graph.graph.targets.slurm.script import fill_plan, launches, secret_env, slurm_plan
 from tests.support.processes import run_cli
@@ -120,6 +120,65 @@ def test_one_node_by_default(tmp_path: Path) -> None:
     text = _script(_write(tmp_path, _graph()))
     assert "#SBATCH --nodes=1" in text and "#SBATCH --ntasks-per-node=3" in text
     assert "--gres" not in text  # no GPUs asked for: no GRES anywhere
+
+
+def test_an_autoscaled_pool_holds_its_max_replicas_as_standby_steps_and_a_planner(tmp_path: Path) -> None:
+    """The allocation fits max_replicas (up to the node's GPUs); the replicas beyond `replicas`
+    wait on their `.off`, written before their launch; the planner runs beside the steps."""
+    scaled = {"min_replicas": 1, "max_replicas": 6, "target": {"ttft_p90_ms": 500}}
+    worker = {"kind": "worker", "model": "m", "engine": "mocker", "replicas": 1, "autoscale": scaled}
+    graph = _graph(
+        hosts={"gpu": {"gpus": 4}},
+        runtime={"discovery": "etcd"},
+        infra={"etcd": {"managed": True}},
+        components={
+            "frontend": {"kind": "frontend"},
+            "backend": {**worker, "placement": ["gpu"], "gpus": {"per_replica": 2}},
+        },
+    )
+    text = _script(_write(tmp_path, graph))
+    # node 0: etcd, the frontend; node 1 (4 GPUs): backend-0 and backend-1, the most that fit
+    assert (
+        "#SBATCH --nodes=2" in text
+        and "#SBATCH --ntasks-per-node=2" in text
+        and "#SBATCH --gres=gpu:4" in text
+    )
+    assert "# backend-0 on gpu (node 1)\ncat >" in text
+    standby = text[text.index("# backend-1 on gpu (node 1), standby") :]
+    assert standby.index('touch "$JOB/steps/backend-1.off"') < standby.index(
+        'cat > "$JOB/steps/backend-1.cmd"'
+    )
+    assert "backend-2" not in text
+    assert '"$PY" -m dynamo_graph.graph.targets.slurm.autoscale "$STATE" "$SLURM_JOB_ID"' in text
+    assert "slurm.autoscale" not in _script(_write(tmp_path, _graph()))  # no autoscaled pool, no planner
+
+
+def test_running_plan_follows_the_planner(tmp_path: Path) -> None:
+    """A standby replica counts once its launch is written and its `.off` gone; a retired one
+    (`.off` again) does not, and its next run's records start afresh."""
+    scaled = {"min_replicas": 1, "max_replicas": 3, "target": {"ttft_p90_ms": 500}}
+    worker = {"kind": "worker", "model": "m", "engine": "mocker", "replicas": 1, "autoscale": scaled}
+    built = build(_write(tmp_path, _graph(components={"frontend": {"kind": "frontend"}, "backend": worker})))
+    plan = slurm_plan(built.graph, built.plan)
+    state = SlurmState(StateDir(plan.state_dir))
+    steps = state.job_dir / "steps"
+    steps.mkdir(parents=True)
+    for name in ("backend-0", "backend-1", "backend-2", "frontend-0"):
+        (steps / f"{name}.cmd").write_text("launch\n")
+    (steps / "backend-2.off").touch()
+
+    def on() -> list[str]:
+        return [p.name for p in running_plan(state, plan).processes]
+
+    assert on() == ["backend-0", "frontend-0", "backend-1"]  # backend-1's `.off` removed: started
+    (steps / "backend-0.off").touch()
+    assert on() == ["frontend-0", "backend-1"]
+    assert [p.name for p in running_plan(state, plan).standby] == ["backend-0", "backend-2"]
+    (steps / "backend-1").write_text(
+        "off 99\nstart 100 1 a\nready 101\nexit 143 150\noff 150\nstart 160 1 a\n"
+    )
+    got = records(state, running_plan(state, plan), job_active=True)["backend-1"]
+    assert (got.state, got.restarts, got.message) == ("starting", 0, "")
 
 
 def test_graph_without_a_slurm_section_is_refused(tmp_path: Path) -> None:

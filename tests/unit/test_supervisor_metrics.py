@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from dynamo_graph.graph.targets.local.planner import Autoscaler, Decision
+from dynamo_graph.graph.targets.local.planner import Autoscaler, Decision, SupervisorPools
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.sup_metrics import SupervisorCollector
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
@@ -19,7 +19,7 @@ def test_the_planners_last_decision_and_changes_are_series(tmp_path: Path) -> No
     state = StateDir(tmp_path / "state")
     state.ensure()
     sup = Supervisor(state, lambda *_: None)
-    planner = Autoscaler(sup)
+    planner = Autoscaler(SupervisorPools(sup))
     planner.decisions["decode"] = Decision(
         0.0, "decode", 2, 3, 11.5, 250.0, None, 4.0, "why", "capped below 4", output_tokens_s=690.0
     )

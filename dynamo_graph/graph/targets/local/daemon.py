@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local import control, registry
-from dynamo_graph.graph.targets.local.planner import Autoscaler
+from dynamo_graph.graph.targets.local.planner import Autoscaler, SupervisorPools
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.sup_metrics import metrics_server
@@ -48,7 +48,7 @@ async def supervise(
     state.write_pid(os.getpid())
     registry.enter(state.root)  # `dyngraph ls` lists it
     sup = Supervisor(state, report)
-    planner = Autoscaler(sup)
+    planner = Autoscaler(SupervisorPools(sup))
     metrics = metrics_server(sup, planner)
     shutdown = asyncio.Event()
 

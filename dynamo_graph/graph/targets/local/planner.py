@@ -1,5 +1,6 @@
-"""The autoscaler: one planner per graph, in its supervisor, sizing each autoscaled pool from
-what the graph measures, and the supervisor's rollout machinery acting on it.
+"""The autoscaler: one planner per graph, sizing each autoscaled pool from what the graph
+measures, and whatever runs the graph acting on it (Pools): the local supervisor's rollout
+machinery, or a Slurm job's planner step (targets/slurm/autoscale.py).
 
 Every `interval_s` a pool's planner reads what every ready frontend counted per instance since
 its last look (answers.py): the requests sent to the pool's instances (its arrival rate), the
@@ -44,8 +45,10 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
 
-from dynamo_graph.graph.plan import AutoscalePolicy
+from dynamo_graph.graph.plan import AutoscalePolicy, ProcessSpec
 from dynamo_graph.graph.targets.local.answers import (
     Answers,
     frontend_answers,
@@ -255,34 +258,111 @@ class PoolPlanner:
         return self.fewer_most, f"{why}; fewer did for {policy.scale_down_delay_s:g} s"
 
 
-class Autoscaler:
-    """The loop that measures each autoscaled pool on its interval and asks the supervisor for
-    the replicas its planner decided."""
+@dataclass
+class Member:
+    """A process of a pool that runs (or is starting), each rank of a multi-node replica one:
+    its spec, readiness and instance id."""
+
+    spec: ProcessSpec
+    ready: bool
+    instance: str | None  # as its current run announced it; None before it did
+
+
+class Pools(Protocol):
+    """What the autoscaler needs of whatever runs the graph: the local supervisor
+    (SupervisorPools), or a Slurm job's planner step (targets/slurm/autoscale.py)."""
+
+    root: Path  # the graph's state dir: the decision log goes there
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def policies(self) -> dict[str, AutoscalePolicy]: ...
+
+    def busy(self) -> bool:
+        """A change is under way: no pool is measured meanwhile."""
+        ...
+
+    async def answers(self) -> dict[str, Answers]:
+        """Per instance, what every ready frontend counted so far."""
+        ...
+
+    def members(self, pool: str) -> list[Member]: ...
+
+    def current(self, pool: str) -> int:
+        """The replicas (not ranks) the pool was last asked to run."""
+        ...
+
+    async def scale(self, pool: str, replicas: int) -> bool:
+        """Run `replicas` of the pool (new ones prove ready, removed ones drain); whether it changed."""
+        ...
+
+    def report(self, line: str) -> None: ...
+
+
+class SupervisorPools:
+    """The local (and SSH) supervisor's pools: its runners, and its rollouts to scale them."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
+        self.root = sup.state.root
+
+    @property
+    def stopping(self) -> bool:
+        return self.sup.stopping
+
+    def policies(self) -> dict[str, AutoscalePolicy]:
+        plan = self.sup.full_plan
+        return plan.autoscale if plan else {}
+
+    def busy(self) -> bool:
+        return self.sup.scaling or self.sup.rolling is not None
+
+    async def answers(self) -> dict[str, Answers]:
+        return await frontend_answers(serving_frontends(self.sup.runners.values()))
+
+    def _runners(self, pool: str) -> list[Runner]:
+        return [r for r in self.sup.runners.values() if r.spec.component == pool]
+
+    def members(self, pool: str) -> list[Member]:
+        return [Member(r.spec, r.ready.is_set(), instance_of(r)) for r in self._runners(pool)]
+
+    def current(self, pool: str) -> int:
+        return self.sup.desired.get(pool, sum(r.spec.rank == 0 for r in self._runners(pool)))
+
+    async def scale(self, pool: str, replicas: int) -> bool:
+        return bool(await self.sup.scale(pool, replicas))
+
+    def report(self, line: str) -> None:
+        self.sup.report("dyngraph", line)
+
+
+class Autoscaler:
+    """The loop that measures each autoscaled pool on its interval and asks the pools' owner
+    for the replicas its planner decided."""
+
+    def __init__(self, pools: Pools) -> None:
+        self.pools = pools
         self.planners: dict[str, PoolPlanner] = {}
         self.last: dict[str, tuple[float, dict[str, Answers]]] = {}  # pool -> (when, tally)
         self.decisions: dict[str, Decision] = {}
         self.changes: Counter[tuple[str, str]] = Counter()  # (pool, "up" | "down") -> times
         self.watches: dict[str, LoadWatch] = {}  # pools with load targets: their workers' reports
-        self.log = sup.state.root / "autoscale.jsonl"
-        self.summary = sup.state.root / "autoscale.json"
+        self.log = pools.root / "autoscale.jsonl"
+        self.summary = pools.root / "autoscale.json"
         self.summary.unlink(missing_ok=True)  # a previous run's last decisions
 
     async def run(self) -> None:
         try:
-            while not self.sup.stopping:
-                plan = self.sup.full_plan
+            while not self.pools.stopping:
                 now = time.monotonic()
                 due = [
                     (pool, policy)
-                    for pool, policy in (plan.autoscale if plan else {}).items()
+                    for pool, policy in self.pools.policies().items()
                     if now >= self.last.get(pool, (0.0, {}))[0] + policy.interval_s
                 ]
-                if due and not self.sup.scaling and self.sup.rolling is None:
-                    # One look at every frontend serves every pool due now.
-                    tally = await frontend_answers(serving_frontends(self.sup.runners.values()))
+                if due and not self.pools.busy():
+                    tally = await self.pools.answers()  # one look at every frontend serves every pool due now
                     for pool, policy in due:
                         await self._tick(pool, policy, tally)
                 await asyncio.sleep(TICK_S)
@@ -290,24 +370,23 @@ class Autoscaler:
             for watch in self.watches.values():
                 await watch.close()
 
-    async def _watch(self, pool: str, policy: AutoscalePolicy, runners: list[Runner]) -> LoadWatch | None:
+    async def _watch(self, pool: str, policy: AutoscalePolicy, members: list[Member]) -> LoadWatch | None:
         """The pool's load reports, subscribed at its first look, when it has load targets."""
-        if all(getattr(policy, name) is None for name in LOADS) or not runners:
+        if all(getattr(policy, name) is None for name in LOADS) or not members:
             return None
         watch = self.watches.get(pool)
         if watch is None:
-            spec = runners[0].spec
+            spec = members[0].spec
             watch = self.watches[pool] = LoadWatch(endpoint_of(spec), spec.env)
             await watch.start()
         return watch
 
     async def _tick(self, pool: str, policy: AutoscalePolicy, tally: dict[str, Answers]) -> None:
-        sup = self.sup
-        runners = [r for r in sup.runners.values() if r.spec.component == pool]
+        members = self.pools.members(pool)
         # A replica is its leader (rank 0; a multi-node replica's other ranks serve nothing).
-        ready = [r for r in runners if r.ready.is_set() and r.spec.rank == 0]
-        ids = {i for r in ready if (i := instance_of(r))}
-        watch = await self._watch(pool, policy, runners)
+        ready = [m for m in members if m.ready and m.spec.rank == 0]
+        ids = {m.instance for m in ready if m.instance}
+        watch = await self._watch(pool, policy, members)
         now = time.monotonic()
         previous = self.last.get(pool)
         self.last[pool] = (now, tally)
@@ -330,14 +409,11 @@ class Autoscaler:
         decision = planner.decide(policy, seen, now)
         decision.time = time.time()
         self._record(decision)
-        current = sup.desired.get(pool, sum(r.spec.rank == 0 for r in runners))
-        if decision.desired != current and all(r.ready.is_set() for r in runners):
-            lines = await sup.scale(pool, decision.desired)
-            if lines:
-                self.changes[(pool, "up" if decision.desired > current else "down")] += 1
-                sup.report(
-                    "dyngraph", f"autoscale {pool}: {current} -> {decision.desired} ({decision.reason})"
-                )
+        current = self.pools.current(pool)
+        steady = all(m.ready for m in members)  # every rank of every replica
+        if decision.desired != current and steady and await self.pools.scale(pool, decision.desired):
+            self.changes[(pool, "up" if decision.desired > current else "down")] += 1
+            self.pools.report(f"autoscale {pool}: {current} -> {decision.desired} ({decision.reason})")
 
     def _record(self, decision: Decision) -> None:
         self.decisions[decision.pool] = decision

@@ -21,14 +21,19 @@ from rich.console import Console
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import LOCAL, Plan
 from dynamo_graph.graph.targets.local.commands import wait_deadline
-from dynamo_graph.graph.targets.local.history import revision_lines, when
+from dynamo_graph.graph.targets.local.history import (
+    autoscale_decisions,
+    autoscale_lines,
+    revision_lines,
+    when,
+)
 from dynamo_graph.graph.targets.local.logs import tail_lines
 from dynamo_graph.graph.targets.local.revisions import Revision, RevisionStore, origin_of, rollback_target
 from dynamo_graph.graph.targets.local.state import StateDir
 from dynamo_graph.graph.targets.local.ui import frontend_url, status_table
 from dynamo_graph.graph.targets.slurm import job, rollout
 from dynamo_graph.graph.targets.slurm.job import JobRecord, SlurmError, SlurmState
-from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, secret_env
+from dynamo_graph.graph.targets.slurm.script import fill_plan, node_of, node_order, secret_env
 from dynamo_graph.graph.tls import issue_all
 from dynamo_graph.graph.validate import locate
 
@@ -163,7 +168,7 @@ def _write_filled(state: StateDir, plan: Plan) -> Plan:
 def _print_nodes(console: Console, slurm_state: SlurmState, plan: Plan) -> None:
     """Which node each host key became, and where the frontends serve."""
     resolved = slurm_state.resolved() or {}
-    hosts = sorted({p.host for p in plan.processes}, key=lambda h: (h != LOCAL, h))  # Graph.slurm_nodes
+    hosts = node_order(p.host for p in [*plan.processes, *plan.standby])
     nodes = ", ".join(f"{h} = {node_of(h, hosts, resolved)}" for h in hosts)
     console.print(f"nodes: {nodes}", highlight=False)
     for spec in plan.processes:
@@ -192,13 +197,14 @@ def status(state: StateDir, console: Console) -> int:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1
     active = job_state in job.ACTIVE
+    plan = job.running_plan(slurm_state, plan)  # an autoscaled pool's replicas as its planner left them
     records = job.records(slurm_state, plan, active)
     revisions = RevisionStore(state.revisions).all()
     for name, number in _revisions_of(revisions).items():
         if name in records:
             records[name].revision = number
     console.print(status_table(plan, records, None))
-    for line in revision_lines(revisions):
+    for line in [*revision_lines(revisions), *autoscale_lines(plan, autoscale_decisions(state))]:
         console.print(line, highlight=False)
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"

@@ -107,6 +107,10 @@ class SlurmState:
         except FileNotFoundError:
             return None
 
+    def off(self, name: str) -> bool:
+        """The process is not to run: a standby replica, or one the planner retired (script.py)."""
+        return (self.job_dir / "steps" / f"{name}.off").exists()
+
     def finished(self, name: str) -> bool:
         """The script is done with the process (no more restarts)."""
         return (self.job_dir / "steps" / f"{name}.done").exists()
@@ -168,8 +172,9 @@ def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, 
     for proc in plan.processes:
         record = ProcessRecord(proc.name, proc.component, proc.replica, proc.host)
         events = slurm_state.events(proc.name)
-        replaced = [i for i, e in enumerate(events) if e[0] == "replace"]
-        events = events[replaced[-1] + 1 :] if replaced else events  # a rollout's new run starts afresh
+        # a rollout's new run, and a standby replica's first, start afresh
+        afresh = [i for i, e in enumerate(events) if e[0] in ("replace", "off")]
+        events = events[afresh[-1] + 1 :] if afresh else events
         starts = [i for i, e in enumerate(events) if e[0] == "start"]
         exits = [e for e in events if e[0] == "exit"]
         record.restarts = max(len(starts) - 1, 0)
@@ -197,6 +202,20 @@ def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, 
             record.state = "stopped"
         out[proc.name] = record
     return out
+
+
+def running_plan(slurm_state: SlurmState, plan: Plan) -> Plan:
+    """The plan with the processes the job runs now: an autoscaled pool's standby replicas that
+    its planner started (their launch written, no `.off`), less the replicas it retired."""
+    every = [*plan.processes, *plan.standby]
+    standby = {p.name for p in plan.standby}
+    on = [
+        p
+        for p in every
+        if not slurm_state.off(p.name) and (p.name not in standby or slurm_state.launch(p.name) is not None)
+    ]
+    names = {p.name for p in on}
+    return msgspec.structs.replace(plan, processes=on, standby=[p for p in every if p.name not in names])
 
 
 def _exit(code: int | None) -> str:

@@ -15,6 +15,13 @@ nodes must share (as Slurm's own `--output` files are usually shared):
                                (LAUNCH: the md5 prefix of the `.cmd` the run started with)
     slurm/job/steps/<process>.cmd  the process's launch, read at each (re)start: `up` rolls a
                                step by rewriting it and stopping the run (rollout.py)
+    slurm/job/steps/<process>.off  while it exists, the process does not run (an `off TS` event):
+                               an autoscaled pool's standby replicas start with one, and the
+                               job's planner (slurm/autoscale.py) removes it to grow the pool,
+                               or writes it and stops the step to retire a replica
+
+An autoscaled pool's allocation holds its `max_replicas`: the standby replicas are steps that
+wait for their `.off` to go, so the planner grows the pool within the job's nodes.
 
 The text is a pure function of the graph and where its file lives (snapshot-tested). No secret
 is written into it: an env value whose name looks secret is read from a variable of the job's
@@ -26,6 +33,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +41,7 @@ import msgspec
 
 from dynamo_graph.graph.compile import compile_graph
 from dynamo_graph.graph.errors import GraphError, Location, Problem
-from dynamo_graph.graph.plan import Plan, ProcessSpec
+from dynamo_graph.graph.plan import LOCAL, Plan, ProcessSpec
 from dynamo_graph.graph.schema import Graph, Slurm
 from dynamo_graph.redact import is_secret_name
 
@@ -42,6 +50,10 @@ JOB_DIR = "slurm/job"  # under the state dir: the running job's records (see the
 _PLACEHOLDER = re.compile(r"\{(port|node):([^}]+)\}")
 _LOOPBACK = re.compile(r"(//|^)(127\.0\.0\.1|localhost|0\.0\.0\.0)(?=:)")  # in a probe's target
 
+PLANNER = (
+    '"$PY" -m dynamo_graph.graph.targets.slurm.autoscale "$STATE" "$SLURM_JOB_ID" '
+    '>> "$STATE/logs/planner.log" 2>&1 &'
+)
 _FUNCTIONS = r"""
 node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
 
@@ -50,12 +62,19 @@ node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; 
 # PROBE_TARGET PROBE_TIMEOUT_S SRUN_OPTIONS... COMMAND...), which `up` rewrites to roll the step:
 # it touches NAME.replace, then stops the run; the next run starts at once, whatever the policy.
 # A replacement that ends before it was ready waits (up to 30 s) for `up` to put the previous
-# launch back and ask again, rather than being given up by its policy.
+# launch back and ask again, rather than being given up by its policy. While NAME.off exists the
+# process does not run (a standby replica; a retired one is not restarted) and its policy resets.
 run_step() {
   local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 run=0 rc trial=0 waited launch
   local events=$JOB/steps/$name log=$STATE/logs/$name.log replace=$JOB/steps/$name.replace
+  local off=$JOB/steps/$name.off
   local -a words
   while :; do
+    if [ -e "$off" ]; then
+      echo "off $(date +%s)" >> "$events"
+      while [ -e "$off" ]; do sleep 0.2; done
+      run=0 delay=$4
+    fi
     run=$((run + 1))
     rm -f "$replace"  # this run takes the launch as it is now
     launch=$(< "$JOB/steps/$name.cmd")
@@ -78,6 +97,7 @@ run_step() {
       continue
     fi
     trial=0
+    if [ -e "$off" ]; then continue; fi
     if [ "$policy" = never ] || { [ "$policy" = on-failure ] && [ "$rc" = 0 ]; }; then return; fi
     if [ "$run" -gt "$max" ]; then echo "crashloop $(date +%s)" >> "$events"; return; fi
     sleep "$delay"
@@ -116,6 +136,11 @@ class Layout:
         return self.hosts.index(host)
 
 
+def node_order(hosts: Iterable[str]) -> list[str]:
+    """Host keys in the order of the job's nodes (Graph.slurm_nodes): `local` first."""
+    return sorted(set(hosts), key=lambda h: (h != LOCAL, h))
+
+
 def address_placeholder(host: str) -> str:
     """Where a host's node address goes in a plan compiled for Slurm; the script fills it in."""
     return "{node:" + host + "}"
@@ -139,7 +164,7 @@ def layout(graph: Graph, plan: Plan) -> Layout:
     gpus_on = dict.fromkeys(hosts, 0)
     gpus: dict[str, int] = {}
     workers = graph.workers()
-    for proc in plan.processes:
+    for proc in [*plan.processes, *plan.standby]:  # standby: an autoscaled pool's room to grow
         tasks[proc.host] += 1
         worker = workers.get(proc.component)
         gpus[proc.name] = worker.gpus_per_node if worker is not None else 0
@@ -203,11 +228,10 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
         lines.append(f'NODE_{i}=${{NODES[{i}]}} {_var("node", host)}=$(node_addr "${{NODES[{i}]}}")')
         lines.append(f"PY_{i}={shlex.quote(python_of(graph, host))}")
     lines.append("PY=$PY_0  # the batch step runs on the first node: readiness is checked from there")
-    owner = {name: p.host for p in plan.processes for name in p.ports}
-    auto = sorted(
-        {m[1] for p in plan.processes for t in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(t)}
-        & set(owner)
-    )
+    procs = [*plan.processes, *plan.standby]
+    owner = {name: p.host for p in procs for name in p.ports}
+    named = {m[1] for p in procs for t in [*p.argv, *p.env.values()] for m in _PLACEHOLDER.findall(t)}
+    auto = sorted(named & set(owner))
     resolved = [v for i, h in enumerate(lay.hosts) for v in (f"NODE_{i}", _var("node", h))]
     for i, host in enumerate(lay.hosts):
         names = [n for n in auto if owner[n] == host]
@@ -224,14 +248,21 @@ def _nodes_and_ports(graph: Graph, plan: Plan, lay: Layout) -> list[str]:
     return lines
 
 
+def probe_target(proc: ProcessSpec, first_node: bool) -> str:
+    """A process's readiness target as seen from the job's first node (where the probes and the
+    planner run): its own on that node, at its node's address (a placeholder) on the others."""
+    target = proc.readiness.target
+    if first_node or proc.readiness.kind == "log":
+        return target
+    return _LOOPBACK.sub(r"\1" + address_placeholder(proc.host), target)
+
+
 def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
     """A process's `NAME.cmd`: its probe, srun options and command as shell words, which each run
     of the step reads (so `up` can roll it by rewriting the file). Secret values are not in it."""
     i = lay.node(proc.host)
     probe = proc.readiness
-    target = probe.target
-    if i > 0 and probe.kind != "log":  # checked from the first node: at this node's address
-        target = _LOOPBACK.sub(r"\1" + address_placeholder(proc.host), target)
+    target = probe_target(proc, i == 0)
     srun = [f'--nodelist="$NODE_{i}"', f"--chdir={_word(proc.workdir)}"]
     if lay.gpus_per_node:  # a step has only the GPUs it asks for
         gpus = lay.gpus[proc.name]
@@ -255,7 +286,7 @@ def launches(graph: Graph, plan: Plan) -> dict[str, str]:
     """Process name -> its `NAME.cmd` text, for the plan compiled for Slurm (slurm_plan)."""
     assert graph.slurm is not None, "render_slurm refuses a graph without `slurm:`"
     lay = layout(graph, plan)
-    return {p.name: _launch(p, lay, graph.slurm) for p in plan.processes}
+    return {p.name: _launch(p, lay, graph.slurm) for p in [*plan.processes, *plan.standby]}
 
 
 def secret_exports(proc: ProcessSpec, secrets: dict[str, str]) -> list[str]:
@@ -268,7 +299,7 @@ def secret_exports(proc: ProcessSpec, secrets: dict[str, str]) -> list[str]:
     ]
 
 
-def _step(proc: ProcessSpec, launch: str, secrets: dict[str, str]) -> str:
+def _step(proc: ProcessSpec, launch: str, secrets: dict[str, str], standby: bool) -> str:
     r = proc.restart
     head = ["run_step", proc.name, r.policy, str(r.max_restarts), f"{r.backoff_s:g}", f"{r.backoff_max_s:g}"]
     waits = f"await_ready {proc.name} {' '.join(proc.depends_on)} && " if proc.depends_on else ""
@@ -276,7 +307,8 @@ def _step(proc: ProcessSpec, launch: str, secrets: dict[str, str]) -> str:
     export = f"export {' '.join(exports)}; " if exports else ""  # in this process's subshell only
     cmd_file = f'"$JOB/steps/{proc.name}.cmd"'
     run = f'{{ {export}{waits}{" ".join(head)}; touch "$JOB/steps/{proc.name}.done"; }} &'
-    return f"cat > {cmd_file} <<'EOF'\n{launch}\nEOF\n{run}"
+    off = f'touch "$JOB/steps/{proc.name}.off"\n' if standby else ""
+    return f"{off}cat > {cmd_file} <<'EOF'\n{launch}\nEOF\n{run}"  # off first: a launch without it runs
 
 
 def render_slurm(graph: Graph, plan: Plan) -> str:
@@ -318,12 +350,21 @@ def render_slurm(graph: Graph, plan: Plan) -> str:
     for path, text in plan.files.items():
         lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
         lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
-    for proc, launch in zip(plan.processes, launches(graph, plan).values(), strict=True):
-        lines.append("")
-        lines.append(f"# {proc.name} on {proc.host} (node {lay.node(proc.host)})")
-        lines.append(_step(proc, launch, secrets))
+    texts = launches(graph, plan)
+    for proc in [*plan.processes, *plan.standby]:
+        standby = proc in plan.standby
+        where = f"# {proc.name} on {proc.host} (node {lay.node(proc.host)})"
+        lines += ["", f"{where}, standby" if standby else where]
+        lines.append(_step(proc, texts[proc.name], secrets, standby))
+    if plan.autoscale:
+        lines += ["", "# the planner of the autoscaled pools, beside the steps (slurm/autoscale.py)", PLANNER]
     lines += ["", "wait"]
     return "\n".join(lines) + "\n"
+
+
+def fill_text(text: str, resolved: dict[str, str]) -> str:
+    """`text` with the addresses and ports the job picked in place of its placeholders."""
+    return _PLACEHOLDER.sub(lambda m: resolved.get(_var(m.group(1), m.group(2)), m.group(0)), text)
 
 
 def fill_plan(plan: Plan, resolved: dict[str, str]) -> Plan:
@@ -331,21 +372,21 @@ def fill_plan(plan: Plan, resolved: dict[str, str]) -> Plan:
     placeholders, and each process's host shown with its node: what `status` and `logs` read."""
 
     def sub(text: str) -> str:
-        return _PLACEHOLDER.sub(lambda m: resolved.get(_var(m.group(1), m.group(2)), m.group(0)), text)
+        return fill_text(text, resolved)
 
-    processes = []
-    for proc in plan.processes:
+    def fill(proc: ProcessSpec) -> ProcessSpec:
         ports = {k: int(resolved.get(_var("port", k), 0)) or v for k, v in proc.ports.items()}
-        processes.append(
-            msgspec.structs.replace(
-                proc,
-                argv=[sub(a) for a in proc.argv],
-                env={k: sub(v) for k, v in proc.env.items()},
-                ports=ports,
-                readiness=msgspec.structs.replace(proc.readiness, target=sub(proc.readiness.target)),
-            )
+        return msgspec.structs.replace(
+            proc,
+            argv=[sub(a) for a in proc.argv],
+            env={k: sub(v) for k, v in proc.env.items()},
+            ports=ports,
+            readiness=msgspec.structs.replace(proc.readiness, target=sub(proc.readiness.target)),
         )
-    return msgspec.structs.replace(plan, processes=processes)
+
+    return msgspec.structs.replace(
+        plan, processes=[fill(p) for p in plan.processes], standby=[fill(p) for p in plan.standby]
+    )
 
 
 def node_of(host: str, hosts: list[str], resolved: dict[str, str]) -> str:
