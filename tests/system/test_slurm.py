@@ -364,7 +364,7 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
     planner = (graph.file.parent / ".dyngraph" / graph.file.stem / "logs" / "planner.log").read_text()
     assert "autoscale backend: 1 -> " in planner and " -> 1 (" in planner, planner
     status = graph.cli("status").stdout
-    assert status.count("│ backend-") == 1 and "1 wanted" in status, status
+    assert status.count("│ backend-") == 1 and "1 wanted, 1 ready" in status, status
     assert graph.chat()
 
 

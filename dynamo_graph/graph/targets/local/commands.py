@@ -338,7 +338,7 @@ def status(state: StateDir, console: Console, as_json: bool = False) -> int:
         return 0
     health = asyncio.run(_health_now(state, plan, records)) if running else {}
     console.print(status_table(plan, records, health, retiring))
-    for line in [*revision_lines(revisions), *autoscale_lines(plan, decisions)]:
+    for line in [*revision_lines(revisions), *autoscale_lines(plan, decisions, records)]:
         console.print(line, highlight=False)
     if not running:
         console.print(f"graph {plan.graph} is not running (last known states shown)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
@@ -85,12 +86,17 @@ def autoscale_decisions(state: StateDir) -> dict[str, dict[str, Any]]:
     return found if isinstance(found, dict) else {}
 
 
-def autoscale_lines(plan: Plan, decisions: dict[str, dict[str, Any]]) -> list[str]:
-    """Per autoscaled pool, for `status`: its bounds, what it runs, and the last decision."""
+def autoscale_lines(
+    plan: Plan, decisions: dict[str, dict[str, Any]], records: Mapping[str, ProcessRecord]
+) -> list[str]:
+    """Per autoscaled pool, for `status`: its bounds, what it runs and how much of it is ready,
+    and the last decision."""
     lines = []
     for pool, policy in plan.autoscale.items():
-        running = sum(p.component == pool for p in plan.processes)
-        line = f"{pool}: autoscaled {policy.min_replicas}..{policy.max_replicas}, {running} wanted"
+        names = [p.name for p in plan.processes if p.component == pool]
+        ready = sum(n in records and records[n].state == "ready" for n in names)
+        bounds = f"{policy.min_replicas}..{policy.max_replicas}"
+        line = f"{pool}: autoscaled {bounds}, {len(names)} wanted, {ready} ready"
         if (last := decisions.get(pool)) is not None:
             line += f"; last decision {last.get('desired')} at {when(last.get('time'))}: {last.get('reason')}"
         if policy.capped:

@@ -204,7 +204,7 @@ def status(state: StateDir, console: Console) -> int:
         if name in records:
             records[name].revision = number
     console.print(status_table(plan, records, None))
-    for line in [*revision_lines(revisions), *autoscale_lines(plan, autoscale_decisions(state))]:
+    for line in [*revision_lines(revisions), *autoscale_lines(plan, autoscale_decisions(state), records)]:
         console.print(line, highlight=False)
     why = f" ({reason})" if reason and reason != "None" else ""
     known = job_state or "gone (Slurm no longer lists it)"
