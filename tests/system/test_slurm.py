@@ -366,6 +366,8 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
     status = graph.cli("status").stdout
     assert status.count("│ backend-") == 1 and "1 wanted, 1 ready" in status, status
     assert graph.chat()
+    assert graph.cli("down").returncode == 0  # the planner and the standby steps end with the job
+    wait_for(lambda: not one_node.processes(), 30, "the node to run none of the graph's processes")
 
 
 def test_two_nodes_workers_on_the_second_serve_at_its_address(
