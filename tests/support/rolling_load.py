@@ -29,10 +29,13 @@ class LoadResult:
 class StreamingLoad:
     """`clients` threads streaming chats to `base_url` until `stop()` (or the bounds above)."""
 
-    def __init__(self, base_url: str, model: str, clients: int = 4, max_tokens: int = 12) -> None:
+    def __init__(
+        self, base_url: str, model: str, clients: int = 4, max_tokens: int = 12, pause_s: float = 0.0
+    ) -> None:
         self.base_url = base_url
         self.model = model
         self.max_tokens = max_tokens
+        self.pause_s = pause_s  # each client's wait between its requests (a light, steady load)
         self.result = LoadResult()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
@@ -66,6 +69,7 @@ class StreamingLoad:
             if self._stop.is_set() or time.monotonic() > deadline:
                 return
             self._one(client, f"client {index} request {n}: tell me about rolling updates")
+            self._stop.wait(self.pause_s)
 
     def _one(self, client: OpenAI, prompt: str) -> None:
         started = time.monotonic()

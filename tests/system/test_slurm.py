@@ -328,8 +328,8 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
     one_node: SlurmCluster, make_graph: Callable[..., SlurmGraph]
 ) -> None:
     """The job's planner step grows the mocker pool on standby steps while eight clients queue
-    on one replica (two requests at once), then retires them with drain once only one client
-    is left; that client's requests, running throughout, all finish."""
+    on one replica (two requests at once), then retires them with drain once only one client,
+    pausing a second between requests, is left; its requests, sent throughout, all finish."""
     scaled = {
         "min_replicas": 1,
         "max_replicas": 3,
@@ -350,7 +350,7 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
         return json.loads(lines[-1])["ready"] if lines else 0
 
     url = f"http://127.0.0.1:{graph.port}/v1"
-    with StreamingLoad(url, "tiny-model", clients=1, max_tokens=30) as light:
+    with StreamingLoad(url, "tiny-model", clients=1, max_tokens=30, pause_s=1.0) as light:
         with StreamingLoad(url, "tiny-model", clients=8, max_tokens=30) as heavy:
             wait_for(lambda: ready() >= 2, 90, "the pool to grow under load")
             grown = graph.cli("status").stdout

@@ -66,6 +66,7 @@ class JobPools:
         self.slurm_state = SlurmState(state)
         self.job_id = job_id
         self.parent = os.getppid()  # the batch script: when it is gone, so is the job
+        self.instances: dict[str, tuple[float | None, str]] = {}  # name -> (its run's start, instance)
 
     @property
     def stopping(self) -> bool:
@@ -101,7 +102,7 @@ class JobPools:
         plan = job.running_plan(self.slurm_state, self.plan())
         records = job.records(self.slurm_state, plan, True)
         return [
-            Member(p, records[p.name].state == "ready", self._instance(p.name))
+            Member(p, records[p.name].state == "ready", self._instance(p.name, records[p.name].started_at))
             for p in plan.processes
             if p.component == pool
         ]
@@ -121,10 +122,11 @@ class JobPools:
                 return True
             every = [p for p in [*plan.processes, *plan.standby] if p.component == pool]  # in replica order
             adding = [p for p in every if p.name not in {o.name for o in on}][: replicas - len(on)]
-            for spec in adding:
+            for i, spec in enumerate(adding):
                 if (why := await self._start(spec)) is not None:
                     self.report(f"autoscale {pool}: {spec.name} {why}; the pool keeps what it had")
-                    await self._retire(spec)
+                    for started in reversed(adding[: i + 1]):
+                        await self._retire(started)
                     return False
             return bool(adding)
 
@@ -146,12 +148,11 @@ class JobPools:
         else:
             return f"was not ready in {spec.readiness.timeout_s:g} s"
         listed_by = time.monotonic() + LISTED_WAIT_S
-        instance = self._instance(spec.name)
         while time.monotonic() < listed_by:
+            instance = self._instance(spec.name, None)
             if instance is not None and instance in await self.answers():
                 return None
             await asyncio.sleep(POLL_S)
-            instance = instance or self._instance(spec.name)
         return f"was not listed by the frontends in {LISTED_WAIT_S:g} s"
 
     async def _retire(self, spec: ProcessSpec) -> None:
@@ -174,14 +175,21 @@ class JobPools:
                 return
             await asyncio.sleep(POLL_S)
 
-    def _instance(self, name: str) -> str | None:
-        """The instance id the replica's current run announced in its log."""
+    def _instance(self, name: str, started_at: float | None) -> str | None:
+        """The instance id the replica's current run announced in its log (read once per run,
+        known by its start time; None: read it now)."""
+        known = self.instances.get(name)
+        if known is not None and started_at is not None and known[0] == started_at:
+            return known[1]
         try:
             text = self.state.log_file(name).read_text(errors="replace")
         except FileNotFoundError:
             return None
         found = INSTANCE_LINE.findall(text[text.rfind(START_MARKER) :])
-        return found[-1] if found else None
+        if not found:
+            return None
+        self.instances[name] = (started_at, found[-1])
+        return found[-1]
 
 
 def main(argv: list[str]) -> int:
