@@ -384,7 +384,7 @@ def table(prev: Sample | None, cur: Sample) -> Table:
         elif kind == "frontend":
             _frontend_row(row, prev, cur, seconds)
         rows.append(row)
-    planner = autoscale_lines(cur.plan, cur.decisions)
+    planner = autoscale_lines(cur.plan, cur.decisions, {r.name: r for r in cur.records})
     return Table(cur.at, cur.plan.graph, rows, _models(prev, cur, seconds), cur.decisions, planner)
 
 

@@ -115,13 +115,15 @@ class JobPools:
             if not free:
                 return False
             plan = self.plan()
-            on = [p for p in job.running_plan(self.slurm_state, plan).processes if p.component == pool]
-            if replicas < len(on):
-                for spec in reversed(on[replicas:]):  # the newest first
+            every = [p for p in [*plan.processes, *plan.standby] if p.component == pool]
+            running = job.running_plan(self.slurm_state, plan).processes
+            on = sorted({p.replica for p in running if p.component == pool})
+            if replicas < len(on):  # the newest first, every rank of each
+                for spec in reversed([p for p in every if p.replica in on[replicas:]]):
                     await self._retire(spec)
                 return True
-            every = [p for p in [*plan.processes, *plan.standby] if p.component == pool]  # in replica order
-            adding = [p for p in every if p.name not in {o.name for o in on}][: replicas - len(on)]
+            more = sorted({p.replica for p in every} - set(on))[: replicas - len(on)]
+            adding = [p for p in every if p.replica in more]  # each replica's ranks in rank order
             for i, spec in enumerate(adding):
                 if (why := await self._start(spec)) is not None:
                     self.report(f"autoscale {pool}: {spec.name} {why}; the pool keeps what it had")
@@ -147,6 +149,8 @@ class JobPools:
             await asyncio.sleep(POLL_S)
         else:
             return f"was not ready in {spec.readiness.timeout_s:g} s"
+        if spec.rank != 0:
+            return None  # a multi-node replica's other ranks serve nothing: no frontend lists them
         listed_by = time.monotonic() + LISTED_WAIT_S
         while time.monotonic() < listed_by:
             instance = self._instance(spec.name, None)
