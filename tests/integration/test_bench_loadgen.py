@@ -77,7 +77,7 @@ def test_open_loop_sends_at_the_given_times_until_max_seconds(
     ],
 )
 def test_every_api_surface_streams_are_read(server: ServerProcess, path: str, body: dict) -> None:
-    request = Request({"model": "tiny", "stream": True, "ignore_eos": True, **body})
+    request = Request({"model": "tiny", "stream": True, "nvext": {"ignore_eos": True}, **body})
     run = asyncio.run(run_closed(target(server, path), [request] * 3, concurrency=1, max_seconds=30))
     assert all(r.ok for r in run.results), [r.error for r in run.results]
     assert all(r.output_tokens == 6 and r.tokens >= 1 for r in run.results)
