@@ -317,8 +317,10 @@ class Client:
         one that answers `overloaded` before any response (no cool-off: it is only busy); asked
         by id, that raises
         InstanceOverloaded (a CannotConnect). When every instance was overloaded the last
-        Overloaded is raised (503). A stream that breaks midway raises StreamBroken:
-        resuming it is request migration's job. Errors raised from an instance's stream carry
+        Overloaded is raised (503). A stream the picker's instance broke before any response
+        goes to another instance, once (the instance was leaving as the request reached it); one
+        that breaks midway, or asked by id, raises StreamBroken: resuming it is request
+        migration's job. Errors raised from an instance's stream carry
         its id as `err.instance_id`; one that broke, or whose engine is shutting down, leaves
         routing for DOWN_COOLOFF_S (or until discovery announces it again). `units_sent` and
         `units_of(response)` are the work the request and each response carry, summed per
@@ -330,6 +332,7 @@ class Client:
         seen = self.health.last_response
         now = time.monotonic
         overloaded: Overloaded | None = None
+        broken: StreamBroken | None = None  # an instance's stream broke before it answered (retried once)
         called_as = f"call {self.name}"
         while True:
             if instance_id is None:
@@ -338,6 +341,8 @@ class Client:
                 except NoInstances:
                     if overloaded is not None:
                         raise overloaded from None
+                    if broken is not None:
+                        raise broken from None
                     raise
             else:
                 target = instance_id
@@ -391,6 +396,21 @@ class Client:
                     busy.instance_id = target  # type: ignore[attr-defined]
                     raise busy from None
                 overloaded = err
+                tried.add(target)
+            except StreamBroken as err:
+                call.fail(err)
+                answers.errors += 1
+                self.report_instance_down(target)
+                err.instance_id = target  # type: ignore[attr-defined]
+                if started or instance_id is not None or broken is not None:
+                    raise
+                # Nothing came back: a connection the instance closed as the request reached it
+                # (it was leaving). Another instance, once: a request that itself kills workers
+                # takes down two at most.
+                log.debug(
+                    "%s: instance %x dropped a request it never answered; trying another", self.name, target
+                )
+                broken = err
                 tried.add(target)
             except RequestError as err:
                 call.fail(err)

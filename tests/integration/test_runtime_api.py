@@ -74,3 +74,27 @@ async def test_closed_worker_leaves_the_client(runtimes: list[DistributedRuntime
         with pytest.raises(NoInstances):
             await client.round_robin({"n": 1})
     await client.close()
+
+
+async def test_a_request_an_instance_drops_unanswered_goes_to_another(
+    runtimes: list[DistributedRuntime],
+) -> None:
+    """An instance that closes its connection as a request reaches it (it was leaving) answered
+    nothing: the request goes to another instance instead of failing."""
+    leaving, worker, caller = runtimes
+    await _serve(worker, "stays")
+
+    async def drop(request: dict, context: Context) -> AsyncIterator[dict]:
+        for conn in list((await leaving.server())._connections):  # type: ignore[attr-defined]
+            conn.transport.abort()
+        return
+        yield {}
+
+    await leaving.namespace("api").component("worker").endpoint("generate").start_serving(drop)
+    client = await caller.namespace("api").component("worker").endpoint("generate").client()
+    async with asyncio.timeout(10):
+        await wait_for_async(lambda: len(client.instance_ids()) == 2, 10, "both workers")
+        for _ in range(4):  # the client's picker (round robin) meets the leaving one once
+            stream = client.generate({"n": 2})
+            assert [item["from"] async for item in stream] == ["stays", "stays"]
+    await client.close()
