@@ -27,7 +27,7 @@ from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH_VENV = Path(os.environ.get("DYNGRAPH_VLLM_VENV", "/work/main/.venv-vllm"))
+TORCH_VENV = Path(os.environ.get("DYNGRAPH_VLLM_VENV", ROOT / ".venv-vllm"))  # make vllm
 TP_ENGINE = str(ROOT / "examples" / "tp_engine.py")
 START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dynamo_graph.backend.settings import FOLLOWING
-from dynamo_graph.graph.build import build
+from dynamo_graph.graph.build import Built, build
 from dynamo_graph.graph.plan import ProcessSpec
 from dynamo_graph.graph.targets.dispatch import render
 from tests.support.graph_problems import problems, valid
@@ -122,10 +122,14 @@ def test_pipeline_parallel_in_engine_args_counts_with_tensor_parallel() -> None:
     assert valid(graph).components["w"].model_ranks() == 8
 
 
-def _plan(tmp_path: Path, text: str) -> list[ProcessSpec]:
+def _built(tmp_path: Path, text: str) -> Built:
     path = tmp_path / "graph.yaml"
     path.write_text(text)
-    return [p for p in build(path).plan.processes if p.component == "w"]
+    return build(path)
+
+
+def _plan(tmp_path: Path, text: str) -> list[ProcessSpec]:
+    return [p for p in _built(tmp_path, text).plan.processes if p.component == "w"]
 
 
 def _flag(argv: list[str], flag: str) -> str | None:
@@ -169,17 +173,16 @@ def test_each_replica_has_one_process_per_rank_on_distinct_hosts(tmp_path: Path)
 
 def test_an_autoscaled_multi_node_pool_keeps_each_replica_s_ranks_together(tmp_path: Path) -> None:
     """Standby replicas (what the planner may add) hold every rank of theirs; none is split."""
-    path = tmp_path / "graph.yaml"
-    path.write_text(
+    plan = _built(
+        tmp_path,
         _worker(
             engine="sglang",
             nodes="2",
             placement="[a, b, c]",
             gpus="{per_replica: 8, tensor_parallel_size: 8}",
             autoscale="{min_replicas: 1, max_replicas: 3, target: {ttft_p90_ms: 500}}",
-        )
-    )
-    plan = build(path).plan
+        ),
+    ).plan
     running = [(p.name, p.replica) for p in plan.processes if p.component == "w"]
     standby = [(p.name, p.replica) for p in plan.standby if p.component == "w"]
     assert running == [("w-0", 0), ("w-0.rank1", 0)]
@@ -193,13 +196,12 @@ def test_a_one_node_worker_is_unchanged(tmp_path: Path) -> None:
 
 
 def test_render_shell_shows_each_rank_and_is_valid_bash(tmp_path: Path) -> None:
-    path = tmp_path / "graph.yaml"
-    path.write_text(
+    built = _built(
+        tmp_path,
         _worker(
             engine="vllm", nodes="2", placement="[a, b]", gpus="{per_replica: 2, tensor_parallel_size: 2}"
-        )
+        ),
     )
-    built = build(path)
     script = render(built.graph, built.plan, "shell")
     assert "# w-0 on a" in script and "# w-0.rank1 on b" in script
     assert "PORT_W_0_LEADER=" in script and '"--node-rank", "1"' in script
@@ -212,17 +214,16 @@ def test_render_shell_shows_each_rank_and_is_valid_bash(tmp_path: Path) -> None:
 
 
 def test_render_k8s_writes_a_strictly_valid_leader_worker_set_per_multi_node_worker(tmp_path: Path) -> None:
-    path = tmp_path / "graph.yaml"
-    path.write_text(
+    built = _built(
+        tmp_path,
         _worker(
             engine="sglang",
             nodes="2",
             replicas="3",
             placement="[a, b, c]",
             gpus="{per_replica: 8, tensor_parallel_size: 8}",
-        )
+        ),
     )
-    built = build(path)
     docs = list(yaml.safe_load_all(render(built.graph, built.plan, "k8s")))
     assert [e for d in docs for e in k8s_errors(d)] == []
     (lws,) = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
