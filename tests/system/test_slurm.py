@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,9 +22,10 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.support.processes import free_port, run_cli
+from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.rolling_load import StreamingLoad
 from tests.support.slurm_cluster import SlurmCluster, missing_requirements
+from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
 from tests.support.waiting import wait_for
 
 UP_TIMEOUT_S = 120.0
@@ -92,6 +94,10 @@ class SlurmGraph:
 
     def script(self) -> Path:
         return self.file.parent / ".dyngraph" / self.file.stem / "slurm" / "job.sbatch"
+
+    def job_file(self, name: str) -> Path:
+        """A file the running job keeps in the state dir (slurm/script.py's docstring)."""
+        return self.file.parent / ".dyngraph" / self.file.stem / "slurm" / "job" / name
 
     def steps(self) -> dict[str, str]:
         """Step name -> step id, from Slurm."""
@@ -407,6 +413,85 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
         lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
         30,
         "only slurmd left in the nodes",
+    )
+
+
+@pytest.mark.slow  # two torch ranks and a one-rank twin start twice on two shared cores: ~2 min
+def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_group(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """examples/tp_engine.py with `nodes: 2`: rank 0 a step on the first node, rank 1 a step on
+    the second (its namespace), meeting at the leader's rendezvous port on the first node's
+    address; beside it a one-rank worker of the same engine, whose greedy answer it gives. kill -9
+    of the follower takes the leader's step down too, both start again at a new rendezvous while
+    the frontend and the one-rank worker serve on, and `down` leaves nothing on either node."""
+    if why := missing_torch():
+        pytest.skip(why)
+    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
+    worker = {"kind": "worker", "engine": TP_ENGINE, "restart": {"backoff_s": 0.2}}
+    graph = make_graph(
+        two_nodes,
+        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
+        infra={"etcd": {"managed": True}},
+        hosts={"local": torch_host, "gpu": torch_host},
+        models={"tp2": {"path": str(tiny_model.resolve())}, "tp1": {"path": str(tiny_model.resolve())}},
+        components={
+            "tp": {
+                **worker,
+                "model": "tp2",
+                "nodes": 2,
+                "placement": ["local", "gpu"],
+                "gpus": {"tensor_parallel_size": 2},
+            },
+            "single": {**worker, "model": "tp1", "placement": ["local"]},
+        },
+    )
+    up = graph.cli("up", "--target", "slurm", timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr + two_nodes.log_tail()
+    resolved = dict(line.split("=", 1) for line in graph.job_file("resolved.env").read_text().split())
+    leader_addr = f"{two_nodes.addresses['dg1']}:{resolved['PORT_TP_0_LEADER']}"
+
+    def ranks() -> dict[str | None, int]:
+        """--node-rank (None for the leader) -> pid of the tp replica's processes."""
+        found = {}
+        for pid in two_nodes.processes():
+            argv = _cmdline(pid).split()
+            if argv[:1] == [str(TORCH_VENV / "bin" / "python")] and "in=dyn://sl.tp.generate" in argv:
+                assert argv[argv.index("--num-nodes") + 1] == "2"
+                assert argv[argv.index("--leader-addr") + 1] == leader_addr
+                found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
+        return found
+
+    first = ranks()
+    assert set(first) == {None, "1"}, first
+    in_second = set(_namespace_pids(two_nodes))
+    assert first["1"] in in_second and first[None] not in in_second  # one rank on each node
+    two = greedy_chat(graph.port, "tp2")
+    assert two and two == greedy_chat(graph.port, "tp1")
+
+    os.kill(first["1"], signal.SIGKILL)
+    served = [greedy_chat(graph.port, "tp1")]  # the rest of the graph serves through the restart
+
+    def regrouped() -> bool:
+        served.append(greedy_chat(graph.port, "tp1"))
+        now = ranks()
+        return set(now) == {None, "1"} and not set(now.values()) & set(first.values())
+
+    wait_for(regrouped, 120, "both ranks started again", poll=0.5)
+    assert not pid_alive(first[None]), "the leader went down with its follower"
+    wait_for(lambda: answers(graph.port, "tp2"), 120, "the regrouped replica answering", poll=0.5)
+    assert greedy_chat(graph.port, "tp2") == two and set(served) == {two}
+    status = graph.cli("status").stdout
+    assert "restarted with its group after tp-0.rank1 ended" in status, status
+    assert "restarted after exit 137 (SIGKILL)" in status, status
+
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
+    wait_for(
+        lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
+        30,
+        "only slurmd left in the second node",
     )
 
 

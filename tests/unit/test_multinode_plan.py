@@ -278,4 +278,7 @@ def test_on_slurm_each_rank_is_a_step_on_its_node_with_its_node_s_gres(tmp_path:
     assert leader.count('"$ADDR_A"\':\'"$PORT_W_0_LEADER"') == 1
     assert follower.count('"$ADDR_A"\':\'"$PORT_W_0_LEADER"') == 1 and "--node-rank 1" in follower
     assert "log 'following leader'" in follower
+    # Each rank's step knows its group's others: one ending on its own takes them down.
+    assert "run_step w-0 on-failure 5 1 30 w-0.rank1;" in script
+    assert "run_step w-0.rank1 on-failure 5 1 30 w-0;" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
