@@ -422,9 +422,10 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
 ) -> None:
     """examples/tp_engine.py with `nodes: 2`: rank 0 a step on the first node, rank 1 a step on
     the second (its namespace), meeting at the leader's rendezvous port on the first node's
-    address; beside it a one-rank worker of the same engine, whose greedy answer it gives. kill -9
-    of the follower takes the leader's step down too, both start again at a new rendezvous while
-    the frontend and the one-rank worker serve on, and `down` leaves nothing on either node."""
+    address; beside it a one-rank worker of the same engine, whose greedy answer it gives. A
+    change rolls both ranks together; kill -9 of the follower takes the leader's step down too,
+    both start again at a new rendezvous while the frontend and the one-rank worker serve on, and
+    `down` leaves nothing on either node."""
     if why := missing_torch():
         pytest.skip(why)
     torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
@@ -462,12 +463,25 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
                 found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
         return found
 
-    first = ranks()
-    assert set(first) == {None, "1"}, first
+    started = ranks()
+    assert set(started) == {None, "1"}, started
     in_second = set(_namespace_pids(two_nodes))
-    assert first["1"] in in_second and first[None] not in in_second  # one rank on each node
+    assert started["1"] in in_second and started[None] not in in_second  # one rank on each node
     two = greedy_chat(graph.port, "tp2")
     assert two and two == greedy_chat(graph.port, "tp1")
+
+    # A change to the replica replaces both ranks' steps together: they meet at a new rendezvous.
+    graph.graph["components"]["tp"]["env"] = {"ROLL_MARK": "two"}
+    graph.save()
+    rolled = graph.cli("up", "--target", "slurm", timeout=300)
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    assert "~ tp-0, tp-0.rank1: replacing their steps together" in rolled.stdout, rolled.stdout
+    assert "2 steps of Slurm job" in rolled.stdout, rolled.stdout
+    first = ranks()
+    assert set(first) == {None, "1"} and not set(first.values()) & set(started.values()), first
+    marks = [e for p in first.values() for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert marks == ["ROLL_MARK=two", "ROLL_MARK=two"], marks
+    assert greedy_chat(graph.port, "tp2") == two
 
     os.kill(first["1"], signal.SIGKILL)
     served = [greedy_chat(graph.port, "tp1")]  # the rest of the graph serves through the restart

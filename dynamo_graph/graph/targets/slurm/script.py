@@ -71,10 +71,10 @@ node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; 
 # A replacement that ends before it was ready waits (up to 30 s) for `up` to put the previous
 # launch back and ask again, rather than being given up by its policy. While NAME.off exists the
 # process does not run (a standby replica; a retired one is not restarted) and its policy resets.
-# PEERs are the other ranks of a multi-node replica (docs/multinode.md): a run that ends on its own (not
-# replaced, retired or taken down) takes theirs down; a run taken down counts as failed; and no
-# rank starts again while a peer still runs a run older than its own exit, so the group meets
-# at a new rendezvous.
+# PEERs are the other ranks of a multi-node replica (docs/multinode.md): a run that ends on its
+# own (not replaced, retired or taken down) takes theirs down; a run taken down counts as failed;
+# and no rank starts again (nor is replaced) while a peer still runs a run older than its own
+# exit, so the group meets at a new rendezvous.
 run_step() {
   local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 run=0 rc trial=0 waited launch failed ended
   local events=$JOB/steps/$name log=$STATE/logs/$name.log replace=$JOB/steps/$name.replace
@@ -105,6 +105,7 @@ run_step() {
     done
     if [ -e "$replace" ]; then
       echo "replace $(date +%s)" >> "$events"
+      await_down "$ended" "${peers[@]}"  # a replica's ranks are replaced together
       run=0 delay=$4 trial=1
       continue
     fi
