@@ -455,12 +455,10 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
     def ranks() -> dict[str | None, int]:
         """--node-rank (None for the leader) -> pid of the tp replica's processes."""
         found = {}
-        for pid in two_nodes.processes():
-            argv = _cmdline(pid).split()
-            if argv[:1] == [str(TORCH_VENV / "bin" / "python")] and "in=dyn://sl.tp.generate" in argv:
-                assert argv[argv.index("--num-nodes") + 1] == "2"
-                assert argv[argv.index("--leader-addr") + 1] == leader_addr
-                found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
+        for pid, argv in _tp_ranks(two_nodes).items():
+            assert argv[argv.index("--num-nodes") + 1] == "2"
+            assert argv[argv.index("--leader-addr") + 1] == leader_addr
+            found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
         return found
 
     started = ranks()
@@ -507,6 +505,75 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
         30,
         "only slurmd left in the second node",
     )
+
+
+@pytest.mark.slow  # a two-rank pool grown under load and shrunk back: about a minute
+def test_two_nodes_an_autoscaled_multi_node_pool_grows_and_shrinks_by_whole_replicas(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """A `nodes: 2` tp_engine pool of 1..2 replicas: under the load of six clients the job's
+    planner starts the standby replica's two ranks together (its leader is ready only once its
+    follower joined), one on each node; once the load is gone it retires both. No request fails."""
+    if why := missing_torch():
+        pytest.skip(why)
+    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
+    scaled = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "interval_s": 1.0,
+        "scale_down_delay_s": 4.0,
+        "target": {"ttft_p90_ms": 300},
+    }
+    tp = {
+        "kind": "worker",
+        "engine": TP_ENGINE,
+        "model": "tiny-model",
+        "nodes": 2,
+        "placement": ["local", "gpu"],
+        "gpus": {"tensor_parallel_size": 2},
+        "autoscale": scaled,
+    }
+    graph = make_graph(
+        two_nodes,
+        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
+        infra={"etcd": {"managed": True}},
+        hosts={"local": torch_host, "gpu": torch_host},
+        components={"tp": tp},
+    )
+    graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
+    graph.save()
+    up = graph.cli("up", "--target", "slurm", timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr + two_nodes.log_tail()
+    decisions = graph.file.parent / ".dyngraph" / graph.file.stem / "autoscale.jsonl"
+
+    def ready() -> int:
+        lines = decisions.read_text().splitlines() if decisions.exists() else []
+        return json.loads(lines[-1])["ready"] if lines else 0
+
+    url = f"http://127.0.0.1:{graph.port}/v1"
+    with StreamingLoad(url, "tiny-model", clients=6, max_tokens=20) as load:
+        wait_for(lambda: ready() >= 2, 120, "the pool to grow by a replica under load", poll=0.5)
+        grown = set(_tp_ranks(two_nodes))
+        grown_in_second = grown & set(_namespace_pids(two_nodes))
+    wait_for(lambda: ready() == 1, 90, "the pool to shrink back once the load is gone", poll=0.5)
+    assert not load.result.failures, load.result.failures[:5]
+    assert len(grown) == 4 and len(grown_in_second) == 2, grown  # each replica: a rank on each node
+    status = graph.cli("status").stdout
+    assert status.count("│ tp-") == 2 and "tp-1" not in status, status  # one replica: its two ranks
+    wait_for(lambda: len(_tp_ranks(two_nodes)) == 2, 60, "the retired replica's ranks to end")
+    assert greedy_chat(graph.port, "tiny-model")
+    assert graph.cli("down").returncode == 0
+    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
+
+
+def _tp_ranks(cluster: SlurmCluster) -> dict[int, list[str]]:
+    """pid -> argv of the `tp` worker's rank processes (the torch venv's Python) on the nodes."""
+    found = {}
+    for pid in cluster.processes():
+        argv = _cmdline(pid).split()
+        if argv[:1] == [str(TORCH_VENV / "bin" / "python")] and "in=dyn://sl.tp.generate" in argv:
+            found[pid] = argv
+    return found
 
 
 def _cmdline(pid: int) -> str:
