@@ -336,13 +336,7 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
     """The job's planner step grows the mocker pool on standby steps while eight clients queue
     on one replica (two requests at once), then retires them with drain once only one client,
     pausing a second between requests, is left; its requests, sent throughout, all finish."""
-    scaled = {
-        "min_replicas": 1,
-        "max_replicas": 3,
-        "interval_s": 1.0,
-        "scale_down_delay_s": 4.0,
-        "target": {"ttft_p90_ms": 300},
-    }
+    scaled = _autoscale(max_replicas=3)
     engine = {"max_num_seqs": 2, "speedup_ratio": 1.0}
     graph = make_graph(one_node, components=_workers(replicas=1, autoscale=scaled, engine_args=engine))
     graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
@@ -406,14 +400,7 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
     assert sum("in=dyn://sl.backend.generate" in c for c in in_namespace) == 2, in_namespace
     assert not any("in=http" in c for c in in_namespace)  # the frontend runs on the first node
 
-    down = graph.cli("down")
-    assert down.returncode == 0, down.stdout + down.stderr
-    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
-    wait_for(
-        lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
-        30,
-        "only slurmd left in the nodes",
-    )
+    _down_leaves_nothing(graph, two_nodes)
 
 
 @pytest.mark.slow  # two torch ranks and a one-rank twin start twice on two shared cores: ~2 min
@@ -426,15 +413,10 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
     change rolls both ranks together; kill -9 of the follower takes the leader's step down too,
     both start again at a new rendezvous while the frontend and the one-rank worker serve on, and
     `down` leaves nothing on either node."""
-    if why := missing_torch():
-        pytest.skip(why)
-    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
     worker = {"kind": "worker", "engine": TP_ENGINE, "restart": {"backoff_s": 0.2}}
-    graph = make_graph(
+    graph = _torch_graph(
         two_nodes,
-        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
-        infra={"etcd": {"managed": True}},
-        hosts={"local": torch_host, "gpu": torch_host},
+        make_graph,
         models={"tp2": {"path": str(tiny_model.resolve())}, "tp1": {"path": str(tiny_model.resolve())}},
         components={
             "tp": {
@@ -497,14 +479,7 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
     assert "restarted with its group after tp-0.rank1 ended" in status, status
     assert "restarted after exit 137 (SIGKILL)" in status, status
 
-    down = graph.cli("down")
-    assert down.returncode == 0, down.stdout + down.stderr
-    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
-    wait_for(
-        lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
-        30,
-        "only slurmd left in the second node",
-    )
+    _down_leaves_nothing(graph, two_nodes)
 
 
 @pytest.mark.slow  # a two-rank pool grown under load and shrunk back: about a minute
@@ -514,16 +489,7 @@ def test_two_nodes_an_autoscaled_multi_node_pool_grows_and_shrinks_by_whole_repl
     """A `nodes: 2` tp_engine pool of 1..2 replicas: under the load of six clients the job's
     planner starts the standby replica's two ranks together (its leader is ready only once its
     follower joined), one on each node; once the load is gone it retires both. No request fails."""
-    if why := missing_torch():
-        pytest.skip(why)
-    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
-    scaled = {
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "interval_s": 1.0,
-        "scale_down_delay_s": 4.0,
-        "target": {"ttft_p90_ms": 300},
-    }
+    scaled = _autoscale(max_replicas=2)
     tp = {
         "kind": "worker",
         "engine": TP_ENGINE,
@@ -533,13 +499,7 @@ def test_two_nodes_an_autoscaled_multi_node_pool_grows_and_shrinks_by_whole_repl
         "gpus": {"tensor_parallel_size": 2},
         "autoscale": scaled,
     }
-    graph = make_graph(
-        two_nodes,
-        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
-        infra={"etcd": {"managed": True}},
-        hosts={"local": torch_host, "gpu": torch_host},
-        components={"tp": tp},
-    )
+    graph = _torch_graph(two_nodes, make_graph, components={"tp": tp})
     graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
     graph.save()
     up = graph.cli("up", "--target", "slurm", timeout=300)
@@ -562,8 +522,43 @@ def test_two_nodes_an_autoscaled_multi_node_pool_grows_and_shrinks_by_whole_repl
     assert status.count("│ tp-") == 2 and "tp-1" not in status, status  # one replica: its two ranks
     wait_for(lambda: len(_tp_ranks(two_nodes)) == 2, 60, "the retired replica's ranks to end")
     assert greedy_chat(graph.port, "tiny-model")
-    assert graph.cli("down").returncode == 0
-    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
+    _down_leaves_nothing(graph, two_nodes)
+
+
+def _autoscale(max_replicas: int) -> dict[str, Any]:
+    """A pool of 1..max_replicas that grows fast under load and shrinks 4 s after it."""
+    return {
+        "min_replicas": 1,
+        "max_replicas": max_replicas,
+        "interval_s": 1.0,
+        "scale_down_delay_s": 4.0,
+        "target": {"ttft_p90_ms": 300},
+    }
+
+
+def _torch_graph(cluster: SlurmCluster, make_graph: Callable[..., SlurmGraph], **graph: Any) -> SlurmGraph:
+    """A graph over both nodes whose processes run in the venv with torch (examples/tp_engine.py's
+    ranks), this checkout first on their path; skips where there is no such venv."""
+    if why := missing_torch():
+        pytest.skip(why)
+    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
+    return make_graph(
+        cluster,
+        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
+        infra={"etcd": {"managed": True}},
+        hosts={"local": torch_host, "gpu": torch_host},
+        **graph,
+    )
+
+
+def _down_leaves_nothing(graph: SlurmGraph, cluster: SlurmCluster) -> None:
+    """`down` succeeds and leaves no process of the job on either node (slurmd alone in the second)."""
+    down = graph.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    wait_for(lambda: not cluster.processes(), 30, "the nodes to run none of the graph's processes")
+    wait_for(
+        lambda: all("slurmd" in c for c in _namespace_commands(cluster)), 30, "only slurmd left in the nodes"
+    )
 
 
 def _tp_ranks(cluster: SlurmCluster) -> dict[int, list[str]]:
