@@ -220,10 +220,11 @@ def layout(graph: Graph, plan: Plan) -> Layout:
     gpus: dict[str, int] = {}
     workers = graph.workers()
     for proc in [*plan.processes, *plan.standby]:  # standby: an autoscaled pool's room to grow
-        tasks[proc.host] += 1
         worker = workers.get(proc.component)
         gpus[proc.name] = worker.gpus_per_node if worker is not None else 0
-        gpus_on[proc.host] += gpus[proc.name]
+        for host in proc.mpi_hosts or [proc.host]:  # an MPI world's tasks on each of its nodes
+            tasks[host] += proc.mpi_tasks or 1
+            gpus_on[host] += gpus[proc.name]
     return Layout(hosts, max(tasks.values()), max(gpus_on.values()), gpus)
 
 
@@ -319,6 +320,11 @@ def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
     probe = proc.readiness
     target = probe_target(proc, i == 0)
     srun = [f'--nodelist="$NODE_{i}"', f"--chdir={_word(proc.workdir)}"]
+    if proc.mpi_hosts:  # one step over the world's nodes (later options win over run_step's)
+        nodes, per = len(proc.mpi_hosts), proc.mpi_tasks
+        srun[0] = "--nodelist=" + ",".join(f'"$NODE_{lay.node(h)}"' for h in proc.mpi_hosts)
+        srun += [f"--nodes={nodes}", f"--ntasks={nodes * per}", f"--ntasks-per-node={per}"]
+        srun += ["--mpi=pmix", "--kill-on-bad-exit=1"]  # a task that dies ends the world: it restarts whole
     if lay.gpus_per_node:  # a step has only the GPUs it asks for
         gpus = lay.gpus[proc.name]
         srun.append(f"--gres={slurm.gres}:{gpus}" if gpus else "--gres=none")
@@ -327,8 +333,10 @@ def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
         if key == "CUDA_VISIBLE_DEVICES" or (is_secret_name(key) and value):
             continue  # Slurm binds the step's GPUs and sets it; a secret comes from the job's environment
         env.append(f"{key}={_word(value)}")
-    argv = proc.argv
-    command = (
+    argv, launcher = proc.argv, []
+    if argv[0] == "trtllm-llmapi-launch":  # installed beside the node's Python by TensorRT-LLM's wheel
+        argv, launcher = argv[1:], [f'"$(dirname "$(command -v "$PY_{i}")")"/trtllm-llmapi-launch']
+    command = launcher + (
         [f'"$PY_{i}"', "-m", "dynamo_graph", *map(_word, argv[1:])]
         if argv[0] == "dyngraph"
         else [*map(_word, argv)]
