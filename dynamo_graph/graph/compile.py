@@ -637,9 +637,15 @@ class _Compiler:
         pairing = self._pairing(worker, engine) if worker.role in ("prefill", "decode") else ""
         procs: list[ProcessSpec] = []
         on_host: dict[str, int] = {}
+        mpi = worker.nodes > 1 and worker.engine == "trtllm"  # one MPI world (ProcessSpec.mpi_hosts)
+        if mpi:
+            argv = ["trtllm-llmapi-launch", *argv]
         for replica in range(worker.replicas):
             hosts = worker.hosts_of_replica(replica)
-            group = f"{name}-{replica}" if worker.nodes > 1 else ""
+            mpi_hosts = hosts if mpi else []
+            if mpi:  # one process: the world's sizes are the engine's, no leader address to meet at
+                hosts = hosts[:1]
+            group = f"{name}-{replica}" if worker.nodes > 1 and not mpi else ""
             rendezvous = f"{name}-{replica}.leader"
             leader = f"{self._address(hosts[0]) or '127.0.0.1'}:{port_placeholder(rendezvous)}"
             for rank, host in enumerate(hosts):
@@ -670,6 +676,8 @@ class _Compiler:
                     pairing=pairing,
                     group=group,
                     rank=rank,
+                    mpi_hosts=mpi_hosts,
+                    mpi_tasks=worker.model_ranks() // worker.nodes if mpi else 0,
                 )
                 procs.append(self._worker_process(name, worker, spec, slot, len(procs)))
         return procs

@@ -104,6 +104,12 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     # of one process.
     group: str = ""
     rank: int = 0  # this process's node rank in its group; 0 is the leader, which serves
+    # A TensorRT-LLM replica over several nodes is one MPI world, not ranks joined at a leader's
+    # address: this process is its launch (`trtllm-llmapi-launch dyngraph run ...` in every task;
+    # task 0 serves, the others are TensorRT-LLM's MPI workers), `mpi_tasks` tasks on each of
+    # these hosts, `host` first. Slurm starts it as one `srun --mpi=pmix` step; [] otherwise.
+    mpi_hosts: list[str] = []
+    mpi_tasks: int = 0
 
 
 class RemoteHost(msgspec.Struct, frozen=True):

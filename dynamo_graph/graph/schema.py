@@ -586,7 +586,9 @@ class Worker(_Component):
     start, stop, restart and roll out together. `gpus.per_replica` is the whole replica's, split
     evenly: `per_replica / nodes` on each host; `tensor_parallel_size` × the engine's pipeline
     and data parallel sizes (engine_args) is the engine's ranks, a multiple of `nodes` and, with
-    GPUs, `per_replica`. Engines vllm, sglang, trtllm and python files."""
+    GPUs, `per_replica`. Engines vllm, sglang, trtllm and python files. A trtllm replica is
+    instead one MPI world (`trtllm-llmapi-launch`), which only the Slurm target starts (one
+    `srun --mpi=pmix` step over its nodes)."""
     gpus: Gpus = Gpus()
     """GPU use per replica."""
     role: Literal["agg", "prefill", "decode"] = "agg"

@@ -20,15 +20,12 @@ from typing import Any
 
 import pytest
 import yaml
-from openai import OpenAI
 
 from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
+from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
 from tests.support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCH_VENV = Path(os.environ.get("DYNGRAPH_VLLM_VENV", ROOT / ".venv-vllm"))  # make vllm
-TP_ENGINE = str(ROOT / "examples" / "tp_engine.py")
 START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
 
 
@@ -36,8 +33,8 @@ START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores t
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     if why := missing_requirements():
         pytest.skip(why)
-    if not (TORCH_VENV / "bin" / "python").exists():
-        pytest.skip(f"no venv with torch at {TORCH_VENV} (DYNGRAPH_VLLM_VENV)")
+    if why := missing_torch():
+        pytest.skip(why)
     hosts = SshHosts(tmp_path_factory.mktemp("ssh"))
     try:
         _link(*hosts.hosts)
@@ -109,25 +106,6 @@ def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine:
     return file
 
 
-def _chat(port: int, model: str) -> str:
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=20)
-    reply = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "the same greedy tokens"}],
-        max_tokens=8,
-        temperature=0,
-        extra_body={"nvext": {"ignore_eos": True}},
-    )
-    return reply.choices[0].message.content or ""
-
-
-def _answers(port: int, model: str) -> bool:
-    try:
-        return bool(_chat(port, model))
-    except Exception:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [TP_ENGINE, "vllm"], ids=["tp_engine", "vllm"])
 def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_down_leaves_nothing(
@@ -161,8 +139,8 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
             assert (args[args.index(b"--node-rank") + 1] if b"--node-rank" in args else None) == rank
 
         # The replica serves the official client; its greedy tokens are the one-rank run's.
-        two = _chat(port, "tp2")
-        assert two and two == _chat(port, "tp1")
+        two = greedy_chat(port, "tp2")
+        assert two and two == greedy_chat(port, "tp1")
 
         # kill -9 of the follower takes the leader down too; both come back and serve again.
         os.kill(follower["pid"], signal.SIGKILL)
@@ -175,8 +153,8 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
             "both ranks restarted",
         )
         assert not pid_alive(leader["pid"])
-        wait_for(lambda: _answers(port, "tp2"), START_S[engine], "the restarted replica answering")
-        assert _chat(port, "tp2") == two
+        wait_for(lambda: answers(port, "tp2"), START_S[engine], "the restarted replica answering")
+        assert greedy_chat(port, "tp2") == two
     finally:
         down = run_cli(["down", str(file)], timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr

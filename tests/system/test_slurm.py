@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,9 +22,10 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.support.processes import free_port, run_cli
+from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.rolling_load import StreamingLoad
 from tests.support.slurm_cluster import SlurmCluster, missing_requirements
+from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
 from tests.support.waiting import wait_for
 
 UP_TIMEOUT_S = 120.0
@@ -92,6 +94,10 @@ class SlurmGraph:
 
     def script(self) -> Path:
         return self.file.parent / ".dyngraph" / self.file.stem / "slurm" / "job.sbatch"
+
+    def job_file(self, name: str) -> Path:
+        """A file the running job keeps in the state dir (slurm/script.py's docstring)."""
+        return self.file.parent / ".dyngraph" / self.file.stem / "slurm" / "job" / name
 
     def steps(self) -> dict[str, str]:
         """Step name -> step id, from Slurm."""
@@ -330,13 +336,7 @@ def test_an_autoscaled_pool_grows_within_the_job_under_load_and_retires_replicas
     """The job's planner step grows the mocker pool on standby steps while eight clients queue
     on one replica (two requests at once), then retires them with drain once only one client,
     pausing a second between requests, is left; its requests, sent throughout, all finish."""
-    scaled = {
-        "min_replicas": 1,
-        "max_replicas": 3,
-        "interval_s": 1.0,
-        "scale_down_delay_s": 4.0,
-        "target": {"ttft_p90_ms": 300},
-    }
+    scaled = _autoscale(max_replicas=3)
     engine = {"max_num_seqs": 2, "speedup_ratio": 1.0}
     graph = make_graph(one_node, components=_workers(replicas=1, autoscale=scaled, engine_args=engine))
     graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
@@ -400,14 +400,175 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
     assert sum("in=dyn://sl.backend.generate" in c for c in in_namespace) == 2, in_namespace
     assert not any("in=http" in c for c in in_namespace)  # the frontend runs on the first node
 
+    _down_leaves_nothing(graph, two_nodes)
+
+
+@pytest.mark.slow  # two torch ranks and a one-rank twin start twice on two shared cores: ~2 min
+def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_group(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """examples/tp_engine.py with `nodes: 2`: rank 0 a step on the first node, rank 1 a step on
+    the second (its namespace), meeting at the leader's rendezvous port on the first node's
+    address; beside it a one-rank worker of the same engine, whose greedy answer it gives. A
+    change rolls both ranks together; kill -9 of the follower takes the leader's step down too,
+    both start again at a new rendezvous while the frontend and the one-rank worker serve on, and
+    `down` leaves nothing on either node."""
+    worker = {"kind": "worker", "engine": TP_ENGINE, "restart": {"backoff_s": 0.2}}
+    graph = _torch_graph(
+        two_nodes,
+        make_graph,
+        models={"tp2": {"path": str(tiny_model.resolve())}, "tp1": {"path": str(tiny_model.resolve())}},
+        components={
+            "tp": {
+                **worker,
+                "model": "tp2",
+                "nodes": 2,
+                "placement": ["local", "gpu"],
+                "gpus": {"tensor_parallel_size": 2},
+            },
+            "single": {**worker, "model": "tp1", "placement": ["local"]},
+        },
+    )
+    up = graph.cli("up", "--target", "slurm", timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr + two_nodes.log_tail()
+    resolved = dict(line.split("=", 1) for line in graph.job_file("resolved.env").read_text().split())
+    leader_addr = f"{two_nodes.addresses['dg1']}:{resolved['PORT_TP_0_LEADER']}"
+
+    def ranks() -> dict[str | None, int]:
+        """--node-rank (None for the leader) -> pid of the tp replica's processes."""
+        found = {}
+        for pid, argv in _tp_ranks(two_nodes).items():
+            assert argv[argv.index("--num-nodes") + 1] == "2"
+            assert argv[argv.index("--leader-addr") + 1] == leader_addr
+            found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
+        return found
+
+    started = ranks()
+    assert set(started) == {None, "1"}, started
+    in_second = set(_namespace_pids(two_nodes))
+    assert started["1"] in in_second and started[None] not in in_second  # one rank on each node
+    two = greedy_chat(graph.port, "tp2")
+    assert two and two == greedy_chat(graph.port, "tp1")
+
+    # A change to the replica replaces both ranks' steps together: they meet at a new rendezvous.
+    graph.graph["components"]["tp"]["env"] = {"ROLL_MARK": "two"}
+    graph.save()
+    rolled = graph.cli("up", "--target", "slurm", timeout=300)
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    assert "~ tp-0, tp-0.rank1: replacing their steps together" in rolled.stdout, rolled.stdout
+    assert "2 steps of Slurm job" in rolled.stdout, rolled.stdout
+    first = ranks()
+    assert set(first) == {None, "1"} and not set(first.values()) & set(started.values()), first
+    marks = [e for p in first.values() for e in _environ(p) if e.startswith("ROLL_MARK=")]
+    assert marks == ["ROLL_MARK=two", "ROLL_MARK=two"], marks
+    assert greedy_chat(graph.port, "tp2") == two
+
+    os.kill(first["1"], signal.SIGKILL)
+    served = [greedy_chat(graph.port, "tp1")]  # the rest of the graph serves through the restart
+
+    def regrouped() -> bool:
+        served.append(greedy_chat(graph.port, "tp1"))
+        now = ranks()
+        return set(now) == {None, "1"} and not set(now.values()) & set(first.values())
+
+    wait_for(regrouped, 120, "both ranks started again", poll=0.5)
+    assert not pid_alive(first[None]), "the leader went down with its follower"
+    wait_for(lambda: answers(graph.port, "tp2"), 120, "the regrouped replica answering", poll=0.5)
+    assert greedy_chat(graph.port, "tp2") == two and set(served) == {two}
+    status = graph.cli("status").stdout
+    assert "restarted with its group after tp-0.rank1 ended" in status, status
+    assert "restarted after exit 137 (SIGKILL)" in status, status
+
+    _down_leaves_nothing(graph, two_nodes)
+
+
+@pytest.mark.slow  # a two-rank pool grown under load and shrunk back: about a minute
+def test_two_nodes_an_autoscaled_multi_node_pool_grows_and_shrinks_by_whole_replicas(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """A `nodes: 2` tp_engine pool of 1..2 replicas: under the load of six clients the job's
+    planner starts the standby replica's two ranks together (its leader is ready only once its
+    follower joined), one on each node; once the load is gone it retires both. No request fails."""
+    scaled = _autoscale(max_replicas=2)
+    tp = {
+        "kind": "worker",
+        "engine": TP_ENGINE,
+        "model": "tiny-model",
+        "nodes": 2,
+        "placement": ["local", "gpu"],
+        "gpus": {"tensor_parallel_size": 2},
+        "autoscale": scaled,
+    }
+    graph = _torch_graph(two_nodes, make_graph, components={"tp": tp})
+    graph.graph["components"]["frontend"]["router"] = {"mode": "round-robin"}
+    graph.save()
+    up = graph.cli("up", "--target", "slurm", timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr + two_nodes.log_tail()
+    decisions = graph.file.parent / ".dyngraph" / graph.file.stem / "autoscale.jsonl"
+
+    def ready() -> int:
+        lines = decisions.read_text().splitlines() if decisions.exists() else []
+        return json.loads(lines[-1])["ready"] if lines else 0
+
+    url = f"http://127.0.0.1:{graph.port}/v1"
+    with StreamingLoad(url, "tiny-model", clients=6, max_tokens=20) as load:
+        wait_for(lambda: ready() >= 2, 120, "the pool to grow by a replica under load", poll=0.5)
+        grown = set(_tp_ranks(two_nodes))
+        grown_in_second = grown & set(_namespace_pids(two_nodes))
+    wait_for(lambda: ready() == 1, 90, "the pool to shrink back once the load is gone", poll=0.5)
+    assert not load.result.failures, load.result.failures[:5]
+    assert len(grown) == 4 and len(grown_in_second) == 2, grown  # each replica: a rank on each node
+    status = graph.cli("status").stdout
+    assert status.count("│ tp-") == 2 and "tp-1" not in status, status  # one replica: its two ranks
+    wait_for(lambda: len(_tp_ranks(two_nodes)) == 2, 60, "the retired replica's ranks to end")
+    assert greedy_chat(graph.port, "tiny-model")
+    _down_leaves_nothing(graph, two_nodes)
+
+
+def _autoscale(max_replicas: int) -> dict[str, Any]:
+    """A pool of 1..max_replicas that grows fast under load and shrinks 4 s after it."""
+    return {
+        "min_replicas": 1,
+        "max_replicas": max_replicas,
+        "interval_s": 1.0,
+        "scale_down_delay_s": 4.0,
+        "target": {"ttft_p90_ms": 300},
+    }
+
+
+def _torch_graph(cluster: SlurmCluster, make_graph: Callable[..., SlurmGraph], **graph: Any) -> SlurmGraph:
+    """A graph over both nodes whose processes run in the venv with torch (examples/tp_engine.py's
+    ranks), this checkout first on their path; skips where there is no such venv."""
+    if why := missing_torch():
+        pytest.skip(why)
+    torch_host = {"venv": str(TORCH_VENV), "env": {"PYTHONPATH": str(ROOT)}}
+    return make_graph(
+        cluster,
+        runtime={"discovery": "etcd", "request_plane": "tcp", "lease_ttl_s": 2},
+        infra={"etcd": {"managed": True}},
+        hosts={"local": torch_host, "gpu": torch_host},
+        **graph,
+    )
+
+
+def _down_leaves_nothing(graph: SlurmGraph, cluster: SlurmCluster) -> None:
+    """`down` succeeds and leaves no process of the job on either node (slurmd alone in the second)."""
     down = graph.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
-    wait_for(lambda: not two_nodes.processes(), 30, "the nodes to run none of the graph's processes")
+    wait_for(lambda: not cluster.processes(), 30, "the nodes to run none of the graph's processes")
     wait_for(
-        lambda: all("slurmd" in c for c in _namespace_commands(two_nodes)),
-        30,
-        "only slurmd left in the nodes",
+        lambda: all("slurmd" in c for c in _namespace_commands(cluster)), 30, "only slurmd left in the nodes"
     )
+
+
+def _tp_ranks(cluster: SlurmCluster) -> dict[int, list[str]]:
+    """pid -> argv of the `tp` worker's rank processes (the torch venv's Python) on the nodes."""
+    found = {}
+    for pid in cluster.processes():
+        argv = _cmdline(pid).split()
+        if argv[:1] == [str(TORCH_VENV / "bin" / "python")] and "in=dyn://sl.tp.generate" in argv:
+            found[pid] = argv
+    return found
 
 
 def _cmdline(pid: int) -> str:

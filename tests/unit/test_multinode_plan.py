@@ -12,10 +12,12 @@ import yaml
 
 from dynamo_graph.backend.settings import FOLLOWING
 from dynamo_graph.graph.build import Built, build
+from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.plan import ProcessSpec
 from dynamo_graph.graph.targets.dispatch import render
 from tests.support.graph_problems import problems, valid
 from tests.support.kube_schemas import dgd_errors, k8s_errors
+from tests.support.processes import run_cli
 
 HOSTS = """\
 name: big
@@ -278,4 +280,87 @@ def test_on_slurm_each_rank_is_a_step_on_its_node_with_its_node_s_gres(tmp_path:
     assert leader.count('"$ADDR_A"\':\'"$PORT_W_0_LEADER"') == 1
     assert follower.count('"$ADDR_A"\':\'"$PORT_W_0_LEADER"') == 1 and "--node-rank 1" in follower
     assert "log 'following leader'" in follower
+    # Each rank's step knows its group's others: one ending on its own takes them down.
+    assert "run_step w-0 on-failure 5 1 30 w-0.rank1;" in script
+    assert "run_step w-0.rank1 on-failure 5 1 30 w-0;" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+TRTLLM = _worker(
+    engine="trtllm", nodes="2", placement="[a, b]", gpus="{per_replica: 8, tensor_parallel_size: 8}"
+)
+
+
+def test_a_trtllm_replica_over_nodes_is_one_mpi_launch_of_the_whole_world(tmp_path: Path) -> None:
+    """TensorRT-LLM spans nodes as one MPI world (every task runs `trtllm-llmapi-launch`: task 0
+    the command, the others its MPI workers), not as ranks meeting at a leader's address: one
+    process per replica, the world's sizes on its command line, its tasks on each host."""
+    (proc,) = _plan(tmp_path, TRTLLM)
+    assert proc.argv[:8] == [
+        "trtllm-llmapi-launch",
+        "dyngraph",
+        "run",
+        "in=dyn://big.w.generate",
+        "out=trtllm",
+        "--model-path",
+        "/models/big",
+        "--model-name",
+    ]
+    assert _flag(proc.argv, "--tensor-parallel-size") == "8"
+    assert not {"--num-nodes", "--node-rank", "--leader-addr"} & set(proc.argv)  # the adapter refuses them
+    assert (proc.name, proc.host, proc.group, proc.mpi_hosts, proc.mpi_tasks) == (
+        "w-0",
+        "a",
+        "",
+        ["a", "b"],
+        4,
+    )
+    assert not any(name.endswith(".leader") for name in proc.ports)  # no rendezvous port
+    assert proc.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # its host's share
+
+
+def test_on_slurm_a_trtllm_replica_is_one_srun_step_over_its_nodes_under_pmix(tmp_path: Path) -> None:
+    """What cannot run here (no TensorRT-LLM, no GPU, no PMIx): the exact step of the sbatch script."""
+    text = TRTLLM.replace("  a: {ssh: {address: 10.0.0.2}, gpus: 8}\n", "  a: {gpus: 4}\n")
+    text = text.replace("  b: {ssh: {address: 10.0.0.3}, gpus: 8}\n", "  b: {gpus: 4}\n")
+    text = text.replace("  c: {ssh: {address: 10.0.0.4}, gpus: 8}\n", "") + "slurm: {partition: gpu}\n"
+    built = _built(tmp_path, text)
+    script = render(built.graph, built.plan, "slurm")
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=4\n#SBATCH --gres=gpu:4\n" in script
+    launch = script[script.index('cat > "$JOB/steps/w-0.cmd"') :].split("\nEOF\n", 1)[0].splitlines()
+    assert launch[1:3] == [
+        "log 'serving model' 120 \\",
+        f'  --nodelist="$NODE_1","$NODE_2" --chdir={tmp_path} --nodes=2 --ntasks=8 --ntasks-per-node=4 '
+        "--mpi=pmix --kill-on-bad-exit=1 --gres=gpu:4 \\",
+    ]
+    assert "CUDA_VISIBLE_DEVICES" not in launch[3]  # Slurm binds each task's GPUs
+    assert launch[4] == (
+        '  "$(dirname "$(command -v "$PY_1")")"/trtllm-llmapi-launch "$PY_1" -m dynamo_graph run '
+        "in=dyn://big.w.generate out=trtllm --model-path /models/big --model-name m --tensor-parallel-size 8"
+    )
+    assert "run_step w-0 on-failure 5 1 30;" in script  # no peers: the step is the whole group
+    assert "w-0.rank1" not in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_a_trtllm_replica_over_nodes_is_shown_by_render_shell_and_refused_by_local_up_and_k8s(
+    tmp_path: Path,
+) -> None:
+    built = _built(tmp_path, TRTLLM)
+    script = render(built.graph, built.plan, "shell")
+    assert (
+        "# one MPI world of 8 tasks, 4 on each of a, b: run this under `mpirun -np 8 -H <a>:4,<b>:4`"
+        in script
+    )
+    assert '"trtllm-llmapi-launch", "dyngraph", "run"' in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    done = run_cli(["up", "-d", str(tmp_path / "graph.yaml")], timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{tmp_path / 'graph.yaml'}:17: components.w.nodes" in done.stderr, done.stderr
+    assert "components.w.nodes: a TensorRT-LLM replica over nodes is one MPI job" in done.stderr
+    with pytest.raises(
+        GraphError, match=r"components.w.nodes: a TensorRT-LLM replica over nodes is one MPI job"
+    ):
+        render(built.graph, built.plan, "k8s")
+    dgd = yaml.safe_load(render(built.graph, built.plan, "dynamo-k8s"))
+    assert dgd_errors(dgd) == [] and dgd["spec"]["services"]["w"]["multinode"] == {"nodeCount": 2}

@@ -17,6 +17,7 @@ import yaml
 
 from dynamo_graph.graph.build import build
 from dynamo_graph.graph.errors import GraphError
+from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.dispatch import render
 from dynamo_graph.graph.targets.local.changes import plan_changes
 from dynamo_graph.graph.targets.local.state import StateDir
@@ -246,13 +247,20 @@ def test_frontend_off_the_first_node_must_bind_a_reachable_address(tmp_path: Pat
     assert "components.frontend.http.host: host 'n2' is not the job's first node" in problems
 
 
-def test_records_follow_the_step_events(tmp_path: Path) -> None:
-    """What `status` shows, from the events the script writes (script.py's docstring)."""
+def _job_steps(tmp_path: Path) -> tuple[Plan, SlurmState, Path]:
+    """The plan of `_graph()` compiled for Slurm, its job's state, and the (empty) dir where the
+    job script writes each process's events."""
     built = build(_write(tmp_path, _graph()))
     plan = slurm_plan(built.graph, built.plan)
     state = SlurmState(StateDir(plan.state_dir))
     steps = state.job_dir / "steps"
     steps.mkdir(parents=True)
+    return plan, state, steps
+
+
+def test_records_follow_the_step_events(tmp_path: Path) -> None:
+    """What `status` shows, from the events the script writes (script.py's docstring)."""
+    plan, state, steps = _job_steps(tmp_path)
     (steps / "frontend-0").write_text("start 100 1\nready 101\n")
     (steps / "backend-0").write_text("start 100 1\nready 101\nexit 137 150\nstart 151 2\nready 152\n")
     (steps / "backend-1").write_text("start 100 1\nexit 1 101\ncrashloop 102\n")
@@ -264,13 +272,28 @@ def test_records_follow_the_step_events(tmp_path: Path) -> None:
     assert records(state, plan, job_active=False)["frontend-0"].state == "stopped"
 
 
+def test_records_tell_a_rank_taken_down_with_its_group(tmp_path: Path) -> None:
+    """A rank whose peer ended gets `down` before its own exit (script.py's take_down); status
+    says so while it waits to start again, and after."""
+    plan, state, steps = _job_steps(tmp_path)
+    (steps / "backend-0").write_text("start 100 1 a\nready 101\ndown 150 backend-1\nexit 0 151\n")
+    (steps / "backend-1").write_text("start 100 1 a\nready 101\nexit 137 150\nstart 152 2 a\n")
+    got = records(state, plan, job_active=True)
+    assert (got["backend-0"].state, got["backend-0"].message) == (
+        "restarting",
+        "step ended with exit 0, taken down with its group (backend-1 ended)",
+    )
+    assert got["backend-1"].message == "restarted after exit 137 (SIGKILL)"
+    with (steps / "backend-0").open("a") as events:
+        events.write("start 153 2 a\nready 160\n")
+    got = records(state, plan, job_active=True)["backend-0"]
+    assert (got.state, got.restarts) == ("ready", 1)
+    assert got.message == "restarted with its group after backend-1 ended"
+
+
 def test_a_replaced_run_starts_its_records_afresh(tmp_path: Path) -> None:
     """A rollout's replacement (`replace` after the old run's exit) is no restart, nor a crash."""
-    built = build(_write(tmp_path, _graph()))
-    plan = slurm_plan(built.graph, built.plan)
-    state = SlurmState(StateDir(plan.state_dir))
-    steps = state.job_dir / "steps"
-    steps.mkdir(parents=True)
+    plan, state, steps = _job_steps(tmp_path)
     (steps / "backend-0").write_text(
         "start 100 1 a\nready 101\nexit 143 150\nreplace 150\nstart 150 1 b\nready 152\n"
     )

@@ -73,7 +73,8 @@ def llm_args_from_settings(cfg: EngineSettings, model: LocalModel | None) -> dic
     if cfg.num_nodes > 1 or cfg.leader_addr:
         raise TrtllmError(
             "out=trtllm: TensorRT-LLM spans nodes as one MPI job, not through a leader address; launch "
-            "every rank with `mpirun -n <world size> trtllm-llmapi-launch dyngraph run ...` and set "
+            "every rank with `mpirun -n <world size> trtllm-llmapi-launch dyngraph run ...` (what a "
+            "graph's `nodes` compiles to: one `srun --mpi=pmix` step with `up --target slurm`) and set "
             "tensor_parallel_size / pipeline_parallel_size (in --extra-engine-args) to the whole job's "
             "size instead of --num-nodes / --node-rank / --leader-addr"
         )

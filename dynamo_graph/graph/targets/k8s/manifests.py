@@ -98,14 +98,23 @@ class _K8s:
         self._check()
 
     def _check(self) -> None:
-        static = [k for k, w in sorted(self.graph.workers().items()) if w.static]
-        if static:
-            raise GraphError(
-                [
-                    Problem(f"components.{k}.static", "static workers are not rendered for Kubernetes")
-                    for k in static
-                ]
+        workers = sorted(self.graph.workers().items())
+        problems = [
+            Problem(f"components.{k}.static", "static workers are not rendered for Kubernetes")
+            for k, w in workers
+            if w.static
+        ]
+        problems += [
+            Problem(
+                f"components.{k}.nodes",
+                "a TensorRT-LLM replica over nodes is one MPI job, not a LeaderWorkerSet of ranks: "
+                "render it with `-f dynamo-k8s` (Dynamo's operator launches it under mpirun)",
             )
+            for k, w in workers
+            if w.nodes > 1 and w.engine == "trtllm"
+        ]
+        if problems:
+            raise GraphError(problems)
         if self.graph.runtime.discovery == "file":
             self.notes.append(
                 "runtime.discovery file cannot span pods: discovery goes through an in-cluster etcd"

@@ -98,6 +98,14 @@ def render_shell(graph: Graph, plan: Plan) -> str:
         lines.append(
             f"# {proc.name} on {proc.host} (ready when {proc.readiness.kind} {proc.readiness.target})"
         )
+        if proc.mpi_hosts:  # `up` refuses it here (slurm/commands.py): it needs an MPI launcher
+            world = len(proc.mpi_hosts) * proc.mpi_tasks
+            lines.append(
+                f"# one MPI world of {world} tasks, {proc.mpi_tasks} on each of {', '.join(proc.mpi_hosts)}: "
+                f"run this under `mpirun -np {world} -H "
+                + ",".join(f"<{h}>:{proc.mpi_tasks}" for h in proc.mpi_hosts)
+                + "` (or `up --target slurm`)"
+            )
         if proc.host in plan.hosts:
             lines.append(
                 _remote_command(proc, proc.host, plan.hosts[proc.host], agent.graph_tag(plan.state_dir), sub)

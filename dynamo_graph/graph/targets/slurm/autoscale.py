@@ -119,50 +119,59 @@ class JobPools:
             running = job.running_plan(self.slurm_state, plan).processes
             on = sorted({p.replica for p in running if p.component == pool})
             if replicas < len(on):  # the newest first, every rank of each
-                for spec in reversed([p for p in every if p.replica in on[replicas:]]):
+                retiring = [p for p in every if p.replica in on[replicas:]]
+                for spec in retiring:  # every rank's `.off` first: none restarts, nor takes the others down
+                    self._off(spec).touch()
+                for spec in reversed(retiring):
                     await self._retire(spec)
                 return True
             more = sorted({p.replica for p in every} - set(on))[: replicas - len(on)]
-            adding = [p for p in every if p.replica in more]  # each replica's ranks in rank order
-            for i, spec in enumerate(adding):
-                if (why := await self._start(spec)) is not None:
-                    self.report(f"autoscale {pool}: {spec.name} {why}; the pool keeps what it had")
-                    for started in reversed(adding[: i + 1]):
+            for i, replica in enumerate(more):
+                if (why := await self._start([p for p in every if p.replica == replica])) is not None:
+                    self.report(f"autoscale {pool}: {why}; the pool keeps what it had")
+                    for started in reversed([p for p in every if p.replica in more[: i + 1]]):
                         await self._retire(started)
                     return False
-            return bool(adding)
+            return bool(more)
+
+    def _off(self, spec: ProcessSpec) -> Path:
+        """While this file exists the process does not run (script.py's run_step)."""
+        return self.slurm_state.job_dir / "steps" / f"{spec.name}.off"
 
     def report(self, line: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
-    async def _start(self, spec: ProcessSpec) -> str | None:
-        """Let a standby (or retired) replica run; None once it is ready and listed, else why not."""
-        since = len(self.slurm_state.events(spec.name))
-        (self.slurm_state.job_dir / "steps" / f"{spec.name}.off").unlink(missing_ok=True)
-        ready_by = time.monotonic() + spec.readiness.timeout_s + STOP_MARGIN_S
-        while time.monotonic() < ready_by:
-            kinds = [e[0] for e in self.slurm_state.events(spec.name)[since:]]
-            if "exit" in kinds or "unready" in kinds:
-                return "did not become ready"
-            if "ready" in kinds:
-                break
-            await asyncio.sleep(POLL_S)
-        else:
-            return f"was not ready in {spec.readiness.timeout_s:g} s"
-        if spec.rank != 0:
-            return None  # a multi-node replica's other ranks serve nothing: no frontend lists them
+    async def _start(self, ranks: list[ProcessSpec]) -> str | None:
+        """Let a standby (or retired) replica run, all its ranks at once (a multi-node leader is
+        ready only once the others joined it); None once each is ready and the leader listed,
+        else which one did not get there and why."""
+        since = {spec.name: len(self.slurm_state.events(spec.name)) for spec in ranks}
+        for spec in ranks:
+            self._off(spec).unlink(missing_ok=True)
+        for spec in ranks:
+            ready_by = time.monotonic() + spec.readiness.timeout_s + STOP_MARGIN_S
+            while time.monotonic() < ready_by:
+                kinds = [e[0] for e in self.slurm_state.events(spec.name)[since[spec.name] :]]
+                if "exit" in kinds or "unready" in kinds:
+                    return f"{spec.name} did not become ready"
+                if "ready" in kinds:
+                    break
+                await asyncio.sleep(POLL_S)
+            else:
+                return f"{spec.name} was not ready in {spec.readiness.timeout_s:g} s"
+        spec = ranks[0]  # the leader: the one the frontends list
         listed_by = time.monotonic() + LISTED_WAIT_S
         while time.monotonic() < listed_by:
             instance = self._instance(spec.name, None)
             if instance is not None and instance in await self.answers():
                 return None
             await asyncio.sleep(POLL_S)
-        return f"was not listed by the frontends in {LISTED_WAIT_S:g} s"
+        return f"{spec.name} was not listed by the frontends in {LISTED_WAIT_S:g} s"
 
     async def _retire(self, spec: ProcessSpec) -> None:
         """Stop a replica for good: `.off` first (run_step does not restart it), then SIGTERM to its
         step, which drains; SIGKILL past its grace."""
-        (self.slurm_state.job_dir / "steps" / f"{spec.name}.off").touch()
+        self._off(spec).touch()
         since = len(self.slurm_state.events(spec.name))
         try:
             step = job.steps(self.job_id).get(spec.name)

@@ -53,6 +53,14 @@ def before_local_up(built: Built) -> None:
         Problem(f"hosts.{h}.ssh", "a Slurm node (no `ssh`): run the graph with `dyngraph up --target slurm`")
         for h in sorted(used)
     ]
+    problems += [
+        Problem(
+            f"components.{c}.nodes",
+            "a TensorRT-LLM replica over nodes is one MPI job: `dyngraph up --target slurm` starts it as "
+            "one `srun --mpi=pmix` step; elsewhere start it under mpirun yourself (`render -f shell`)",
+        )
+        for c in sorted({p.component for p in built.plan.processes if p.mpi_hosts})
+    ]
     slurm_state = SlurmState(StateDir(built.plan.state_dir))
     if (record := slurm_state.job()) is not None:
         try:

@@ -192,12 +192,17 @@ def records(slurm_state: SlurmState, plan: Plan, job_active: bool) -> dict[str, 
             done = slurm_state.finished(proc.name) or restart_never[proc.name]
             record.state = ("exited" if record.last_exit == 0 else "failed") if done else "restarting"
             record.message = f"step ended with exit {_exit(record.last_exit)}"
+            if downs := [e for e in current if e[0] == "down"]:
+                record.message += f", taken down with its group ({downs[0][2]} ended)"
         elif "unready" in kinds:
             record.state, record.message = "failed", f"not ready in {proc.readiness.timeout_s:g} s"
         elif "ready" in kinds:
             record.state = "ready"
         if record.state in ("starting", "ready") and exits:
             record.message = f"restarted after exit {_exit(record.last_exit)}"
+            last_run = events[starts[-2] : starts[-1]] if len(starts) > 1 else []
+            if downs := [e for e in last_run if e[0] == "down"]:  # its group went down (script.py)
+                record.message = f"restarted with its group after {downs[0][2]} ended"
         if not job_active and record.state in ("starting", "ready", "restarting"):
             record.state = "stopped"
         out[proc.name] = record

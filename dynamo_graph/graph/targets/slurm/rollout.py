@@ -9,7 +9,8 @@ process on another host, other GPUs or ports, the job's sbatch options, etcd / n
 worker (what depends on them connected to them), restart policies, dependencies, secret values
 (the job reads them from the environment sbatch gave it).
 
-Each changed process is replaced on its own, in dependency order: its new launch is written to
+Each changed process is replaced on its own (the ranks of a multi-node replica together), in
+dependency order: its new launch is written to
 `slurm/job/steps/<name>.cmd` (with its engine-args file), `<name>.replace` asks the job script's
 `run_step` to start the next run at once whatever its restart policy, and SIGTERM to that step
 only (`scancel --signal=TERM JOB.STEP`) ends the old run, which drains like any retired worker.
@@ -28,7 +29,7 @@ import hashlib
 import re
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -157,22 +158,31 @@ class Roller:
         self.job_id = job_id
         self.steps = slurm_state.job_dir / "steps"
 
-    def replace(self, spec: ProcessSpec, launch: Launch) -> str | None:
-        """Run `spec` with `launch` instead of what it runs; None once the new run is ready, else
-        why it failed."""
-        name = spec.name
-        since = len(self.slurm_state.events(name))
-        for path, text in launch.files.items():
-            atomic_write(Path(path), text)
-        atomic_write(self.steps / f"{name}.cmd", launch.text.rstrip("\n") + "\n")
-        (self.steps / f"{name}.replace").touch()
-        events = self.slurm_state.events(name)
-        running = not events or events[-1][0] != "exit"  # else run_step is between runs: it reads it
-        step = job.steps(self.job_id).get(name)
-        step_id = step.split()[0] if running and step is not None else None
-        if step_id is not None:
-            job.signal_step(step_id, "TERM")
-        return self._await_ready(spec, launch_hash(launch.text), since, step_id)
+    def replace(self, batch: Sequence[tuple[ProcessSpec, Launch]]) -> tuple[str, str] | None:
+        """Run each process of `batch` with its launch instead of what it runs, all at once (a
+        multi-node replica's ranks: they meet at a new rendezvous); None once every new run is
+        ready, else the name of the first that failed and why."""
+        since = {}
+        for spec, launch in batch:  # every `.replace` before any stop: no rank's end takes the others down
+            since[spec.name] = len(self.slurm_state.events(spec.name))
+            for path, text in launch.files.items():
+                atomic_write(Path(path), text)
+            atomic_write(self.steps / f"{spec.name}.cmd", launch.text.rstrip("\n") + "\n")
+            (self.steps / f"{spec.name}.replace").touch()
+        steps = job.steps(self.job_id)
+        old_steps: dict[str, str | None] = {}
+        for spec, _ in batch:
+            events = self.slurm_state.events(spec.name)
+            running = not events or events[-1][0] != "exit"  # else run_step is between runs: it reads it
+            step = steps.get(spec.name)
+            old_steps[spec.name] = step.split()[0] if running and step is not None else None
+            if (step_id := old_steps[spec.name]) is not None:
+                job.signal_step(step_id, "TERM")
+        for spec, launch in batch:
+            want = launch_hash(launch.text)
+            if (failure := self._await_ready(spec, want, since[spec.name], old_steps[spec.name])) is not None:
+                return spec.name, failure
+        return None
 
     def _await_ready(self, spec: ProcessSpec, want: str, since: int, old_step: str | None) -> str | None:
         """Until the run that started with `want` is ready (None) or failed (why). An old run
@@ -282,29 +292,34 @@ def roll(
     slurm_state.write_launch(revision.number, msgspec.json.encode(target))
     roller = Roller(slurm_state, record.job_id)
     new_specs = {p.name: p for p in new.processes}
-    done: list[str] = []
-    for name in dependency_order(new, changes.changed):
-        console.print(f"~ {name}: replacing its step", highlight=False)
+    done: list[list[str]] = []
+    for names in _batches(new, changes.changed):
+        name = ", ".join(names)
+        console.print(
+            f"~ {name}: replacing {'its step' if len(names) == 1 else 'their steps together'}",
+            highlight=False,
+        )
         started = time.monotonic()
+        batch = [(new_specs[n], _launch_of(new_specs[n], new_text[n], new.files)) for n in names]
         try:
-            failure = roller.replace(new_specs[name], _launch_of(new_specs[name], new_text[name], new.files))
+            failed = roller.replace(batch)
         except KeyboardInterrupt:  # the job must not be left running a mix that no plan describes
-            failure = "interrupted (Ctrl-C); rolling back"
-        if failure is not None:
-            message = f"{name} failed ({failure}); last log lines:"
+            failed = names[0], "interrupted (Ctrl-C); rolling back"
+        if failed is not None:
+            message = f"{failed[0]} failed ({failed[1]}); last log lines:"
             console.print(f"[bold red]revision {revision.number} failed:[/] {message}", highlight=False)
-            tail = roller.tail(name)
+            tail = roller.tail(failed[0])
             for line in tail:
                 console.print(line, highlight=False, markup=False)
-            back = _roll_back(roller, console, old_specs, old_text, old.files, [*done, name])
+            back = _roll_back(roller, console, old_specs, old_text, old.files, [*done, names])
             store.finish(revision, "failed", "\n".join([message, *tail]), rolled_back=back)
             return 1
         store.progress(revision, f"{name} replaced")
         console.print(f"  {name} ready in {time.monotonic() - started:.1f} s", highlight=False)
-        done.append(name)
+        done.append(names)
     _adopt(state, new, new_script, new_text, old_text)
     store.finish(revision, "ready")
-    rolled = f"{len(done)} steps of Slurm job {record.job_id} rolled"
+    rolled = f"{sum(map(len, done))} steps of Slurm job {record.job_id} rolled"
     console.print(f"graph {new.graph}: revision {revision.number}, {rolled}", highlight=False)
     return 0
 
@@ -322,21 +337,32 @@ def _adopt(
     slurm_state.write_script(script)
 
 
+def _batches(plan: Plan, changed: Sequence[str]) -> list[list[str]]:
+    """The steps to replace, in dependency order: a process alone, or every rank of a multi-node
+    replica together (one rank of it changed, all meet again at a new rendezvous)."""
+    specs = {p.name: p for p in plan.processes}
+    keys = dict.fromkeys(specs[n].group or n for n in dependency_order(plan, changed))
+    ranks = {key: [p.name for p in plan.processes if p.group == key] for key in keys}
+    return [ranks[key] or [key] for key in keys]
+
+
 def _roll_back(
     roller: Roller,
     console: Console,
     old: Mapping[str, ProcessSpec],
     old_text: Mapping[str, str],
     old_files: Mapping[str, str],
-    names: list[str],
+    batches: list[list[str]],
 ) -> bool:
-    """Give `names` their previous launch back, newest first; whether every one is ready again."""
+    """Give the batches' processes their previous launch back, newest batch first; whether every
+    one is ready again."""
     ok = True
-    for name in reversed(names):
-        failure = roller.replace(old[name], _launch_of(old[name], old_text[name], old_files))
-        if failure is not None:
-            console.print(f"[bold red]rolling back {name} failed too:[/] {failure}", highlight=False)
+    for names in reversed(batches):
+        failed = roller.replace([(old[n], _launch_of(old[n], old_text[n], old_files)) for n in names])
+        if failed is not None:
+            console.print(f"[bold red]rolling back {failed[0]} failed too:[/] {failed[1]}", highlight=False)
             ok = False
     if ok:
-        console.print(f"rolled back: {', '.join(reversed(names))} on the previous launch again")
+        names = [n for batch in reversed(batches) for n in batch]
+        console.print(f"rolled back: {', '.join(names)} on the previous launch again")
     return ok

@@ -11,14 +11,21 @@ nodes must share (as Slurm's own `--output` files are usually shared):
     logs/<process>.log         each step's output (appended across restarts, with start markers)
     slurm/job/resolved.env     the nodes, their addresses and the ports picked (shell words)
     slurm/job/steps/<process>  one event a line: `start TS RUN LAUNCH`, `ready TS`, `unready TS`,
-                               `exit RC TS`, `crashloop TS`, `blocked TS DEPENDENCY`, `replace TS`
-                               (LAUNCH: the md5 prefix of the `.cmd` the run started with)
+                               `exit RC TS`, `crashloop TS`, `blocked TS DEPENDENCY`, `replace TS`,
+                               `down TS RANK` (another rank of its replica ended: this run is
+                               taken down with it) (LAUNCH: the md5 prefix of the `.cmd` the run
+                               started with)
     slurm/job/steps/<process>.cmd  the process's launch, read at each (re)start: `up` rolls a
                                step by rewriting it and stopping the run (rollout.py)
     slurm/job/steps/<process>.off  while it exists, the process does not run (an `off TS` event):
                                an autoscaled pool's standby replicas start with one, and the
                                job's planner (slurm/autoscale.py) removes it to grow the pool,
                                or writes it and stops the step to retire a replica
+
+The ranks of a multi-node replica (a worker's `nodes`) are one step each on their nodes, joined
+by the leader's rendezvous, and live and die as a group as on the local target (local/gang.py):
+a rank whose run ends on its own takes the others' steps down, and each rank starts again only
+once no other runs a run older than its own exit, so the group meets at a new rendezvous.
 
 An autoscaled pool's allocation holds its `max_replicas`: the standby replicas are steps that
 wait for their `.off` to go, so the planner grows the pool within the job's nodes.
@@ -57,18 +64,22 @@ PLANNER = (
 _FUNCTIONS = r"""
 node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
 
-# run_step NAME POLICY MAX_RESTARTS BACKOFF_S BACKOFF_MAX_S: one process as a step, restarted by
-# its policy. Each run reads its launch from $JOB/steps/NAME.cmd (shell words: PROBE_KIND
+# run_step NAME POLICY MAX_RESTARTS BACKOFF_S BACKOFF_MAX_S [PEER...]: one process as a step,
+# restarted by its policy. Each run reads its launch from $JOB/steps/NAME.cmd (shell words: PROBE_KIND
 # PROBE_TARGET PROBE_TIMEOUT_S SRUN_OPTIONS... COMMAND...), which `up` rewrites to roll the step:
 # it touches NAME.replace, then stops the run; the next run starts at once, whatever the policy.
 # A replacement that ends before it was ready waits (up to 30 s) for `up` to put the previous
 # launch back and ask again, rather than being given up by its policy. While NAME.off exists the
 # process does not run (a standby replica; a retired one is not restarted) and its policy resets.
+# PEERs are the other ranks of a multi-node replica (docs/multinode.md): a run that ends on its
+# own (not replaced, retired or taken down) takes theirs down; a run taken down counts as failed;
+# and no rank starts again (nor is replaced) while a peer still runs a run older than its own
+# exit, so the group meets at a new rendezvous.
 run_step() {
-  local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 run=0 rc trial=0 waited launch
+  local name=$1 policy=$2 max=$3 delay=$4 delay_max=$5 run=0 rc trial=0 waited launch failed ended
   local events=$JOB/steps/$name log=$STATE/logs/$name.log replace=$JOB/steps/$name.replace
   local off=$JOB/steps/$name.off
-  local -a words
+  local -a words peers=("${@:6}")
   while :; do
     if [ -e "$off" ]; then
       echo "off $(date +%s)" >> "$events"
@@ -84,7 +95,8 @@ run_step() {
     "$PY" -m dynamo_graph.graph.targets.slurm.probe "$events" "$log" "${words[@]:0:3}" &
     srun --nodes=1 --ntasks=1 --exact --job-name="$name" --output="$log" --open-mode=append "${words[@]:3}"
     rc=$?
-    echo "exit $rc $(date +%s)" >> "$events"
+    ended=$(date +%s)
+    echo "exit $rc $ended" >> "$events"
     waited=0
     while [ "$trial" = 1 ] && [ ! -e "$replace" ] && [ "$waited" -lt 300 ] \
         && ! awk '$1 == "start" { r = 0 } $1 == "ready" { r = 1 } END { exit !r }' "$events"; do
@@ -93,15 +105,58 @@ run_step() {
     done
     if [ -e "$replace" ]; then
       echo "replace $(date +%s)" >> "$events"
+      await_down "$ended" "${peers[@]}"  # a replica's ranks are replaced together
       run=0 delay=$4 trial=1
       continue
     fi
     trial=0
     if [ -e "$off" ]; then continue; fi
-    if [ "$policy" = never ] || { [ "$policy" = on-failure ] && [ "$rc" = 0 ]; }; then return; fi
+    failed=$((rc != 0))
+    if [ "${#peers[@]}" -gt 0 ]; then
+      if awk '$1 == "start" { d = 0 } $1 == "down" { d = 1 } END { exit !d }' "$events"; then
+        failed=1
+      else
+        take_down "$name" "${peers[@]}"
+      fi
+    fi
+    if [ "$policy" = never ] || { [ "$policy" = on-failure ] && [ "$failed" = 0 ]; }; then return; fi
     if [ "$run" -gt "$max" ]; then echo "crashloop $(date +%s)" >> "$events"; return; fi
+    await_down "$ended" "${peers[@]}"
     sleep "$delay"
     delay=$(awk -v d="$delay" -v m="$delay_max" 'BEGIN { d *= 2; print (d > m) ? m : d }')
+  done
+}
+
+# cancel_step NAME: end the process's running step, if it has one (scancel: SIGTERM, and SIGKILL
+# after Slurm's KillWait).
+cancel_step() {
+  local step
+  step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' | awk -v n="$1" '$2 == n { print $1 }')
+  if [ -n "$step" ]; then scancel "$step"; fi
+}
+
+# take_down NAME PEER...: NAME's run ended on its own; end each peer's run, recording `down TS
+# NAME` in its events.
+take_down() {
+  local peer
+  for peer in "${@:2}"; do
+    echo "down $(date +%s) $1" >> "$JOB/steps/$peer"
+    cancel_step "$peer"
+  done
+}
+
+# await_down SINCE PEER...: until no peer runs a run started before SINCE (up to 120 s), asking
+# Slurm again every 5 s to end one that still does (a step not yet listed when it was taken down).
+await_down() {
+  local since=$1 peer waited
+  for peer in "${@:2}"; do
+    waited=0
+    while [ "$waited" -lt 1200 ] && awk -v t="$since" \
+        '$1 == "start" { r = ($2 < t) } $1 == "exit" { r = 0 } END { exit !r }' "$JOB/steps/$peer"; do
+      if [ $((waited % 50)) = 49 ]; then cancel_step "$peer"; fi
+      sleep 0.1
+      waited=$((waited + 1))
+    done
   done
 }
 
@@ -165,10 +220,11 @@ def layout(graph: Graph, plan: Plan) -> Layout:
     gpus: dict[str, int] = {}
     workers = graph.workers()
     for proc in [*plan.processes, *plan.standby]:  # standby: an autoscaled pool's room to grow
-        tasks[proc.host] += 1
         worker = workers.get(proc.component)
         gpus[proc.name] = worker.gpus_per_node if worker is not None else 0
-        gpus_on[proc.host] += gpus[proc.name]
+        for host in proc.mpi_hosts or [proc.host]:  # an MPI world's tasks on each of its nodes
+            tasks[host] += proc.mpi_tasks or 1
+            gpus_on[host] += gpus[proc.name]
     return Layout(hosts, max(tasks.values()), max(gpus_on.values()), gpus)
 
 
@@ -264,6 +320,11 @@ def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
     probe = proc.readiness
     target = probe_target(proc, i == 0)
     srun = [f'--nodelist="$NODE_{i}"', f"--chdir={_word(proc.workdir)}"]
+    if proc.mpi_hosts:  # one step over the world's nodes (later options win over run_step's)
+        nodes, per = len(proc.mpi_hosts), proc.mpi_tasks
+        srun[0] = "--nodelist=" + ",".join(f'"$NODE_{lay.node(h)}"' for h in proc.mpi_hosts)
+        srun += [f"--nodes={nodes}", f"--ntasks={nodes * per}", f"--ntasks-per-node={per}"]
+        srun += ["--mpi=pmix", "--kill-on-bad-exit=1"]  # a task that dies ends the world: it restarts whole
     if lay.gpus_per_node:  # a step has only the GPUs it asks for
         gpus = lay.gpus[proc.name]
         srun.append(f"--gres={slurm.gres}:{gpus}" if gpus else "--gres=none")
@@ -272,8 +333,10 @@ def _launch(proc: ProcessSpec, lay: Layout, slurm: Slurm) -> str:
         if key == "CUDA_VISIBLE_DEVICES" or (is_secret_name(key) and value):
             continue  # Slurm binds the step's GPUs and sets it; a secret comes from the job's environment
         env.append(f"{key}={_word(value)}")
-    argv = proc.argv
-    command = (
+    argv, launcher = proc.argv, []
+    if argv[0] == "trtllm-llmapi-launch":  # installed beside the node's Python by TensorRT-LLM's wheel
+        argv, launcher = argv[1:], [f'"$(dirname "$(command -v "$PY_{i}")")"/trtllm-llmapi-launch']
+    command = launcher + (
         [f'"$PY_{i}"', "-m", "dynamo_graph", *map(_word, argv[1:])]
         if argv[0] == "dyngraph"
         else [*map(_word, argv)]
@@ -299,9 +362,12 @@ def secret_exports(proc: ProcessSpec, secrets: dict[str, str]) -> list[str]:
     ]
 
 
-def _step(proc: ProcessSpec, launch: str, secrets: dict[str, str], standby: bool) -> str:
+def _step(
+    proc: ProcessSpec, launch: str, secrets: dict[str, str], standby: bool, peers: list[ProcessSpec]
+) -> str:
     r = proc.restart
     head = ["run_step", proc.name, r.policy, str(r.max_restarts), f"{r.backoff_s:g}", f"{r.backoff_max_s:g}"]
+    head += [p.name for p in peers]  # a multi-node replica's other ranks: its group
     waits = f"await_ready {proc.name} {' '.join(proc.depends_on)} && " if proc.depends_on else ""
     exports = secret_exports(proc, secrets)
     export = f"export {' '.join(exports)}; " if exports else ""  # in this process's subshell only
@@ -351,11 +417,13 @@ def render_slurm(graph: Graph, plan: Plan) -> str:
         lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
         lines.append(f"cat > {shlex.quote(path)} <<'EOF'\n{text.rstrip()}\nEOF")
     texts = launches(graph, plan)
-    for proc in [*plan.processes, *plan.standby]:
+    every = [*plan.processes, *plan.standby]
+    for proc in every:
         standby = proc in plan.standby
         where = f"# {proc.name} on {proc.host} (node {lay.node(proc.host)})"
         lines += ["", f"{where}, standby" if standby else where]
-        lines.append(_step(proc, texts[proc.name], secrets, standby))
+        peers = [p for p in every if proc.group and p.group == proc.group and p is not proc]
+        lines.append(_step(proc, texts[proc.name], secrets, standby, peers))
     if plan.autoscale:
         lines += ["", "# the planner of the autoscaled pools, beside the steps (slurm/autoscale.py)", PLANNER]
     lines += ["", "wait"]
