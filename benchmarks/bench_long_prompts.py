@@ -252,7 +252,8 @@ def compare_checkouts(args: argparse.Namespace, checkouts: list[str]) -> dict:
         for checkout in checkouts:
             source = str(Path(checkout).resolve())
             port = free_port()
-            argv = [sys.executable, "-m", "dynamo_graph", "run", "in=http", "out=auto"]
+            # -P: the working directory (a checkout itself) must not come before PYTHONPATH
+            argv = [sys.executable, "-P", "-m", "dynamo_graph", "run", "in=http", "out=auto"]
             argv += ["--http-port", str(port), "--router-mode", "kv"]
             frontend = start(argv, port, 0.0, {**env, "PYTHONPATH": source})
             processes.append(frontend)
