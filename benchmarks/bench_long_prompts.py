@@ -248,16 +248,19 @@ def compare_checkouts(args: argparse.Namespace, checkouts: list[str]) -> dict:
     env = embedded_planes(scratch)
     processes = mocker_workers(args.model, scratch, env, extra=("--context-length", "16384"))
     frontends = {}
+    sources = {}  # label (the checkout's folder name) -> its path and commit
     try:
         for checkout in checkouts:
             source = str(Path(checkout).resolve())
+            label = Path(source).name
+            sources[label] = {"path": source, **(git_of(Path(source) / "dynamo_graph") or {})}
             port = free_port()
             # -P: the working directory (a checkout itself) must not come before PYTHONPATH
             argv = [sys.executable, "-P", "-m", "dynamo_graph", "run", "in=http", "out=auto"]
             argv += ["--http-port", str(port), "--router-mode", "kv"]
             frontend = start(argv, port, 0.0, {**env, "PYTHONPATH": source})
             processes.append(frontend)
-            frontends[source] = (frontend, port)
+            frontends[label] = (frontend, port)
         cpu = alternate(
             frontends,
             numbered,  # type: ignore[arg-type]
@@ -269,12 +272,10 @@ def compare_checkouts(args: argparse.Namespace, checkouts: list[str]) -> dict:
         )
     finally:
         stop_all(processes)
-    summary = {
-        source: {"median": statistics.median(v), "range": [min(v), max(v)]} for source, v in cpu.items()
-    }
-    for source, entry in summary.items():
-        print(f"{source}: median {entry['median']:.3f} CPU-ms/request, range {entry['range']}")
-    return {"cpu_ms_per_request": cpu, "summary": summary}
+    summary = {label: {"median": statistics.median(v), "range": [min(v), max(v)]} for label, v in cpu.items()}
+    for label, entry in summary.items():
+        print(f"{label}: median {entry['median']:.3f} CPU-ms/request, range {entry['range']}")
+    return {"checkouts": sources, "cpu_ms_per_request": cpu, "summary": summary}
 
 
 def save(args: argparse.Namespace, benchmark: str, **fields: object) -> None:
