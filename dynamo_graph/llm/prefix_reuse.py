@@ -32,20 +32,21 @@ tokenizer splits at special ones) are matched before pre-tokenization, so a cut 
 one occurs near it. Text without spaces (e.g. Chinese or Japanese) has no cut and is tokenized
 whole.
 
-Checkpoints: a cached long text C gets one every `STRIDE` characters, keyed by the xxh3-64 of
-the UTF-8 of C[:x] (computed by streaming, one pass over C), holding the last safe cut before x
-and the count of C's tokens before it; C's token start offsets are kept with it. A new text's
-longest cached prefix is found by a binary search over its own x (the checkpoints of one text
-are all there, so a shorter prefix of a hit is a hit too; each probe hashes a view of the new
-text's one encoding, no copy), verified once by comparing the text. From that checkpoint the
-exact shared length X is found by comparing the two texts (a binary search of `startswith`), so
-the cut is the last safe one before X, and the count of C's tokens before it comes from C's
-offsets: a reuse tokenizes only the word the texts part in and what follows. The prefix named
-for the router (segment_tokenizer.py) stays the checkpoint's, whose digest is computed once, so
-requests that part at different words of the same document still name one prefix. A text found
-this way is cached itself only when it goes on for a stride or more past the shared part (else a
-document's thousand questions would each cache a copy of the document's ids). The checkpoints
-count in the segment cache's budget and leave with their text.
+Checkpoints: a cached long text C gets one every `STRIDE` characters, keyed by a hash of C[:x]
+(`prefix_keys`: xxh3-64 of its bytes while it is ASCII, streamed over C; Python's hash of the
+slice past C's first other character), holding the last safe cut before x and the count of C's
+tokens before it; C's token start offsets are kept with it. A new text's longest cached prefix
+is found by a binary search over its own x (the checkpoints of one text are all there, so a
+shorter prefix of a hit is a hit too; an ASCII probe hashes a view of the new text's one
+encoding, where a slice and its hash cost ~6x more), verified once by comparing the text.
+From that checkpoint the exact shared length X is found by comparing the two texts (a binary
+search of `startswith`), so the cut is the last safe one before X, and the count of C's tokens
+before it comes from C's offsets: a reuse tokenizes only the word the texts part in and what
+follows. The prefix named for the router (segment_tokenizer.py) stays the checkpoint's, whose
+digest is computed once, so requests that part at different words of the same document still
+name one prefix. A text found this way is cached itself only when it goes on for a stride or
+more past the shared part (else a document's thousand questions would each cache a copy of the
+document's ids). The checkpoints count in the segment cache's budget and leave with their text.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 from xxhash import xxh3_64, xxh3_64_intdigest
 
-STRIDE = 128  # characters between checkpoints: about what a reuse tokenizes of the shared text
+STRIDE = 128  # characters between checkpoints: the least a text must share with a cached one
 CHECKPOINT_BYTES = 320  # a checkpoint's key, object, digest and map slot (in the cache's budget)
 _SPLIT_BEHAVIORS = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext"}
 
@@ -127,17 +128,21 @@ class Reuse:
     shared: int
 
 
-def _utf8(text: str) -> bytes:
-    return text.encode("utf-8", "surrogatepass")
+def ascii_head(text: str) -> bytes:
+    """`text` encoded as ASCII up to its first character that is not ASCII (all of it, mostly)."""
+    try:
+        return text.encode("ascii")
+    except UnicodeEncodeError as err:
+        return text[: err.start].encode("ascii")
 
 
 def prefix_keys(text: str) -> Callable[[int], int]:
-    """x -> the key of text[:x] (xxh3-64 of its UTF-8); ASCII text is encoded once and its
-    prefixes hashed through a view."""
-    if text.isascii():
-        view = memoryview(text.encode("ascii"))
-        return lambda x: xxh3_64_intdigest(view[:x])
-    return lambda x: xxh3_64_intdigest(_utf8(text[:x]))
+    """x -> the key of text[:x]: while text[:x] is ASCII, the xxh3-64 of its bytes, each probe
+    hashing a view of one encoding (no copy); past the first other character, Python's hash of
+    the slice. Which one is a property of text[:x] itself, so any text with that prefix agrees."""
+    view = memoryview(ascii_head(text))
+    ascii_chars = len(view)
+    return lambda x: xxh3_64_intdigest(view[:x]) if x <= ascii_chars else hash(text[:x])
 
 
 def shared_length(text: str, other: str, start: int = 0) -> int:
@@ -196,11 +201,15 @@ class PrefixIndex:
         end); `starts`: the character offset of each of its tokens. Returns their keys, to
         `discard` with the text."""
         keys = []
-        digest = xxh3_64(_utf8(text[:first]))
+        head = ascii_head(text)  # streamed: each checkpoint's key hashes one more stride of it
+        digest = xxh3_64(head[:first])
         for x in range(first + STRIDE, len(text) + 1, STRIDE):  # those up to `first` are C's
-            digest.update(_utf8(text[x - STRIDE : x]))
+            if x <= len(head):  # (x - STRIDE >= first: the stream holds text[:x - STRIDE])
+                digest.update(head[x - STRIDE : x])
+                key = (x, digest.intdigest())
+            else:
+                key = (x, hash(text[:x]))
             cut = safe_cut(text, x - 1)
-            key = (x, digest.intdigest())
             self._points[key] = Checkpoint(text, starts, x, cut, bisect_left(starts, cut))
             keys.append(key)
         return keys
