@@ -23,7 +23,15 @@ issue's): >= 1.25x and >= 85%.
 
 Modes: `round-robin`, `kv` (the default predictive cost) and `kv-own-ttft` (the predictive cost
 ranking by the request's own predicted TTFT only, `--router-prefill-penalty 0`: the behaviour
-before issue 27). Results: benchmarks/results/doc_routing.json.
+before issue 27). `--rounds` runs every seed's modes that many times, in turns (each round
+starting with the next mode), so that load from others on the shared machine falls on every mode
+alike; the comparison is per round, and the summary gives each seed's median and spread.
+
+Each row also splits the mean TTFT into what its requests contributed (`ttft_share_ms`, summing
+to the mean): the opening burst (the first `c` requests, sent at once to cold caches), each
+document's first use (which no policy can serve from cache), later requests that missed (less
+than half the prompt cached: a policy's own misses) and those that hit. Results:
+benchmarks/results/doc_routing.json.
 """
 
 from __future__ import annotations
@@ -112,6 +120,7 @@ def run_mode(args: argparse.Namespace, mode: str, convs: list[Conversation], run
     summary = summarize(results, wall)
     oracle = oracle_hits(convs, {(r.conv, r.turn) for r in ok}, args.block_size)
     return {
+        "ttft_share_ms": ttft_shares(ok, convs, args.concurrency),
         "mode": mode,
         "requests": summary["requests"],
         "errors": summary["errors"],
@@ -126,11 +135,35 @@ def run_mode(args: argparse.Namespace, mode: str, convs: list[Conversation], run
     }
 
 
+def ttft_shares(ok: list, convs: list[Conversation], concurrency: int) -> dict[str, float]:
+    """What each kind of request adds to the mean TTFT (ms; the kinds sum to the mean)."""
+    shares = dict.fromkeys(("burst", "first_use", "miss", "hit"), 0.0)
+    seen: set[int] = set()
+    for rank, r in enumerate(sorted(ok, key=lambda r: r.start)):
+        doc = convs[r.conv].doc
+        if rank < concurrency:
+            kind = "burst"
+        elif doc not in seen:
+            kind = "first_use"
+        else:
+            kind = "miss" if 2 * r.cached_tokens < r.prompt_tokens else "hit"
+        seen.add(doc)
+        shares[kind] += r.ttft
+    return {kind: round(total * 1000 / max(len(ok), 1), 2) for kind, total in shares.items()}
+
+
 def compare(rows: list[dict]) -> list[dict]:
     """Each kv mode against round-robin of the same seed: TTFT ratio and capture."""
     out = []
     for row in rows:
-        rr = next((r for r in rows if r["mode"] == "round-robin" and r["seed"] == row["seed"]), None)
+        rr = next(
+            (
+                r
+                for r in rows
+                if r["mode"] == "round-robin" and (r["seed"], r["round"]) == (row["seed"], row["round"])
+            ),
+            None,
+        )
         if rr is None or not row["mode"].startswith("kv") or not row["ttft_mean_ms"]:
             continue
 
@@ -143,6 +176,7 @@ def compare(rows: list[dict]) -> list[dict]:
         out.append(
             {
                 "seed": row["seed"],
+                "round": row["round"],
                 "mode": row["mode"],
                 "rr_over_mode_ttft_mean": round(rr["ttft_mean_ms"] / row["ttft_mean_ms"], 2),
                 "rr_over_mode_ttft_p90": round(rr["ttft_p90_ms"] / row["ttft_p90_ms"], 2),
@@ -159,6 +193,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
     parser.add_argument("--modes", default="round-robin,kv", help=f"some of {', '.join(MODES)}")
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every seed's modes, in turns")
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--doc-tokens", type=int, default=4096)
     parser.add_argument("--requests", type=int, default=192)
@@ -184,10 +219,12 @@ def main() -> int:
     try:
         for seed in [int(s) for s in args.seeds.split(",")]:
             convs = documents_workload(args, seed)
-            for mode in modes:
-                row = {"seed": seed, **run_mode(args, mode, convs, run_dir / f"{seed}-{mode}")}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            for round_ in range(args.rounds):
+                for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
+                    point = run_dir / f"{seed}-{round_}-{mode}"
+                    row = {"seed": seed, "round": round_, **run_mode(args, mode, convs, point)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     finally:
         if args.keep_logs:
             print(f"logs: {run_dir}")
@@ -196,14 +233,21 @@ def main() -> int:
     comparison = compare(rows)
     for entry in comparison:
         print(json.dumps(entry))
-    if len({r["seed"] for r in rows}) > 1:
-        for mode in {c["mode"] for c in comparison}:
-            mine = [c for c in comparison if c["mode"] == mode]
-            print(
-                f"median {mode}: rr/mode TTFT mean "
-                f"{statistics.median(c['rr_over_mode_ttft_mean'] for c in mine)}x, capture "
-                f"{statistics.median(c['capture'] for c in mine if c['capture'] is not None)}"
-            )
+    summary = []
+    for mode in sorted({c["mode"] for c in comparison}):
+        for seed in sorted({c["seed"] for c in comparison}):
+            mine = [c for c in comparison if (c["mode"], c["seed"]) == (mode, seed)]
+            ratios = [c["rr_over_mode_ttft_mean"] for c in mine]
+            captures = [c["capture"] for c in mine if c["capture"] is not None]
+            entry = {
+                "mode": mode,
+                "seed": seed,
+                "rr_over_mode_ttft_mean_median": statistics.median(ratios),
+                "rr_over_mode_ttft_mean_range": [min(ratios), max(ratios)],
+                "capture_median": statistics.median(captures) if captures else None,
+            }
+            summary.append(entry)
+            print(json.dumps(entry))
     saved = write_json(
         Path(args.out),
         {
@@ -214,6 +258,7 @@ def main() -> int:
             "targets": "rr/kv TTFT mean >= 1.25, capture of the oracle's extra hits over rr >= 0.85",
             "rows": rows,
             "comparison": comparison,
+            "summary": summary,
         },
     )
     print(f"wrote {saved}")

@@ -28,6 +28,16 @@ Modes (`--modes`, all by default), each point on fresh processes:
   KV events and the router's cost. Only the frontend's CPU is the figure.
 `--rounds` repeats the whole matrix, so that load from others on the machine falls on every
 point alike; the summary gives each point's median. Results: benchmarks/results/long_prompts.json.
+
+`--checkouts A,B` instead compares source trees (e.g. main's and a branch's) on issue 27's point:
+the `one_message` workload at c=8 with a new connection per request, one kv frontend per
+checkout (run with that tree first on PYTHONPATH) over the same two mocker workers at speedup
+10000 (bench_frontend.mocker_workers), measured in turns over `--rounds` (each round starting
+with the next checkout); every request's question is new across the whole run. Reported: each
+checkout's frontend CPU-ms per request per round, their median and range.
+
+    .venv/bin/python benchmarks/bench_long_prompts.py --checkouts /work/main,. --rounds 6 \
+        --out benchmarks/results/long_prompts_checkouts.json
 """
 
 from __future__ import annotations
@@ -44,7 +54,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_frontend import PROMPT, STREAM_BODY, free_port, measure, start
+from bench_frontend import (
+    PROMPT,
+    STREAM_BODY,
+    alternate,
+    embedded_planes,
+    free_port,
+    measure,
+    mocker_workers,
+    start,
+    stop_all,
+)
 from bench_routing import Deployment
 
 from dynamo_graph.bench.provenance import git_of, provenance
@@ -216,6 +236,55 @@ def summarize(rows: list[dict], modes: list[str], workloads: list[str], tokenize
     return summary
 
 
+def compare_checkouts(args: argparse.Namespace, checkouts: list[str]) -> dict:
+    """Frontend CPU-ms per request of each checkout on the one_message point (module docstring)."""
+    numbers = itertools.count()
+    body = long_body(args.prefix_tokens, one_message=True)
+
+    def numbered(_: int) -> dict:
+        return body(next(numbers))
+
+    scratch = Path(tempfile.mkdtemp(prefix="bench-long-checkouts-"))
+    env = embedded_planes(scratch)
+    processes = mocker_workers(args.model, scratch, env, extra=("--context-length", "16384"))
+    frontends = {}
+    sources = {}  # label (the checkout's folder name) -> its path and commit
+    try:
+        for checkout in checkouts:
+            source = str(Path(checkout).resolve())
+            label = Path(source).name
+            sources[label] = {"path": source, **(git_of(Path(source) / "dynamo_graph") or {})}
+            port = free_port()
+            # -P: the working directory (a checkout itself) must not come before PYTHONPATH
+            argv = [sys.executable, "-P", "-m", "dynamo_graph", "run", "in=http", "out=auto"]
+            argv += ["--http-port", str(port), "--router-mode", "kv"]
+            frontend = start(argv, port, 0.0, {**env, "PYTHONPATH": source})
+            processes.append(frontend)
+            frontends[label] = (frontend, port)
+        cpu = alternate(
+            frontends,
+            numbered,  # type: ignore[arg-type]
+            args.rounds,
+            concurrency=args.concurrency,
+            requests=args.requests,
+            keep_alive=False,
+            max_seconds=args.max_seconds,
+        )
+    finally:
+        stop_all(processes)
+    summary = {label: {"median": statistics.median(v), "range": [min(v), max(v)]} for label, v in cpu.items()}
+    for label, entry in summary.items():
+        print(f"{label}: median {entry['median']:.3f} CPU-ms/request, range {entry['range']}")
+    return {"checkouts": sources, "cpu_ms_per_request": cpu, "summary": summary}
+
+
+def save(args: argparse.Namespace, benchmark: str, **fields: object) -> None:
+    """The results JSON at --out: `fields`, with the machine, the commit and the settings."""
+    document = {"benchmark": benchmark, **provenance(), "source": git_of(Path(__file__))}
+    document["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
+    print(f"wrote {write_json(Path(args.out), document | fields)}")
+
+
 def choices(
     parser: argparse.ArgumentParser, raw: str, allowed: tuple[str, ...] | dict, what: str
 ) -> list[str]:
@@ -237,8 +306,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="times the whole matrix runs")
     parser.add_argument("--speedup-ratio", type=float, default=100.0, help="the mocker workers'")
     parser.add_argument("--max-seconds", type=float, default=60.0)
+    parser.add_argument("--checkouts", default="", help="source trees to compare (module docstring)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_prompts.json"))
     args = parser.parse_args()
+    if args.checkouts:
+        save(
+            args,
+            "long_prompts_checkouts",
+            point="one_message, c=8, new connections, kv frontend, 2 mockers at speedup 10000",
+            target="issue 27: <= 1.5 frontend CPU-ms per request",
+            **compare_checkouts(args, [c for c in args.checkouts.split(",") if c]),
+        )
+        return 0
     modes = choices(parser, args.modes, MODES, "mode(s)")
     workloads = choices(parser, args.workloads, WORKLOADS, "workload(s)")
     tokenize = choices(parser, args.tokenize, TOKENIZE, "tokenization(s)")
@@ -256,19 +335,13 @@ def main() -> int:
                 f"TTFT p50 {row['ttft_p50_ms']:7.2f} ms  {row['rps']:6.1f} req/s",
                 flush=True,
             )
-    path = write_json(
-        Path(args.out),
-        {
-            "benchmark": "long_prompts",
-            **provenance(),
-            "source": git_of(Path(__file__)),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"},
-            "target": "issues 17 and 27: <= 1.5 frontend CPU-ms per long-prefix request at c=8 behind kv",
-            "summary": summarize(rows, modes, workloads, tokenize),
-            "rows": rows,
-        },
+    save(
+        args,
+        "long_prompts",
+        target="issues 17 and 27: <= 1.5 frontend CPU-ms per long-prefix request at c=8 behind kv",
+        summary=summarize(rows, modes, workloads, tokenize),
+        rows=rows,
     )
-    print(f"wrote {path}")
     return 0
 
 

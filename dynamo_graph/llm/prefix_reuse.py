@@ -32,27 +32,36 @@ tokenizer splits at special ones) are matched before pre-tokenization, so a cut 
 one occurs near it. Text without spaces (e.g. Chinese or Japanese) has no cut and is tokenized
 whole.
 
-Checkpoints: a cached long text C gets one every `STRIDE` characters, keyed by the hash of
-C[:x], holding the last safe cut before x and the count of C's tokens before it. A new text's
-longest cached prefix is found by a binary search over its own x (the checkpoints of one text
-are all there, so a shorter prefix of a hit is a hit too), each probe verified by comparing the
-text; the shared text after the cut (about `STRIDE` characters, more where spaces are rare) is
-tokenized again with the new text. A text found this way is cached itself only when it goes on
-for a stride or more past the shared part (else a document's thousand questions would each
-cache a copy of the document's ids). The checkpoints count in the segment cache's budget and
-leave with their text.
+Checkpoints: a cached long text C gets one every `STRIDE` characters, keyed by a hash of C[:x]
+(`prefix_keys`: xxh3-64 of its bytes while it is ASCII, streamed over C; Python's hash of the
+slice past C's first other character), holding the last safe cut before x and the count of C's
+tokens before it; C's token start offsets are kept with it. A new text's longest cached prefix
+is found by a binary search over its own x (the checkpoints of one text are all there, so a
+shorter prefix of a hit is a hit too; an ASCII probe hashes a view of the new text's one
+encoding, where a slice and its hash cost ~6x more), verified once by comparing the text.
+From that checkpoint the exact shared length X is found by comparing the two texts (a binary
+search of `startswith`), so the cut is the last safe one before X, and the count of C's tokens
+before it comes from C's offsets: a reuse tokenizes only the word the texts part in and what
+follows. The prefix named for the router (segment_tokenizer.py) stays the checkpoint's, whose
+digest is computed once, so requests that part at different words of the same document still
+name one prefix. A text found this way is cached itself only when it goes on for a stride or
+more past the shared part (else a document's thousand questions would each cache a copy of the
+document's ids). The checkpoints count in the segment cache's budget and leave with their text.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
+from xxhash import xxh3_64, xxh3_64_intdigest
 
-STRIDE = 128  # characters between checkpoints: about what a reuse tokenizes of the shared text
+STRIDE = 128  # characters between checkpoints: the least a text must share with a cached one
 CHECKPOINT_BYTES = 320  # a checkpoint's key, object, digest and map slot (in the cache's budget)
 _SPLIT_BEHAVIORS = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext"}
 
@@ -100,10 +109,52 @@ class Checkpoint:
     """C[:x] of a cached text C: the safe cut `cut` before x, and C's `count` tokens before it."""
 
     source: str  # the cached text C
+    starts: array  # the character offset of each of C's tokens (shared by C's checkpoints)
     end: int  # x
     cut: int
     count: int
     digest: bytes | None = field(default=None)  # of C's first `count` ids, from its first reuse
+
+
+@dataclass(slots=True)
+class Reuse:
+    """What a new text takes from a cached one: C's first `count` ids, up to the safe cut `cut`
+    before the `shared` characters the texts start with; `point`, the checkpoint that found C,
+    names a prefix (its `count` ids) for the router."""
+
+    point: Checkpoint
+    cut: int
+    count: int
+    shared: int
+
+
+def ascii_head(text: str) -> bytes:
+    """`text` encoded as ASCII up to its first character that is not ASCII (all of it, mostly)."""
+    try:
+        return text.encode("ascii")
+    except UnicodeEncodeError as err:
+        return text[: err.start].encode("ascii")
+
+
+def prefix_keys(text: str) -> Callable[[int], int]:
+    """x -> the key of text[:x]: while text[:x] is ASCII, the xxh3-64 of its bytes, each probe
+    hashing a view of one encoding (no copy); past the first other character, Python's hash of
+    the slice. Which one is a property of text[:x] itself, so any text with that prefix agrees."""
+    view = memoryview(ascii_head(text))
+    ascii_chars = len(view)
+    return lambda x: xxh3_64_intdigest(view[:x]) if x <= ascii_chars else hash(text[:x])
+
+
+def shared_length(text: str, other: str, start: int = 0) -> int:
+    """How many leading characters `text` and `other` share, knowing they share `start`."""
+    lo, hi = start, min(len(text), len(other))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(other[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def safe_cut(text: str, before: int, floor: int = 0) -> int:
@@ -145,17 +196,21 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._points)
 
-    def add(self, text: str, starts: list[int], after: Checkpoint | None = None) -> list[tuple[int, int]]:
-        """Checkpoints for `text` past `after` (its cached prefix, if it was found by one);
-        `starts`: the character offsets (in `text`, from `after.cut`) of the tokens that follow
-        `after.cut`, or of all of them. Returns their keys, to `discard` with the text."""
-        floor, base, first = (after.cut, after.count, after.end) if after is not None else (0, 0, 0)
+    def add(self, text: str, starts: array, first: int = 0) -> list[tuple[int, int]]:
+        """Checkpoints for `text` past `first` (where those of the cached text it was found by
+        end); `starts`: the character offset of each of its tokens. Returns their keys, to
+        `discard` with the text."""
         keys = []
+        head = ascii_head(text)  # streamed: each checkpoint's key hashes one more stride of it
+        digest = xxh3_64(head[:first])
         for x in range(first + STRIDE, len(text) + 1, STRIDE):  # those up to `first` are C's
-            cut = safe_cut(text, x - 1, floor)
-            count = base + bisect_left(starts, cut - floor)
-            key = (x, hash(text[:x]))
-            self._points[key] = Checkpoint(text, x, cut, count)
+            if x <= len(head):  # (x - STRIDE >= first: the stream holds text[:x - STRIDE])
+                digest.update(head[x - STRIDE : x])
+                key = (x, digest.intdigest())
+            else:
+                key = (x, hash(text[:x]))
+            cut = safe_cut(text, x - 1)
+            self._points[key] = Checkpoint(text, starts, x, cut, bisect_left(starts, cut))
             keys.append(key)
         return keys
 
@@ -167,26 +222,30 @@ class PrefixIndex:
             if point is not None and point.source is text:
                 del points[key]
 
-    def find(self, text: str) -> Checkpoint | None:
-        """The checkpoint of the longest cached prefix of `text` that has a cut, else None."""
+    def find(self, text: str) -> Reuse | None:
+        """What `text` can take from the cached text it shares most with, else None."""
         points = self._points
+        key = prefix_keys(text)
         best = None
         lo, hi = 0, len(text) // STRIDE
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            head = text[: mid * STRIDE]
-            point = points.get((len(head), hash(head)))
-            if point is not None and point.source.startswith(head):
+            point = points.get((mid * STRIDE, key(mid * STRIDE)))
+            if point is not None:
                 best, lo = point, mid
             else:
                 hi = mid - 1
-        if best is None or best.cut == 0:
+        if best is None or not best.source.startswith(text[: best.end]):  # none, or a collision
+            return None
+        shared = shared_length(text, best.source, best.end)
+        cut = safe_cut(text, shared - 1, best.cut)
+        if cut == 0:
             return None
         if self._added is not None and not (
-            self._clear(text, best.cut, best.end) and self._clear(best.source, best.cut, best.end)
+            self._clear(text, cut, shared) and self._clear(best.source, cut, shared)
         ):
             return None
-        return best
+        return Reuse(best, cut, bisect_left(best.starts, cut), shared)
 
     def _clear(self, text: str, cut: int, shared: int) -> bool:
         """No added (non-special) token occurs from just before the cut to just past the shared

@@ -30,10 +30,11 @@ template never meets stale ids.
 
 A long piece not in the cache may still start with one that is: a shared document and a new
 question in one user message. For byte-level BPE tokenizers with a regex pre-tokenizer (GPT-2,
-Llama 3, Qwen), its ids are then the cached piece's ids up to a safe cut plus the ids of the rest
-(prefix_reuse.py), and a prefix for the router ends at the cut. A load-time probe checks that on
-the tokenizer and turns it off, logging why, where it does not hold; `DYN_TOKENIZE_PREFIX_REUSE=0`
-turns it off too.
+Llama 3, Qwen), its ids are then the cached piece's ids up to the last safe cut before the two
+texts part, plus the ids of the rest (prefix_reuse.py); a prefix for the router ends at the cut
+of the checkpoint that found the cached piece (so one prefix per document, whatever the
+question). A load-time probe checks that on the tokenizer and turns it off, logging why, where
+it does not hold; `DYN_TOKENIZE_PREFIX_REUSE=0` turns it off too.
 
 `encode_prefixed` also names the prompt's leading prefixes made of cached segments (with the
 special tokens and short pieces between them), so that the KV router can reuse their block
@@ -70,6 +71,7 @@ from dynamo_graph.llm.prefix_reuse import (
 log = logging.getLogger(__name__)
 LONG_SEGMENT_CHARS = 256
 Prefixes = list[tuple[int, bytes]]  # (leading token count, key of those ids), shortest first
+_Entry = tuple[tuple[int, ...], bytes, list[tuple[int, int]], int]
 MAX_PREFIXES = 4  # the longest ones: those an earlier request (an earlier turn) can have named
 _ENTRY_OVERHEAD = 200
 
@@ -78,10 +80,14 @@ def _digest(ids: Sequence[int]) -> bytes:
     return xxh3_128_digest(memoryview(array("I", ids)).cast("B"))
 
 
-def entry_bytes(text: str, token_count: int) -> int:
+def entry_bytes(text: str, token_count: int, checkpoints: int = 0) -> int:
     """What one cached piece holds, counted from above: its text, a tuple slot and an int object
-    per id, and the tuple's, digest's and map slot's headers."""
-    return sys.getsizeof(text) + 36 * token_count + _ENTRY_OVERHEAD
+    per id, and the tuple's, digest's and map slot's headers; with `checkpoints` (a long piece's,
+    prefix_reuse.py), those and its tokens' offsets (4 bytes each)."""
+    size = sys.getsizeof(text) + 36 * token_count + _ENTRY_OVERHEAD
+    if checkpoints:
+        size += CHECKPOINT_BYTES * checkpoints + 4 * token_count
+    return size
 
 
 _PROBE_TEXTS = (
@@ -130,8 +136,8 @@ class SegmentTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, max_bytes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_bytes = _cache_bytes_from_env() if max_bytes is None else max_bytes
-        # ids, digest, and the keys of the checkpoints of a long piece (prefix_reuse.py)
-        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes, list[tuple[int, int]]]] = OrderedDict()
+        # ids, digest, the keys of the checkpoints of a long piece (prefix_reuse.py), bytes counted
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self.held_bytes = 0
         self.hits = 0  # of long segments (those that name prefixes)
         self.misses = 0
@@ -269,7 +275,7 @@ class SegmentTokenizer:
                 entries.move_to_end(part)
                 if long:
                     self.hits += 1
-                piece, digest, _ = found
+                piece, digest, _, _ = found
             elif long and cache and self._prefixes is not None:
                 piece, digest, point = self._long_piece(part)
                 if point is not None:  # the ids up to a cut in a cached piece: a prefix ends there
@@ -307,47 +313,57 @@ class SegmentTokenizer:
         return ids, prefixes[-MAX_PREFIXES:]
 
     def _long_piece(self, part: str) -> tuple[list[int], bytes | None, Checkpoint | None]:
-        """A long piece not in the cache: its ids from those of the longest cached piece it
-        starts with (and the checkpoint used), else whole; cached when it adds checkpoints."""
+        """A long piece not in the cache: its ids from those of the cached piece it shares most
+        with (and the checkpoint that names the shared prefix), else whole; cached when it adds
+        checkpoints."""
         assert self._prefixes is not None
-        point = self._prefixes.find(part)
-        if point is None:
+        reuse = self._prefixes.find(part)
+        if reuse is None:
             encoding = self.tokenizer.encode(part, add_special_tokens=False)
             self.misses += 1
             ids = encoding.ids
-            return ids, self._remember(part, ids, [start for start, _ in encoding.offsets]), None
+            return ids, self._remember(part, ids, array("I", [start for start, _ in encoding.offsets])), None
+        point = reuse.point
         self._cache.move_to_end(point.source)
         source_ids = self._cache[point.source][0]
-        if point.digest is None:  # for the prefix that ends at the cut, once per checkpoint
+        if point.digest is None:  # for the prefix that ends at the checkpoint's cut, once
             point.digest = _digest(source_ids[: point.count])
-        rest = self.tokenizer.encode(part[point.cut :], add_special_tokens=False)
-        ids = [*source_ids[: point.count], *rest.ids]
+        rest = self.tokenizer.encode(part[reuse.cut :], add_special_tokens=False)
+        count = reuse.count
+        # One copy and the tail dropped costs less than a slice's two copies, unless the tail is long.
+        ids = list(source_ids) if 2 * count >= len(source_ids) else list(source_ids[:count])
+        del ids[count:]
+        ids += rest.ids
         self.prefix_hits += 1
         digest = None
-        if len(part) - point.end >= STRIDE:  # text past the shared part: checkpoints of its own
-            digest = self._remember(part, ids, [start for start, _ in rest.offsets], point)
+        if len(part) - reuse.shared >= STRIDE:  # text past the shared part: checkpoints of its own
+            starts = point.starts[:count]
+            starts.extend([reuse.cut + start for start, _ in rest.offsets])
+            digest = self._remember(part, ids, starts, point.end)
         return ids, digest, point
 
     def _remember(
-        self, segment: str, ids: list[int], starts: list[int] | None = None, after: Checkpoint | None = None
+        self, segment: str, ids: list[int], starts: array | None = None, first: int = 0
     ) -> bytes | None:
         """Cache a piece's ids (if it fits); their digest, or None if not cached. `starts`: its
-        tokens' offsets, for checkpoints (from `after`'s cut when it was found by `after`)."""
-        size = entry_bytes(segment, len(ids))
-        if size > self.max_bytes:
+        tokens' offsets, for checkpoints past `first` (where those of the text it was found by
+        end)."""
+        if entry_bytes(segment, len(ids)) > self.max_bytes:
             return None
-        keys = [] if starts is None or self._prefixes is None else self._prefixes.add(segment, starts, after)
-        size += CHECKPOINT_BYTES * len(keys)
+        keys = []
+        if starts is not None and self._prefixes is not None:
+            keys = self._prefixes.add(segment, starts, first)
+        size = entry_bytes(segment, len(ids), len(keys))
         if size > self.max_bytes:
             assert self._prefixes is not None
             self._prefixes.discard(segment, keys)
             return None
         digest = _digest(ids)
-        self._cache[segment] = (tuple(ids), digest, keys)
+        self._cache[segment] = (tuple(ids), digest, keys, size)
         self.held_bytes += size
         while self.held_bytes > self.max_bytes:
-            old, (old_ids, _, old_keys) = self._cache.popitem(last=False)
-            self.held_bytes -= entry_bytes(old, len(old_ids)) + CHECKPOINT_BYTES * len(old_keys)
+            old, (_, _, old_keys, old_size) = self._cache.popitem(last=False)
+            self.held_bytes -= old_size
             if old_keys:
                 assert self._prefixes is not None
                 self._prefixes.discard(old, old_keys)

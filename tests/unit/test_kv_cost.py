@@ -7,6 +7,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynamo_graph.router.config import RouterConfig
 from dynamo_graph.router.kv.cost import Choice, score_workers, select
@@ -47,6 +49,43 @@ def test_prefix_depth_of_in_flight_blocks():
     assert seqs.prefix_depth((8, 0), seq_of(prompt)) == 0
     seqs.remove_worker(7)
     assert seqs.prefix_depth((7, 0), seq_of(prompt)) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        # (request, document, blocks of it, leading blocks booked as a chain, whether it leaves)
+        st.tuples(
+            st.integers(0, 5), st.integers(0, 3), st.integers(0, 12), st.integers(-2, 14), st.booleans()
+        ),
+        max_size=40,
+    )
+)
+def test_booking_shared_chains_holds_exactly_the_blocks_of_every_request(steps) -> None:
+    """Whatever leading blocks requests book as a shared chain, and in whatever order they come
+    and go, the held blocks (what the cost and the prefix depth read) are the union of the
+    in-flight requests' blocks on each worker, as booking every block one by one gives."""
+    documents = [seq_of(list(range(d * 1000, d * 1000 + 12 * BS))) for d in range(4)]
+    seqs = ActiveSequences()
+    in_flight: dict[str, tuple[tuple[int, int], list[int]]] = {}
+    for request, document, length, shared, leave in steps:
+        name = f"r{request}"
+        if leave:
+            seqs.free(name)
+            in_flight.pop(name, None)
+        else:
+            key = (request % 2, 0)
+            blocks = [*documents[document][:length], 10_000 + request]  # and a block of its own
+            seqs.add(name, key, blocks, prefill_tokens=length, shared=shared)
+            in_flight[name] = (key, blocks)
+        for key in ((0, 0), (1, 0)):
+            want = {b for k, blocks in in_flight.values() if k == key for b in blocks}
+            load = seqs.loads.get(key)
+            assert set(load.blocks if load else ()) == want
+            assert seqs.active_blocks(key) == len(want)
+            for doc in documents:
+                depth = next((i for i, b in enumerate(doc) if b not in want), len(doc))
+                assert seqs.prefix_depth(key, doc) == depth
 
 
 def test_cost_matches_dynamos_worked_example():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
-from dynamo_graph.llm.prefix_reuse import STRIDE, reuse_refusal
+from dynamo_graph.llm.prefix_reuse import STRIDE, PrefixIndex, prefix_keys, reuse_refusal, shared_length
 from dynamo_graph.llm.segment_tokenizer import SegmentTokenizer, entry_bytes
 
 LLAMA3_SPLIT = (
@@ -113,7 +114,7 @@ def check_continuation(tokenizer: Tokenizer, cached: str, shared: int, tail: str
 
 
 def test_a_document_then_questions_in_one_message_reuse_the_documents_ids(tiny: Tokenizer) -> None:
-    """The issue's shape: each request tokenizes about a checkpoint's stride plus its question,
+    """The issue's shape: each request tokenizes the last word of the document and its question,
     and names the same prefix (a token count and key) for the router's block hashes."""
     segments = SegmentTokenizer(tiny)
     document = "Answer from this document.\n\n" + "serving router prefix cache token model " * 300
@@ -128,6 +129,61 @@ def test_a_document_then_questions_in_one_message_reuse_the_documents_ids(tiny: 
     count = named[1][0]
     document_ids = len(whole(tiny, f"<|start_header_id|>user<|end_header_id|>\n\n{document}"))
     assert document_ids - STRIDE < count <= document_ids  # all but the last stride's tokens
+
+
+class _Recording:
+    """The tokenizer, with the texts it was asked to encode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+
+    def encode(self, text: str, **kwargs):
+        self.texts.append(text)
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_a_reuse_tokenizes_from_the_word_the_texts_part_in_and_caches_no_copy(tiny: Tokenizer) -> None:
+    """Past the checkpoint, the texts are compared: only the word in which they part, and what
+    follows, is tokenized again; a question shorter than a stride adds nothing to the cache."""
+    segments = SegmentTokenizer(tiny)
+    document = "Answer from this document.\n\n" + ("serving router prefix cache token model " * 300).rstrip()
+    segments.encode(f"{SPECIAL}{document}\n\nRequest 0: why?{SPECIAL}")
+    held = (len(segments), segments.held_bytes, len(segments._prefixes))
+    recording = segments.tokenizer = _Recording(tiny)  # type: ignore[assignment]
+    for number in (1, 22, 333):
+        text = f"{SPECIAL}{document}\n\nRequest {number}: why?{SPECIAL}"
+        assert segments.encode(text) == whole(tiny, text)
+        assert recording.texts[-1] == f" model\n\nRequest {number}: why?"
+    assert (len(segments), segments.held_bytes, len(segments._prefixes)) == held
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    head=st.text("ab .'\n", min_size=STRIDE, max_size=3 * STRIDE),
+    rest=st.text(TRICKY, min_size=STRIDE // 2, max_size=2 * STRIDE),
+    data=st.data(),
+)
+def test_checkpoint_keys_of_a_cached_text_are_those_a_lookup_computes(head: str, rest: str, data) -> None:
+    """`add` streams the keys of a text's ASCII head and hashes slices past it; `find` hashes
+    each probe's prefix alone: the keys agree, for any text and any start of the stream, and a
+    prefix's key is the same in every text that starts with it."""
+    text = head + rest
+    index = PrefixIndex([])
+    first = data.draw(st.sampled_from(range(0, len(text) // STRIDE * STRIDE + 1, STRIDE)))
+    keys = index.add(text, array("I", range(len(text))), first)
+    assert [x for x, _ in keys] == list(range(first + STRIDE, len(text) + 1, STRIDE))
+    key = prefix_keys(text)
+    assert all(digest == key(x) for x, digest in keys)
+    other = prefix_keys(text + data.draw(st.text(TRICKY, max_size=4)))
+    assert all(key(x) == other(x) == prefix_keys(text[:x])(x) for x, _ in keys)
+
+
+@given(a=st.text("ab", max_size=40), b=st.text("ab", max_size=40))
+def test_shared_length_is_the_common_prefix(a: str, b: str) -> None:
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert shared_length(a, b) == common
+    assert shared_length(a, b, common // 2) == common
 
 
 def test_the_cache_with_checkpoints_stays_within_its_budget(tiny: Tokenizer) -> None:

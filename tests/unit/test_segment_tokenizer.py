@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from dynamo_graph.llm.chat_template import ChatTemplate
 from dynamo_graph.llm.model_source import resolve_model
-from dynamo_graph.llm.prefix_reuse import CHECKPOINT_BYTES, STRIDE
+from dynamo_graph.llm.prefix_reuse import STRIDE
 from dynamo_graph.llm.segment_tokenizer import LONG_SEGMENT_CHARS, SegmentTokenizer, entry_bytes
 
 ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs",))
@@ -81,9 +81,7 @@ def test_a_repeated_prefix_is_served_from_the_cache(tokenizer: Tokenizer) -> Non
 def test_the_cache_stays_within_its_budget(tokenizer: Tokenizer) -> None:
     texts = [f"{i:02d} " + "x" * LONG_SEGMENT_CHARS for i in range(20)]
     # A long piece also holds its checkpoints for prefix reuse (prefix_reuse.py).
-    size = max(
-        entry_bytes(t, len(whole(tokenizer, t))) + CHECKPOINT_BYTES * (len(t) // STRIDE) for t in texts
-    )
+    size = max(entry_bytes(t, len(whole(tokenizer, t)), len(t) // STRIDE) for t in texts)
     segments = SegmentTokenizer(tokenizer, max_bytes=3 * size)
     for text in texts:
         assert segments.encode(text + "<|eot_id|>") == whole(tokenizer, text + "<|eot_id|>")
@@ -95,9 +93,7 @@ def test_the_least_recently_used_piece_goes_first(tokenizer: Tokenizer) -> None:
     """A shared document used by every request stays while new questions push each other out."""
     document = "A shared document about serving language models. " * 40
     questions = [f"question number {i}, about the document?" for i in range(30)]
-    budget = entry_bytes(document, len(whole(tokenizer, document))) + CHECKPOINT_BYTES * (
-        len(document) // STRIDE
-    )
+    budget = entry_bytes(document, len(whole(tokenizer, document)), len(document) // STRIDE)
     budget += 4 * max(entry_bytes(q, len(whole(tokenizer, q))) for q in questions)
     segments = SegmentTokenizer(tokenizer, max_bytes=budget)
     for question in questions:

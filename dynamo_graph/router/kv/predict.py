@@ -47,10 +47,12 @@ asked about in one message, 2 mocker workers at speedup 1, c=8, new connections;
 bench_doc_routing.py, three seeds, each against penalty 0 in the same run): the share of the
 cache hits an oracle adds over round-robin that kv routing captures went from 70-85% to
 98-100%, and round-robin's mean TTFT over kv's from 1.08-1.18x to 1.16-1.43x
-(results/doc_routing*.json). The misses it removes were of both kinds: a busy holder's prefix
-recomputed on the idle worker, and a worker whose fit looked faster collecting new documents
-until its 1,024-block cache evicted them. The in-flight bookkeeping (sequences.py) already
-keeps concurrent first uses of a document together before its KV events arrive.
+(results/doc_routing_seed*.json; since re-measured two rounds per seed, in turns: 1.29-1.48x,
+the spread being the shared machine's, docs/routing.md). The misses it removes were of both
+kinds: a busy holder's prefix recomputed on the idle worker, and a worker whose fit looked
+faster collecting new documents until its 1,024-block cache evicted them. The in-flight
+bookkeeping (sequences.py) already keeps concurrent first uses of a document together before
+its KV events arrive.
 
 Why this form. In the mocker (perf_model.py, Dynamo's fit to a vLLM worker), a pass costs
 16.5 ms + 0.0152 ms per prefill token (+ a small quadratic term) + decode_ms(kv usage), and

@@ -276,7 +276,9 @@ class KvRouter:
         blocks_booked: list[int] = seq
         if isl % block_size:
             blocks_booked = [*seq, self._rng.getrandbits(64)]  # the partial last block is the request's own
-        self.sequences.add(request_id, key, blocks_booked, choice.prefill_tokens)
+        # The longest named prefix's blocks are what other requests share: booked as one chain.
+        shared = prefixes[-1][0] // block_size if prefixes else 0
+        self.sequences.add(request_id, key, blocks_booked, choice.prefill_tokens, shared)
         if isinstance(self.indexer, ApproxKvIndexer) and local:
             self.indexer.record_routing(key, local, seq)
         self.routed += 1
