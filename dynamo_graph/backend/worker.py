@@ -253,7 +253,8 @@ async def serve_engine(
                 card.display_name,
                 engine.metrics_collectors(),
             )
-            log.info("worker metrics on http://%s:%s/metrics", cfg.worker.metrics_host, metrics.port)
+            where = f"{metrics.scheme}://{cfg.worker.metrics_host}:{metrics.port}/metrics"
+            log.info("worker metrics on %s", where)
         await publish_card(endpoint, card)
         await _serve_lora_adapters(cfg, runtime, name, engine, endpoint, card)
         role = "" if mode == "agg" else f", {mode} worker"

@@ -605,9 +605,9 @@ class Worker(_Component):
     metrics_port: AutoPort | None = "auto"
     """Port of replica 0's `/metrics`: its requests and its engine's own series (vLLM's
     `vllm:`, the mocker's, llama.cpp's), scraped by `render -f prometheus` (--metrics-port);
-    replica i uses `metrics_port + i`; `auto`: a free port each; null: none. It is plain HTTP:
-    with TLS on (`security.tls`) a worker serves it only when the graph sets this key, and
-    `tls: required` refuses it."""
+    replica i uses `metrics_port + i`; `auto`: a free port each; null: none. With TLS on
+    (`security.tls`) it is HTTPS wanting a client certificate of the graph's CA (Prometheus gets
+    one: `render -f prometheus`)."""
     migration_limit: int = Field(0, ge=0)
     """Migration limit advertised in the model card (--migration-limit)."""
     max_inflight: int | None = Field(None, ge=0)
@@ -1086,7 +1086,8 @@ class SupervisorEndpoint(_Model):
 
     metrics_port: int | None = Field(None, ge=1, le=65535)
     """Port of the supervisor's `/metrics`: replicas by state, restarts, revisions and the
-    autoscaler's decisions; none: not served."""
+    autoscaler's decisions; none: not served. HTTPS with a client certificate with TLS on, as
+    the workers'."""
     metrics_host: str = "127.0.0.1"
     """Address it listens on (the machine `up` runs on)."""
 

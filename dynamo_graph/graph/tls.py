@@ -20,6 +20,12 @@ Managed etcd and nats-server are also issued for the names `etcd` and `nats`, wh
 their clients are told to expect: whatever address they are dialled at (a Slurm node's is only
 known in the job), a client checks that it reached the graph's etcd, not just a member.
 
+Every process that serves `/metrics` (workers, the supervisor) serves it over the same mutual
+TLS, and its certificate also holds the name `metrics`, which the Prometheus configuration
+(`render -f prometheus`) checks whatever address it scrapes; Prometheus itself gets `scraper.crt`
+/ `scraper.key`, a client-only certificate of the graph's CA (it may connect to any listener of
+the graph as any member may, but serves nothing as one).
+
 Keys are ECDSA P-256: a TLS 1.3 handshake with them costs a fraction of an RSA one's CPU.
 """
 
@@ -43,6 +49,9 @@ CA_DAYS = 365
 CA_RENEW_DAYS = 30  # a CA with less left than this is replaced at the next `up`
 LEAF_DAYS = 90
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")  # every process may be dialled on its own host
+METRICS_NAME = "metrics"  # held by the certificate of every process serving /metrics
+SCRAPER = "scraper"  # Prometheus's client certificate
+SUPERVISOR = "supervisor"  # the supervisor's, for its own /metrics
 
 
 def tls_dir(state_dir: str | Path) -> Path:
@@ -168,9 +177,11 @@ class CertificateAuthority:
         _write_private(self.folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
         return cert, key
 
-    def issue(self, process: str, names: Iterable[str]) -> tuple[str, str]:
+    def issue(self, process: str, names: Iterable[str], *, server: bool = True) -> tuple[str, str]:
         """A new key and certificate for `process`, valid for `names` (its host's addresses; the
-        loopback names always), for both ends of a connection; returns their paths."""
+        loopback names always), for both ends of a connection (only the client's without
+        `server`); returns their paths."""
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         cert = (
@@ -184,7 +195,7 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
             .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                x509.ExtendedKeyUsage([*usages, ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False,
             )
             .add_extension(
@@ -205,10 +216,11 @@ def issue_all(
     folder: str | Path, graph: str, names: dict[str, list[str]], *, renew: bool = True
 ) -> CertificateAuthority:
     """Issue every process in `names` (process -> the names its certificate holds) a new
-    certificate under the graph's CA, made first if it is missing (or due, with `renew`)."""
+    certificate under the graph's CA, made first if it is missing (or due, with `renew`); the
+    scraper's is for a client only."""
     ca = CertificateAuthority(folder, graph, renew=renew)
     for process, addresses in sorted(names.items()):
-        ca.issue(process, addresses)
+        ca.issue(process, addresses, server=process != SCRAPER)
     return ca
 
 
