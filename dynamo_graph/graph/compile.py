@@ -70,6 +70,7 @@ from dynamo_graph.graph.tls import (
 )
 from dynamo_graph.options import to_argv
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.runtime.settings import TracingSettings
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
@@ -253,14 +254,11 @@ class _Compiler:
     def _tracing_env(self, component: str) -> dict[str, str]:
         """The OpenTelemetry SDK's variables for `component`'s processes, from `observability`
         (none without an endpoint: tracing stays off); host and component `env` win over them."""
-        obs = self.graph.observability
-        if obs.otlp_endpoint is None:
+        settings = TracingSettings(**self.graph.observability.model_dump())
+        if settings.otlp_endpoint is None:
             return {}
         return {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": obs.otlp_endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": f"{obs.sample_ratio:g}",
+            **settings.otel_env({"otlp_endpoint", "sample_ratio"}),
             "OTEL_SERVICE_NAME": component,
             "OTEL_RESOURCE_ATTRIBUTES": f"service.namespace={self.graph.namespace}",
         }

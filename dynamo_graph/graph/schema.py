@@ -43,6 +43,7 @@ from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
+from dynamo_graph.runtime.settings import TracingSettings
 
 ENGINES = tuple(registry.ENGINES)
 
@@ -327,23 +328,7 @@ class Readiness(_Model):
     """Give up (and apply the restart policy) if not ready within this many seconds."""
 
 
-class Observability(_Model):
-    """Where the graph's processes send their traces (docs/observability.md, "Tracing"): each
-    process gets the OpenTelemetry SDK's standard OTEL_* variables from it."""
-
-    otlp_endpoint: str | None = None
-    """OTLP/HTTP endpoint of a collector, e.g. `http://collector:4318`; set, every frontend and
-    worker traces its requests there."""
-    sample_ratio: float = Field(1.0, ge=0, le=1)
-    """Share of the traces the frontend starts that are kept; a client's `traceparent` that is
-    sampled is always followed (parent-based sampling)."""
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"expected an http:// or https:// URL of an OTLP/HTTP endpoint, not {value!r}")
-        return value
+Observability = section("Observability", _Model, TracingSettings)
 
 
 class Rollout(_Model):
