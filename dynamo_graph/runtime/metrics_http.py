@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
@@ -28,7 +29,8 @@ READ_TIMEOUT_S = 5.0
 
 class MetricsServer:
     """`GET /metrics` of `registry` on an address, (re)bound when `follow` is given another
-    address or other TLS files."""
+    address or other TLS files; given the same TLS files again, it reloads them (a new
+    revision issued them anew: the supervisor's server outlives its certificate's revision)."""
 
     def __init__(self, registry: CollectorRegistry, what: str = "metrics") -> None:
         self.registry = registry
@@ -36,6 +38,7 @@ class MetricsServer:
         self.address: tuple[str, int] | None = None
         self.tls: TlsFiles | None = None
         self._server: asyncio.Server | None = None
+        self._context: ssl.SSLContext | None = None
 
     @property
     def port(self) -> int | None:
@@ -52,18 +55,24 @@ class MetricsServer:
         """Listen on `address` (None: not at all), over mutual TLS with `tls`; a bind failure
         (or unloadable TLS files) is logged, not fatal: the process serves without its metrics."""
         if (address, tls) == (self.address, self.tls):
+            if tls is not None and self._context is not None:
+                try:  # the next handshakes present the files' new certificate
+                    self._context.load_cert_chain(tls.cert, tls.key)
+                except OSError as exc:
+                    log.error("%s: cannot reload %s: %s", self.what, tls.cert, exc)
             return
         await self.close()
         self.address, self.tls = address, tls
         if address is None:
             return
         try:
-            context = None if tls is None else tls.server_context()
-            self._server = await asyncio.start_server(self._handle, *address, ssl=context)
+            self._context = None if tls is None else tls.server_context()
+            self._server = await asyncio.start_server(self._handle, *address, ssl=self._context)
         except OSError as exc:  # ssl.SSLError is one
             log.error("%s: cannot listen on %s:%d: %s", self.what, *address, exc)
 
     async def close(self) -> None:
+        self._context = None
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
