@@ -61,11 +61,11 @@ async def serve_metrics(
     host: str, port: int, cap: InflightCap, model: str, engine_collectors: Sequence[Collector]
 ) -> MetricsServer:
     """Start the worker's /metrics on host:port with its series and the engine's: HTTPS with a
-    client certificate required where the process has the graph's TLS files."""
+    client certificate (the graph's scraper's) required where the process has TLS files."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerCollector(cap, model))
     for collector in engine_collectors:
         registry.register(collector)
     server = MetricsServer(registry, "worker metrics")
-    await server.follow((host, port), TlsFiles.from_env())
+    await server.follow((host, port), TlsFiles.for_metrics())
     return server

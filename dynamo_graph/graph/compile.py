@@ -23,7 +23,8 @@ of the graph's CA and of its own certificate and key (graph/tls.py makes them at
 says which names each certificate holds), for the tcp request plane and /metrics (DYN_TLS_*) and
 managed etcd (ETCD_AUTH_*) and nats-server (NATS_TLS_*), which then serve TLS only and require a
 client certificate, and the graph's CURVE key for the zmq event plane (DYN_ZMQ_CURVE_KEY_FILE);
-the supervisor (for its /metrics) and Prometheus (the scraper) get certificates too. Paths
+the supervisor (for its /metrics) and Prometheus (the scraper, under a CA of its own that only
+/metrics listeners trust: DYN_TLS_METRICS_CA_FILE) get certificates too. Paths
 only: no key material is in the plan, so `render` and `status` show none.
 """
 
@@ -61,6 +62,7 @@ from dynamo_graph.graph.plan import (
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
 from dynamo_graph.graph.tls import (
     METRICS_NAME,
+    SCRAPE_CA,
     SCRAPER,
     SUPERVISOR,
     ca_file,
@@ -716,6 +718,9 @@ class _Compiler:
         if worker.metrics_port is not None:
             if self.tls:  # whatever address Prometheus scrapes, it checks this name
                 self.tls_names[process].append(METRICS_NAME)
+                env["DYN_TLS_METRICS_CA_FILE"] = ca_file(self.tls_dir, SCRAPE_CA)  # its clients'
+                if host != LOCAL:
+                    carry = sorted([*carry, "DYN_TLS_METRICS_CA_FILE"])
             port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + index
             port_name = f"{process}.metrics"
             ports[port_name] = port

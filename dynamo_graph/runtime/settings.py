@@ -34,6 +34,9 @@ class PlaneSettings:
     tls_key_file: str | None = setting(None, flag="--tls-key-file", in_graph=False)
     """PEM file of this process's private key; a path, so the key never shows in `ps` (env
     DYN_TLS_KEY_FILE)."""
+    tls_metrics_ca_file: str | None = setting(None, flag="--tls-metrics-ca-file", in_graph=False)
+    """PEM file of the CA whose certificates may read this process's `/metrics` over TLS (env
+    DYN_TLS_METRICS_CA_FILE; a graph sets its scraper's CA); default: the plane's CA."""
     zmq_curve_key_file: str | None = setting(None, flag="--zmq-curve-key-file", in_graph=False)
     """File of the graph's CURVE secret key: the zmq event plane is then encrypted and only its
     holders may connect (env DYN_ZMQ_CURVE_KEY_FILE; set with `security.tls`)."""

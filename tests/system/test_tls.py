@@ -32,7 +32,7 @@ from openai import OpenAI
 from dynamo_graph.graph.tls import ca_file, cert_files, issue_all
 from dynamo_graph.runtime.discovery.base import DiscoveryError
 from dynamo_graph.runtime.discovery.etcd import EtcdDiscovery
-from tests.support.listeners import listening, plain_answer, tls_without_certificate
+from tests.support.listeners import listening, plain_answer, tls_refuses, tls_without_certificate
 from tests.support.local_graph import Graph
 from tests.support.processes import free_port
 from tests.support.prometheus import active_targets, all_up, needs_prometheus, prometheus, scrape
@@ -160,6 +160,21 @@ def test_metrics_answer_the_scraper_certificate_and_nobody_without_one(graph: Gr
             assert name in scrape(job, target)
             with pytest.raises(httpx.TransportError):  # the handshake wants a certificate of the CA
                 httpx.get(f"https://{target}/metrics", verify=no_certificate, timeout=5)
+    # The scraper's certificate is for /metrics alone: no other listener of a worker takes it.
+    scraper = (jobs["backend"]["tls_config"]["cert_file"], jobs["backend"]["tls_config"]["key_file"])
+    member = cert_files(graph.state / "tls", "frontend-0")
+    backend = jobs["backend"]["static_configs"]
+    metrics_ports = {int(t.rsplit(":", 1)[1]) for c in backend for t in c["targets"]}
+    procs = graph.processes()
+    others = [
+        (host, port)
+        for _, host, port in listening([procs["backend-0"]["pid"], procs["backend-1"]["pid"]])
+        if port not in metrics_ports
+    ]
+    assert others  # the request plane's
+    for host, port in others:
+        assert tls_refuses(host, port, scraper), port
+        assert not tls_refuses(host, port, member), port  # the control: a member is taken
 
 
 @needs_prometheus
@@ -196,8 +211,9 @@ def test_an_up_rotates_the_certificates_and_moves_the_frontend_to_https(graph: G
     up = graph.up(f"+components.frontend.http.tls={{cert_file: {cert}, key_file: {key}}}")
     assert up.returncode == 0, up.stdout + up.stderr
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
-    assert [after[n] == before[n] for n in ("ca.crt", "ca.key", "curve.key")] == [True] * 3
-    rotated = [n for n in before if n.endswith((".crt", ".key")) and not n.startswith(("ca.", "curve."))]
+    kept = ("ca.crt", "ca.key", "curve.key", "scrape-ca.crt", "scrape-ca.key")
+    assert [after[n] == before[n] for n in kept] == [True] * 5
+    rotated = [n for n in before if n.endswith((".crt", ".key")) and n not in kept]
     assert len(rotated) == 14 and all(after[n] != before[n] for n in rotated)
     procs = graph.processes()
     assert procs["backend-0"]["pid"] == pids["backend-0"] and procs["frontend-0"]["pid"] != pids["frontend-0"]

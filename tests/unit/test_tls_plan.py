@@ -168,6 +168,7 @@ def test_auto_is_on_across_hosts_and_gives_every_process_paths(tmp_path: Path) -
         == f"{folder}/ca.crt"
     )
     assert remote.env["DYN_ZMQ_CURVE_KEY_FILE"] == f"{folder}/curve.key"
+    assert remote.env["DYN_TLS_METRICS_CA_FILE"] == f"{folder}/scrape-ca.crt"  # its /metrics' clients
     assert remote.env["ETCD_ENDPOINTS"].startswith("https://10.0.0.1:")
     assert remote.env["NATS_SERVER"].startswith("tls://10.0.0.1:")
     assert (remote.env["ETCD_AUTH_SERVER_NAME"], remote.env["NATS_TLS_SERVER_NAME"]) == ("etcd", "nats")
@@ -289,6 +290,14 @@ def test_with_tls_on_metrics_are_https_for_the_scraper_certificate(tmp_path: Pat
     scraper = x509.load_pem_x509_certificate(Path(folder, "scraper.crt").read_bytes())
     usages = scraper.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert {u.dotted_string for u in usages} == {"1.3.6.1.5.5.7.3.2"}  # a client's only
+    # ... of its own CA, which only /metrics listeners trust (the graph's CA did not sign it).
+    scrape_ca = x509.load_pem_x509_certificate(Path(folder, "scrape-ca.crt").read_bytes())
+    scraper.verify_directly_issued_by(scrape_ca)
+    graph_ca = x509.load_pem_x509_certificate(Path(folder, "ca.crt").read_bytes())
+    assert scraper.issuer != graph_ca.subject and scrape_ca.public_key() != graph_ca.public_key()
+    worker = next(p for p in plan.processes if p.name == "w-0")
+    assert worker.env["DYN_TLS_METRICS_CA_FILE"] == f"{folder}/scrape-ca.crt"
+    assert stat.S_IMODE(Path(folder, "scrape-ca.key").stat().st_mode) == 0o600
     out = render(built.graph, plan, "prometheus")
     assert "PRIVATE KEY" not in out and "CERTIFICATE-----" not in out
     jobs = {job["job_name"]: job for job in yaml.safe_load(out)["scrape_configs"]}

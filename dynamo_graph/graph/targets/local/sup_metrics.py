@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
-from dynamo_graph.graph.tls import SUPERVISOR, ca_file, cert_files
+from dynamo_graph.graph.tls import SCRAPE_CA, SUPERVISOR, ca_file, cert_files
 from dynamo_graph.runtime.metrics_http import MetricsServer
 from dynamo_graph.runtime.tls import TlsFiles
 
@@ -130,8 +130,8 @@ def metrics_server(sup: Supervisor, autoscaler: Autoscaler) -> MetricsServer:
 
 
 async def follow(server: MetricsServer, plan: Plan) -> None:
-    """Serve where `plan` says, over mutual TLS when the graph has TLS on."""
+    """Serve where `plan` says, over TLS for the scraper's certificate when the graph has TLS on."""
     tls = None
     if plan.tls is not None and SUPERVISOR in plan.tls.names:
-        tls = TlsFiles(ca_file(plan.tls.dir), *cert_files(plan.tls.dir, SUPERVISOR))
+        tls = TlsFiles(ca_file(plan.tls.dir, SCRAPE_CA), *cert_files(plan.tls.dir, SUPERVISOR))
     await server.follow(plan.supervisor_metrics, tls)
