@@ -64,6 +64,7 @@ def worker_settings(
             params,
             **port,
             engine=output,
+            serves_metrics=params.get("metrics_port") is not None,
             engine_argv=list(engine_argv),
             explicit=set(explicit),
         )

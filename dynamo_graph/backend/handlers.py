@@ -200,12 +200,15 @@ def tokens_handler(
     return generate
 
 
-def _describe(span: tracing.Span | tracing.NoSpan, request: PreprocessedRequest, cap: InflightCap) -> None:
+def _describe(
+    span: tracing.Span | tracing.NoSpan, request: PreprocessedRequest, cap: InflightCap | None
+) -> None:
     """A worker span's request: its size, and the requests in flight beside it (its queue)."""
     if span is tracing.NO_SPAN:
         return
     span.set("llm.prompt_tokens", len(request.token_ids))
-    span.set("worker.inflight", cap.inflight)
+    if cap is not None:
+        span.set("worker.inflight", cap.inflight)
     max_tokens = request.stop_conditions.max_tokens
     if max_tokens is not None:
         span.set("llm.max_tokens", max_tokens)
@@ -364,6 +367,33 @@ def text_handler(engine: LLMEngine, closing: Closing | None = None, cap: Infligh
                         return
 
     return generate
+
+
+class TracedEngine:
+    """An engine in the serving process itself (`dyngraph run in=http out=ENGINE`) with the
+    worker's `generate` span around each call, so one process's trace reads `POST` →
+    `preprocess` → `generate` as a graph's does across processes. Used only while tracing is on."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, request: Any, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        with tracing.span("generate", context) as span:
+            if isinstance(request, PreprocessedRequest):
+                _describe(span, request, None)
+            tokens, first = 0, True
+            try:
+                async with contextlib.aclosing(self.engine.generate(request, context)) as stream:
+                    async for out in stream:
+                        if first:
+                            span.event("first_token")
+                            first = False
+                        tokens += len(out.token_ids)
+                        if out.finish_reason is not None:
+                            span.set("llm.finish_reason", out.finish_reason)
+                        yield out
+            finally:  # also when the pipeline stops reading (its own stop conditions met)
+                span.set("llm.completion_tokens", tokens)
 
 
 def health_check_enabled() -> bool:

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from dynamo_graph.backend.handlers import InflightCap
 from dynamo_graph.runtime.metrics_http import MetricsServer
+from dynamo_graph.runtime.tls import TlsFiles
 
 
 class WorkerCollector(Collector):
@@ -59,11 +60,12 @@ class WorkerCollector(Collector):
 async def serve_metrics(
     host: str, port: int, cap: InflightCap, model: str, engine_collectors: Sequence[Collector]
 ) -> MetricsServer:
-    """Start the worker's /metrics on host:port with its series and the engine's."""
+    """Start the worker's /metrics on host:port with its series and the engine's: HTTPS with a
+    client certificate (the graph's scraper's) required where the process has TLS files."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerCollector(cap, model))
     for collector in engine_collectors:
         registry.register(collector)
     server = MetricsServer(registry, "worker metrics")
-    await server.follow((host, port))
+    await server.follow((host, port), TlsFiles.for_metrics())
     return server

@@ -72,6 +72,10 @@ class EngineSettings:
     embedding: bool = setting(False, flag="--embedding", in_graph=False)
     """Serve the model's embeddings (/v1/embeddings) instead of generating: the engine's
     embedding mode, published as model type "embedding"."""
+    serves_metrics: bool = False
+    """The worker serves `/metrics` (its --metrics-port): only then does an engine keep Prometheus
+    series of its own (`LLMEngine.metrics_collectors`), which may cost it work every step
+    (vLLM's stat logger: benchmarks/bench_vllm_stat_logger.py)."""
     http_port: int = 8080
     """dynamo-run hands python engine files its --http-port among their arguments."""
     engine_argv: list[str] = field(default_factory=list)

@@ -36,6 +36,7 @@ from dynamo_graph.backend.engine import EngineConfig, LLMEngine
 from dynamo_graph.backend.handlers import (
     Closing,
     InflightCap,
+    TracedEngine,
     embedding_handler,
     health_check_enabled,
     prefill_handler,
@@ -51,6 +52,7 @@ from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
 from dynamo_graph.llm.protocol import PreprocessedEmbeddingRequest, PreprocessedRequest
 from dynamo_graph.llm.register import publish_card
+from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.metrics_http import MetricsServer
 from dynamo_graph.runtime.names import EndpointName
 from dynamo_graph.runtime.runtime import DistributedRuntime, Endpoint
@@ -99,8 +101,14 @@ class StartedEngine:
             return EmbeddingPipeline(self.card, self.model.load_tokenizer(), self.engine)
         if self.config.model_input == "tokens":
             assert self.model is not None
-            return tokens_pipeline(self.card, self.model, self.engine)
-        return TextPipeline(self.card, self.engine)
+            return tokens_pipeline(self.card, self.model, self.backend)
+        return TextPipeline(self.card, self.backend)
+
+    @property
+    def backend(self) -> LLMEngine | TracedEngine:
+        """What this process's pipelines call: the engine, inside a `generate` span while
+        tracing is on."""
+        return TracedEngine(self.engine) if tracing.ON else self.engine
 
 
 def make_card(
@@ -253,7 +261,8 @@ async def serve_engine(
                 card.display_name,
                 engine.metrics_collectors(),
             )
-            log.info("worker metrics on http://%s:%s/metrics", cfg.worker.metrics_host, metrics.port)
+            where = f"{metrics.scheme}://{cfg.worker.metrics_host}:{metrics.port}/metrics"
+            log.info("worker metrics on %s", where)
         await publish_card(endpoint, card)
         await _serve_lora_adapters(cfg, runtime, name, engine, endpoint, card)
         role = "" if mode == "agg" else f", {mode} worker"

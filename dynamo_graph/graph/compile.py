@@ -15,14 +15,16 @@ given out per host: explicit ids as written, the rest in graph order from the lo
 component named, so two components on one host never share a GPU (validate.py checks counts).
 Ports that engines open beside our planes (vLLM's NIXL side channel) are `auto` ports of their
 process too, so two replicas on one host never share one, and so is each worker's `/metrics`
-(`metrics_port`, on by default as Dynamo's system port is, but with TLS on only where the
-graph sets it: it is plain HTTP), bound on its host's address.
+(`metrics_port`, on by default as Dynamo's system port is; HTTPS with a client certificate when
+TLS is on), bound on its host's address.
 
 With `security.tls` on (`required`, or `auto` on several hosts), each process is given the paths
 of the graph's CA and of its own certificate and key (graph/tls.py makes them at `up`; `Plan.tls`
-says which names each certificate holds), for the tcp request plane (DYN_TLS_*) and managed etcd
-(ETCD_AUTH_*) and nats-server (NATS_TLS_*), which then serve TLS only and require a client
-certificate, and the graph's CURVE key for the zmq event plane (DYN_ZMQ_CURVE_KEY_FILE). Paths
+says which names each certificate holds), for the tcp request plane and /metrics (DYN_TLS_*) and
+managed etcd (ETCD_AUTH_*) and nats-server (NATS_TLS_*), which then serve TLS only and require a
+client certificate, and the graph's CURVE key for the zmq event plane (DYN_ZMQ_CURVE_KEY_FILE);
+the supervisor (for its /metrics) and Prometheus (the scraper, under a CA of its own that only
+/metrics listeners trust: DYN_TLS_METRICS_CA_FILE) get certificates too. Paths
 only: no key material is in the plan, so `render` and `status` show none.
 """
 
@@ -58,9 +60,19 @@ from dynamo_graph.graph.plan import (
     port_placeholder,
 )
 from dynamo_graph.graph.schema import LOCAL, Frontend, Graph, Worker
-from dynamo_graph.graph.tls import ca_file, cert_files, curve_file, tls_dir
+from dynamo_graph.graph.tls import (
+    METRICS_NAME,
+    SCRAPE_CA,
+    SCRAPER,
+    SUPERVISOR,
+    ca_file,
+    cert_files,
+    curve_file,
+    tls_dir,
+)
 from dynamo_graph.options import to_argv
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
+from dynamo_graph.runtime.settings import TracingSettings
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
@@ -244,14 +256,11 @@ class _Compiler:
     def _tracing_env(self, component: str) -> dict[str, str]:
         """The OpenTelemetry SDK's variables for `component`'s processes, from `observability`
         (none without an endpoint: tracing stays off); host and component `env` win over them."""
-        obs = self.graph.observability
-        if obs.otlp_endpoint is None:
+        settings = TracingSettings(**self.graph.observability.model_dump())
+        if settings.otlp_endpoint is None:
             return {}
         return {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": obs.otlp_endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": f"{obs.sample_ratio:g}",
+            **settings.otel_env({"otlp_endpoint", "sample_ratio"}),
             "OTEL_SERVICE_NAME": component,
             "OTEL_RESOURCE_ATTRIBUTES": f"service.namespace={self.graph.namespace}",
         }
@@ -706,8 +715,12 @@ class _Compiler:
         env = {**side_env, **env, **tls_env}  # the graph's own `env` (above) wins over side channels
         ports: dict[str, int | str] = {**spec.ports, **dict.fromkeys(side_ports, "auto")}
         metrics_args: list[str] = []
-        if worker.metrics_port is not None and (not self.tls or "metrics_port" in worker.model_fields_set):
-            # with TLS on, a plaintext /metrics only where the graph asks for it
+        if worker.metrics_port is not None:
+            if self.tls:  # whatever address Prometheus scrapes, it checks this name
+                self.tls_names[process].append(METRICS_NAME)
+                env["DYN_TLS_METRICS_CA_FILE"] = ca_file(self.tls_dir, SCRAPE_CA)  # its clients'
+                if host != LOCAL:
+                    carry = sorted([*carry, "DYN_TLS_METRICS_CA_FILE"])
             port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + index
             port_name = f"{process}.metrics"
             ports[port_name] = port
@@ -768,8 +781,18 @@ class _Compiler:
             autoscale=self.autoscale,
             standby=self.standby,
             supervisor_metrics=self._supervisor_metrics(),
-            tls=TlsPlan(self.tls_dir, dict(sorted(self.tls_names.items()))) if self.tls else None,
+            tls=self._tls_plan(),
         )
+
+    def _tls_plan(self) -> TlsPlan | None:
+        """Every certificate to issue: the processes', the supervisor's for its /metrics, and
+        Prometheus's (a client's) for scraping them."""
+        if not self.tls:
+            return None
+        names = {**self.tls_names, SCRAPER: []}
+        if (metrics := self._supervisor_metrics()) is not None:
+            names[SUPERVISOR] = [metrics[0], METRICS_NAME]
+        return TlsPlan(self.tls_dir, dict(sorted(names.items())))
 
     def _supervisor_metrics(self) -> tuple[str, int] | None:
         endpoint = self.graph.supervisor

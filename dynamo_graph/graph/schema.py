@@ -43,6 +43,7 @@ from dynamo_graph.llm.reasoning import REASONING_PARSERS
 from dynamo_graph.llm.tool_calls import TOOL_CALL_PARSERS
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.names import DEFAULT_ENDPOINT, EndpointName
+from dynamo_graph.runtime.settings import TracingSettings
 
 ENGINES = tuple(registry.ENGINES)
 
@@ -327,23 +328,7 @@ class Readiness(_Model):
     """Give up (and apply the restart policy) if not ready within this many seconds."""
 
 
-class Observability(_Model):
-    """Where the graph's processes send their traces (docs/observability.md, "Tracing"): each
-    process gets the OpenTelemetry SDK's standard OTEL_* variables from it."""
-
-    otlp_endpoint: str | None = None
-    """OTLP/HTTP endpoint of a collector, e.g. `http://collector:4318`; set, every frontend and
-    worker traces its requests there."""
-    sample_ratio: float = Field(1.0, ge=0, le=1)
-    """Share of the traces the frontend starts that are kept; a client's `traceparent` that is
-    sampled is always followed (parent-based sampling)."""
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"expected an http:// or https:// URL of an OTLP/HTTP endpoint, not {value!r}")
-        return value
+Observability = section("Observability", _Model, TracingSettings)
 
 
 class Rollout(_Model):
@@ -605,9 +590,9 @@ class Worker(_Component):
     metrics_port: AutoPort | None = "auto"
     """Port of replica 0's `/metrics`: its requests and its engine's own series (vLLM's
     `vllm:`, the mocker's, llama.cpp's), scraped by `render -f prometheus` (--metrics-port);
-    replica i uses `metrics_port + i`; `auto`: a free port each; null: none. It is plain HTTP:
-    with TLS on (`security.tls`) a worker serves it only when the graph sets this key, and
-    `tls: required` refuses it."""
+    replica i uses `metrics_port + i`; `auto`: a free port each; null: none. With TLS on
+    (`security.tls`) it is HTTPS wanting a client certificate of the graph's CA (Prometheus gets
+    one: `render -f prometheus`)."""
     migration_limit: int = Field(0, ge=0)
     """Migration limit advertised in the model card (--migration-limit)."""
     max_inflight: int | None = Field(None, ge=0)
@@ -1086,7 +1071,8 @@ class SupervisorEndpoint(_Model):
 
     metrics_port: int | None = Field(None, ge=1, le=65535)
     """Port of the supervisor's `/metrics`: replicas by state, restarts, revisions and the
-    autoscaler's decisions; none: not served."""
+    autoscaler's decisions; none: not served. HTTPS with a client certificate with TLS on, as
+    the workers'."""
     metrics_host: str = "127.0.0.1"
     """Address it listens on (the machine `up` runs on)."""
 

@@ -3,8 +3,9 @@
 
 Everything lives in the graph's state dir, `<state>/tls/` (a folder only the user can enter,
 every file 0600): `ca.crt` / `ca.key`, `<process>.crt` / `<process>.key` for each process of
-the plan, and `curve.key`, the graph's CURVE key for the zmq event plane. The plan names these
-paths (compile.py), never their contents; the ssh launcher carries the files a remote process
+the plan, `scrape-ca.crt` / `.key` and `scraper.crt` / `.key` (below), and `curve.key`, the
+graph's CURVE key for the zmq event plane. The plan names these paths (compile.py), never their
+contents; the ssh launcher carries the files a remote process
 needs over its ssh channel (remote/agent_run.py writes them there, also 0600).
 
 Rotation: every `up` that applies a new revision issues every process a new key and
@@ -19,6 +20,13 @@ certificates never outlive their CA.
 Managed etcd and nats-server are also issued for the names `etcd` and `nats`, which
 their clients are told to expect: whatever address they are dialled at (a Slurm node's is only
 known in the job), a client checks that it reached the graph's etcd, not just a member.
+
+Every process that serves `/metrics` (workers, the supervisor) serves it over TLS with its own
+certificate, which also holds the name `metrics`, checked by the Prometheus configuration
+(`render -f prometheus`) whatever address it scrapes. Prometheus gets `scraper.crt` /
+`scraper.key`, a client-only certificate of a CA of its own, `scrape-ca.crt`, which the
+`/metrics` listeners (and only they) trust for their clients: the scraper's key reads metrics,
+but no other listener of the graph (request plane, etcd, nats) takes it for a member's.
 
 Keys are ECDSA P-256: a TLS 1.3 handshake with them costs a fraction of an RSA one's CPU.
 """
@@ -43,14 +51,19 @@ CA_DAYS = 365
 CA_RENEW_DAYS = 30  # a CA with less left than this is replaced at the next `up`
 LEAF_DAYS = 90
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")  # every process may be dialled on its own host
+METRICS_NAME = "metrics"  # held by the certificate of every process serving /metrics
+SCRAPER = "scraper"  # Prometheus's client certificate
+SCRAPE_CA = "scrape-ca"  # the CA of the scraper alone, trusted by /metrics listeners only
+SUPERVISOR = "supervisor"  # the supervisor's, for its own /metrics
 
 
 def tls_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "tls"
 
 
-def ca_file(folder: str | Path) -> str:
-    return str(Path(folder) / "ca.crt")
+def ca_file(folder: str | Path, stem: str = "ca") -> str:
+    """The CA's certificate: the graph's (`ca`), or the scraper's (`SCRAPE_CA`)."""
+    return str(Path(folder) / f"{stem}.crt")
 
 
 def curve_file(folder: str | Path) -> str:
@@ -105,11 +118,13 @@ def _sans(names: Iterable[str]) -> list[x509.GeneralName]:
 class CertificateAuthority:
     """The CA of one graph's state dir: loaded if it is there and not due for renewal, else new."""
 
-    def __init__(self, folder: str | Path, graph: str, *, renew: bool = True) -> None:
+    def __init__(self, folder: str | Path, graph: str, *, renew: bool = True, stem: str = "ca") -> None:
         """`renew`: replace a CA that is due (only where no process of the graph runs, which
-        trusts the old one); else keep it while it is valid."""
+        trusts the old one); else keep it while it is valid. `stem`: its files' (`SCRAPE_CA`:
+        the scraper's CA, which has no CURVE key beside it)."""
         self.folder = Path(folder)
         self.graph = graph
+        self.stem = stem
         _private_folder(self.folder)
         self.renewed = False
         loaded = self._load()
@@ -117,7 +132,7 @@ class CertificateAuthority:
             loaded = self._create()
             self.renewed = True
         self.cert, self.key = loaded
-        if self.renewed or not Path(curve_file(self.folder)).exists():
+        if stem == "ca" and (self.renewed or not Path(curve_file(self.folder)).exists()):
             _write_private(Path(curve_file(self.folder)), zmq.curve_keypair()[1] + b"\n")
 
     @staticmethod
@@ -126,8 +141,8 @@ class CertificateAuthority:
 
     def _load(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None:
         try:
-            cert = x509.load_pem_x509_certificate((self.folder / "ca.crt").read_bytes())
-            key = serialization.load_pem_private_key((self.folder / "ca.key").read_bytes(), None)
+            cert = x509.load_pem_x509_certificate((self.folder / f"{self.stem}.crt").read_bytes())
+            key = serialization.load_pem_private_key((self.folder / f"{self.stem}.key").read_bytes(), None)
         except (OSError, ValueError):
             return None
         if not isinstance(key, ec.EllipticCurvePrivateKey) or cert.not_valid_after_utc <= _now():
@@ -136,7 +151,8 @@ class CertificateAuthority:
 
     def _create(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"dyngraph CA {self.graph}")])
+        what = "CA" if self.stem == "ca" else self.stem
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"dyngraph {what} {self.graph}")])
         now = _now()
         cert = (
             x509.CertificateBuilder()
@@ -164,13 +180,15 @@ class CertificateAuthority:
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
         )
-        _write_private(self.folder / "ca.key", _key_pem(key))
-        _write_private(self.folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
+        _write_private(self.folder / f"{self.stem}.key", _key_pem(key))
+        _write_private(self.folder / f"{self.stem}.crt", cert.public_bytes(serialization.Encoding.PEM))
         return cert, key
 
-    def issue(self, process: str, names: Iterable[str]) -> tuple[str, str]:
+    def issue(self, process: str, names: Iterable[str], *, server: bool = True) -> tuple[str, str]:
         """A new key and certificate for `process`, valid for `names` (its host's addresses; the
-        loopback names always), for both ends of a connection; returns their paths."""
+        loopback names always), for both ends of a connection (only the client's without
+        `server`); returns their paths."""
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         cert = (
@@ -184,7 +202,7 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
             .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                x509.ExtendedKeyUsage([*usages, ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False,
             )
             .add_extension(
@@ -205,10 +223,14 @@ def issue_all(
     folder: str | Path, graph: str, names: dict[str, list[str]], *, renew: bool = True
 ) -> CertificateAuthority:
     """Issue every process in `names` (process -> the names its certificate holds) a new
-    certificate under the graph's CA, made first if it is missing (or due, with `renew`)."""
+    certificate under the graph's CA, made first if it is missing (or due, with `renew`); the
+    scraper's, for a client only, under the scraper's own CA."""
     ca = CertificateAuthority(folder, graph, renew=renew)
     for process, addresses in sorted(names.items()):
-        ca.issue(process, addresses)
+        if process == SCRAPER:
+            CertificateAuthority(folder, graph, renew=renew, stem=SCRAPE_CA).issue(process, [], server=False)
+        else:
+            ca.issue(process, addresses)
     return ca
 
 

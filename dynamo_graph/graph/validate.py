@@ -706,18 +706,6 @@ def check_security(graph: Graph) -> Iterator[Problem]:
                 "`security.tls: required` allows no plaintext listener, and vLLM's NIXL side channel "
                 "(its KV transfer) is plain TCP",
             )
-        if "metrics_port" in worker.model_fields_set and worker.metrics_port is not None:
-            yield Problem(
-                f"components.{key}.metrics_port",
-                "`security.tls: required` allows no plaintext listener, and a worker's /metrics is "
-                "plain HTTP (with TLS on, workers serve none unless the graph asks)",
-            )
-    if graph.supervisor.metrics_port is not None:
-        yield Problem(
-            "supervisor.metrics_port",
-            "`security.tls: required` allows no plaintext listener, and the supervisor's /metrics "
-            "is plain HTTP",
-        )
 
 
 def tls_warnings(graph: Graph) -> list[str]:

@@ -35,7 +35,7 @@ class LocalLoraAdmin:
             return
         model = self.started.model
         assert model is not None  # a tokens-input engine (checked before anything loads)
-        self.registry.add(tokens_pipeline(card, model, self.started.engine))
+        self.registry.add(tokens_pipeline(card, model, self.started.backend))
 
     def _check_tokens(self) -> None:
         if self.started.config.model_input != "tokens":

@@ -29,11 +29,12 @@ from dynamo_graph.backend.worker import (
 )
 from dynamo_graph.engines import create_engine, default_engine, get_engine_spec
 from dynamo_graph.llm.model_source import resolve_model
-from dynamo_graph.options import flagged
+from dynamo_graph.options import flagged, given_fields
 from dynamo_graph.process.run_config import RUN_OPTIONS, RunConfig, apply_runtime_settings
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.names import EndpointName
+from dynamo_graph.runtime.settings import TracingSettings
 
 if TYPE_CHECKING:
     from dynamo_graph.frontend.app import FrontendApp
@@ -376,22 +377,31 @@ async def _run_frontend(cfg: RunConfig) -> int:
 
 
 async def run_async(cfg: RunConfig) -> int:
+    """Run the process `cfg` describes, traced where the OTEL_* environment (or the tracing
+    flags, written there first) asks: a worker, a frontend of workers, or one process with its
+    engine inside."""
+    cfg.tracing.to_env(given_fields(TracingSettings, cfg.explicit))
     if cfg.input == "dyn" or cfg.discovers_workers:
         apply_runtime_settings(cfg)
     if cfg.input == "dyn":
         assert cfg.input_arg is not None
         name = EndpointName.parse(cfg.input_arg)
-        tracing.setup(f"{name.namespace}.{name.component}")
-        try:
+        service = f"{name.namespace}.{name.component}"
+    else:
+        service = "frontend" if cfg.discovers_workers else "dyngraph"
+    tracing.setup(service)
+    try:
+        if cfg.input == "dyn":
             return await serve_worker(cfg, name)
-        finally:
-            tracing.shutdown()
-    if cfg.discovers_workers:
-        tracing.setup("frontend")
-        try:
+        if cfg.discovers_workers:
             return await _run_frontend(cfg)
-        finally:
-            tracing.shutdown()
+        return await _run_local(cfg)
+    finally:
+        tracing.shutdown()
+
+
+async def _run_local(cfg: RunConfig) -> int:
+    """`out=ENGINE`: the engine in this process, behind the input (`in=http`: the frontend)."""
     started = await start_engine(cfg)
     pipeline = started.pipeline()
     # As dynamo-run does: the echo engines would otherwise stop at the template's own eos token.

@@ -31,7 +31,7 @@ from dynamo_graph.options import (
     validate,
 )
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
-from dynamo_graph.runtime.settings import PlaneSettings
+from dynamo_graph.runtime.settings import PlaneSettings, TracingSettings
 
 InputKind = Literal["text", "stdin", "http", "batch", "none", "dyn"]
 # The order of `dyngraph run --help`.
@@ -46,6 +46,7 @@ RUN_SETTINGS = (
     DisaggConfig,
     WorkerSettings,
     PlaneSettings,
+    TracingSettings,
 )
 RUN_OPTIONS = flagged(*RUN_SETTINGS)
 assert len({opt.param for opt in RUN_OPTIONS}) == len(RUN_OPTIONS), "two settings share a flag"
@@ -63,6 +64,7 @@ class RunConfig:
     record: RecordSettings = field(default_factory=RecordSettings)
     router: RouterConfig = field(default_factory=RouterConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
     input: InputKind = "text"
     input_arg: str | None = None  # the batch file, or the dyn:// endpoint
     output: str | None = None  # None: the default engine
@@ -145,6 +147,7 @@ def run_config_from_args(
             record=from_params(RecordSettings, params),
             router=from_params(RouterConfig, params),
             disagg=from_params(DisaggConfig, params),
+            tracing=from_params(TracingSettings, params),
             input=input_kind,
             input_arg=input_arg,
             output=output,
@@ -154,6 +157,7 @@ def run_config_from_args(
         for settings in (cfg.http, cfg.http_tls, cfg.auth, cfg.limits, cfg.disagg):
             validate(settings, flag_speller(type(settings)))
         validate(cfg.record, flag_speller(RecordSettings), given=given_fields(RecordSettings, explicit))
+        validate(cfg.tracing, flag_speller(TracingSettings))
         if input_kind == "dyn":  # a worker has no router: its router flags are reported unused
             check_values(cfg.router, flag_speller(RouterConfig))
         else:

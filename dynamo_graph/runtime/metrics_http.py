@@ -4,6 +4,10 @@ that have no HTTP server of their own (the supervisor, workers).
 asyncio's own server, so collectors run inside the process's event loop at scrape time and
 read its state without locks; one request per connection, headers ignored, anything but
 `GET /metrics` is a 404.
+
+With the graph's TLS files (`security.tls`, runtime/tls.py) it is HTTPS that requires a client
+certificate of the graph's CA, like every other listener of the graph: Prometheus scrapes with
+the graph's scraper certificate (graph/tls.py), a process without one fails the handshake.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
+
+from dynamo_graph.runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +28,17 @@ READ_TIMEOUT_S = 5.0
 
 
 class MetricsServer:
-    """`GET /metrics` of `registry` on an address, (re)bound when `follow` is given another."""
+    """`GET /metrics` of `registry` on an address, (re)bound when `follow` is given another
+    address or other TLS files; given the same TLS files again, it reloads them (a new
+    revision issued them anew: the supervisor's server outlives its certificate's revision)."""
 
     def __init__(self, registry: CollectorRegistry, what: str = "metrics") -> None:
         self.registry = registry
         self.what = what  # names the server in its log lines
         self.address: tuple[str, int] | None = None
+        self.tls: TlsFiles | None = None
         self._server: asyncio.Server | None = None
+        self._context: ssl.SSLContext | None = None
 
     @property
     def port(self) -> int | None:
@@ -36,21 +47,32 @@ class MetricsServer:
             return None
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def follow(self, address: tuple[str, int] | None) -> None:
-        """Listen on `address` (None: not at all); a bind failure is logged, not fatal: the
-        process serves without its metrics."""
-        if address == self.address:
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    async def follow(self, address: tuple[str, int] | None, tls: TlsFiles | None = None) -> None:
+        """Listen on `address` (None: not at all), over mutual TLS with `tls`; a bind failure
+        (or unloadable TLS files) is logged, not fatal: the process serves without its metrics."""
+        if (address, tls) == (self.address, self.tls):
+            if tls is not None and self._context is not None:
+                try:  # the next handshakes present the files' new certificate
+                    self._context.load_cert_chain(tls.cert, tls.key)
+                except OSError as exc:
+                    log.error("%s: cannot reload %s: %s", self.what, tls.cert, exc)
             return
         await self.close()
-        self.address = address
+        self.address, self.tls = address, tls
         if address is None:
             return
         try:
-            self._server = await asyncio.start_server(self._handle, *address)
-        except OSError as exc:
+            self._context = None if tls is None else tls.server_context()
+            self._server = await asyncio.start_server(self._handle, *address, ssl=self._context)
+        except OSError as exc:  # ssl.SSLError is one
             log.error("%s: cannot listen on %s:%d: %s", self.what, *address, exc)
 
     async def close(self) -> None:
+        self._context = None
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -78,9 +100,9 @@ class MetricsServer:
                 + body
             )
             await writer.drain()
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, OSError):  # a peer gone, or its TLS broken off
             pass
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(OSError):
                 await writer.wait_closed()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_CA, ENV_CERT, ENV_KEY = "DYN_TLS_CA_FILE", "DYN_TLS_CERT_FILE", "DYN_TLS_KEY_FILE"
+ENV_METRICS_CA = "DYN_TLS_METRICS_CA_FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,19 @@ class TlsFiles:
             if not Path(value).is_file():
                 raise ValueError(f"{name}={value}: no such file")
         return cls(given[ENV_CA], given[ENV_CERT], given[ENV_KEY])
+
+    @classmethod
+    def for_metrics(cls) -> TlsFiles | None:
+        """A `/metrics` listener's files: the process's certificate, with its clients checked
+        against DYN_TLS_METRICS_CA_FILE (a graph's scraper CA, which no other listener trusts)
+        where that is set, else against the plane's CA."""
+        files = cls.from_env()
+        metrics_ca = (os.environ.get(ENV_METRICS_CA) or "").strip()
+        if files is None or not metrics_ca:
+            return files
+        if not Path(metrics_ca).is_file():
+            raise ValueError(f"{ENV_METRICS_CA}={metrics_ca}: no such file")
+        return cls(metrics_ca, files.cert, files.key)
 
     def _context(self, purpose: int) -> ssl.SSLContext:
         ctx = ssl.SSLContext(purpose)

@@ -114,8 +114,9 @@ def reference(tiny_model: Path) -> Iterator[Callable[[list[int], int], list[int]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model: Path) -> AsyncIterator[VllmEngine]:
-    """One engine for the module (a start costs seconds), reporting KV events to a `Sink`."""
-    eng = VllmEngine(engine_kwargs(tiny_model))
+    """One engine for the module (a start costs seconds), reporting KV events to a `Sink`, as a
+    worker serving /metrics builds it."""
+    eng = VllmEngine(engine_kwargs(tiny_model), serves_metrics=True)
     eng.kv_event_sink = Sink()
     await eng.start()
     yield eng
@@ -299,6 +300,7 @@ async def test_concurrent_requests(engine: VllmEngine, token_ids: list[list[int]
     for (prompt, n), outs in zip(jobs, results, strict=True):
         assert ids(outs) == reference(prompt, n) and outs[-1].finish_reason == "length"
     await asyncio.wait_for(engine.drain(), 5)
+    assert "PrometheusStatLogger" in [type(x).__name__ for x in engine._llm.logger_manager.stat_loggers]
     # vLLM's own `vllm:` series, as the worker's /metrics serves them (backend/metrics.py).
     registry = CollectorRegistry(auto_describe=False)
     for collector in engine.metrics_collectors():
@@ -490,6 +492,9 @@ async def test_a_high_priority_request_is_admitted_ahead_of_queued_low_priority_
         policy = extra.get("scheduling_policy", "priority")
         assert engine._llm.vllm_config.scheduler_config.policy == policy
         assert engine.by_priority is (policy == "priority")
+        # No /metrics served: vLLM's Prometheus logger is the stand-in that records nothing.
+        loggers = [type(x).__name__ for x in engine._llm.logger_manager.stat_loggers]
+        assert sorted(loggers) == ["PerEngineStatLoggerAdapter", "QuietPrometheus"], loggers
         assert await first_token_order(engine, token_ids) == expected
     finally:
         await engine.cleanup()

@@ -75,6 +75,26 @@ def plain_answer(host: str, port: int) -> bytes:
     return got
 
 
+def tls_refuses(host: str, port: int, shown: tuple[str, str]) -> bool:
+    """Whether a port ends the TLS session of a client showing the certificate `shown` (its
+    files) at once (an alert, or the connection closed), rather than waiting for its request as
+    it does for a peer it accepts (TLS 1.3: the server judges the client's certificate after the
+    client's side of the handshake is done, so the verdict is the first read)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.load_cert_chain(*shown)
+    try:
+        with socket.create_connection((host, port), timeout=3) as raw, ctx.wrap_socket(raw) as sock:
+            sock.settimeout(1.0)
+            try:
+                return sock.recv(4096) == b""
+            except TimeoutError:
+                return False  # waiting for a request: accepted
+    except (OSError, ssl.SSLError):  # an alert, at the handshake or at the first read
+        return True
+
+
 def tls_without_certificate(host: str, port: int) -> str | bytes:
     """A TLS client without a certificate: the error that ended it, or what the port sent it."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

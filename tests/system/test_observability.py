@@ -23,7 +23,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.local_graph import Graph
-from tests.support.processes import DYNGRAPH, free_port, run_cli
+from tests.support.processes import DYNGRAPH, run_cli
+from tests.support.prometheus import active_targets, all_up, needs_prometheus, prometheus
 from tests.support.routing import opening_messages, served_by
 from tests.support.waiting import wait_for
 
@@ -262,55 +263,22 @@ def test_every_worker_serves_its_requests_and_the_mockers_series_on_its_own_metr
         assert samples[("dyngraph_worker_max_inflight", (("model", MODEL),))] == 1024
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Prometheus (Debian's prometheus)")
+@needs_prometheus
 def test_prometheus_scrapes_every_target_and_every_dashboard_expression_has_data(graph: Graph) -> None:
-    folder = graph.file.parent / "prometheus"
-    folder.mkdir()
     rendered = run_cli(["render", str(graph.file), "-f", "prometheus", *graph.overrides])
     assert rendered.returncode == 0, rendered.stderr
-    config = yaml.safe_load(rendered.stdout)
-    config["global"]["scrape_interval"] = "1s"  # the rendered 5 s, shortened for the test
-    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    check = subprocess.run(
-        ["promtool", "check", "config", str(folder / "prometheus.yml")], capture_output=True
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
     dashboard = run_cli(["render", str(graph.file), "-f", "grafana", *graph.overrides])
     assert dashboard.returncode == 0, dashboard.stderr
     exprs = [t["expr"] for p in json.loads(dashboard.stdout)["panels"] for t in p["targets"]]
     assert len(exprs) >= 10
-    port = free_port()
-    prometheus = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={folder / 'prometheus.yml'}",
-            f"--storage.tsdb.path={folder / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(folder / "prometheus.log").open("wb"),
-    )
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=5)
 
-    def targets_up() -> bool:
-        try:
-            active = api.get("/targets").json()["data"]["activeTargets"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return False
-        return bool(active) and all(t["health"] == "up" for t in active)
+    with prometheus(rendered.stdout, graph.file.parent / "prometheus") as api:
 
-    def scraped_processes() -> set[str]:
-        active = api.get("/targets").json()["data"]["activeTargets"]
-        return {t["labels"]["process"] for t in active if "process" in t["labels"]}
+        def empty() -> list[str]:
+            return [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]
 
-    def empty() -> list[str]:
-        return [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]
-
-    try:
-        wait_for(targets_up, 30, "every scrape target up")
-        assert scraped_processes() == {"backend-0", "backend-1"}  # each worker replica's own /metrics
+        wait_for(lambda: all_up(api), 30, "every scrape target up")
+        scraped = {t["labels"].get("process") for t in active_targets(api)}
+        assert scraped == {None, "backend-0", "backend-1"}  # the frontend, each worker replica's own
         with _Load(graph):
             wait_for(lambda: not empty(), 30, "data for every dashboard expression")
-    finally:
-        prometheus.terminate()
-        prometheus.wait(30)

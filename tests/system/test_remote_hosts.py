@@ -32,6 +32,7 @@ from dynamo_graph.graph.targets.local.remote.ssh import RemoteProcess
 from dynamo_graph.graph.targets.local.remote.ssh import SshHosts as SshHosts_
 from tests.support.listeners import listening, plain_answer, tls_without_certificate
 from tests.support.processes import DYNGRAPH, free_port, pid_alive, port_refuses, run_cli
+from tests.support.prometheus import scrape
 from tests.support.rolling_load import StreamingLoad
 from tests.support.routing import opening_messages, served_by
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
@@ -179,8 +180,7 @@ def _restarted(graph: RemoteGraph, name: str, old_pid: int) -> bool:
 def test_remote_workers_serve_restart_reconnect_and_down(
     make_graph: Callable[..., RemoteGraph], ssh_hosts: SshHosts
 ) -> None:
-    # TLS is on across the hosts, so a worker serves its plain /metrics only when asked
-    graph = make_graph(**{"components.backend.metrics_port": "auto"})
+    graph = make_graph()
     up = graph.cli("up", "-d")
     assert up.returncode == 0, up.stdout + up.stderr
     assert graph.chat()
@@ -195,14 +195,16 @@ def test_remote_workers_serve_restart_reconnect_and_down(
     assert hosts["backend-0"] == ("h0", "ready") and hosts["backend-1"] == ("h1", "ready"), status.stdout
     assert hosts["frontend-0"] == ("local", "ready"), status.stdout
 
-    # Each worker's own /metrics listens on its host's address, where `render -f prometheus` says.
+    # Each worker's own /metrics listens on its host's address, where `render -f prometheus` says,
+    # over HTTPS for the graph's scraper certificate (TLS is on across the hosts).
     rendered = graph.cli("render", "-f", "prometheus")
     jobs = {job["job_name"]: job for job in yaml.safe_load(rendered.stdout)["scrape_configs"]}
-    targets = {s["labels"]["process"]: s["targets"][0] for s in jobs["remote-backend"]["static_configs"]}
+    backend = jobs["remote-backend"]
+    targets = {s["labels"]["process"]: s["targets"][0] for s in backend["static_configs"]}
     assert sorted(targets) == ["backend-0", "backend-1"]
     for process, host in (("backend-0", h0), ("backend-1", h1)):
         assert targets[process].startswith(f"{host.address}:")
-        metrics = httpx.get(f"http://{targets[process]}/metrics", timeout=5).text
+        metrics = scrape(backend, targets[process])
         assert 'dyngraph_worker_max_inflight{model="tiny-model"} 1024.0' in metrics
 
     # The secret reached the workers' environment, and no command line on either host.

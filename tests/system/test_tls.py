@@ -2,7 +2,9 @@
 managed etcd + nats-server serves the official client, and every port its processes listen on
 but the frontend's HTTP one refuses a peer without the graph's certificate: plain TCP and TLS
 without a certificate get nothing served, nats-py and etcd without one cannot connect. No key
-material in any process's command line or environment, in `status` or `render`; a worker killed
+material in any process's command line or environment, in `status` or `render`; the workers'
+and the supervisor's /metrics serve the graph's scraper certificate and nothing without one, and a
+real Prometheus scrapes every target of `render -f prometheus`; a worker killed
 with SIGKILL comes back and its callers reconnect; an `up` of a change rotates the certificates,
 old and new processes still trusting each other.
 
@@ -24,13 +26,16 @@ import httpx
 import nats
 import nats.errors
 import pytest
+import yaml
 from openai import OpenAI
 
 from dynamo_graph.graph.tls import ca_file, cert_files, issue_all
 from dynamo_graph.runtime.discovery.base import DiscoveryError
 from dynamo_graph.runtime.discovery.etcd import EtcdDiscovery
-from tests.support.listeners import listening, plain_answer, tls_without_certificate
+from tests.support.listeners import listening, plain_answer, tls_refuses, tls_without_certificate
 from tests.support.local_graph import Graph
+from tests.support.processes import free_port
+from tests.support.prometheus import active_targets, all_up, needs_prometheus, prometheus, scrape
 from tests.support.waiting import wait_for
 
 # The CI graph with etcd and nats-server, with TLS required, the tcp request plane (so each worker
@@ -41,7 +46,7 @@ TLS_REQUIRED = ("+security.tls=required", "runtime.request_plane=tcp", "componen
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Graph]:
     g = Graph("echo-etcd-nats.yaml", tmp_path_factory.mktemp("tls"), tiny_model)
-    g.overrides += TLS_REQUIRED
+    g.overrides += (*TLS_REQUIRED, f"supervisor.metrics_port={free_port()}")
     up = g.up()
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -132,6 +137,56 @@ def test_no_key_material_in_argv_env_status_or_render(graph: Graph) -> None:
     assert "PRIVATE KEY" not in logs and not any(k in logs for k in keys)
 
 
+def _metrics_jobs(graph: Graph) -> tuple[str, dict[str, dict]]:
+    """`render -f prometheus`'s text and its jobs by component."""
+    rendered = graph.cli("render", "-f", "prometheus", *graph.overrides)
+    assert rendered.returncode == 0, rendered.stderr
+    jobs = yaml.safe_load(rendered.stdout)["scrape_configs"]
+    return rendered.stdout, {job["static_configs"][0]["labels"]["component"]: job for job in jobs}
+
+
+def test_metrics_answer_the_scraper_certificate_and_nobody_without_one(graph: Graph) -> None:
+    text, jobs = _metrics_jobs(graph)
+    keys = [p.read_text().strip() for p in (graph.state / "tls").glob("*.key")]
+    assert "PRIVATE KEY" not in text and not any(k in text for k in keys)  # paths only
+    no_certificate = ssl.create_default_context(cafile=jobs["backend"]["tls_config"]["ca_file"])
+    series = {"backend": "dyngraph_worker_max_inflight", "supervisor": "dyngraph_replicas"}
+    for component, name in series.items():
+        job = jobs[component]
+        assert job["scheme"] == "https"
+        targets = [t for c in job["static_configs"] for t in c["targets"]]
+        assert len(targets) == (2 if component == "backend" else 1)
+        for target in targets:
+            assert name in scrape(job, target)
+            with pytest.raises(httpx.TransportError):  # the handshake wants a certificate of the CA
+                httpx.get(f"https://{target}/metrics", verify=no_certificate, timeout=5)
+    # The scraper's certificate is for /metrics alone: no other listener of a worker takes it.
+    scraper = (jobs["backend"]["tls_config"]["cert_file"], jobs["backend"]["tls_config"]["key_file"])
+    member = cert_files(graph.state / "tls", "frontend-0")
+    backend = jobs["backend"]["static_configs"]
+    metrics_ports = {int(t.rsplit(":", 1)[1]) for c in backend for t in c["targets"]}
+    procs = graph.processes()
+    others = [
+        (host, port)
+        for _, host, port in listening([procs["backend-0"]["pid"], procs["backend-1"]["pid"]])
+        if port not in metrics_ports
+    ]
+    assert others  # the request plane's
+    for host, port in others:
+        assert tls_refuses(host, port, scraper), port
+        assert not tls_refuses(host, port, member), port  # the control: a member is taken
+
+
+@needs_prometheus
+def test_prometheus_scrapes_every_target_of_a_tls_required_graph(graph: Graph) -> None:
+    text, jobs = _metrics_jobs(graph)
+    assert {"frontend", "backend", "supervisor"} <= set(jobs)
+    with prometheus(text, graph.state.parent / "prometheus") as api:
+        wait_for(lambda: all_up(api), 30, "every scrape target up")
+        scraped = sorted(t["labels"].get("process", t["labels"]["component"]) for t in active_targets(api))
+    assert scraped == ["backend-0", "backend-1", "frontend", "supervisor"]
+
+
 def test_a_worker_killed_comes_back_and_is_reached_again(graph: Graph) -> None:
     old = graph.processes()["backend-0"]["pid"]
     os.kill(old, signal.SIGKILL)
@@ -156,9 +211,10 @@ def test_an_up_rotates_the_certificates_and_moves_the_frontend_to_https(graph: G
     up = graph.up(f"+components.frontend.http.tls={{cert_file: {cert}, key_file: {key}}}")
     assert up.returncode == 0, up.stdout + up.stderr
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
-    assert [after[n] == before[n] for n in ("ca.crt", "ca.key", "curve.key")] == [True] * 3
-    rotated = [n for n in before if n.endswith((".crt", ".key")) and not n.startswith(("ca.", "curve."))]
-    assert len(rotated) == 10 and all(after[n] != before[n] for n in rotated)
+    kept = ("ca.crt", "ca.key", "curve.key", "scrape-ca.crt", "scrape-ca.key")
+    assert [after[n] == before[n] for n in kept] == [True] * 5
+    rotated = [n for n in before if n.endswith((".crt", ".key")) and n not in kept]
+    assert len(rotated) == 14 and all(after[n] != before[n] for n in rotated)
     procs = graph.processes()
     assert procs["backend-0"]["pid"] == pids["backend-0"] and procs["frontend-0"]["pid"] != pids["frontend-0"]
     verify = ssl.create_default_context(cafile=ca_file(tmp_path / "web"))

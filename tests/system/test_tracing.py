@@ -1,6 +1,7 @@
 """Distributed tracing end to end: requests that bring a W3C `traceparent` come back as one trace
 from every process they crossed (frontend, workers; the prefill -> decode hand-off), received by a
-real OTLP/HTTP endpoint, with each span's parent where the request came from."""
+real OTLP/HTTP endpoint, with each span's parent where the request came from; and a
+single-process `dyngraph run in=http out=ENGINE` traced from its `--otlp-endpoint` flags."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from tests.support.disagg_cluster import LONG, start_disagg
 from tests.support.mocker_cluster import start_cluster
 from tests.support.otlp import OtlpReceiver, ReceivedSpan
+from tests.support.processes import echo_core_args, running_server
 from tests.support.waiting import wait_for
 
 SERVER, CLIENT = 2, 3  # the OTLP proto's SpanKind values
@@ -173,3 +175,35 @@ def test_prefill_decode_one_trace(tmp_path: Path, tiny_model: Path, receiver: Ot
     assert fetch.pid == decode_pid
     (served_fetch,) = _children(spans, fetch, "serve dyn://pd.prefill.kv_fetch")
     assert served_fetch.pid == prefill_pid
+
+
+def test_a_single_process_run_is_traced_from_its_flags(
+    tmp_path: Path, tiny_model: Path, receiver: OtlpReceiver
+) -> None:
+    """The flags write the SDK's variables, as a graph's `observability` section does: no OTEL_*
+    endpoint in this process's environment, the ratio 0 keeping only the client's sampled trace."""
+    unset = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_TRACES_SAMPLER": "", "OTEL_TRACES_SAMPLER_ARG": ""}
+    flags = ["--otlp-endpoint", receiver.endpoint, "--trace-sample-ratio", "0"]
+    args = echo_core_args(tiny_model, "tiny-model", *flags)
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    with running_server(args, log_dir=tmp_path, env=unset) as server:
+        pid = server.proc.pid
+        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0) as plain:
+            plain.completions.create(model="tiny-model", prompt="not traced", max_tokens=2)  # sampled out
+        with _client(server.base_url, trace_id, parent) as client:
+            stream = client.chat.completions.create(
+                model="tiny-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        names = {"POST /v1/chat/completions", "preprocess", "generate"}
+        wait_for(lambda: names <= {s.name for s in receiver.trace(trace_id)}, 20, "the process's spans")
+    spans = receiver.trace(trace_id)
+    assert {s.pid for s in spans} == {pid} and {s.service for s in spans} == {"dyngraph"}
+    assert not [s for s in receiver.spans if s.pid == pid and s.trace_id != trace_id]  # ratio 0
+    http = _one(spans, "POST /v1/chat/completions", parent_id=parent)
+    assert http.kind == SERVER and http.attributes["http.response.status_code"] == 200
+    (pre,) = _children(spans, http, "preprocess")
+    assert pre.attributes["llm.prompt_tokens"] > 0
+    (generate,) = _children(spans, http, "generate")
+    assert "first_token" in generate.events and generate.attributes["llm.completion_tokens"] == 4
+    assert generate.attributes["llm.prompt_tokens"] == pre.attributes["llm.prompt_tokens"]

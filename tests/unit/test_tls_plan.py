@@ -153,8 +153,9 @@ def test_auto_is_on_across_hosts_and_gives_every_process_paths(tmp_path: Path) -
         "etcd": ["10.0.0.1", "etcd"],
         "nats": ["10.0.0.1", "nats"],
         "frontend-0": ["10.0.0.1"],
-        "w-0": ["10.0.0.1"],
-        "w-1": ["10.0.0.2"],
+        "w-0": ["10.0.0.1", "metrics"],  # it serves /metrics, which Prometheus checks by that name
+        "w-1": ["10.0.0.2", "metrics"],
+        "scraper": [],
     }
     procs = {p.name: p for p in plan.processes}
     remote = procs["w-1"]
@@ -167,6 +168,7 @@ def test_auto_is_on_across_hosts_and_gives_every_process_paths(tmp_path: Path) -
         == f"{folder}/ca.crt"
     )
     assert remote.env["DYN_ZMQ_CURVE_KEY_FILE"] == f"{folder}/curve.key"
+    assert remote.env["DYN_TLS_METRICS_CA_FILE"] == f"{folder}/scrape-ca.crt"  # its /metrics' clients
     assert remote.env["ETCD_ENDPOINTS"].startswith("https://10.0.0.1:")
     assert remote.env["NATS_SERVER"].startswith("tls://10.0.0.1:")
     assert (remote.env["ETCD_AUTH_SERVER_NAME"], remote.env["NATS_TLS_SERVER_NAME"]) == ("etcd", "nats")
@@ -183,7 +185,7 @@ def test_auto_is_on_across_hosts_and_gives_every_process_paths(tmp_path: Path) -
 def test_one_host_auto_is_off_required_is_on_off_is_off(tmp_path: Path) -> None:
     assert _build(tmp_path, ONE_HOST).plan.tls is None
     plan = _build(tmp_path, ONE_HOST, "+security.tls=required").plan
-    assert plan.tls is not None and set(plan.tls.names) == {"frontend-0", "w-0"}
+    assert plan.tls is not None and set(plan.tls.names) == {"frontend-0", "w-0", "scraper"}
     assert _build(tmp_path, MULTI_HOST, "+security.tls=off").plan.tls is None
 
 
@@ -267,15 +269,45 @@ def test_ip_sans_are_addresses(tmp_path: Path) -> None:
     assert os.stat(tmp_path / "x.key").st_mode & 0o077 == 0
 
 
-def test_with_tls_on_workers_serve_plain_metrics_only_where_the_graph_asks(tmp_path: Path) -> None:
+def test_with_tls_on_metrics_are_https_for_the_scraper_certificate(tmp_path: Path) -> None:
     def metrics_ports(plan) -> list[str]:  # type: ignore[no-untyped-def]
         return [name for p in plan.processes for name in p.ports if name.endswith(".metrics")]
 
     assert metrics_ports(_build(tmp_path, ONE_HOST).plan) == ["w-0.metrics"]  # TLS off: the default
-    assert metrics_ports(_build(tmp_path, MULTI_HOST).plan) == []  # TLS on across hosts: none
-    asked = _build(tmp_path, MULTI_HOST, "components.w.metrics_port=auto").plan
-    assert metrics_ports(asked) == ["w-0.metrics", "w-1.metrics"]
-    for override in ("components.w.metrics_port=9300", "+supervisor.metrics_port=9400"):
-        with pytest.raises(GraphError) as err:
-            _build(tmp_path, ONE_HOST, "+security.tls=required", override)
-        assert "allows no plaintext listener" in str(err.value), override
+    assert metrics_ports(_build(tmp_path, MULTI_HOST).plan) == ["w-0.metrics", "w-1.metrics"]  # TLS on too
+    built = _build(
+        tmp_path,
+        ONE_HOST,
+        "+security.tls=required",
+        "components.w.metrics_port=9300",
+        "+supervisor.metrics_port=9400",
+    )
+    plan = built.plan
+    assert plan.tls is not None
+    assert plan.tls.names["supervisor"] == ["127.0.0.1", "metrics"] and plan.tls.names["scraper"] == []
+    folder = plan.tls.dir
+    tls.issue_all(folder, plan.graph, plan.tls.names)
+    scraper = x509.load_pem_x509_certificate(Path(folder, "scraper.crt").read_bytes())
+    usages = scraper.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {u.dotted_string for u in usages} == {"1.3.6.1.5.5.7.3.2"}  # a client's only
+    # ... of its own CA, which only /metrics listeners trust (the graph's CA did not sign it).
+    scrape_ca = x509.load_pem_x509_certificate(Path(folder, "scrape-ca.crt").read_bytes())
+    scraper.verify_directly_issued_by(scrape_ca)
+    graph_ca = x509.load_pem_x509_certificate(Path(folder, "ca.crt").read_bytes())
+    assert scraper.issuer != graph_ca.subject and scrape_ca.public_key() != graph_ca.public_key()
+    worker = next(p for p in plan.processes if p.name == "w-0")
+    assert worker.env["DYN_TLS_METRICS_CA_FILE"] == f"{folder}/scrape-ca.crt"
+    assert stat.S_IMODE(Path(folder, "scrape-ca.key").stat().st_mode) == 0o600
+    out = render(built.graph, plan, "prometheus")
+    assert "PRIVATE KEY" not in out and "CERTIFICATE-----" not in out
+    jobs = {job["job_name"]: job for job in yaml.safe_load(out)["scrape_configs"]}
+    want = {
+        "ca_file": f"{folder}/ca.crt",
+        "cert_file": f"{folder}/scraper.crt",
+        "key_file": f"{folder}/scraper.key",
+        "server_name": "metrics",
+    }
+    for name in ("one-w", "one-supervisor"):
+        assert jobs[name]["scheme"] == "https" and jobs[name]["tls_config"] == want, name
+    assert "scheme" not in jobs["one-frontend"]  # the OpenAI-facing port: plain HTTP, as the graph says
+    assert jobs["one-w"]["static_configs"][0]["targets"] == ["127.0.0.1:9300"]

@@ -19,9 +19,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from dynamo_graph.graph.compile import compile_graph
 from dynamo_graph.graph.errors import GraphError
 from dynamo_graph.graph.validate import validate_graph
+from dynamo_graph.options import given_fields
+from dynamo_graph.process.run_config import RunConfigError, parse_run_config
 from dynamo_graph.router.migration import Migration
 from dynamo_graph.runtime import tracing
 from dynamo_graph.runtime.context import Context
+from dynamo_graph.runtime.settings import TracingSettings
 from dynamo_graph.runtime.transport.base import StreamBroken
 from tests.support.scripted_router import Attempt, FakeRouter
 from tests.support.scripted_router import scripted_request as _request
@@ -212,6 +215,32 @@ def test_a_graph_sets_tracing_for_every_process(tmp_path: Path) -> None:
 def test_a_bad_observability_section_names_its_key(observability: dict, key: str) -> None:
     with pytest.raises(GraphError, match=key):
         validate_graph(_graph(observability), None, file="graph.yaml")
+
+
+def test_run_flags_write_the_sdk_variables_the_graph_section_does() -> None:
+    """`dyngraph run --otlp-endpoint --trace-sample-ratio`: the graph's `observability` fields
+    (one declaration); a flag not given leaves the environment's variable in charge."""
+    cfg = parse_run_config(
+        ["in=http", "out=echo", "--otlp-endpoint", "http://c:4318", "--trace-sample-ratio", "0.25"]
+    )
+    given = given_fields(TracingSettings, cfg.explicit)
+    assert cfg.tracing.otel_env(given) == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+    }
+    only = parse_run_config(["in=http", "out=echo", "--trace-sample-ratio", "0.5"])
+    assert only.tracing.otel_env(given_fields(TracingSettings, only.explicit)) == {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.5",
+    }
+    plain = parse_run_config(["in=http", "out=echo"])
+    assert plain.tracing.otel_env(given_fields(TracingSettings, plain.explicit)) == {}
+    with pytest.raises(RunConfigError, match="--otlp-endpoint: expected an http"):
+        parse_run_config(["in=http", "out=echo", "--otlp-endpoint", "collector:4318"])
+    with pytest.raises(RunConfigError, match="--trace-sample-ratio"):
+        parse_run_config(["in=http", "out=echo", "--trace-sample-ratio", "2"])
 
 
 async def test_a_migration_is_an_event_on_the_request_span(spans: InMemorySpanExporter) -> None:

@@ -1,15 +1,20 @@
-"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm/load.py), without vLLM: the stats are
-vLLM's `SchedulerStats` fields as plain attributes (the real thing runs in test_vllm_engine.py)."""
+"""vLLM's scheduler stats -> our LoadMetrics (engines/vllm/load.py), and which Prometheus logger the
+adapter gives vLLM, without vLLM: the stats are vLLM's `SchedulerStats` fields as plain attributes
+(the real thing runs in test_vllm_engine.py)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from dynamo_graph.engines.vllm import load as vllm_load
+from dynamo_graph.engines.vllm.engine import VllmEngine
 from dynamo_graph.engines.vllm.load import LoadReporter, stat_logger
+from dynamo_graph.llm.model_source import resolve_model
+from dynamo_graph.process.run_config import parse_run_config
 from dynamo_graph.router.kv.protocols import LoadMetrics
 
 
@@ -66,3 +71,22 @@ def test_busy_snapshots_are_sent_at_most_every_interval(monkeypatch: pytest.Monk
     time.sleep(0.06)
     reporter.record(0, stats(0.5, 4, 1))
     assert [m.waiting for m in sink.loads] == [0, 4]
+
+
+def test_the_workers_metrics_port_decides_the_engines_prometheus_logger(tiny_model: Path) -> None:
+    """Only a worker serving /metrics gives vLLM its Prometheus logger (EngineSettings
+    .serves_metrics, from --metrics-port); elsewhere the stand-in records nothing."""
+    served = parse_run_config(["in=dyn://ns.backend.generate", "out=vllm", "--metrics-port", "0"])
+    assert served.engine.serves_metrics
+    for words in (["in=dyn://ns.backend.generate", "out=vllm"], ["in=http", "out=vllm"]):
+        assert not parse_run_config(words).engine.serves_metrics
+    assert VllmEngine.from_config(served.engine, resolve_model(str(tiny_model))).serves_metrics
+
+    class Prometheus:
+        def __init__(self, vllm_config: object, engine_indexes: object = None) -> None:
+            raise AssertionError("the real logger is not made")
+
+    quiet = vllm_load.quiet_prometheus(Prometheus)(SimpleNamespace(), [0])
+    assert isinstance(quiet, Prometheus)  # what keeps vLLM from adding its own
+    quiet.record(None, None, engine_idx=0)
+    quiet.log()

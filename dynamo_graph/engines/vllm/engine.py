@@ -53,7 +53,7 @@ from dynamo_graph.engines.vllm.args import (
 )
 from dynamo_graph.engines.vllm.disagg import connector_name
 from dynamo_graph.engines.vllm.kv_events import VllmKvEventBridge
-from dynamo_graph.engines.vllm.load import LoadReporter, stat_logger
+from dynamo_graph.engines.vllm.load import LoadReporter, quiet_prometheus, stat_logger
 from dynamo_graph.llm.openai import GUIDED_DECODING
 from dynamo_graph.runtime.context import Context
 
@@ -79,10 +79,15 @@ class VllmEngine(LibraryEngine):
     engine_name = "vllm"
     publishes_kv_events = True
 
-    def __init__(self, engine_args: Mapping[str, Any], *, base_gpu_id: int = 0) -> None:
+    def __init__(
+        self, engine_args: Mapping[str, Any], *, base_gpu_id: int = 0, serves_metrics: bool = False
+    ) -> None:
         super().__init__()
         self.engine_args = dict(engine_args)
         self.base_gpu_id = base_gpu_id
+        # vLLM's Prometheus stat logger only where the worker serves /metrics (engine.py `_start`,
+        # load.py `quiet_prometheus`): it records every step into series nobody else reads.
+        self.serves_metrics = serves_metrics
         # vLLM's KV connector (kv_transfer_config.kv_connector): only with one can it run as a
         # prefill or decode worker.
         self.connector = connector_name(self.engine_args.get("kv_transfer_config"))
@@ -106,7 +111,11 @@ class VllmEngine(LibraryEngine):
 
     @classmethod
     def from_config(cls, cfg: EngineSettings, model: LocalModel | None) -> VllmEngine:
-        return cls(engine_args_from_settings(cfg, model), base_gpu_id=cfg.base_gpu_id)
+        return cls(
+            engine_args_from_settings(cfg, model),
+            base_gpu_id=cfg.base_gpu_id,
+            serves_metrics=cfg.serves_metrics,
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -191,11 +200,15 @@ class VllmEngine(LibraryEngine):
             args = self._vllm["AsyncEngineArgs"](**kwargs)
             # Blocking for seconds (config, EngineCore process, weights): off the event loop.
             # vLLM's own `vllm:` series, as `vllm serve` has them (the worker's /metrics serves
-            # them: metrics_collectors), without its periodic log lines.
-            loggers = [self._vllm["PrometheusStatLogger"]]
+            # them: metrics_collectors), without its periodic log lines; none where nothing
+            # serves them.
+            prometheus = self._vllm["PrometheusStatLogger"]
+            loggers = [prometheus] if self.serves_metrics else []
             if self.kv_event_sink is not None:  # the worker's load on the event plane (load.py)
                 self._load = LoadReporter(self.kv_event_sink, worker_id)
                 loggers.append(stat_logger(self._load, self._vllm["StatLoggerBase"]))
+                if not self.serves_metrics:  # else vLLM adds its real one to ours
+                    loggers.append(quiet_prometheus(prometheus))
             self._llm = await asyncio.to_thread(
                 functools.partial(self._vllm["AsyncLLM"].from_engine_args, args, stat_loggers=loggers)
             )

@@ -6,8 +6,10 @@ mocker publishes its load after its passes; this does the same for vLLM, so that
 sees what the engine really holds.
 
 How: `AsyncLLM(stat_loggers=[...])` with a per-engine `StatLoggerBase` of ours (a custom logger
-turns vLLM's stats on without its default logging loggers; its Prometheus logger stays, as in
-vLLM's own server). vLLM calls `record()` on the event loop after each engine step with that
+turns vLLM's stats on without its default logging loggers). vLLM adds its Prometheus logger to
+any custom ones unless one of them is a `PrometheusStatLogger`: where the worker serves
+`/metrics` the adapter gives it the real one, elsewhere `quiet_prometheus`, which records nothing.
+vLLM calls `record()` on the event loop after each engine step with that
 DP rank's `SchedulerStats`, which become `LoadMetrics`:
 
 | LoadMetrics | from |
@@ -113,3 +115,32 @@ def stat_logger(reporter: LoadReporter, base: type) -> Callable[[Any, int], Any]
             pass
 
     return LoadStatLogger
+
+
+def quiet_prometheus(base: type) -> type:
+    """A stand-in for vLLM's `PrometheusStatLogger` (`base`) that records nothing: vLLM's
+    StatLoggerManager adds the real one to custom loggers unless one of them is a
+    `PrometheusStatLogger` (vLLM 0.32), so a worker that publishes its load but serves no
+    /metrics would otherwise pay for series nobody reads, every step
+    (benchmarks/bench_vllm_stat_logger.py)."""
+
+    class QuietPrometheus(base):  # type: ignore[misc, valid-type]
+        def __init__(self, vllm_config: Any, engine_indexes: Any = None) -> None:
+            pass  # none of the real one's series: they would register in the process's registry
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return QuietPrometheus

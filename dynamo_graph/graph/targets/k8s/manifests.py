@@ -65,8 +65,15 @@ RENDEZVOUS_PORT = 29500
 """Where a multi-node replica's leader pod waits for its other ranks (torch.distributed's port)."""
 FILES_DIR = "/etc/dyngraph"
 TLS_DIR = "/etc/dyngraph-tls"  # the `<graph>-tls` Secret's mount
-# A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate).
-_TLS_KEYS = {"ca.crt": "ca.crt", "curve.key": "curve.key", ".crt": "tls.crt", ".key": "tls.key"}
+# A file of the plan's TLS folder -> its key in the Secret (every pod shares one certificate; the
+# Secret has no scraper CA, so a pod's /metrics trusts the graph's CA for its clients).
+_TLS_KEYS = {
+    "ca.crt": "ca.crt",
+    "scrape-ca.crt": "ca.crt",
+    "curve.key": "curve.key",
+    ".crt": "tls.crt",
+    ".key": "tls.key",
+}
 KEYS_DIR = "/etc/dyngraph-keys"  # a frontend's keys file, from the graph's Secret
 PROBE_PERIOD_S = 5
 # Set per pod from the graph's planes and the pod's own address, never copied from the plan.

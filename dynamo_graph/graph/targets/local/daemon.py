@@ -24,7 +24,7 @@ from dynamo_graph.graph.targets.local import control, registry
 from dynamo_graph.graph.targets.local.planner import Autoscaler, SupervisorPools
 from dynamo_graph.graph.targets.local.revisions import origin_of
 from dynamo_graph.graph.targets.local.state import StateDir
-from dynamo_graph.graph.targets.local.sup_metrics import metrics_server
+from dynamo_graph.graph.targets.local.sup_metrics import follow, metrics_server
 from dynamo_graph.graph.targets.local.supervisor import Refused, Report, Supervisor
 
 # Runtime data of the previous run of the graph (file discovery, managed etcd / nats storage):
@@ -61,7 +61,7 @@ async def supervise(
         except Refused as refused:
             return control.Reply(ok=False, error=str(refused))
         report("dyngraph", f"revision {revision}: " + (", ".join(changes) or "no changes"))
-        await metrics.follow(req.plan.supervisor_metrics)
+        await follow(metrics, req.plan)
         return control.Reply(ok=True, changes=changes, revision=revision)
 
     server = await control.serve(state.control_socket, handle)
@@ -73,7 +73,7 @@ async def supervise(
     try:
         if plan is not None:
             await sup.apply(plan, origin_of(plan.graph_file, command))
-            await metrics.follow(plan.supervisor_metrics)
+            await follow(metrics, plan)
         if alongside is not None:
             extra = asyncio.ensure_future(alongside(sup))
             extra.add_done_callback(lambda _: shutdown.set())

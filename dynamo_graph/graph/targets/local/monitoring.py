@@ -2,7 +2,7 @@
 
 The metrics endpoints of a graph on this machine and its ssh hosts are its frontends' /metrics
 (one per frontend component: its replicas share a port and answer /metrics for all of them,
-frontend/group.py), every worker replica's own /metrics (`metrics_port`, on by default unless TLS is: its
+frontend/group.py), every worker replica's own /metrics (`metrics_port`, on by default: its
 requests and its engine's series, backend/metrics.py), and the supervisor's. With kv routing
 the frontends' /metrics also carry each worker rank's last load report (frontend/router_metrics.py).
 
@@ -13,7 +13,9 @@ revisions, autoscaling: sup_metrics.py) when the graph sets `supervisor.metrics_
 that is `auto` is taken from the running graph's ports.json (render after `up`), else it is a
 problem naming the key (a worker's is left out, with a comment saying so). Replicas an
 autoscaled pool keeps in standby are not scraped (they are not running until the planner
-starts them).
+starts them). With TLS on, the workers' and the supervisor's jobs scrape over HTTPS with the
+graph's scraper certificate (graph/tls.py): the configuration names the files, never their
+contents.
 
 `grafana` is one dashboard: per model request rate, errors, TTFT and ITL percentiles, output
 tokens/s and requests in flight; with kv routing, per worker rank KV use, running and waiting
@@ -40,6 +42,7 @@ import yaml
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
+from dynamo_graph.graph.tls import METRICS_NAME, SCRAPER, ca_file, cert_files
 
 SCRAPE_INTERVAL = "5s"
 RATE_WINDOW = "1m"
@@ -122,12 +125,29 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
         raise GraphError(problems)
     unallocated = list(dict.fromkeys(w.component for w in workers if w.address is None))
     jobs = []
+    tls: dict[str, Any] = {}  # how the graph's own listeners (not the frontends') are scraped
+    if plan.tls is not None:
+        cert, key = cert_files(plan.tls.dir, SCRAPER)
+        tls = {
+            "scheme": "https",
+            "tls_config": {
+                "ca_file": ca_file(plan.tls.dir),
+                "cert_file": cert,
+                "key_file": key,
+                "server_name": METRICS_NAME,
+            },
+        }
 
-    def job(component: str, targets: list[tuple[str | None, dict[str, str]]]) -> None:
+    def job(component: str, targets: list[tuple[str | None, dict[str, str]]], **more: Any) -> None:
         labels = {"graph": plan.graph, "component": component}
-        configs = [{"targets": [target], "labels": {**labels, **more}} for target, more in targets]
+        configs = [{"targets": [target], "labels": {**labels, **extra}} for target, extra in targets]
         jobs.append(
-            {"job_name": f"{plan.graph}-{component}", "metrics_path": "/metrics", "static_configs": configs}
+            {
+                "job_name": f"{plan.graph}-{component}",
+                "metrics_path": "/metrics",
+                **more,
+                "static_configs": configs,
+            }
         )
 
     for e in endpoints:
@@ -137,16 +157,21 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
         if w.address is not None:
             by_component.setdefault(w.component, []).append(w)
     for component, replicas in by_component.items():
-        job(component, [(w.address, {"host": w.host, "process": w.process}) for w in replicas])
+        job(component, [(w.address, {"host": w.host, "process": w.process}) for w in replicas], **tls)
     if plan.supervisor_metrics is not None:
         host, port = plan.supervisor_metrics
-        job("supervisor", [(f"{host}:{port}", {"host": "local"})])
+        job("supervisor", [(f"{host}:{port}", {"host": "local"})], **tls)
     config = {"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": jobs}
     head = (
         f"# Prometheus scrape configuration of graph {plan.graph!r} ({plan.graph_file}), by `dyngraph render "
         "-f prometheus`.\n# Frontends on an ssh host must listen where Prometheus can reach them "
         "(http.host), not on 127.0.0.1; workers listen on their host's address.\n"
     )
+    if plan.tls is not None:
+        head += (
+            "# TLS is on: workers and the supervisor are scraped over HTTPS with the graph's scraper "
+            "certificate,\n# files on the machine that ran `up` (copy them where Prometheus runs).\n"
+        )
     if unallocated:
         head += (
             f"# Not scraped: the workers of {', '.join(unallocated)}, whose metrics_port is `auto`: "

@@ -16,6 +16,7 @@ server is asyncio's, so nothing is shared with another thread):
   the pool wants more than fits) and `dyngraph_autoscale_changes_total{pool, direction}`.
 
 `render -f prometheus` scrapes it as the job `<graph>-supervisor`, which adds the `graph` label.
+With TLS on it is HTTPS with the supervisor's certificate, and wants the scraper's (graph/tls.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.targets.local.planner import Autoscaler
 from dynamo_graph.graph.targets.local.supervisor import Supervisor
+from dynamo_graph.graph.tls import SCRAPE_CA, SUPERVISOR, ca_file, cert_files
 from dynamo_graph.runtime.metrics_http import MetricsServer
+from dynamo_graph.runtime.tls import TlsFiles
 
 
 class SupervisorCollector(Collector):
@@ -123,3 +127,11 @@ def metrics_server(sup: Supervisor, autoscaler: Autoscaler) -> MetricsServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SupervisorCollector(sup, autoscaler))
     return MetricsServer(registry, "supervisor metrics")
+
+
+async def follow(server: MetricsServer, plan: Plan) -> None:
+    """Serve where `plan` says, over TLS for the scraper's certificate when the graph has TLS on."""
+    tls = None
+    if plan.tls is not None and SUPERVISOR in plan.tls.names:
+        tls = TlsFiles(ca_file(plan.tls.dir, SCRAPE_CA), *cert_files(plan.tls.dir, SUPERVISOR))
+    await server.follow(plan.supervisor_metrics, tls)
