@@ -556,14 +556,13 @@ class OpenAIHandler:
                         if interval is None:
                             body = writer.delta(delta)
                         else:
-                            body = b"".join(
-                                writer.delta(d) for d in interval.take(delta, prepared.completion_tokens)
-                            )
+                            due = interval.take(delta, prepared.completion_tokens)
+                            body = b"".join([writer.delta(d) for d in due]) if due else b""
                         if body:
                             await send({"type": "http.response.body", "body": body, "more_body": True})
                     if delta.finish_reason is not None:
                         if interval is not None:
-                            held = b"".join(writer.delta(d) for d in interval.rest())
+                            held = b"".join([writer.delta(d) for d in interval.rest()])
                             if held:
                                 await send({"type": "http.response.body", "body": held, "more_body": True})
                         tail = writer.finish(delta.finish_reason)

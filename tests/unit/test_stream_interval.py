@@ -29,26 +29,30 @@ def test_tokens_counted_from_the_pipeline_when_a_delta_holds_several() -> None:
     assert [d.text for d in interval.take(Delta("def"), 6)] == ["bcdef"]
 
 
-def test_another_kind_sends_what_is_held_first() -> None:
+def test_runs_of_one_kind_merge_in_order_and_tool_calls_stay_whole() -> None:
     interval = StreamInterval(10)
     interval.take(Delta("", reasoning="r0"), 1)
-    assert interval.take(Delta("", reasoning="r1"), 2) == []
     call = ToolCallDelta(index=0, arguments="{}")
-    out = interval.take(Delta("", tool_call=call), 3)
-    assert [(d.reasoning, d.tool_call) for d in out] == [("r1", None)]
-    out = interval.take(Delta("x"), 4)
-    assert [d.tool_call for d in out] == [call]
-    assert [d.text for d in interval.rest()] == ["x"]
+    for n, delta in enumerate([Delta("", reasoning="r1"), Delta("", reasoning="r2"), Delta("a")], 2):
+        assert interval.take(delta, n) == []
+    assert interval.take(Delta("", tool_call=call), 5) == []
+    assert interval.take(Delta("", tool_call=call), 6) == []
+    assert interval.take(Delta("b"), 7) == []
+    out = interval.rest()
+    assert [(d.text, d.reasoning, d.tool_call) for d in out] == [
+        ("", "r1r2", None),
+        ("a", "", None),
+        ("", "", call),
+        ("", "", call),
+        ("b", "", None),
+    ]
 
 
 def test_merging_keeps_logprobs_and_token_ids() -> None:
     first = TokenLogprob(token="a", logprob=-0.1, top=[])
     second = TokenLogprob(token="b", logprob=-0.2, top=[])
-    joined = merged(Delta("a", logprobs=[first]), Delta("b", logprobs=[second]))
-    assert joined is not None and (joined.text, joined.logprobs) == ("ab", [first, second])
-    assert merged(Delta("a"), Delta("", reasoning="r")) is None
-    tokens = merged(
-        TokenDelta([1], log_probs=[-0.1]), TokenDelta([2, 3], log_probs=[-0.2, -0.3], stop_reason=7)
-    )
-    assert tokens is not None
+    (joined,) = merged([Delta("a", logprobs=[first]), Delta("b"), Delta("c", logprobs=[second])])
+    assert (joined.text, joined.logprobs) == ("abc", [first, second])
+    later = TokenDelta([2, 3], log_probs=[-0.2, -0.3], stop_reason=7)
+    (tokens,) = merged([TokenDelta([1], log_probs=[-0.1]), later])
     assert (tokens.token_ids, tokens.log_probs, tokens.stop_reason) == ([1, 2, 3], [-0.1, -0.2, -0.3], 7)
