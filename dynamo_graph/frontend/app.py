@@ -170,10 +170,12 @@ class FrontendApp:
         tenants: Tenants | None = None,
         lora: AdapterAdmin | None = None,
         recorder: Recorder | None = None,
+        stream_interval: int = 1,
     ) -> None:
         """`tenants`: the keys file's (frontend/tenants.py), beside `api_keys`; `lora`: serve
         the LoRA adapter routes (frontend/lora.py) through it; `recorder`: record the requests
-        served (frontend/record.py)."""
+        served (frontend/record.py); `stream_interval`: tokens per streamed event after the
+        first (frontend/interval.py)."""
         if limits is None:
             limits = FrontendLimits(body_limit=body_limit_from_env() if body_limit is None else body_limit)
         self.models = models
@@ -190,7 +192,9 @@ class FrontendApp:
         self._api: FastAPI | None = None
         self._api_building: asyncio.Future[FastAPI] | None = None
         self.routes = {
-            route.path: route.handler(models, self.metrics, limits, self.admission, recorder)
+            route.path: route.handler(
+                models, self.metrics, limits, self.admission, recorder, stream_interval=stream_interval
+            )
             for surface in SURFACES
             for route in surface.routes
         }

@@ -34,6 +34,7 @@ from dynamo_graph.frontend.errors import (
     post_only,
     strict_decoder,
 )
+from dynamo_graph.frontend.interval import StreamInterval
 from dynamo_graph.frontend.limits import RETRY_AFTER_S, Admission, FrontendLimits
 from dynamo_graph.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamo_graph.frontend.models import ModelRegistry
@@ -193,8 +194,11 @@ class OpenAIHandler:
         limits: FrontendLimits,
         admission: Admission,
         recorder: Recorder | None = None,
+        stream_interval: int = 1,
     ) -> None:
-        """`recorder`: where the requests served are recorded as a trace (frontend/record.py)."""
+        """`recorder`: where the requests served are recorded as a trace (frontend/record.py);
+        `stream_interval`: tokens per streamed event after the first (frontend/interval.py)."""
+        self.stream_interval = stream_interval
         self.models = models
         self.recorder = recorder
         self.metrics = metrics
@@ -530,6 +534,7 @@ class OpenAIHandler:
         first_content = True
         last = start
         itl = metrics.itl
+        interval = StreamInterval(self.stream_interval) if self.stream_interval > 1 else None
         deltas = pipeline.stream(prepared, context)
         try:
             async with asyncio.timeout_at(deadline):
@@ -548,10 +553,18 @@ class OpenAIHandler:
                         else:
                             itl.observe(now - last)
                         last = now
-                        body = writer.delta(delta)
+                        if interval is None:
+                            body = writer.delta(delta)
+                        else:
+                            due = interval.take(delta, prepared.completion_tokens)
+                            body = b"".join([writer.delta(d) for d in due]) if due else b""
                         if body:
                             await send({"type": "http.response.body", "body": body, "more_body": True})
                     if delta.finish_reason is not None:
+                        if interval is not None:
+                            held = b"".join([writer.delta(d) for d in interval.rest()])
+                            if held:
+                                await send({"type": "http.response.body", "body": held, "more_body": True})
                         tail = writer.finish(delta.finish_reason)
                         await send({"type": "http.response.body", "body": tail, "more_body": False})
                         return True

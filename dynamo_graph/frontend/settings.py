@@ -29,6 +29,11 @@ class HttpSettings:
     same KV events and load reports, restarted if one dies (vLLM's `--api-server-count`, uvicorn's
     `--workers`; a graph's frontend says `replicas`). Needs a fixed port and workers it
     discovers (out=auto or dyn://); see docs/frontend-scaling.md."""
+    stream_interval: int = setting(1, flag="--stream-interval", ge=1, le=4096)
+    """Tokens per streamed SSE event after the first, as vLLM's and SGLang's flag: the first
+    token goes out at once, then an event every N tokens; the last tokens, the finish reason and
+    usage go out together. 1 sends every token as its own event; more saves CPU in the frontend
+    and the client for burstier streams (docs/frontend-scaling.md)."""
     api_key: str | None = setting(None, flag="--api-key", in_graph=False)
     """Require this key (a comma list for several) on /v1 routes; DYN_API_KEY keeps it out of
     `ps`, DYN_API_KEY_ENV names variables that hold keys."""

@@ -163,7 +163,13 @@ def frontend_app(cfg: RunConfig, registry: ModelRegistry, lora: AdapterAdmin | N
         except KeysFileError as err:
             raise RunConfigError(str(err)) from None
     return FrontendApp(
-        registry, limits=limits, api_keys=keys, tenants=tenants, lora=lora, recorder=Recorder.open(cfg.record)
+        registry,
+        limits=limits,
+        api_keys=keys,
+        tenants=tenants,
+        lora=lora,
+        recorder=Recorder.open(cfg.record),
+        stream_interval=cfg.http.stream_interval,
     )
 
 
