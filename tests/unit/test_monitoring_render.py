@@ -34,10 +34,10 @@ components:
 """
 
 
-def _built(tmp_path: Path, port: str = "18555", router: str = "{mode: round-robin}"):  # type: ignore[no-untyped-def]
+def _built(tmp_path: Path, port: str = "18555", router: str = "{mode: round-robin}", engine: str = "mocker"):  # type: ignore[no-untyped-def]
     (tmp_path / "model").mkdir(exist_ok=True)
     path = tmp_path / "graph.yaml"
-    path.write_text(GRAPH.format(port=port, router=router))
+    path.write_text(GRAPH.format(port=port, router=router).replace("engine: mocker", f"engine: {engine}"))
     return build(path)
 
 
@@ -62,8 +62,8 @@ def test_an_auto_port_comes_from_the_running_graph_or_is_a_problem(tmp_path: Pat
     assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:40123"]
 
 
-def _exprs(tmp_path: Path, router: str) -> dict[str, str]:
-    built = _built(tmp_path, router=router)
+def _exprs(tmp_path: Path, router: str, engine: str = "mocker") -> dict[str, str]:
+    built = _built(tmp_path, router=router, engine=engine)
     panels = json.loads(render(built.graph, built.plan, "grafana"))["panels"]
     return {p["title"]: p["targets"][0]["expr"] for p in panels}
 
@@ -77,6 +77,15 @@ def test_dashboard_panels_follow_the_router(tmp_path: Path):
     assert "Router queue" not in kv
     queued = _exprs(tmp_path, "{mode: kv, queue_threshold: 0.5}")
     assert "dynamo_frontend_router_queue_depth" in queued["Router queue"]
+
+
+def test_the_ranks_load_is_charted_only_for_engines_that_report_it(tmp_path: Path):
+    reported = ("KV cache use per worker", "Running requests per worker", "Waiting requests per worker")
+    llamacpp = _exprs(tmp_path, "{mode: kv, use_kv_events: false}", "llamacpp")
+    assert "Routed requests/s per model" in llamacpp and not set(reported) & set(llamacpp)
+    assert "dyngraph_llamacpp_requests" in llamacpp["llama.cpp requests"]
+    vllm = _exprs(tmp_path, "{mode: kv}", "vllm")
+    assert set(reported) <= set(vllm)
 
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"

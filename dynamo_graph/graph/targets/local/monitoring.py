@@ -19,13 +19,13 @@ contents.
 
 `grafana` is one dashboard: per model request rate, errors, TTFT and ITL percentiles, output
 tokens/s and requests in flight; with kv routing, per worker rank KV use, running and waiting
-requests and routed requests, and the router's queue when the graph has one; per worker
-requests in flight and ended, and its engine's own series (mocker, vLLM, llama.cpp) for the
-engines the graph's workers run; and whether every target is up. Every expression names only
-series the graph's processes export whatever the traffic (a ratio or an error rate is `or`
-zero), so each returns data once Prometheus has scraped (tests/system/test_observability.py
-checks it; the vLLM and llama.cpp panels name the series of those adapters, which that test
-does not run).
+requests (those only where a worker's engine reports its load: registry.py `load_reports`)
+and routed requests, and the router's queue when the graph has one; per worker requests in
+flight and ended, and its engine's own series (mocker, vLLM, llama.cpp) for the engines the
+graph's workers run; and whether every target is up. Every expression names only series the
+graph's processes export whatever the traffic (a ratio or an error rate is `or` zero), so each
+returns data once Prometheus has scraped (tests/system/test_observability.py checks it for the
+mocker, test_observability_llamacpp.py for llama.cpp, test_vllm_observability.py for vLLM).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from dynamo_graph.engines.registry import ENGINES
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
@@ -47,6 +48,8 @@ from dynamo_graph.graph.tls import METRICS_NAME, SCRAPER, ca_file, cert_files
 SCRAPE_INTERVAL = "5s"
 RATE_WINDOW = "1m"
 FRONTEND = "dynamo_frontend"
+# Engines whose ranks report their load to the kv router (the `reported_*` gauges).
+LOAD_REPORTING = {name for name, spec in ENGINES.items() if spec.load_reports}
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
 
@@ -213,29 +216,32 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
     if any(r.mode == "kv" for r in routers):
         router = f"{FRONTEND}_router"
         by = "by (model, worker_id, dp_rank)"
-        queries += [
-            (
-                "KV cache use per worker",
-                "percentunit",
-                f"max {by} ({router}_reported_active_blocks{{{sel}}}) "
-                f"/ max {by} ({router}_kv_capacity_blocks{{{sel}}})",
-            ),
-            (
-                "Running requests per worker",
-                "short",
-                f"max {by} ({router}_reported_running_requests{{{sel}}})",
-            ),
-            (
-                "Waiting requests per worker",
-                "short",
-                f"max {by} ({router}_reported_waiting_requests{{{sel}}})",
-            ),
+        queries.append(
             (
                 "Routed requests/s per model",
                 "reqps",
                 f"sum by (model) (rate({router}_routed_requests_total{{{sel}}}[{w}]))",
-            ),
-        ]
+            )
+        )
+        if any(w.engine in LOAD_REPORTING for w in graph.workers().values()):  # their reports
+            queries += [
+                (
+                    "KV cache use per worker",
+                    "percentunit",
+                    f"max {by} ({router}_reported_active_blocks{{{sel}}}) "
+                    f"/ max {by} ({router}_kv_capacity_blocks{{{sel}}})",
+                ),
+                (
+                    "Running requests per worker",
+                    "short",
+                    f"max {by} ({router}_reported_running_requests{{{sel}}})",
+                ),
+                (
+                    "Waiting requests per worker",
+                    "short",
+                    f"max {by} ({router}_reported_waiting_requests{{{sel}}})",
+                ),
+            ]
         if any(r.mode == "kv" and r.queue_threshold is not None for r in routers):
             queries.append(("Router queue", "short", f"sum by (model) ({router}_queue_depth{{{sel}}})"))
     queries += _worker_queries(graph, sel)
@@ -309,9 +315,20 @@ def _worker_queries(graph: Graph, sel: str) -> list[tuple[str, str, str]]:
         queries += [
             ("llama.cpp requests", "short", f"sum {by} (dyngraph_llamacpp_requests{{{sel}}})"),
             (
+                "llama.cpp sequence slots in use",
+                "percentunit",
+                f"sum {by} (dyngraph_llamacpp_requests{{{sel}}}) "
+                f"/ sum {by} (dyngraph_llamacpp_max_sequences{{{sel}}})",
+            ),
+            (
                 "llama.cpp prompt tokens evaluated/s",
                 "short",
                 f"sum {by} (rate(dyngraph_llamacpp_prompt_tokens_evaluated_total{{{sel}}}[{w}]))",
+            ),
+            (
+                "llama.cpp decode steps/s",
+                "short",
+                f"sum {by} (rate(dyngraph_llamacpp_decode_steps_total{{{sel}}}[{w}]))",
             ),
         ]
     return queries
