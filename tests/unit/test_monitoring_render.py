@@ -229,3 +229,23 @@ def test_worker_panels_follow_the_engines_the_graph_runs(tmp_path: Path):
     assert "vllm:kv_cache_usage_perc" in vllm["vLLM KV cache use"]
     off = titles("null", "mocker")
     assert not any(t.startswith(("Worker", "Mocker")) for t in off)
+
+
+def test_a_frontend_over_https_is_scraped_over_https_verified_with_the_graphs_ca(tmp_path: Path):
+    files = "cert_file: certs/api.crt, key_file: certs/api.key"
+    anchored = _built(tmp_path, port=f"18555, tls: {{{files}, ca_file: certs/ca.crt}}")
+    text = render(anchored.graph, anchored.plan, "prometheus")
+    (job,) = yaml.safe_load(text)["scrape_configs"]
+    assert job["scheme"] == "https"
+    assert job["tls_config"] == {"ca_file": str(tmp_path / "certs" / "ca.crt")}
+    assert "no ca_file" not in text
+    assert "ca.crt" not in " ".join(anchored.plan.processes[0].argv)  # the scraper's, not the server's
+    system = _built(tmp_path, port=f"18555, tls: {{{files}}}")
+    text = render(system.graph, system.plan, "prometheus")
+    (job,) = yaml.safe_load(text)["scrape_configs"]
+    assert job["scheme"] == "https" and "tls_config" not in job
+    assert "# frontend: HTTPS (http.tls) with no ca_file" in text
+    with pytest.raises(
+        GraphError, match=r"components\.frontend\.http\.tls\.ca_file: is the CA of `cert_file`"
+    ):
+        _built(tmp_path, port="18555, tls: {ca_file: certs/ca.crt}")

@@ -15,7 +15,8 @@ problem naming the key (a worker's is left out, with a comment saying so). Repli
 autoscaled pool keeps in standby are not scraped (they are not running until the planner
 starts them). With TLS on, the workers' and the supervisor's jobs scrape over HTTPS with the
 graph's scraper certificate (graph/tls.py): the configuration names the files, never their
-contents.
+contents. A frontend with `http.tls` is scraped over HTTPS, verified with its `ca_file` where
+the graph gives one (else against the trusted CAs of Prometheus's machine, which a comment says).
 
 `grafana` is one dashboard: per model request rate, errors, TTFT and ITL percentiles, output
 tokens/s and requests in flight; with kv routing, per worker rank KV use, running and waiting
@@ -40,6 +41,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from dynamo_graph.engines.registry import ENGINES
+from dynamo_graph.graph.compile import file_path
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
@@ -153,8 +155,15 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
             }
         )
 
+    https = {name: f.http.tls for name, f in graph.frontends().items() if f.http.tls is not None}
+    graph_dir = Path(plan.graph_file).parent
     for e in endpoints:
-        job(e.component, [(e.address, {"host": e.host})])
+        frontend: dict[str, Any] = {}
+        if (served := https.get(e.component)) is not None:
+            frontend["scheme"] = "https"
+            if served.ca_file is not None:
+                frontend["tls_config"] = {"ca_file": file_path(served.ca_file, graph_dir)}
+        job(e.component, [(e.address, {"host": e.host})], **frontend)
     by_component: dict[str, list[WorkerEndpoint]] = {}
     for w in workers:
         if w.address is not None:
@@ -174,6 +183,13 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
         head += (
             "# TLS is on: workers and the supervisor are scraped over HTTPS with the graph's scraper "
             "certificate,\n# files on the machine that ran `up` (copy them where Prometheus runs).\n"
+        )
+    unanchored = [name for name, served in https.items() if served.ca_file is None]
+    if unanchored:
+        head += (
+            f"# {', '.join(unanchored)}: HTTPS (http.tls) with no ca_file, so Prometheus checks the "
+            "certificate against its machine's\n# trusted CAs and the address scraped; give "
+            "http.tls.ca_file for one of a CA of your own.\n"
         )
     if unallocated:
         head += (
