@@ -43,8 +43,8 @@ class Graph:
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return run_cli([args[0], str(self.file), *args[1:]], timeout=timeout)
 
-    def up(self, *overrides: str) -> subprocess.CompletedProcess[str]:
-        return self.cli("up", "-d", *self.overrides, *overrides)
+    def up(self, *overrides: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return self.cli("up", "-d", *self.overrides, *overrides, timeout=timeout)
 
     def processes(self) -> dict[str, dict]:
         records = json.loads((self.state / "processes.json").read_text())
