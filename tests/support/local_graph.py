@@ -9,8 +9,11 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
 from openai import OpenAI
 
 from tests.support.processes import free_port, run_cli
@@ -65,6 +68,22 @@ class Graph:
             extra_body={"nvext": {"ignore_eos": True}},
         )
         return reply.choices[0].message.content or ""
+
+
+@contextmanager
+def running(text: str, folder: Path, tiny_model: Path, *, timeout: float = 60.0) -> Iterator[Graph]:
+    """A graph the test writes (YAML `text`, its model `tiny-model`), up in `folder` for the
+    with-block (`up` within `timeout` seconds), then down."""
+    source = folder / "source" / f"{yaml.safe_load(text)['name']}.yaml"
+    source.parent.mkdir()
+    source.write_text(text)
+    graph = Graph(source, folder, tiny_model)
+    try:
+        up = graph.up(timeout=timeout)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield graph
+    finally:
+        graph.cli("down", timeout=120)
 
 
 class Traffic:

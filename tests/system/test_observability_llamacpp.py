@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.local_graph import Graph, Traffic
+if os.environ.get("CI"):
+    import llama_cpp  # noqa: F401 - CI installs the llamacpp extra: a missing package must fail
+else:
+    pytest.importorskip("llama_cpp")
+
+from tests.support.local_graph import Graph, Traffic, running
 from tests.support.prometheus import (
     active_targets,
     dashboard_expressions,
@@ -20,11 +25,6 @@ from tests.support.prometheus import (
     scraping,
     wait_for_data,
 )
-
-if os.environ.get("CI"):
-    import llama_cpp  # noqa: F401 - CI installs the llamacpp extra: a missing package must fail
-else:
-    pytest.importorskip("llama_cpp")
 
 GRAPH = """
 name: llamacpp-kv
@@ -46,15 +46,8 @@ components:
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Graph]:
-    source = tmp_path_factory.mktemp("source") / "llamacpp-kv.yaml"
-    source.write_text(GRAPH)
-    graph = Graph(source, tmp_path_factory.mktemp("observe-llamacpp"), tiny_model)
-    try:
-        up = graph.up()
-        assert up.returncode == 0, up.stdout + up.stderr
+    with running(GRAPH, tmp_path_factory.mktemp("observe-llamacpp"), tiny_model) as graph:
         yield graph
-    finally:
-        graph.cli("down", timeout=90)
 
 
 @needs_prometheus

@@ -15,7 +15,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (run these in .venv-vllm: make test-vllm)", allow_module_level=True)
 
-from tests.support.local_graph import Graph, Traffic
+from tests.support.local_graph import Graph, Traffic, running
 from tests.support.prometheus import (
     active_targets,
     dashboard_expressions,
@@ -47,15 +47,8 @@ components:
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Graph]:
-    source = tmp_path_factory.mktemp("source") / "vllm-kv.yaml"
-    source.write_text(GRAPH)
-    graph = Graph(source, tmp_path_factory.mktemp("observe-vllm"), tiny_model)
-    try:
-        up = graph.up(timeout=360)
-        assert up.returncode == 0, up.stdout + up.stderr
+    with running(GRAPH, tmp_path_factory.mktemp("observe-vllm"), tiny_model, timeout=360) as graph:
         yield graph
-    finally:
-        graph.cli("down", timeout=120)
 
 
 @needs_prometheus
