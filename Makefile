@@ -131,9 +131,11 @@ vllm:
 	fi
 
 # The vllm-marked tests (engine, conformance, http stack, kv routing over two vLLM workers, P/D
-# through vLLM's ExampleConnector; the NixlConnector cases skip unless nixl is importable).
+# through vLLM's ExampleConnector, the dashboard of a vLLM graph against a real Prometheus; the
+# NixlConnector cases skip unless nixl is importable).
 test-vllm: vllm $(MODEL_DIR)/tokenizer.json
 	DYNGRAPH_TINY_MODEL=$(MODEL_DIR) VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/pytest -q -m vllm \
 	  tests/integration/test_vllm_engine.py tests/integration/test_vllm_lora_logprobs.py \
 	  tests/integration/test_vllm_embeddings.py tests/integration/test_vllm_multinode.py \
-	  tests/system/test_vllm_kv_routing.py tests/system/test_vllm_disagg.py
+	  tests/system/test_vllm_kv_routing.py tests/system/test_vllm_disagg.py \
+	  tests/system/test_vllm_observability.py

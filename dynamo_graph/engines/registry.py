@@ -1,9 +1,10 @@
 """The engines by their `out=` name, with what each can do: one record per engine, and the one
-place the graph layer (schema.py, validate.py), `dyngraph run` and the docs learn it from.
+place the graph layer (schema.py, validate.py, the dashboard), `dyngraph run` and the docs learn it from.
 
 Import-light on purpose (the standard library only): a graph is validated without importing any
 engine. tests/unit/test_engine_registry.py ties each record to its engine class (`kv_transfer`,
-`publishes_kv_events`, the embedding class, `load_lora`, the capabilities its card advertises).
+`publishes_kv_events`, the load reports its package sends, the embedding class, `load_lora`, the
+capabilities its card advertises).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class EngineSpec:
     embedding_target: str | None = None
     # Publishes KV cache events (the kv router needs them unless `use_kv_events: false`).
     kv_events: bool = False
+    # Publishes its load after scheduling steps (router/kv/protocols.py LoadMetrics: KV blocks in
+    # use, requests running and waiting), which the kv router's per-rank `reported_*` gauges and
+    # the dashboard's panels of them show (graph/targets/local/monitoring.py).
+    load_reports: bool = False
     # Hands a prompt's KV cache to a decode worker itself (prefill/decode roles, any settings).
     kv_transfer: bool = False
     # Or moves it by its own connector, configured by this engine argument (with an example).
@@ -99,6 +104,7 @@ ENGINES: dict[str, EngineSpec] = {
             uses_gpus=False,
             embedding_target="dynamo_graph.engines.mocker.embed:MockerEmbeddingEngine",
             kv_events=True,
+            load_reports=True,
             kv_transfer=True,
             lora=True,
             capabilities=(LOGPROBS,),
@@ -111,6 +117,7 @@ ENGINES: dict[str, EngineSpec] = {
             package="vllm",
             embedding_target="dynamo_graph.engines.vllm.embed:VllmEmbeddingEngine",
             kv_events=True,
+            load_reports=True,
             kv_connector=("kv_transfer_config", '{"kv_connector": "NixlConnector"}'),
             lora=True,
             capabilities=(LOGPROBS, *GUIDED),

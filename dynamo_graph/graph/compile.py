@@ -453,7 +453,8 @@ class _Compiler:
             *to_argv(RecordSettings(**comp.record.model_dump())),
         ]
         if (https := comp.http.tls) is not None:
-            files = {key: file_path(path, self.graph_dir) for key, path in https.model_dump().items()}
+            served = https.model_dump(exclude={"ca_file"})  # the CA is the scraper's, not the server's
+            files = {key: file_path(path, self.graph_dir) for key, path in served.items()}
             argv += to_argv(HttpTlsSettings(**files))
         if comp.auth.keys_file is not None:  # the path only: the file holds hashes, never keys
             argv += to_argv(AuthSettings(keys_file=file_path(comp.auth.keys_file, self.graph_dir)))

@@ -442,12 +442,29 @@ _AUTO_PORT = (
     "Or `auto`: one that is free on the frontend's host at `up` (kept for the life of the "
     "supervisor; `up` prints it)."
 )
-HttpTls = section("HttpTls", _Model, HttpTlsSettings)
+
+
+class _HttpTlsBase(_Model):
+    ca_file: str | None = None
+    """PEM file of the CA that issued `cert_file` (relative to the graph file), for what checks
+    the frontend from outside: `render -f prometheus` scrapes its /metrics verifying with it
+    (without it, against the trusted CAs of the machine Prometheus runs on). The frontend never
+    reads it."""
+
+    @model_validator(mode="after")
+    def _ca_of_a_certificate(self) -> _HttpTlsBase:
+        if self.ca_file is not None and getattr(self, "cert_file", None) is None:
+            raise field_error("ca_file", "is the CA of `cert_file`: give `cert_file` and `key_file` too")
+        return self
+
+
+HttpTls = section("HttpTls", _HttpTlsBase, HttpTlsSettings)
 
 
 class _HttpBase(_Model):
     tls: HttpTls | None = None  # type: ignore[valid-type]
-    """HTTPS: `{cert_file, key_file}` (paths relative to the graph file); without it the port is
+    """HTTPS: `{cert_file, key_file}`, and `ca_file` for the scraper (paths relative to the graph
+    file); without it the port is
     plain HTTP, whatever `security.tls` says (that is between the graph's processes)."""
 
 

@@ -1,12 +1,15 @@
-"""A real Prometheus (Debian's `prometheus`) scraping what `render -f prometheus` wrote, and a
-scrape of one target the way its job says (HTTPS with the job's client certificate where the
-graph has TLS on): tests/system/test_observability.py and test_tls.py."""
+"""A real Prometheus (Debian's `prometheus`) scraping what `render -f prometheus` wrote, the
+dashboard's expressions asked of it, and a scrape of one target the way its job says (HTTPS
+with the job's client certificate where the graph has TLS on): tests/system/test_observability*.py
+and test_tls.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +19,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.processes import free_port
+from tests.support.local_graph import Graph
+from tests.support.processes import free_port, run_cli
+from tests.support.waiting import wait_for
 
 needs_prometheus = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs Prometheus (Debian's prometheus)"
@@ -77,3 +82,30 @@ def active_targets(api: httpx.Client) -> list[dict[str, Any]]:
 def all_up(api: httpx.Client) -> bool:
     active = active_targets(api)
     return bool(active) and all(t["health"] == "up" for t in active)
+
+
+def _render(graph: Graph, fmt: str) -> str:
+    rendered = run_cli(["render", str(graph.file), "-f", fmt, *graph.overrides])
+    assert rendered.returncode == 0, rendered.stderr
+    return rendered.stdout
+
+
+@contextmanager
+def scraping(graph: Graph) -> Iterator[httpx.Client]:
+    """Prometheus on the running graph's `render -f prometheus`, once every target is up."""
+    with prometheus(_render(graph, "prometheus"), graph.file.parent / "prometheus") as api:
+        wait_for(lambda: all_up(api), 30, "every scrape target up")
+        yield api
+
+
+def dashboard_expressions(graph: Graph) -> list[str]:
+    """The PromQL of every panel of the graph's `render -f grafana`."""
+    return [t["expr"] for p in json.loads(_render(graph, "grafana"))["panels"] for t in p["targets"]]
+
+
+def wait_for_data(api: httpx.Client, exprs: list[str], timeout: float) -> None:
+    """Until every expression returns a series; AssertionError naming those that never did."""
+    deadline = time.monotonic() + timeout
+    while empty := [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]:
+        assert time.monotonic() < deadline, f"no data after {timeout} s for {empty}"
+        time.sleep(0.5)

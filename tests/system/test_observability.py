@@ -11,7 +11,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,15 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.local_graph import Graph
+from tests.support.local_graph import Graph, Traffic
 from tests.support.processes import DYNGRAPH, run_cli
-from tests.support.prometheus import active_targets, all_up, needs_prometheus, prometheus
+from tests.support.prometheus import (
+    active_targets,
+    dashboard_expressions,
+    needs_prometheus,
+    scraping,
+    wait_for_data,
+)
 from tests.support.routing import opening_messages, served_by
 from tests.support.waiting import wait_for
 
@@ -127,36 +132,8 @@ def test_a_recorded_trace_replays_with_the_same_requests_and_tokens(graph: Graph
     assert summary["output_tokens"] == sum(r["output_length"] for r in rows)
 
 
-class _Load:
-    """Streamed chat requests one after another from a thread, until stopped (at most 60 s)."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.client = _client(graph)
-        self.stop = threading.Event()
-        self.sent = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + 60
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            stream = self.client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=32, stream=True
-            )
-            for _ in stream:
-                pass
-            self.sent += 1
-
-    def __enter__(self) -> _Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join(30)
-
-
 def test_top_once_json_has_a_row_per_process_with_live_rates(graph: Graph) -> None:
-    with _Load(graph):
+    with Traffic(graph):
         done = run_cli(["top", str(graph.file), "--once", "--json", "--interval", "1"], timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
     view = json.loads(done.stdout)
@@ -204,7 +181,7 @@ def test_top_in_tmux_moves_under_load_sorts_filters_and_quits_on_q(graph: Graph)
 
     try:
         wait_for(lambda: "frontend-0" in screen(), 30, "top's table")
-        with _Load(graph):
+        with Traffic(graph):
             frames = []
             for _ in range(3):
                 time.sleep(1.2)
@@ -265,20 +242,10 @@ def test_every_worker_serves_its_requests_and_the_mockers_series_on_its_own_metr
 
 @needs_prometheus
 def test_prometheus_scrapes_every_target_and_every_dashboard_expression_has_data(graph: Graph) -> None:
-    rendered = run_cli(["render", str(graph.file), "-f", "prometheus", *graph.overrides])
-    assert rendered.returncode == 0, rendered.stderr
-    dashboard = run_cli(["render", str(graph.file), "-f", "grafana", *graph.overrides])
-    assert dashboard.returncode == 0, dashboard.stderr
-    exprs = [t["expr"] for p in json.loads(dashboard.stdout)["panels"] for t in p["targets"]]
+    exprs = dashboard_expressions(graph)
     assert len(exprs) >= 10
-
-    with prometheus(rendered.stdout, graph.file.parent / "prometheus") as api:
-
-        def empty() -> list[str]:
-            return [e for e in exprs if not api.get("/query", params={"query": e}).json()["data"]["result"]]
-
-        wait_for(lambda: all_up(api), 30, "every scrape target up")
+    with scraping(graph) as api:
         scraped = {t["labels"].get("process") for t in active_targets(api)}
         assert scraped == {None, "backend-0", "backend-1"}  # the frontend, each worker replica's own
-        with _Load(graph):
-            wait_for(lambda: not empty(), 30, "data for every dashboard expression")
+        with Traffic(graph):
+            wait_for_data(api, exprs, 30)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import ssl
 from collections.abc import Iterator
@@ -202,13 +203,16 @@ def test_a_worker_killed_comes_back_and_is_reached_again(graph: Graph) -> None:
 def test_an_up_rotates_the_certificates_and_moves_the_frontend_to_https(graph: Graph, tmp_path: Path) -> None:
     """A new revision issues every process a new certificate under the same CA: the workers that
     keep running (on their old ones) and the rolled frontend (on its new one) still trust each
-    other. The change is the frontend's `http.tls`, so its readiness probe speaks HTTPS."""
+    other. The change is the frontend's `http.tls`, so its readiness probe speaks HTTPS, and
+    Prometheus scrapes it over HTTPS, verifying it with the `ca_file` the graph gives."""
     folder = graph.state / "tls"
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     pids = {name: r["pid"] for name, r in graph.processes().items()}
     issue_all(tmp_path / "web", "web", {"api": []})  # the organisation's certificate, not the graph's
     cert, key = cert_files(tmp_path / "web", "api")
-    up = graph.up(f"+components.frontend.http.tls={{cert_file: {cert}, key_file: {key}}}")
+    https = f"{{cert_file: {cert}, key_file: {key}, ca_file: {ca_file(tmp_path / 'web')}}}"
+    graph.overrides.append(f"+components.frontend.http.tls={https}")
+    up = graph.up()
     assert up.returncode == 0, up.stdout + up.stderr
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
     kept = ("ca.crt", "ca.key", "curve.key", "scrape-ca.crt", "scrape-ca.key")
@@ -227,3 +231,8 @@ def test_an_up_rotates_the_certificates_and_moves_the_frontend_to_https(graph: G
                 model="tiny-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
             assert reply.choices[0].message.content
+    if shutil.which("prometheus") is not None:
+        text, jobs = _metrics_jobs(graph)
+        assert jobs["frontend"]["scheme"] == "https"
+        with prometheus(text, tmp_path / "prometheus") as api:
+            wait_for(lambda: all_up(api), 30, "every scrape target up, the frontend over HTTPS")

@@ -28,12 +28,21 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _sends_load_reports(engine: type) -> bool:
+    """Whether the engine's package (its module, for a one-module engine) builds LoadMetrics."""
+    module = importlib.import_module(engine.__module__)
+    here = Path(module.__file__ or "")
+    files = [here] if module.__package__ == "dynamo_graph.engines" else list(here.parent.glob("*.py"))
+    return any("LoadMetrics(" in f.read_text() for f in files)
+
+
 @pytest.mark.parametrize("name", sorted(registry.ENGINES))
 def test_a_record_says_what_its_engine_class_says(name: str) -> None:
     spec = registry.ENGINES[name]
     engine = _load(spec.target)
     assert issubclass(engine, LLMEngine)
     assert engine.publishes_kv_events is spec.kv_events
+    assert _sends_load_reports(engine) is spec.load_reports
     assert engine.kv_transfer is spec.kv_transfer  # a class that hands its own KV over, always
     assert (engine.load_lora is not LLMEngine.load_lora) is spec.lora
     if spec.embedding_target is not None:

@@ -34,10 +34,10 @@ components:
 """
 
 
-def _built(tmp_path: Path, port: str = "18555", router: str = "{mode: round-robin}"):  # type: ignore[no-untyped-def]
+def _built(tmp_path: Path, port: str = "18555", router: str = "{mode: round-robin}", engine: str = "mocker"):  # type: ignore[no-untyped-def]
     (tmp_path / "model").mkdir(exist_ok=True)
     path = tmp_path / "graph.yaml"
-    path.write_text(GRAPH.format(port=port, router=router))
+    path.write_text(GRAPH.format(port=port, router=router).replace("engine: mocker", f"engine: {engine}"))
     return build(path)
 
 
@@ -62,8 +62,8 @@ def test_an_auto_port_comes_from_the_running_graph_or_is_a_problem(tmp_path: Pat
     assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:40123"]
 
 
-def _exprs(tmp_path: Path, router: str) -> dict[str, str]:
-    built = _built(tmp_path, router=router)
+def _exprs(tmp_path: Path, router: str, engine: str = "mocker") -> dict[str, str]:
+    built = _built(tmp_path, router=router, engine=engine)
     panels = json.loads(render(built.graph, built.plan, "grafana"))["panels"]
     return {p["title"]: p["targets"][0]["expr"] for p in panels}
 
@@ -77,6 +77,15 @@ def test_dashboard_panels_follow_the_router(tmp_path: Path):
     assert "Router queue" not in kv
     queued = _exprs(tmp_path, "{mode: kv, queue_threshold: 0.5}")
     assert "dynamo_frontend_router_queue_depth" in queued["Router queue"]
+
+
+def test_the_ranks_load_is_charted_only_for_engines_that_report_it(tmp_path: Path):
+    reported = ("KV cache use per worker", "Running requests per worker", "Waiting requests per worker")
+    llamacpp = _exprs(tmp_path, "{mode: kv, use_kv_events: false}", "llamacpp")
+    assert "Routed requests/s per model" in llamacpp and not set(reported) & set(llamacpp)
+    assert "dyngraph_llamacpp_requests" in llamacpp["llama.cpp requests"]
+    vllm = _exprs(tmp_path, "{mode: kv}", "vllm")
+    assert set(reported) <= set(vllm)
 
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey"
@@ -220,3 +229,23 @@ def test_worker_panels_follow_the_engines_the_graph_runs(tmp_path: Path):
     assert "vllm:kv_cache_usage_perc" in vllm["vLLM KV cache use"]
     off = titles("null", "mocker")
     assert not any(t.startswith(("Worker", "Mocker")) for t in off)
+
+
+def test_a_frontend_over_https_is_scraped_over_https_verified_with_the_graphs_ca(tmp_path: Path):
+    files = "cert_file: certs/api.crt, key_file: certs/api.key"
+    anchored = _built(tmp_path, port=f"18555, tls: {{{files}, ca_file: certs/ca.crt}}")
+    text = render(anchored.graph, anchored.plan, "prometheus")
+    (job,) = yaml.safe_load(text)["scrape_configs"]
+    assert job["scheme"] == "https"
+    assert job["tls_config"] == {"ca_file": str(tmp_path / "certs" / "ca.crt")}
+    assert "no ca_file" not in text
+    assert "ca.crt" not in " ".join(anchored.plan.processes[0].argv)  # the scraper's, not the server's
+    system = _built(tmp_path, port=f"18555, tls: {{{files}}}")
+    text = render(system.graph, system.plan, "prometheus")
+    (job,) = yaml.safe_load(text)["scrape_configs"]
+    assert job["scheme"] == "https" and "tls_config" not in job
+    assert "# frontend: HTTPS (http.tls) with no ca_file" in text
+    with pytest.raises(
+        GraphError, match=r"components\.frontend\.http\.tls\.ca_file: is the CA of `cert_file`"
+    ):
+        _built(tmp_path, port="18555, tls: {ca_file: certs/ca.crt}")

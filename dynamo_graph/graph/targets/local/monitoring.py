@@ -15,17 +15,18 @@ problem naming the key (a worker's is left out, with a comment saying so). Repli
 autoscaled pool keeps in standby are not scraped (they are not running until the planner
 starts them). With TLS on, the workers' and the supervisor's jobs scrape over HTTPS with the
 graph's scraper certificate (graph/tls.py): the configuration names the files, never their
-contents.
+contents. A frontend with `http.tls` is scraped over HTTPS, verified with its `ca_file` where
+the graph gives one (else against the trusted CAs of Prometheus's machine, which a comment says).
 
 `grafana` is one dashboard: per model request rate, errors, TTFT and ITL percentiles, output
 tokens/s and requests in flight; with kv routing, per worker rank KV use, running and waiting
-requests and routed requests, and the router's queue when the graph has one; per worker
-requests in flight and ended, and its engine's own series (mocker, vLLM, llama.cpp) for the
-engines the graph's workers run; and whether every target is up. Every expression names only
-series the graph's processes export whatever the traffic (a ratio or an error rate is `or`
-zero), so each returns data once Prometheus has scraped (tests/system/test_observability.py
-checks it; the vLLM and llama.cpp panels name the series of those adapters, which that test
-does not run).
+requests (those only where a worker's engine reports its load: registry.py `load_reports`)
+and routed requests, and the router's queue when the graph has one; per worker requests in
+flight and ended, and its engine's own series (mocker, vLLM, llama.cpp) for the engines the
+graph's workers run; and whether every target is up. Every expression names only series the
+graph's processes export whatever the traffic (a ratio or an error rate is `or` zero), so each
+returns data once Prometheus has scraped (tests/system/test_observability.py checks it for the
+mocker, test_observability_llamacpp.py for llama.cpp, test_vllm_observability.py for vLLM).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from dynamo_graph.engines.registry import ENGINES
+from dynamo_graph.graph.compile import file_path
 from dynamo_graph.graph.errors import GraphError, Problem
 from dynamo_graph.graph.plan import Plan
 from dynamo_graph.graph.schema import Graph
@@ -47,6 +50,8 @@ from dynamo_graph.graph.tls import METRICS_NAME, SCRAPER, ca_file, cert_files
 SCRAPE_INTERVAL = "5s"
 RATE_WINDOW = "1m"
 FRONTEND = "dynamo_frontend"
+# Engines whose ranks report their load to the kv router (the `reported_*` gauges).
+LOAD_REPORTING = {name for name, spec in ENGINES.items() if spec.load_reports}
 _PLACEHOLDER = re.compile(r"\{port:([^}]+)\}")
 
 
@@ -150,8 +155,15 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
             }
         )
 
+    https = {name: f.http.tls for name, f in graph.frontends().items() if f.http.tls is not None}
+    graph_dir = Path(plan.graph_file).parent
     for e in endpoints:
-        job(e.component, [(e.address, {"host": e.host})])
+        frontend: dict[str, Any] = {}
+        if (served := https.get(e.component)) is not None:
+            frontend["scheme"] = "https"
+            if served.ca_file is not None:
+                frontend["tls_config"] = {"ca_file": file_path(served.ca_file, graph_dir)}
+        job(e.component, [(e.address, {"host": e.host})], **frontend)
     by_component: dict[str, list[WorkerEndpoint]] = {}
     for w in workers:
         if w.address is not None:
@@ -171,6 +183,13 @@ def render_prometheus(graph: Graph, plan: Plan) -> str:
         head += (
             "# TLS is on: workers and the supervisor are scraped over HTTPS with the graph's scraper "
             "certificate,\n# files on the machine that ran `up` (copy them where Prometheus runs).\n"
+        )
+    unanchored = [name for name, served in https.items() if served.ca_file is None]
+    if unanchored:
+        head += (
+            f"# {', '.join(unanchored)}: HTTPS (http.tls) with no ca_file, so Prometheus checks the "
+            "certificate against its machine's\n# trusted CAs and the address scraped; give "
+            "http.tls.ca_file for one of a CA of your own.\n"
         )
     if unallocated:
         head += (
@@ -213,29 +232,32 @@ def dashboard_queries(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
     if any(r.mode == "kv" for r in routers):
         router = f"{FRONTEND}_router"
         by = "by (model, worker_id, dp_rank)"
-        queries += [
-            (
-                "KV cache use per worker",
-                "percentunit",
-                f"max {by} ({router}_reported_active_blocks{{{sel}}}) "
-                f"/ max {by} ({router}_kv_capacity_blocks{{{sel}}})",
-            ),
-            (
-                "Running requests per worker",
-                "short",
-                f"max {by} ({router}_reported_running_requests{{{sel}}})",
-            ),
-            (
-                "Waiting requests per worker",
-                "short",
-                f"max {by} ({router}_reported_waiting_requests{{{sel}}})",
-            ),
+        queries.append(
             (
                 "Routed requests/s per model",
                 "reqps",
                 f"sum by (model) (rate({router}_routed_requests_total{{{sel}}}[{w}]))",
-            ),
-        ]
+            )
+        )
+        if any(w.engine in LOAD_REPORTING for w in graph.workers().values()):  # their reports
+            queries += [
+                (
+                    "KV cache use per worker",
+                    "percentunit",
+                    f"max {by} ({router}_reported_active_blocks{{{sel}}}) "
+                    f"/ max {by} ({router}_kv_capacity_blocks{{{sel}}})",
+                ),
+                (
+                    "Running requests per worker",
+                    "short",
+                    f"max {by} ({router}_reported_running_requests{{{sel}}})",
+                ),
+                (
+                    "Waiting requests per worker",
+                    "short",
+                    f"max {by} ({router}_reported_waiting_requests{{{sel}}})",
+                ),
+            ]
         if any(r.mode == "kv" and r.queue_threshold is not None for r in routers):
             queries.append(("Router queue", "short", f"sum by (model) ({router}_queue_depth{{{sel}}})"))
     queries += _worker_queries(graph, sel)
@@ -309,9 +331,20 @@ def _worker_queries(graph: Graph, sel: str) -> list[tuple[str, str, str]]:
         queries += [
             ("llama.cpp requests", "short", f"sum {by} (dyngraph_llamacpp_requests{{{sel}}})"),
             (
+                "llama.cpp sequence slots in use",
+                "percentunit",
+                f"sum {by} (dyngraph_llamacpp_requests{{{sel}}}) "
+                f"/ sum {by} (dyngraph_llamacpp_max_sequences{{{sel}}})",
+            ),
+            (
                 "llama.cpp prompt tokens evaluated/s",
                 "short",
                 f"sum {by} (rate(dyngraph_llamacpp_prompt_tokens_evaluated_total{{{sel}}}[{w}]))",
+            ),
+            (
+                "llama.cpp decode steps/s",
+                "short",
+                f"sum {by} (rate(dyngraph_llamacpp_decode_steps_total{{{sel}}}[{w}]))",
             ),
         ]
     return queries
