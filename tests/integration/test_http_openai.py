@@ -11,16 +11,10 @@ import httpx
 import openai
 import pytest
 
+from tests.support.echo_chat import IGNORE_EOS, QUESTION, TEMPLATED
 from tests.support.http_streams import cancelled_streams, paced_server
 from tests.support.metrics import metric
 from tests.support.processes import ServerProcess
-
-QUESTION = "What is the capital of Tuvalu?"
-TEMPLATED = (
-    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
-    f"{QUESTION}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-)
-IGNORE_EOS = {"nvext": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.test_http_openai import IGNORE_EOS, QUESTION, TEMPLATED
+from tests.support.echo_chat import IGNORE_EOS, QUESTION, TEMPLATED
 from tests.support.processes import ServerProcess
 
 EVERY = 4

@@ -337,6 +337,7 @@ def test_on_slurm_a_trtllm_replica_is_one_srun_step_over_its_nodes_under_pmix(tm
     assert launch[4] == (
         '  "$(dirname "$(command -v "$PY_1")")"/trtllm-llmapi-launch "$PY_1" -m dynamo_graph run '
         "in=dyn://big.w.generate out=trtllm --model-path /models/big --model-name m --tensor-parallel-size 8"
+        ' --metrics-port "$PORT_W_0_METRICS" --metrics-host "$ADDR_A"'  # rank 0 runs the worker: its node
     )
     assert "run_step w-0 on-failure 5 1 30;" in script  # no peers: the step is the whole group
     assert "w-0.rank1" not in script
