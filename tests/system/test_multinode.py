@@ -23,10 +23,17 @@ import yaml
 
 from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
-from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
+from tests.support.tp_ranks import (
+    ROOT,
+    START_S,
+    TORCH_VENV,
+    TP_ENGINE,
+    answers,
+    greedy_chat,
+    missing_torch,
+    rank_worker,
+)
 from tests.support.waiting import wait_for
-
-START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
 
 
 @pytest.fixture(scope="module")
@@ -54,29 +61,12 @@ def _link(a: SshHost, b: SshHost) -> None:
         subprocess.run(["ip", "-n", host.ns, "route", "add", f"{other.address}/32", "dev", end], check=True)
 
 
-def _interface(host: SshHost) -> str:
-    """The device of the host's address in its namespace (gloo binds the host name's otherwise:
-    loopback here)."""
-    out = subprocess.run(["ip", "-n", host.ns, "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    return next(line.split()[1] for line in out.stdout.splitlines() if f" {host.address}/" in line)
-
-
 def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine: str) -> Path:
     h0, h1 = (h.key for h in hosts.hosts)
-    worker: dict[str, Any] = {
-        "kind": "worker",
-        "engine": engine,
-        "restart": {"backoff_s": 0.2},
-        "readiness": {"timeout_s": START_S[engine]},
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"} if engine == "vllm" else {},
-        "engine_args": {"max_model_len": 256} if engine == "vllm" else None,
-    }
+    worker = rank_worker(engine)
     graph_hosts = hosts.graph_hosts(TORCH_VENV)
-    for host in hosts.hosts:  # tp_engine.py finds the interface itself; vLLM's gloo is told it
-        env = {"PYTHONPATH": str(ROOT)}
-        graph_hosts[host.key]["env"] = env | (
-            {"GLOO_SOCKET_IFNAME": _interface(host)} if engine == "vllm" else {}
-        )
+    for host in hosts.hosts:  # no GLOO_SOCKET_IFNAME: each rank finds its address's interface
+        graph_hosts[host.key]["env"] = {"PYTHONPATH": str(ROOT)}
     graph = {
         "name": "multinode",
         "runtime": {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats", "lease_ttl_s": 2},
@@ -98,9 +88,6 @@ def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine:
             "single": {**worker, "model": "tp1", "placement": [h0]},
         },
     }
-    if engine != "vllm":
-        for comp in ("tp", "single"):
-            del graph["components"][comp]["engine_args"]
     file = tmp_path / "multinode.yaml"
     file.write_text(yaml.safe_dump(graph, sort_keys=False))
     return file
