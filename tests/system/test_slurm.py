@@ -27,7 +27,6 @@ from tests.support.rolling_load import StreamingLoad
 from tests.support.slurm_cluster import SlurmCluster, missing_requirements, parent_pid
 from tests.support.tp_ranks import (
     ROOT,
-    START_S,
     TORCH_VENV,
     TP_ENGINE,
     answers,
@@ -436,7 +435,7 @@ def _replica_over_both_nodes(
             "single": {**worker, "model": "tp1", "placement": ["local"]},
         },
     )
-    up = graph.cli("up", "--target", "slurm", timeout=START_S[engine] + 240)
+    up = graph.cli("up", "--target", "slurm", timeout=worker["readiness"]["timeout_s"] + 240)
     assert up.returncode == 0, up.stdout + up.stderr + cluster.log_tail()
     resolved = dict(line.split("=", 1) for line in graph.job_file("resolved.env").read_text().split())
     leader_addr = f"{cluster.addresses['dg1']}:{resolved['PORT_TP_0_LEADER']}"
