@@ -76,15 +76,7 @@ class TensorParallelEngine(LLMEngine):
         return EngineConfig(model_input="tokens")
 
     def _join(self) -> None:
-        # gloo binds the interface its host name resolves to (often loopback): bind the one that
-        # holds the address this host is advertised at (DYN_TCP_HOST, set in a multi-host graph).
-        address = os.environ.get("DYN_TCP_HOST")
-        if address and "GLOO_SOCKET_IFNAME" not in os.environ:
-            import psutil
-
-            for name, addrs in psutil.net_if_addrs().items():
-                if any(a.address == address for a in addrs):
-                    os.environ["GLOO_SOCKET_IFNAME"] = name
+        # gloo binds the interface the worker chose (GLOO_SOCKET_IFNAME: backend/rank_network.py)
         self.dist.init_process_group(
             "gloo", init_method=f"tcp://{self.leader}", rank=self.rank, world_size=self.world
         )

