@@ -18,9 +18,9 @@ T = TypeVar("T")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny-model folder (HF files + tiny-llama-f32.gguf). Set DYNGRAPH_TINY_MODEL=DIR to build
-    it once into DIR and reuse it across sessions."""
+    it once into DIR and reuse it across sessions (absolute: graphs in other folders name it)."""
     reuse = os.environ.get("DYNGRAPH_TINY_MODEL")
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("tiny-model")
+    out = Path(reuse).resolve() if reuse else tmp_path_factory.mktemp("tiny-model")
     return ensure_tiny_model(out)
 
 
