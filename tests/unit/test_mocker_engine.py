@@ -288,6 +288,7 @@ async def test_a_huge_speedup_takes_no_time_but_yields_to_the_loop(make_engine) 
     assert ticks > 100
 
 
+@pytest.mark.serial  # times itself: run alone, not beside other test workers
 async def test_decodes_are_batched(make_engine) -> None:
     """16 concurrent requests take about as long as one: one decode pass serves them all."""
     engine = await make_engine(speedup_ratio=20.0)
