@@ -73,6 +73,7 @@ from dynamo_graph.graph.tls import (
 from dynamo_graph.options import to_argv
 from dynamo_graph.router.config import DisaggConfig, RouterConfig
 from dynamo_graph.runtime.settings import TracingSettings
+from dynamo_graph.runtime.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_METRICS_CA
 
 REMOTE_HOME = "~"  # the workdir of a remote process when its host sets none: the ssh user's home
 
@@ -238,7 +239,7 @@ class _Compiler:
         self.tls_names[process] = [address] if address else []
         ca = ca_file(self.tls_dir)
         cert, key = cert_files(self.tls_dir, process)
-        env = {"DYN_TLS_CA_FILE": ca, "DYN_TLS_CERT_FILE": cert, "DYN_TLS_KEY_FILE": key}
+        env = {ENV_CA: ca, ENV_CERT: cert, ENV_KEY: key}
         if self.graph.runtime.event_plane == "zmq":
             env["DYN_ZMQ_CURVE_KEY_FILE"] = curve_file(self.tls_dir)
         etcd, nats = self.graph.infra.etcd, self.graph.infra.nats
@@ -719,9 +720,9 @@ class _Compiler:
         if worker.metrics_port is not None:
             if self.tls:  # whatever address Prometheus scrapes, it checks this name
                 self.tls_names[process].append(METRICS_NAME)
-                env["DYN_TLS_METRICS_CA_FILE"] = ca_file(self.tls_dir, SCRAPE_CA)  # its clients'
+                env[ENV_METRICS_CA] = ca_file(self.tls_dir, SCRAPE_CA)  # its clients'
                 if host != LOCAL:
-                    carry = sorted([*carry, "DYN_TLS_METRICS_CA_FILE"])
+                    carry = sorted([*carry, ENV_METRICS_CA])
             port = "auto" if worker.metrics_port == "auto" else worker.metrics_port + index
             port_name = f"{process}.metrics"
             ports[port_name] = port

@@ -6,8 +6,9 @@ read its state without locks; one request per connection, headers ignored, anyth
 `GET /metrics` is a 404.
 
 With the graph's TLS files (`security.tls`, runtime/tls.py) it is HTTPS that requires a client
-certificate of the graph's CA, like every other listener of the graph: Prometheus scrapes with
-the graph's scraper certificate (graph/tls.py), a process without one fails the handshake.
+certificate (`TlsFiles.for_metrics`): of the graph's scraper CA where the graph set one, which no
+other listener trusts, so Prometheus's certificate (graph/tls.py) reads metrics and nothing else;
+a process without one fails the handshake.
 """
 
 from __future__ import annotations
